@@ -1,0 +1,175 @@
+"""Every task of the tessera monorepo.
+
+`nox` with no arguments runs lint, typecheck and tests. Other sessions: `build` (six wheels into
+dist/), `bench` (everything under benchmarks/), `demo` (the README's main command).
+
+Each package's tests run in an environment holding only that package, its declared tessera
+dependencies and the test tools: that is what proves "install only the package you need".
+"""
+
+from __future__ import annotations
+
+import pathlib
+import zipfile
+
+import nox
+
+ROOT = pathlib.Path(__file__).parent
+
+# The one place that pins torch. Packages declare a range (torch>=2.4); environments install
+# exactly this version, for which the machine has a local CPU wheel.
+TORCH = "torch==2.13.0"
+
+# Each package's tessera dependencies, as declared in its pyproject.toml (checked below).
+TESSERA_DEPS: dict[str, tuple[str, ...]] = {
+    "registry": (),
+    "context": ("registry",),
+    "layers": ("registry", "context"),
+    "pipeline": ("registry", "context"),
+    "engine": ("registry", "context", "pipeline"),
+    "testing": (),
+}
+PACKAGES = tuple(TESSERA_DEPS)
+
+# Packages whose tests start ranks through the tessera.testing harness.
+USES_HARNESS = ("context", "layers", "pipeline", "engine")
+
+TEST_TOOLS = ("pytest>=7", "hypothesis>=6", "numpy", "pyyaml")
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+
+
+def _closure(name: str) -> list[str]:
+    """The package and every tessera package it depends on, transitively."""
+    seen: list[str] = []
+    stack = [name]
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.append(current)
+            stack.extend(TESSERA_DEPS[current])
+    return seen
+
+
+def _path(name: str) -> str:
+    return str(ROOT / "packages" / name)
+
+
+def _has_code(name: str) -> bool:
+    return (ROOT / "packages" / name / "src" / "tessera" / name / "__init__.py").exists()
+
+
+def _install_torch(session: nox.Session) -> None:
+    session.install("--no-compile", TORCH)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """One package's tests, in an environment holding only what that package declares."""
+    _install_torch(session)
+    wanted = _closure(package)
+    if package in USES_HARNESS:
+        wanted += [p for p in _closure("testing") if p not in wanted]
+    extras = ["matplotlib"] if package == "pipeline" else []
+    session.install(*TEST_TOOLS, *extras)
+    session.install(*(_path(p) for p in wanted))
+    tests_dir = ROOT / "packages" / package / "tests"
+    if not any(tests_dir.glob("test_*.py")):
+        session.skip(f"tessera-{package} has no tests yet")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        str(tests_dir),
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+    )
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over every package's source."""
+    _install_torch(session)
+    session.install("mypy>=1.10", "numpy", "pytest>=7", "types-PyYAML")
+    for package in PACKAGES:
+        if _has_code(package):
+            session.run("mypy", "--strict", "-p", f"tessera.{package}")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Ruff, the format check and the import contract of ARCHITECTURE.md."""
+    session.install("ruff>=0.5", "import-linter>=2.1")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    # The import graph is read statically: the packages are installed without torch.
+    session.install("--no-deps", *(_path(p) for p in PACKAGES))
+    session.run("lint-imports")
+    _check_declared_dependencies(session)
+
+
+def _check_declared_dependencies(session: nox.Session) -> None:
+    """The table above must agree with what each pyproject.toml declares."""
+    import tomllib
+
+    for package, deps in TESSERA_DEPS.items():
+        meta = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+        declared = {
+            d.split(">")[0].split("=")[0].split("<")[0].strip().removeprefix("tessera-")
+            for d in meta["project"]["dependencies"]
+            if d.startswith("tessera-")
+        }
+        if declared != set(deps):
+            session.error(
+                f"packages/{package}/pyproject.toml declares tessera deps {sorted(declared)}, "
+                f"noxfile.TESSERA_DEPS says {sorted(deps)}"
+            )
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Hatch builds every package into dist/; each wheel holds only its own subpackage."""
+    session.install("hatch>=1.9")
+    dist = ROOT / "dist"
+    dist.mkdir(exist_ok=True)
+    for old in dist.glob("tessera_*"):
+        old.unlink()
+    for package in PACKAGES:
+        with session.chdir(_path(package)):
+            session.run("hatch", "build", "-t", "wheel", str(dist))
+    wheels = sorted(dist.glob("tessera_*.whl"))
+    if len(wheels) != len(PACKAGES):
+        session.error(f"expected {len(PACKAGES)} wheels in dist/, found {len(wheels)}")
+    for wheel in wheels:
+        package = wheel.name.split("-")[0].removeprefix("tessera_")
+        with zipfile.ZipFile(wheel) as archive:
+            code = [n for n in archive.namelist() if not n.split("/")[0].endswith(".dist-info")]
+        stray = [n for n in code if not n.startswith(f"tessera/{package}/")]
+        if stray or "tessera/__init__.py" in code:
+            session.error(f"{wheel.name} holds files outside tessera/{package}/: {stray}")
+        session.log(f"{wheel.name}: {len(code)} files, all under tessera/{package}/")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Runs every benchmark under benchmarks/; each prints tessera next to its peer as ratios."""
+    _install_torch(session)
+    session.install("numpy")
+    session.install(*(_path(p) for p in PACKAGES if _has_code(p)))
+    scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
+    if not scripts:
+        session.log("benchmarks/ holds no benchmark yet")
+    for script in scripts:
+        session.run("python", str(script), *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The README's main command: the smallest end-to-end run that exists."""
+    _install_torch(session)
+    session.install(*(_path(p) for p in PACKAGES if _has_code(p)))
+    session.run("python", str(ROOT / "examples" / "demo.py"), *session.posargs)
