@@ -1,0 +1,50 @@
+"""tessera-registry: named component registries, ``build`` from config, and ``Config``.
+
+The bottom of tessera's dependency graph, standard library only: importing it never imports
+torch or any tessera implementation package. Components arrive through packaging entry points
+(group ``tessera.<registry>``) on the first lookup.
+"""
+
+from tessera.registry.build import DEFAULT_KEY_REGISTRIES, build
+from tessera.registry.builtin import (
+    DATASETS,
+    GRADIENT_HANDLERS,
+    HOOKS,
+    LAYERS,
+    LOSSES,
+    LR_SCHEDULERS,
+    MODELS,
+    OPTIMIZERS,
+    PROCESS_GROUP_INITIALIZERS,
+    SAMPLERS,
+    SCHEDULES,
+    TRANSFORMS,
+    Component,
+)
+from tessera.registry.config import Config
+from tessera.registry.errors import ConfigError
+from tessera.registry.registry import Registry
+
+__all__ = [
+    # core types
+    "Registry",
+    "Config",
+    "ConfigError",
+    "Component",
+    # building
+    "build",
+    "DEFAULT_KEY_REGISTRIES",
+    # the named registries
+    "LAYERS",
+    "MODELS",
+    "OPTIMIZERS",
+    "LR_SCHEDULERS",
+    "LOSSES",
+    "DATASETS",
+    "SAMPLERS",
+    "TRANSFORMS",
+    "GRADIENT_HANDLERS",
+    "PROCESS_GROUP_INITIALIZERS",
+    "SCHEDULES",
+    "HOOKS",
+]
