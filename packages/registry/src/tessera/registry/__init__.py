@@ -5,7 +5,7 @@ torch or any tessera implementation package. Components arrive through packaging
 (group ``tessera.<registry>``) on the first lookup.
 """
 
-from tessera.registry.build import DEFAULT_KEY_REGISTRIES, build
+from tessera.registry.builder import DEFAULT_KEY_REGISTRIES, build
 from tessera.registry.builtin import (
     DATASETS,
     GRADIENT_HANDLERS,

@@ -1,0 +1,86 @@
+"""tessera-pipeline: pipeline partitioning, schedules as data, a simulator and timeline plots."""
+
+from tessera.pipeline.actions import (
+    Action,
+    ActionKind,
+    format_actions,
+    parse_actions,
+    peer_rank,
+    split_steps,
+    stage_of,
+    virtual_stage,
+)
+from tessera.pipeline.dataflow import make_deadlock_free
+from tessera.pipeline.errors import DeadlockError, ScheduleError
+from tessera.pipeline.gpipe import GPipeSchedule
+from tessera.pipeline.interleaved import InterleavedPipelineSchedule
+from tessera.pipeline.one_f_one_b import PipelineSchedule
+from tessera.pipeline.partition import (
+    check_boundaries,
+    partition_balanced,
+    partition_uniform,
+    stage_ranges,
+)
+from tessera.pipeline.plot import plot_timeline
+from tessera.pipeline.schedule import Schedule, add_communication, check_actions
+from tessera.pipeline.simulator import (
+    DEFAULT_COSTS,
+    SimulationResult,
+    simulate,
+    simulate_table,
+)
+from tessera.pipeline.stage import (
+    PartitionMethod,
+    PipelineRankSource,
+    PipelineStage,
+    build_pipeline_model,
+    build_pipeline_model_from_cfg,
+    partition_layers,
+    select_stage_layers,
+)
+from tessera.pipeline.timeline import TimelineEvent, events_of_rank, timeline_span
+from tessera.pipeline.zero_bubble import ZeroBubbleSchedule
+
+__all__ = [
+    # partitioning and this rank's part of the model
+    "partition_uniform",
+    "partition_balanced",
+    "check_boundaries",
+    "stage_ranges",
+    "PartitionMethod",
+    "PipelineRankSource",
+    "PipelineStage",
+    "partition_layers",
+    "select_stage_layers",
+    "build_pipeline_model",
+    "build_pipeline_model_from_cfg",
+    # action model
+    "Action",
+    "ActionKind",
+    "virtual_stage",
+    "stage_of",
+    "peer_rank",
+    "split_steps",
+    "format_actions",
+    "parse_actions",
+    # schedules
+    "Schedule",
+    "ScheduleError",
+    "add_communication",
+    "check_actions",
+    "make_deadlock_free",
+    "GPipeSchedule",
+    "PipelineSchedule",
+    "InterleavedPipelineSchedule",
+    "ZeroBubbleSchedule",
+    # simulator and timeline
+    "DEFAULT_COSTS",
+    "DeadlockError",
+    "SimulationResult",
+    "simulate",
+    "simulate_table",
+    "TimelineEvent",
+    "events_of_rank",
+    "timeline_span",
+    "plot_timeline",
+]
