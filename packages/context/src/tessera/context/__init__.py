@@ -1,0 +1,82 @@
+"""tessera-context: the shared vocabulary of tessera's parallelism.
+
+The ``parallel`` configuration (``ParallelConfig``), the process-group layouts of every mode
+(``rank_groups``, pure arithmetic), the ``ParallelContext`` that holds the groups, the launchers
+that create it, per-mode RNG streams, and ``ShardInfo``, the description of a sharded parameter
+that layers write and the engine reads.
+"""
+
+from tessera.context.config import TENSOR_MODES, ExtraInitializer, ParallelConfig
+from tessera.context.context import (
+    DEFAULT_TIMEOUT,
+    ConfigLike,
+    ParallelContext,
+    create_context,
+    load_config,
+)
+from tessera.context.current import get_context, has_context, set_context
+from tessera.context.initializers import (
+    GlobalInitializer,
+    ProcessGroupInitializer,
+    SequenceInitializer,
+    Tensor1DInitializer,
+    Tensor2DInitializer,
+    Tensor2p5DInitializer,
+    Tensor3DInitializer,
+    rank_groups,
+)
+from tessera.context.launch import (
+    launch,
+    launch_from_openmpi,
+    launch_from_slurm,
+    launch_from_torch,
+)
+from tessera.context.layouts import Group, Groups, coordinates, global_rank
+from tessera.context.modes import ModeLike, ParallelMode
+from tessera.context.seeds import derive_seed, set_seed
+from tessera.context.shard import ShardInfo, get_shard_info, set_shard_info
+from tessera.registry import ConfigError
+
+__all__ = [
+    # configuration
+    "ConfigError",
+    "ParallelConfig",
+    "ExtraInitializer",
+    "TENSOR_MODES",
+    "ConfigLike",
+    "load_config",
+    # modes and layouts
+    "ParallelMode",
+    "ModeLike",
+    "Group",
+    "Groups",
+    "rank_groups",
+    "global_rank",
+    "coordinates",
+    # initializers (the plug point for custom modes)
+    "ProcessGroupInitializer",
+    "GlobalInitializer",
+    "Tensor1DInitializer",
+    "Tensor2DInitializer",
+    "Tensor2p5DInitializer",
+    "Tensor3DInitializer",
+    "SequenceInitializer",
+    # contexts and launchers
+    "ParallelContext",
+    "create_context",
+    "DEFAULT_TIMEOUT",
+    "launch",
+    "launch_from_torch",
+    "launch_from_slurm",
+    "launch_from_openmpi",
+    "get_context",
+    "set_context",
+    "has_context",
+    # seeds
+    "set_seed",
+    "derive_seed",
+    # shard descriptions
+    "ShardInfo",
+    "set_shard_info",
+    "get_shard_info",
+]

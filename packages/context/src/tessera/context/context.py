@@ -1,0 +1,490 @@
+"""``ParallelContext``: the process groups of one job, queried by mode.
+
+A context is built by ``create_context`` (on top of an initialized default process group) or by
+a launcher (which also initializes that group). It owns every group it creates and nothing
+else: two contexts in one process do not interfere, and ``destroy()`` releases exactly its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tessera.registry import Config, ConfigError
+
+from . import current
+from .config import ParallelConfig
+from .initializers import rank_groups
+from .layouts import Group, coordinates
+from .modes import ModeLike, ParallelMode, mode_key
+from .seeds import DEFAULT_STREAM, RngStreams, derive_seed, set_seed
+
+__all__ = ["DEFAULT_TIMEOUT", "ConfigLike", "ParallelContext", "create_context", "load_config"]
+
+#: Timeout of every collective when none is given: long enough for a slow first step of a big
+#: job, short enough that a hang surfaces the same morning.
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+#: What a launcher accepts as configuration: the whole config (a dict, a Config or a file path).
+ConfigLike = Mapping[str, Any] | str | os.PathLike[str]
+
+
+def load_config(config: ConfigLike) -> Config:
+    """Read the whole configuration; its ``parallel`` entry is optional.
+
+    Raises:
+        ConfigError: the config is not a mapping or a path, or the parallel keys sit at its
+            top level instead of under ``parallel``.
+    """
+    if isinstance(config, Config):
+        full = config
+    elif isinstance(config, Mapping):
+        full = Config(config)
+    elif isinstance(config, (str, os.PathLike)):
+        full = Config.from_file(Path(config))
+    else:
+        raise ConfigError(
+            "config must be a dict, a tessera.registry.Config or the path of a config file, "
+            f"got {type(config).__name__}"
+        )
+    if "parallel" not in full:
+        misplaced = [key for key in ("tensor", "pipeline") if key in full]
+        if misplaced:
+            raise ConfigError(
+                f"found {misplaced} at the top level of the configuration; the parallel "
+                "layout belongs under 'parallel', e.g. parallel=dict(tensor=dict(size=2, "
+                "mode='1d'))"
+            )
+    return full
+
+
+def as_timedelta(timeout: float | timedelta | None) -> timedelta:
+    """Seconds or a timedelta; ``None`` means DEFAULT_TIMEOUT."""
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return timedelta(seconds=float(timeout))
+
+
+@dataclass(frozen=True)
+class _Membership:
+    """This rank's group of one mode."""
+
+    ranks: Group
+    local_rank: int
+    group: dist.ProcessGroup
+    cpu_group: dist.ProcessGroup
+
+
+class ParallelContext:
+    """The process groups of one job, and the RNG streams that go with them.
+
+    Do not construct it directly: use ``create_context`` or a launcher, which create the groups
+    on every rank in the same order.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: ParallelConfig,
+        full_config: Config,
+        memberships: Mapping[str, _Membership],
+        absent: Mapping[str, list[Group]],
+        created: list[dist.ProcessGroup],
+        global_rank: int,
+        backend: str,
+        device: torch.device,
+        seed: int,
+        timeout: timedelta,
+        owns_default_group: bool,
+    ) -> None:
+        self._config = config
+        self._full_config = full_config
+        self._members = dict(memberships)
+        self._absent = dict(absent)
+        self._created = created
+        self._global_rank = global_rank
+        self._backend = backend
+        self._device = device
+        self._seed = seed
+        self._timeout = timeout
+        self._owns_default_group = owns_default_group
+        self._destroyed = False
+        self._mesh: Any = None
+        self._rng = RngStreams(device, self._stream_seed)
+
+    def __repr__(self) -> str:
+        c = self._config
+        state = ", destroyed" if self._destroyed else ""
+        return (
+            f"ParallelContext(rank {self._global_rank}/{c.world_size}, data {c.data_size} x "
+            f"pipeline {c.pipeline_size} x tensor {c.tensor_size} ({c.tensor_mode}), "
+            f"backend {self._backend}, device {self._device}{state})"
+        )
+
+    # ------------------------------------------------------------------ whole-job facts
+
+    @property
+    def config(self) -> ParallelConfig:
+        """The validated parallel block."""
+        return self._config
+
+    @property
+    def full_config(self) -> Config:
+        """The whole configuration (empty when only a ParallelConfig was given)."""
+        return self._full_config
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the default group."""
+        return self._global_rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the job."""
+        return self._config.world_size
+
+    @property
+    def data_size(self) -> int:
+        """Number of data-parallel ranks."""
+        return self._config.data_size
+
+    @property
+    def pipeline_size(self) -> int:
+        """Number of pipeline stages."""
+        return self._config.pipeline_size
+
+    @property
+    def tensor_size(self) -> int:
+        """Number of tensor-parallel ranks."""
+        return self._config.tensor_size
+
+    @property
+    def device(self) -> torch.device:
+        """``cuda:<local_rank>`` under NCCL, else ``cpu``."""
+        return self._device
+
+    @property
+    def backend(self) -> str:
+        """The backend of the groups (``'nccl'`` or ``'gloo'``)."""
+        return self._backend
+
+    @property
+    def timeout(self) -> timedelta:
+        """The timeout of every collective on this context's groups."""
+        return self._timeout
+
+    @property
+    def base_seed(self) -> int:
+        """The seed every RNG stream is derived from."""
+        return self._seed
+
+    @property
+    def coordinates(self) -> tuple[int, int, int]:
+        """This rank's (data_rank, pipeline_rank, tensor_rank)."""
+        return coordinates(self._config, self._global_rank)
+
+    @property
+    def modes(self) -> list[str]:
+        """The modes in which this rank has a group, in creation order."""
+        return list(self._members)
+
+    @property
+    def is_destroyed(self) -> bool:
+        """Whether ``destroy()`` ran."""
+        return self._destroyed
+
+    # ------------------------------------------------------------------ per-mode queries
+
+    def _member(self, mode: ModeLike) -> _Membership:
+        if self._destroyed:
+            raise RuntimeError(f"{self!r} was destroyed; its groups can no longer be used")
+        key = mode_key(mode)
+        found = self._members.get(key)
+        if found is not None:
+            return found
+        if key in self._absent:
+            raise ValueError(
+                f"global rank {self._global_rank} is in no group of mode {key!r} (its groups: "
+                f"{self._absent[key]}); check is_initialized({key!r}) first"
+            )
+        listed = ", ".join(repr(m) for m in self._members)
+        raise ValueError(
+            f"parallel mode {key!r} is not initialized in this context; initialized modes: {listed}"
+        )
+
+    def is_initialized(self, mode: ModeLike) -> bool:
+        """Whether this rank has a group of ``mode``."""
+        return not self._destroyed and mode_key(mode) in self._members
+
+    def get_group(self, mode: ModeLike) -> dist.ProcessGroup:
+        """The process group of ``mode`` that holds this rank (backend: ``self.backend``)."""
+        return self._member(mode).group
+
+    def get_cpu_group(self, mode: ModeLike) -> dist.ProcessGroup:
+        """A gloo group over the same ranks, for metadata and objects (same group under gloo)."""
+        return self._member(mode).cpu_group
+
+    def get_ranks_in_group(self, mode: ModeLike) -> list[int]:
+        """The global ranks of this rank's group of ``mode``, ordered by local rank."""
+        return list(self._member(mode).ranks)
+
+    def get_local_rank(self, mode: ModeLike) -> int:
+        """This rank's index in its group of ``mode``."""
+        return self._member(mode).local_rank
+
+    def get_world_size(self, mode: ModeLike) -> int:
+        """The size of this rank's group of ``mode``."""
+        return len(self._member(mode).ranks)
+
+    def is_first_rank(self, mode: ModeLike) -> bool:
+        """Whether this rank has local rank 0 in ``mode``."""
+        return self._member(mode).local_rank == 0
+
+    def is_last_rank(self, mode: ModeLike) -> bool:
+        """Whether this rank has the last local rank in ``mode``."""
+        m = self._member(mode)
+        return m.local_rank == len(m.ranks) - 1
+
+    def get_next_global_rank(self, mode: ModeLike) -> int:
+        """The global rank of the next local rank in ``mode`` (wrapping around)."""
+        m = self._member(mode)
+        return m.ranks[(m.local_rank + 1) % len(m.ranks)]
+
+    def get_prev_global_rank(self, mode: ModeLike) -> int:
+        """The global rank of the previous local rank in ``mode`` (wrapping around)."""
+        m = self._member(mode)
+        return m.ranks[(m.local_rank - 1) % len(m.ranks)]
+
+    # ------------------------------------------------------------------ seeds
+
+    def _stream_seed(self, name: str) -> int:
+        """Initial seed of a stream.
+
+        The default stream: ``base_seed + pipeline_rank`` (equal across data and tensor ranks,
+        so replicated parameters and activations agree; different per stage, whose layers
+        differ). A mode's stream: derived from (base_seed, mode, pipeline_rank, local rank in
+        the mode): different across the ranks of one group, equal between ranks with the same
+        local rank on the same stage (e.g. the TENSOR stream agrees across data replicas).
+        """
+        _, pipeline_rank, _ = self.coordinates
+        if name == DEFAULT_STREAM:
+            return self._seed + pipeline_rank
+        return derive_seed(self._seed, name, pipeline_rank, self.get_local_rank(name))
+
+    @property
+    def default_seed(self) -> int:
+        """The seed of the default stream on this rank: ``base_seed + pipeline_rank``."""
+        return self._stream_seed(DEFAULT_STREAM)
+
+    def reseed(self) -> None:
+        """Seed python, numpy and torch with ``default_seed`` and restart every mode stream.
+
+        Launchers call it; ``create_context`` does not (building a context never touches the
+        global RNGs), so a test calls it when it needs the streams' guarantees.
+        """
+        set_seed(self.default_seed)
+        self._rng.reset()
+
+    @contextmanager
+    def seed(self, mode: ModeLike | None) -> Iterator[None]:
+        """Switch torch's RNG to the stream of ``mode`` inside the block.
+
+        ``with ctx.seed(ParallelMode.TENSOR):`` draws differ across tensor ranks (dropout on
+        sharded activations); outside every block the default stream draws the same on every
+        tensor rank. ``mode=None`` selects the default stream (e.g. inside a TENSOR block).
+        """
+        if mode is None:
+            name = DEFAULT_STREAM
+        else:
+            self._member(mode)
+            name = mode_key(mode)
+        with self._rng.use(name):
+            yield
+
+    def get_rng_state(self) -> dict[str, Any]:
+        """The states of all RNG streams, python's and numpy's.
+
+        Plain tensors, ints and dicts: ``torch.save`` them and load with ``weights_only=True``.
+        """
+        return self._rng.get_state()
+
+    def set_rng_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``get_rng_state`` returned."""
+        self._rng.set_state(state)
+
+    # ------------------------------------------------------------------ torch interop
+
+    def device_mesh(self) -> Any:
+        """A ``torch.distributed.device_mesh.DeviceMesh`` with dims ("dp", "pp", "tp").
+
+        Built from this context's DATA, PIPELINE and TENSOR groups (no new group is created),
+        over the mesh ``arange(world_size).reshape(data, pipeline, tensor)``, i.e. the same
+        global layout, for torch's FSDP2 / DTensor.
+        """
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            c = self._config
+            mesh = torch.arange(c.world_size, dtype=torch.int).reshape(
+                c.data_size, c.pipeline_size, c.tensor_size
+            )
+            groups = [
+                self.get_group(m)
+                for m in (ParallelMode.DATA, ParallelMode.PIPELINE, ParallelMode.TENSOR)
+            ]
+            self._mesh = DeviceMesh.from_group(
+                groups, self._device.type, mesh=mesh, mesh_dim_names=("dp", "pp", "tp")
+            )
+        return self._mesh
+
+    # ------------------------------------------------------------------ teardown
+
+    def _adopt_default_group(self) -> None:
+        """Make ``destroy()`` also destroy the default group (for contexts a launcher made)."""
+        self._owns_default_group = True
+
+    def destroy(self) -> None:
+        """Destroy the groups this context created; idempotent.
+
+        A context made by a launcher also destroys the default group. If this context is the
+        current one, the current context is cleared.
+        """
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self._mesh = None
+        if dist.is_initialized():
+            for group in reversed(self._created):
+                dist.destroy_process_group(group)
+        self._created = []
+        self._members.clear()
+        if self._owns_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+        if current._current is self:
+            current.set_context(None)
+
+
+def _default_device(backend: str) -> torch.device:
+    if "nccl" in backend and torch.cuda.is_available():
+        local = os.environ.get("LOCAL_RANK")
+        index = int(local) if local is not None else torch.cuda.current_device()
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def create_context(
+    config: ParallelConfig | ConfigLike,
+    *,
+    seed: int = 1024,
+    timeout: float | timedelta | None = None,
+    device: torch.device | str | None = None,
+) -> ParallelContext:
+    """Build every group the config describes on top of the initialized default group.
+
+    Every rank must call it with the same config (groups are created collectively, in the
+    order of ``rank_groups``). It does not make the context current and does not seed the
+    global RNGs (call ``ctx.reseed()`` for that); the launchers do both.
+
+    Args:
+        config: A ParallelConfig, or the whole configuration (dict, Config or file path)
+            whose optional ``parallel`` entry is read for the default group's world size.
+        seed: Base seed of the RNG streams.
+        timeout: Seconds or timedelta for every collective on the new groups
+            (default DEFAULT_TIMEOUT).
+        device: The device of this rank; default ``cuda:$LOCAL_RANK`` (or the current CUDA
+            device) under NCCL, else ``cpu``.
+
+    Raises:
+        RuntimeError: the default process group is not initialized.
+        ConfigError: the config is invalid or its world size differs from the default group's.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "create_context needs an initialized default process group "
+            "(torch.distributed.init_process_group); use tessera.context.launch(...) to do both"
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if isinstance(config, ParallelConfig):
+        parallel, full = config, Config()
+        if parallel.world_size != world:
+            c = parallel
+            raise ConfigError(
+                f"the parallel config covers data {c.data_size} * pipeline {c.pipeline_size} * "
+                f"tensor {c.tensor_size} = {c.world_size} ranks, but the default process "
+                f"group has {world}"
+            )
+    else:
+        full = load_config(config)
+        parallel = ParallelConfig.from_dict(full.get("parallel"), world)
+    # Pure and identical on every rank: any error is raised everywhere before a collective.
+    layout = rank_groups(parallel)
+    td = as_timedelta(timeout)
+    backend = str(dist.get_backend())
+    dev = torch.device(device) if device is not None else _default_device(backend)
+    needs_cpu_groups = "gloo" not in backend
+
+    created: list[dist.ProcessGroup] = []
+    cache: dict[tuple[str, Group], dist.ProcessGroup | None] = {}
+
+    def group_of(ranks: Group, kind: str) -> dist.ProcessGroup | None:
+        # Identical rank tuples (e.g. TENSOR and PARALLEL_1D) share one process group.
+        key = (kind, ranks)
+        if key not in cache:
+            pg = dist.new_group(
+                list(ranks),
+                timeout=td,
+                backend=None if kind == "main" else "gloo",
+                sort_ranks=False,
+            )
+            member = rank in ranks
+            cache[key] = pg if member else None
+            if member:
+                created.append(pg)
+        return cache[key]
+
+    memberships: dict[str, _Membership] = {}
+    absent: dict[str, list[Group]] = {}
+    try:
+        for mode, groups in layout.items():
+            for ranks in groups:
+                pg = group_of(ranks, "main")
+                cpu_pg = group_of(ranks, "cpu") if needs_cpu_groups else pg
+                if pg is not None and cpu_pg is not None:
+                    local = ranks.index(rank)
+                    if dist.get_rank(pg) != local:
+                        raise RuntimeError(
+                            f"process group for mode {mode!r} ranks {ranks} gives rank {rank} "
+                            f"local rank {dist.get_rank(pg)}, expected {local}"
+                        )
+                    memberships[mode_key(mode)] = _Membership(ranks, local, pg, cpu_pg)
+            if mode_key(mode) not in memberships:
+                absent[mode_key(mode)] = groups
+    except BaseException:
+        for pg in reversed(created):
+            dist.destroy_process_group(pg)
+        raise
+    return ParallelContext(
+        config=parallel,
+        full_config=full,
+        memberships=memberships,
+        absent=absent,
+        created=created,
+        global_rank=rank,
+        backend=backend,
+        device=dev,
+        seed=seed,
+        timeout=td,
+        owns_default_group=False,
+    )

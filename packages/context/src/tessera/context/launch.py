@@ -1,0 +1,285 @@
+"""Launchers: start torch.distributed, build a ParallelContext, make it current.
+
+All four launchers end in ``launch``; the others only read the rank, the world size and the
+local rank from the environment their process manager sets (torchrun, SLURM, Open MPI).
+
+The rendezvous uses a ``TCPStore`` directly rather than a ``tcp://host:port`` URL, so an IPv6
+address needs no brackets and a host name (``localhost``) is resolved by the store. Before the
+default group is created every process announces its rank in the store; this turns the two
+classic launch mistakes into clear errors instead of a silent hang: a rank launched twice, and a
+world size larger than the number of processes (reported with the missing ranks when the
+timeout expires).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from C++
+
+from tessera.registry import ConfigError
+
+from . import current
+from .config import ParallelConfig
+from .context import ConfigLike, ParallelContext, as_timedelta, create_context, load_config
+
+__all__ = ["launch", "launch_from_openmpi", "launch_from_slurm", "launch_from_torch"]
+
+_JOIN_PREFIX = "tessera/launch"
+
+
+def _check_not_launched() -> None:
+    if current.has_context():
+        raise RuntimeError(
+            f"a ParallelContext is already current ({current.get_context()!r}); call its "
+            "destroy() before launching again"
+        )
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed's default process group is already initialized; destroy it "
+            "(torch.distributed.destroy_process_group()) before launching, or build the context "
+            "on it with create_context(...)"
+        )
+
+
+def _rendezvous(
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    *,
+    agent_store: bool,
+    attempt: str,
+) -> TCPStore:
+    """Connect to the store, then wait until every rank has announced itself.
+
+    Rank 0 hosts the store, unless torchrun's agent already does (then all ranks are clients).
+    """
+    where = f"{host}:{port}"
+    try:
+        store = TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=rank == 0 and not agent_store,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as exc:
+        role = "host" if rank == 0 and not agent_store else "reach"
+        raise RuntimeError(
+            f"rank {rank} could not {role} the rendezvous store at {where} within "
+            f"{timeout.total_seconds():g} s: {exc}"
+        ) from exc
+    prefix = f"{_JOIN_PREFIX}/{attempt}"
+    if store.add(f"{prefix}/rank/{rank}", 1) > 1:
+        raise RuntimeError(
+            f"rank {rank} was launched twice at {where}; every process needs its own rank in "
+            f"0..{world_size - 1}"
+        )
+    keys = [f"{prefix}/rank/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + timeout.total_seconds()
+    delay = 0.01
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise RuntimeError(
+                f"only {world_size - len(missing)} of world size {world_size} processes joined "
+                f"the rendezvous at {where} within {timeout.total_seconds():g} s; missing "
+                f"ranks {missing}. Does world_size match the number of processes started?"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+    return store
+
+
+def launch(
+    config: ConfigLike,
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    backend: str | None = None,
+    local_rank: int | None = None,
+    seed: int = 1024,
+    timeout: float | timedelta | None = None,
+) -> ParallelContext:
+    """Initialize torch.distributed, build the context, seed, and make the context current.
+
+    Args:
+        config: The whole configuration (dict, Config or file path); ``parallel`` optional.
+        rank: This process's global rank, ``0 <= rank < world_size``.
+        world_size: Number of processes in the job.
+        host: Address of rank 0: IPv4 (``127.0.0.1``), IPv6 (``::1``) or a host name.
+        port: Free TCP port on ``host`` for the rendezvous store.
+        backend: ``'nccl'`` or ``'gloo'``; default NCCL when CUDA is available, else gloo.
+        local_rank: Index of this process on its node (picks ``cuda:<local_rank>``); default
+            ``rank % torch.cuda.device_count()``.
+        seed: Base seed (see ``ParallelContext.reseed``).
+        timeout: Seconds or timedelta for the rendezvous and every collective (default
+            30 minutes).
+
+    Raises:
+        ConfigError: invalid configuration (before any network traffic).
+        ValueError: rank, world size or port out of range.
+        RuntimeError: already launched, or the rendezvous failed (with the missing ranks).
+    """
+    return _launch(
+        config,
+        rank,
+        world_size,
+        host,
+        port,
+        backend,
+        local_rank,
+        seed,
+        timeout,
+        agent_store=False,
+        attempt="0",
+    )
+
+
+def _launch(
+    config: ConfigLike,
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    backend: str | None,
+    local_rank: int | None,
+    seed: int,
+    timeout: float | timedelta | None,
+    *,
+    agent_store: bool,
+    attempt: str,
+) -> ParallelContext:
+    full = load_config(config)
+    parallel = ParallelConfig.from_dict(full.get("parallel"), world_size)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank!r} is outside 0..{world_size - 1} (world size {world_size})")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 2**16:
+        raise ValueError(f"port must be an int in 1..65535, got {port!r}")
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"host must be an address or host name, got {host!r}")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    _check_not_launched()
+    td = as_timedelta(timeout)
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "nccl" in backend:
+        if not torch.cuda.is_available():
+            raise ConfigError(f"backend {backend!r} needs CUDA, which is not available")
+        if local_rank is None:
+            local_rank = rank % torch.cuda.device_count()
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+
+    store = _rendezvous(host, port, rank, world_size, td, agent_store=agent_store, attempt=attempt)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
+    try:
+        context = create_context(parallel, seed=seed, timeout=td, device=device)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    # create_context saw only the ParallelConfig; keep the whole configuration reachable.
+    context._full_config = full
+    context._adopt_default_group()
+    context.reseed()
+    current.set_context(context)
+    return context
+
+
+def _env_int(name: str, launcher: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise RuntimeError(
+            f"{launcher}: environment variable {name} is not set; start the processes with the "
+            "matching launcher or call launch(...) with explicit ranks"
+        )
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(f"{launcher}: {name}={value!r} is not an integer") from None
+
+
+def launch_from_torch(
+    config: ConfigLike,
+    backend: str | None = None,
+    seed: int = 1024,
+    timeout: float | timedelta | None = None,
+) -> ParallelContext:
+    """Launch from torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT."""
+    name = "launch_from_torch"
+    host = os.environ.get("MASTER_ADDR")
+    if host is None:
+        raise RuntimeError(f"{name}: environment variable MASTER_ADDR is not set (use torchrun)")
+    return _launch(
+        config,
+        rank=_env_int("RANK", name),
+        world_size=_env_int("WORLD_SIZE", name),
+        host=host,
+        port=_env_int("MASTER_PORT", name),
+        backend=backend,
+        local_rank=_env_int("LOCAL_RANK", name),
+        seed=seed,
+        timeout=timeout,
+        # torchrun's agent already hosts a store on MASTER_PORT: every rank is a client of it,
+        # and keys are kept apart per restart.
+        agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+    )
+
+
+def launch_from_slurm(
+    config: ConfigLike,
+    host: str,
+    port: int,
+    backend: str | None = None,
+    seed: int = 1024,
+    timeout: float | timedelta | None = None,
+) -> ParallelContext:
+    """Launch from srun's environment: SLURM_PROCID, SLURM_NPROCS, SLURM_LOCALID."""
+    name = "launch_from_slurm"
+    size_var = "SLURM_NPROCS" if "SLURM_NPROCS" in os.environ else "SLURM_NTASKS"
+    return launch(
+        config,
+        rank=_env_int("SLURM_PROCID", name),
+        world_size=_env_int(size_var, name),
+        host=host,
+        port=port,
+        backend=backend,
+        local_rank=_env_int("SLURM_LOCALID", name),
+        seed=seed,
+        timeout=timeout,
+    )
+
+
+def launch_from_openmpi(
+    config: ConfigLike,
+    host: str,
+    port: int,
+    backend: str | None = None,
+    seed: int = 1024,
+    timeout: float | timedelta | None = None,
+) -> ParallelContext:
+    """Launch from mpirun's environment: OMPI_COMM_WORLD_RANK/_SIZE/_LOCAL_RANK."""
+    name = "launch_from_openmpi"
+    return launch(
+        config,
+        rank=_env_int("OMPI_COMM_WORLD_RANK", name),
+        world_size=_env_int("OMPI_COMM_WORLD_SIZE", name),
+        host=host,
+        port=port,
+        backend=backend,
+        local_rank=_env_int("OMPI_COMM_WORLD_LOCAL_RANK", name),
+        seed=seed,
+        timeout=timeout,
+    )

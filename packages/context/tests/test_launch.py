@@ -1,0 +1,216 @@
+"""Launchers: real rendezvous on 2 processes, host forms, environments, and launch errors."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tessera.context import (
+    ConfigError,
+    ParallelMode,
+    get_context,
+    has_context,
+    launch,
+    launch_from_openmpi,
+    launch_from_slurm,
+    launch_from_torch,
+)
+
+CONFIG = {"parallel": {"tensor": {"size": 2, "mode": "1d"}}, "model": {"type": "Tiny"}}
+
+
+def _check_and_destroy(ctx: Any) -> dict[str, Any]:
+    """What every launcher must provide; destroys the context (and the default group)."""
+    try:
+        t = torch.tensor([float(ctx.global_rank + 1)])
+        dist.all_reduce(t, group=ctx.get_group(ParallelMode.PARALLEL_1D))
+        out = {
+            "current": get_context() is ctx,
+            "rank": ctx.global_rank,
+            "world": ctx.world_size,
+            "sum": t.item(),
+            "backend": ctx.backend,
+            "device": str(ctx.device),
+            "model": ctx.full_config["model"]["type"],
+            "draw": torch.rand(2).tolist(),  # launch seeds the default stream
+        }
+    finally:
+        ctx.destroy()
+    out["cleared"] = not has_context() and not dist.is_initialized()
+    return out
+
+
+def _launch_at(host: str) -> dict[str, Any]:
+    ctx = launch(
+        CONFIG,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        host=host,
+        port=int(os.environ["MASTER_PORT"]),
+        seed=11,
+        timeout=60,
+    )
+    return _check_and_destroy(ctx)
+
+
+def _ipv6_loopback_works() -> bool:
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+HOSTS = ["127.0.0.1", "localhost"] + (["::1"] if _ipv6_loopback_works() else [])
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_launch_with_each_host_form(dist: Any, host: str) -> None:
+    results = dist.run(
+        _launch_at, world_size=2, args=(host,), init_process_group=False, timeout=120
+    )
+    for rank, r in enumerate(results):
+        assert r["current"] and r["cleared"]
+        assert (r["rank"], r["world"], r["sum"]) == (rank, 2, 3.0)
+        assert (r["backend"], r["device"]) == ("gloo", "cpu")
+        assert r["model"] == "Tiny"
+    assert results[0]["draw"] == results[1]["draw"]  # both tensor ranks: seed 11
+
+
+def _launch_twice() -> str:
+    env = os.environ
+    args = dict(rank=int(env["RANK"]), world_size=2, host="127.0.0.1", port=int(env["MASTER_PORT"]))
+    ctx = launch({}, timeout=60, **args)  # type: ignore[arg-type]
+    try:
+        launch({}, timeout=60, **args)  # type: ignore[arg-type]
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        ctx.destroy()
+    return "no error"
+
+
+def test_second_launch_without_destroy_is_an_error(dist: Any) -> None:
+    for message in dist.run(_launch_twice, world_size=2, init_process_group=False, timeout=120):
+        assert "already current" in message and "destroy()" in message
+
+
+def _launch_too_many() -> str:
+    try:
+        launch(
+            {},
+            rank=int(os.environ["RANK"]),
+            world_size=3,  # but only 2 processes exist
+            host="127.0.0.1",
+            port=int(os.environ["MASTER_PORT"]),
+            timeout=3,
+        )
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_world_size_larger_than_the_processes_is_reported(dist: Any) -> None:
+    for message in dist.run(_launch_too_many, world_size=2, init_process_group=False, timeout=60):
+        assert "only 2 of world size 3 processes joined" in message
+        assert "missing ranks [2]" in message
+
+
+def test_rank_outside_the_world_is_an_error_before_any_network() -> None:
+    with pytest.raises(ValueError, match=r"rank 2 is outside 0\.\.1 \(world size 2\)"):
+        launch({}, rank=2, world_size=2, host="127.0.0.1", port=1)
+
+
+def test_config_errors_come_before_any_network() -> None:
+    with pytest.raises(ConfigError, match="not a perfect square"):
+        launch(
+            {"parallel": {"tensor": {"size": 2, "mode": "2d"}}},
+            rank=0,
+            world_size=2,
+            host="127.0.0.1",
+            port=1,
+        )
+    with pytest.raises(ValueError, match=r"port must be an int in 1\.\.65535"):
+        launch({}, rank=0, world_size=1, host="127.0.0.1", port=0)
+
+
+def test_launch_reads_a_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.py"
+    path.write_text("parallel = dict(tensor=dict(size=2, mode='3d'))\n")
+    with pytest.raises(ConfigError, match="2 is not a perfect cube"):
+        launch(path, rank=0, world_size=2, host="127.0.0.1", port=1)
+
+
+def test_launch_from_torch_needs_its_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="launch_from_torch: environment variable RANK"):
+        launch_from_torch({})
+
+
+def _launch_from_scheduler(kind: str) -> dict[str, Any]:
+    env = os.environ
+    if kind == "slurm":
+        env.update(SLURM_PROCID=env["RANK"], SLURM_NPROCS="2", SLURM_LOCALID=env["LOCAL_RANK"])
+        ctx = launch_from_slurm(CONFIG, "127.0.0.1", int(env["MASTER_PORT"]), timeout=60)
+    else:
+        env.update(
+            OMPI_COMM_WORLD_RANK=env["RANK"],
+            OMPI_COMM_WORLD_SIZE="2",
+            OMPI_COMM_WORLD_LOCAL_RANK=env["LOCAL_RANK"],
+        )
+        ctx = launch_from_openmpi(CONFIG, "localhost", int(env["MASTER_PORT"]), timeout=60)
+    return _check_and_destroy(ctx)
+
+
+@pytest.mark.parametrize("kind", ["slurm", "openmpi"])
+def test_launch_from_scheduler_environments(dist: Any, kind: str) -> None:
+    results = dist.run(
+        _launch_from_scheduler, world_size=2, args=(kind,), init_process_group=False, timeout=120
+    )
+    assert [(r["rank"], r["sum"], r["cleared"]) for r in results] == [
+        (0, 3.0, True),
+        (1, 3.0, True),
+    ]
+
+
+SCRIPT = """
+import torch
+import torch.distributed as dist
+from tessera.context import ParallelMode, get_context, launch_from_torch
+
+ctx = launch_from_torch({"parallel": {"tensor": {"size": 2, "mode": "1d"}}}, timeout=60)
+t = torch.tensor([float(ctx.global_rank + 1)])
+dist.all_reduce(t, group=get_context().get_group(ParallelMode.TENSOR))
+print(f"rank {ctx.global_rank} of {ctx.world_size} sum {t.item():g}", flush=True)
+ctx.destroy()
+"""
+
+
+def test_torchrun_launch(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", "--nnodes", "1", "--nproc-per-node", "2", str(script),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 0 of 2 sum 3" in done.stdout
+    assert "rank 1 of 2 sum 3" in done.stdout
