@@ -1,0 +1,123 @@
+"""tessera-layers: tensor-parallel layers, communication ops, parallel loss and metric.
+
+Every layer keeps the parameter names and (in full form) the shapes of the plain torch model it
+mirrors; ``load_full_state_dict`` / ``gather_full_state_dict`` convert between the two.
+The mode-dispatching layers (``Linear``, ``LayerNorm``, ...) build the implementation of the
+context's tensor mode, or plain torch without tensor parallelism. See the package README for
+the contract every layer keeps.
+"""
+
+from tessera.layers.accuracy import VocabParallelAccuracy1D, vocab_parallel_argmax
+from tessera.layers.activations import gather_activation, split_activation
+from tessera.layers.base import Module1D, ParallelModule
+from tessera.layers.checkpointing import checkpoint
+from tessera.layers.classifier_1d import Classifier1D, VocabParallelClassifier1D
+from tessera.layers.comm import (
+    all_to_all,
+    broadcast,
+    copy_to_group,
+    gather_along_dim,
+    reduce_from_group,
+    reduce_scatter_along_dim,
+    split_along_dim,
+)
+from tessera.layers.context_access import GroupInfo, group_info
+from tessera.layers.cross_entropy import (
+    VocabParallelCrossEntropyLoss1D,
+    vocab_parallel_cross_entropy,
+)
+from tessera.layers.dispatch import (
+    IMPLEMENTATIONS,
+    Accuracy,
+    Classifier,
+    CrossEntropyLoss,
+    Dropout,
+    Embedding,
+    LayerNorm,
+    Linear,
+    PatchEmbedding,
+)
+from tessera.layers.dropout_1d import Dropout1D
+from tessera.layers.embedding_1d import Embedding1D, VocabParallelEmbedding1D
+from tessera.layers.errors import ModeNotImplementedError
+from tessera.layers.initializers import (
+    Initializer,
+    fan_in_uniform,
+    kaiming_uniform,
+    normal,
+    ones,
+    uniform,
+    xavier_uniform,
+    zeros,
+)
+from tessera.layers.linear_1d import Linear1DCol, Linear1DRow, LinearOutput
+from tessera.layers.norm_1d import LayerNorm1D
+from tessera.layers.patch_embedding_1d import PatchEmbedding1D
+from tessera.layers.serial import SerialAccuracy, SerialClassifier, SerialPatchEmbedding
+from tessera.layers.shards import new_parameter, shard_info
+from tessera.layers.state_dict import gather_full_state_dict, load_full_state_dict
+
+__all__ = [
+    # mode-dispatching layers
+    "Linear",
+    "LayerNorm",
+    "Embedding",
+    "PatchEmbedding",
+    "Classifier",
+    "Dropout",
+    "CrossEntropyLoss",
+    "Accuracy",
+    "IMPLEMENTATIONS",
+    "ModeNotImplementedError",
+    # 1D (Megatron-LM)
+    "Linear1DCol",
+    "Linear1DRow",
+    "LinearOutput",
+    "Embedding1D",
+    "VocabParallelEmbedding1D",
+    "Classifier1D",
+    "VocabParallelClassifier1D",
+    "LayerNorm1D",
+    "Dropout1D",
+    "PatchEmbedding1D",
+    "VocabParallelCrossEntropyLoss1D",
+    "VocabParallelAccuracy1D",
+    # plain layers torch lacks
+    "SerialClassifier",
+    "SerialPatchEmbedding",
+    "SerialAccuracy",
+    # functional loss and metric
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_argmax",
+    # communication ops (autograd)
+    "copy_to_group",
+    "reduce_from_group",
+    "split_along_dim",
+    "gather_along_dim",
+    "reduce_scatter_along_dim",
+    "all_to_all",
+    "broadcast",
+    # state dicts and activations
+    "load_full_state_dict",
+    "gather_full_state_dict",
+    "split_activation",
+    "gather_activation",
+    # checkpointing
+    "checkpoint",
+    # building blocks for new modes
+    "ParallelModule",
+    "Module1D",
+    "GroupInfo",
+    "group_info",
+    "shard_info",
+    "new_parameter",
+    # initializers
+    "Initializer",
+    "kaiming_uniform",
+    "fan_in_uniform",
+    "normal",
+    "uniform",
+    "ones",
+    "zeros",
+    "xavier_uniform",
+]

@@ -1,0 +1,102 @@
+"""``ParallelModule``: the base of every tensor-parallel layer, whatever its mode.
+
+It holds the context the layer was built for (``context=`` or the current one; construction
+never changes global state) and makes parameters that carry their ``ShardInfo``. Mode
+families subclass it (``Module1D`` here; 2D, 2.5D and 3D add theirs) and keep their groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from tessera.context import ModeLike, ParallelContext, ParallelMode
+
+from .context_access import GroupInfo, group_info, resolve_context
+from .initializers import Initializer
+from .shards import new_parameter, shard_info
+
+__all__ = ["Module1D", "ParallelModule"]
+
+
+class ParallelModule(nn.Module):
+    """A layer whose parameters and activations are split over some modes of a context.
+
+    Args:
+        context: The ParallelContext; default the current one.
+        device: Where parameters live; default the context's device.
+    """
+
+    def __init__(
+        self,
+        context: ParallelContext | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.context = resolve_context(context)
+        self.device = torch.device(device) if device is not None else self.context.device
+
+    def make_parameter(
+        self,
+        name: str,
+        global_shape: Sequence[int],
+        initializer: Initializer,
+        *,
+        fan_in: int,
+        fan_out: int,
+        splits: Mapping[int, Sequence[ModeLike]] | None = None,
+        replicated: Sequence[ModeLike] = (),
+        partial_grad: Sequence[ModeLike] = (),
+        dtype: torch.dtype | None = None,
+    ) -> nn.Parameter:
+        """Create parameter ``name`` (full shape ``global_shape``), register it, return it."""
+        info = shard_info(
+            self.context,
+            global_shape,
+            splits,
+            replicated,
+            partial_grad,
+            owner=f"{type(self).__name__}.{name}",
+        )
+        param = new_parameter(
+            info, initializer, fan_in=fan_in, fan_out=fan_out, dtype=dtype, device=self.device
+        )
+        self.register_parameter(name, param)
+        return param
+
+
+class Module1D(ParallelModule):
+    """Base of the 1D (Megatron-LM) layers: keeps the 1D group and the sequence-parallel flag.
+
+    Args:
+        sequence_parallel: Activations between blocks are split along the sequence dim
+            (dim 1 of ``[batch, seq, hidden]``), Korthikanti et al. 2022.
+        context: The ParallelContext; default the current one.
+        device: Where parameters live; default the context's device.
+    """
+
+    #: The dim of ``[batch, seq, hidden]`` that 1D sequence parallelism splits.
+    SEQUENCE_DIM = 1
+
+    def __init__(
+        self,
+        *,
+        sequence_parallel: bool = False,
+        context: ParallelContext | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(context, device)
+        self.tp: GroupInfo = group_info(self.context, ParallelMode.PARALLEL_1D)
+        self.sequence_parallel = sequence_parallel
+
+    @property
+    def split_mode(self) -> str:
+        """The mode 1D splits parameters over."""
+        return ParallelMode.PARALLEL_1D.value
+
+    def extra_repr(self) -> str:
+        """The summary shown by ``print(module)``."""
+        sp = ", sequence_parallel=True" if self.sequence_parallel else ""
+        return f"tp={self.tp.world_size}{sp}"

@@ -1,0 +1,189 @@
+"""1D classifiers (the output head), each tieable to the matching 1D embedding's weight.
+
+``Classifier1D`` splits the input features (weight ``[C, in/p]``, like ``Embedding1D``'s
+``[V, D/p]``) and all-reduces replicated logits; ``VocabParallelClassifier1D`` splits the
+classes (weight ``[C/p, in]``, like ``VocabParallelEmbedding1D``'s ``[V/p, D]``) and returns
+vocab-parallel logits ``[.., C/p]`` for :func:`vocab_parallel_cross_entropy` (Megatron-LM's
+output layer, Shoeybi et al. 2019, section 3).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.context import ParallelContext, ShardInfo, get_shard_info
+
+from .base import Module1D
+from .collectives import check_divisible
+from .comm import copy_to_group, gather_along_dim, reduce_from_group, split_along_dim
+from .initializers import Initializer, fan_in_uniform, kaiming_uniform
+from .shards import shard_info
+
+__all__ = ["Classifier1D", "VocabParallelClassifier1D", "check_shared_weight"]
+
+
+def check_shared_weight(weight: nn.Parameter, expected: ShardInfo, owner: str) -> None:
+    """A weight shared from another layer must hold the block this layer would hold."""
+    got = get_shard_info(weight)
+    if tuple(weight.shape) != expected.local_shape or (
+        got is not None
+        and (got.global_shape, got.offsets) != (expected.global_shape, expected.offsets)
+    ):
+        where = f", global {list(got.global_shape)} at {list(got.offsets)}" if got else ""
+        raise ValueError(
+            f"{owner}: the shared weight is the block {list(weight.shape)}{where}, but this layer "
+            f"needs {list(expected.local_shape)} of global {list(expected.global_shape)} at "
+            f"offsets {list(expected.offsets)}"
+        )
+
+
+class Classifier1D(Module1D):
+    """Classifier with the input features split: weight ``[C, in/p]``, bias ``[C]``.
+
+    Input ``[.., in]`` replicated (split here); output logits ``[.., C]`` replicated. With
+    sequence parallelism the input ``[b, s/p, in]`` is first gathered along the sequence.
+
+    Args:
+        in_features: Input features, divisible by the 1D size.
+        num_classes: C.
+        weight: A shared weight (e.g. an ``Embedding1D``'s) instead of a new one.
+        bias: Whether to learn a bias (replicated).
+        dtype, weight_initializer, bias_initializer, sequence_parallel, device, context:
+            as in :class:`Linear1DRow`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        weight: nn.Parameter | None = None,
+        bias: bool = True,
+        dtype: torch.dtype | None = None,
+        weight_initializer: Initializer | None = None,
+        bias_initializer: Initializer | None = None,
+        *,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        context: ParallelContext | None = None,
+    ) -> None:
+        super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
+        check_divisible(in_features, self.tp.world_size, "Classifier1D in_features")
+        self.in_features, self.num_classes = in_features, num_classes
+        shape, split = (num_classes, in_features), {1: (self.split_mode,)}
+        if weight is not None:
+            expected = shard_info(self.context, shape, split, owner="Classifier1D.weight")
+            check_shared_weight(weight, expected, "Classifier1D")
+            self.weight = weight
+        else:
+            self.weight = self.make_parameter(
+                "weight",
+                shape,
+                weight_initializer or kaiming_uniform(),
+                fan_in=in_features,
+                fan_out=num_classes,
+                splits=split,
+                dtype=dtype,
+            )  # [C, in/p]
+        self.bias = (
+            self.make_parameter(
+                "bias",
+                (num_classes,),
+                bias_initializer or fan_in_uniform(),
+                fan_in=in_features,
+                fan_out=num_classes,
+                replicated=(self.split_mode,),
+                dtype=dtype,
+            )
+            if bias
+            else None
+        )  # [C]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """See the class docstring for shapes."""
+        group = self.tp.group
+        if self.sequence_parallel:
+            x = gather_along_dim(x, self.SEQUENCE_DIM, group)  # [b, s, in]
+        x = split_along_dim(x, -1, group)  # [.., in/p]
+        logits = reduce_from_group(F.linear(x, self.weight), group)  # [.., C]
+        return logits if self.bias is None else logits + self.bias
+
+
+class VocabParallelClassifier1D(Module1D):
+    """Classifier with the classes split: weight ``[C/p, in]``, bias ``[C/p]``.
+
+    Input ``[.., in]`` replicated (``[b, s/p, in]`` with sequence parallelism, gathered here);
+    output vocab-parallel logits ``[.., C/p]`` (``[.., C]`` with ``gather_output``).
+
+    Args:
+        in_features: Input features.
+        num_classes: C, divisible by the 1D size.
+        weight: A shared weight (e.g. a ``VocabParallelEmbedding1D``'s) instead of a new one.
+        bias: Whether to learn a bias (split like the classes).
+        gather_output: All-gather the logits.
+        dtype, weight_initializer, bias_initializer, sequence_parallel, device, context:
+            as in :class:`Linear1DCol`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        weight: nn.Parameter | None = None,
+        bias: bool = True,
+        gather_output: bool = False,
+        dtype: torch.dtype | None = None,
+        weight_initializer: Initializer | None = None,
+        bias_initializer: Initializer | None = None,
+        *,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        context: ParallelContext | None = None,
+    ) -> None:
+        super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
+        check_divisible(num_classes, self.tp.world_size, "VocabParallelClassifier1D num_classes")
+        self.in_features, self.num_classes = in_features, num_classes
+        self.gather_output = gather_output
+        shape, split = (num_classes, in_features), {0: (self.split_mode,)}
+        if weight is not None:
+            expected = shard_info(
+                self.context, shape, split, owner="VocabParallelClassifier1D.weight"
+            )
+            check_shared_weight(weight, expected, "VocabParallelClassifier1D")
+            self.weight = weight
+        else:
+            self.weight = self.make_parameter(
+                "weight",
+                shape,
+                weight_initializer or kaiming_uniform(),
+                fan_in=in_features,
+                fan_out=num_classes,
+                splits=split,
+                dtype=dtype,
+            )  # [C/p, in]
+        self.bias = (
+            self.make_parameter(
+                "bias",
+                (num_classes,),
+                bias_initializer or fan_in_uniform(),
+                fan_in=in_features,
+                fan_out=num_classes,
+                splits=split,
+                dtype=dtype,
+            )
+            if bias
+            else None
+        )  # [C/p]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """See the class docstring for shapes."""
+        group = self.tp.group
+        if self.sequence_parallel:
+            x = gather_along_dim(x, self.SEQUENCE_DIM, group, partial_grad=True)  # [b, s, in]
+        else:
+            x = copy_to_group(x, group)  # f
+        logits = F.linear(x, self.weight, self.bias)  # [.., C/p]
+        if self.gather_output:
+            logits = gather_along_dim(logits, -1, group)  # [.., C]
+        return logits

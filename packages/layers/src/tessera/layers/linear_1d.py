@@ -1,0 +1,215 @@
+"""1D (Megatron-LM) column- and row-parallel linear layers.
+
+Shoeybi et al. 2019, section 3: an MLP ``Y = GeLU(X A) B`` splits ``A`` by columns and ``B`` by
+rows, so the only communication is one all-reduce forward (after ``B``) and one backward
+(before ``A``). With sequence parallelism (Korthikanti et al. 2022) the input of ``A`` is
+all-gathered along the sequence and the output of ``B`` reduce-scattered along it instead.
+
+Weights keep torch's layout ``[out, in]``: a column-parallel weight holds rows
+``[out/p, in]``, a row-parallel weight columns ``[out, in/p]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tessera.context import ParallelContext
+
+from .base import Module1D
+from .collectives import check_divisible
+from .comm import (
+    copy_to_group,
+    gather_along_dim,
+    reduce_from_group,
+    reduce_scatter_along_dim,
+    split_along_dim,
+)
+from .initializers import Initializer, fan_in_uniform, kaiming_uniform
+
+__all__ = ["Linear1DCol", "Linear1DRow", "LinearOutput"]
+
+#: A linear layer returns ``y``, or ``(y, bias)`` with ``skip_bias_add=True`` (the caller fuses
+#: the bias add into what follows, Megatron-style).
+LinearOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]
+
+
+class Linear1DCol(Module1D):
+    """``y = x W^T + b`` with ``W`` split by output features (rows of ``[out, in]``).
+
+    Input ``[.., in]`` replicated over the 1D group (``[b, s/p, in]`` with sequence
+    parallelism); output ``[.., out/p]`` (or ``[.., out]`` replicated with ``gather_output``).
+
+    Args:
+        in_features: Input features.
+        out_features: Output features of the full layer; divisible by the 1D size.
+        bias: Whether to learn a bias (split like the output).
+        gather_output: All-gather the output so every rank holds ``[.., out]``.
+        skip_bias_add: Return ``(y, bias)`` without adding the bias.
+        dtype: Parameter dtype.
+        weight_initializer: Fills the full ``[out, in]`` weight (torch's default).
+        bias_initializer: Fills the full ``[out]`` bias (torch's default).
+        sequence_parallel: The input is split along dim 1 (sequence); gathered here.
+        device: Parameter device (default the context's).
+        context: The ParallelContext (default the current one).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        dtype: torch.dtype | None = None,
+        weight_initializer: Initializer | None = None,
+        bias_initializer: Initializer | None = None,
+        *,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        context: ParallelContext | None = None,
+    ) -> None:
+        super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
+        check_divisible(out_features, self.tp.world_size, "Linear1DCol out_features")
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        split = {0: (self.split_mode,)}
+        self.weight = self.make_parameter(
+            "weight",
+            (out_features, in_features),
+            weight_initializer or kaiming_uniform(),
+            fan_in=in_features,
+            fan_out=out_features,
+            splits=split,
+            dtype=dtype,
+        )  # [out/p, in]
+        self.bias = (
+            self.make_parameter(
+                "bias",
+                (out_features,),
+                bias_initializer or fan_in_uniform(),
+                fan_in=in_features,
+                fan_out=out_features,
+                splits=split,
+                dtype=dtype,
+            )
+            if bias
+            else None
+        )  # [out/p]
+
+    def forward(self, x: torch.Tensor) -> LinearOutput:
+        """See the class docstring for shapes."""
+        group = self.tp.group
+        if self.sequence_parallel:
+            x = gather_along_dim(x, self.SEQUENCE_DIM, group, partial_grad=True)  # [b, s, in]
+        else:
+            x = copy_to_group(x, group)  # f
+        bias = None if self.skip_bias_add else self.bias
+        y = F.linear(x, self.weight, bias)  # [.., out/p]
+        if self.gather_output:
+            y = gather_along_dim(y, -1, group)  # [.., out]
+            if self.skip_bias_add and self.bias is not None:
+                return y, gather_along_dim(self.bias, 0, group)
+        if self.skip_bias_add:
+            return y, self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        """The summary shown by ``print(module)``."""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+            + super().extra_repr()
+        )
+
+
+class Linear1DRow(Module1D):
+    """``y = x W^T + b`` with ``W`` split by input features (columns of ``[out, in]``).
+
+    Input ``[.., in/p]`` (the output of a Linear1DCol), or ``[.., in]`` replicated with
+    ``parallel_input=False`` (split here); output ``[.., out]`` replicated (``[b, s/p, out]``
+    with sequence parallelism). The bias is replicated and added after the reduction.
+
+    Args:
+        in_features: Input features of the full layer; divisible by the 1D size.
+        out_features: Output features.
+        bias: Whether to learn a bias (replicated).
+        parallel_input: Whether the input is already split along its last dim.
+        skip_bias_add: Return ``(y, bias)`` without adding the bias.
+        dtype: Parameter dtype.
+        weight_initializer: Fills the full ``[out, in]`` weight (torch's default).
+        bias_initializer: Fills the full ``[out]`` bias (torch's default).
+        sequence_parallel: Reduce-scatter the output along dim 1 instead of all-reducing it.
+        device: Parameter device (default the context's).
+        context: The ParallelContext (default the current one).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        parallel_input: bool = True,
+        skip_bias_add: bool = False,
+        dtype: torch.dtype | None = None,
+        weight_initializer: Initializer | None = None,
+        bias_initializer: Initializer | None = None,
+        *,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        context: ParallelContext | None = None,
+    ) -> None:
+        super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
+        check_divisible(in_features, self.tp.world_size, "Linear1DRow in_features")
+        self.in_features, self.out_features = in_features, out_features
+        self.parallel_input, self.skip_bias_add = parallel_input, skip_bias_add
+        self.weight = self.make_parameter(
+            "weight",
+            (out_features, in_features),
+            weight_initializer or kaiming_uniform(),
+            fan_in=in_features,
+            fan_out=out_features,
+            splits={1: (self.split_mode,)},
+            dtype=dtype,
+        )  # [out, in/p]
+        # Under sequence parallelism each rank adds the bias to its own slice of the sequence,
+        # so the bias gradient is partial: the forward routes it through f (copy_to_group),
+        # whose backward sums it, and .grad is the full gradient as the contract promises.
+        self.bias = (
+            self.make_parameter(
+                "bias",
+                (out_features,),
+                bias_initializer or fan_in_uniform(),
+                fan_in=in_features,
+                fan_out=out_features,
+                replicated=(self.split_mode,),
+                dtype=dtype,
+            )
+            if bias
+            else None
+        )  # [out]
+
+    def forward(self, x: torch.Tensor) -> LinearOutput:
+        """See the class docstring for shapes."""
+        group = self.tp.group
+        if not self.parallel_input:
+            x = split_along_dim(x, -1, group)  # [.., in/p]
+        y = F.linear(x, self.weight)  # [.., out], partial sums
+        if self.sequence_parallel:
+            y = reduce_scatter_along_dim(y, self.SEQUENCE_DIM, group)  # [b, s/p, out]
+        else:
+            y = reduce_from_group(y, group)  # g
+        bias: torch.Tensor | None = self.bias
+        if bias is not None and self.sequence_parallel:
+            bias = copy_to_group(bias, group)
+        if self.skip_bias_add:
+            return y, bias
+        return y if bias is None else y + bias
+
+    def extra_repr(self) -> str:
+        """The summary shown by ``print(module)``."""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, parallel_input={self.parallel_input}, "
+            + super().extra_repr()
+        )

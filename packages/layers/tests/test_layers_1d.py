@@ -1,0 +1,232 @@
+"""Every 1D layer against its torch reference: outputs, parameter and input gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from tp_reference import TOL, check_against_reference, chunk, randomize, with_context
+
+from tessera.context import ParallelContext
+from tessera.layers import (
+    Classifier1D,
+    Embedding1D,
+    LayerNorm1D,
+    Linear1DCol,
+    Linear1DRow,
+    PatchEmbedding1D,
+    SerialClassifier,
+    SerialPatchEmbedding,
+    VocabParallelClassifier1D,
+    VocabParallelEmbedding1D,
+    load_full_state_dict,
+)
+
+B, S, H = 2, 4, 8
+
+
+def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, S, H, generator=g)
+    ids = torch.randint(0, 16, (B, S), generator=g)
+    img = torch.randn(B, 3, 6, 6, generator=g)
+    return x, ids, img
+
+
+def _layers_plain(ctx: ParallelContext) -> int:
+    x, ids, img = _inputs(1)
+    ids[0, 0] = 3  # the padding row
+    checks = [
+        ("Linear1DCol", nn.Linear(H, 16), Linear1DCol(H, 16, context=ctx), x, None, -1),
+        (
+            "Linear1DCol(gather_output)",
+            nn.Linear(H, 16),
+            Linear1DCol(H, 16, gather_output=True, context=ctx),
+            x,
+            None,
+            None,
+        ),
+        (
+            "Linear1DCol(bias=False)",
+            nn.Linear(H, 16, bias=False),
+            Linear1DCol(H, 16, bias=False, context=ctx),
+            x,
+            None,
+            -1,
+        ),
+        ("Linear1DRow", nn.Linear(16, H), Linear1DRow(16, H, context=ctx), None, -1, None),
+        (
+            "Linear1DRow(parallel_input=False)",
+            nn.Linear(H, 12),
+            Linear1DRow(H, 12, parallel_input=False, context=ctx),
+            x,
+            None,
+            None,
+        ),
+        ("Embedding1D", nn.Embedding(16, H), Embedding1D(16, H, context=ctx), ids, None, None),
+        (
+            "Embedding1D(padding_idx)",
+            nn.Embedding(16, H, padding_idx=3),
+            Embedding1D(16, H, padding_idx=3, context=ctx),
+            ids,
+            None,
+            None,
+        ),
+        (
+            "VocabParallelEmbedding1D(padding_idx)",
+            nn.Embedding(16, H, padding_idx=3),
+            VocabParallelEmbedding1D(16, H, padding_idx=3, context=ctx),
+            ids,
+            None,
+            None,
+        ),
+        ("Classifier1D", SerialClassifier(H, 12), Classifier1D(H, 12, context=ctx), x, None, None),
+        (
+            "VocabParallelClassifier1D",
+            SerialClassifier(H, 16),
+            VocabParallelClassifier1D(H, 16, context=ctx),
+            x,
+            None,
+            -1,
+        ),
+        (
+            "VocabParallelClassifier1D(gather_output)",
+            SerialClassifier(H, 16),
+            VocabParallelClassifier1D(H, 16, gather_output=True, context=ctx),
+            x,
+            None,
+            None,
+        ),
+        ("LayerNorm1D", nn.LayerNorm(H), LayerNorm1D(H, context=ctx), x, None, None),
+        (
+            "PatchEmbedding1D",
+            SerialPatchEmbedding(6, 2, 3, H),
+            PatchEmbedding1D(6, 2, 3, H, context=ctx),
+            img,
+            None,
+            None,
+        ),
+    ]
+    for i, (name, ref, par, inp, in_split, out_split) in enumerate(checks):
+        if inp is None:  # row-parallel input: [b, s, 16] split along the features
+            inp = torch.randn(B, S, 16, generator=torch.Generator().manual_seed(5))
+        check_against_reference(
+            name, ref, par, inp, ctx, in_split=in_split, out_split=out_split, seed=10 + i
+        )
+    return len(checks)
+
+
+def _skip_bias_add(ctx: ParallelContext) -> None:
+    x, _, _ = _inputs(2)
+    for gather in (False, True):
+        ref = nn.Linear(H, 16)
+        randomize(ref, 3)
+        par = Linear1DCol(H, 16, gather_output=gather, skip_bias_add=True, context=ctx)
+        load_full_state_dict(par, ref.state_dict())
+        y, bias = par(x)
+        split = None if gather else -1
+        torch.testing.assert_close(y + bias, chunk(ref(x), split, ctx), **TOL)
+    row = Linear1DRow(16, H, skip_bias_add=True, context=ctx)
+    ref = nn.Linear(16, H)
+    randomize(ref, 4)
+    load_full_state_dict(row, ref.state_dict())
+    x16 = torch.randn(B, S, 16, generator=torch.Generator().manual_seed(8))
+    y, bias = row(chunk(x16, -1, ctx))
+    torch.testing.assert_close(y + bias, ref(x16), **TOL)
+
+
+def _layers_sequence_parallel(ctx: ParallelContext) -> int:
+    x, ids, img = _inputs(3)
+    tp = ctx.tensor_size
+    checks = [
+        (
+            "Linear1DCol[sp]",
+            nn.Linear(H, 16),
+            Linear1DCol(H, 16, sequence_parallel=True, context=ctx),
+            x,
+            1,
+            -1,
+        ),
+        (
+            "Linear1DRow[sp]",
+            nn.Linear(16, H),
+            Linear1DRow(16, H, sequence_parallel=True, context=ctx),
+            None,
+            "row",
+            1,
+        ),
+        (
+            "LayerNorm1D[sp]",
+            nn.LayerNorm(H),
+            LayerNorm1D(H, sequence_parallel=True, context=ctx),
+            x,
+            1,
+            1,
+        ),
+        (
+            "Embedding1D[sp]",
+            nn.Embedding(16, H),
+            Embedding1D(16, H, sequence_parallel=True, context=ctx),
+            ids,
+            None,
+            1,
+        ),
+        (
+            "VocabParallelEmbedding1D[sp]",
+            nn.Embedding(16, H),
+            VocabParallelEmbedding1D(16, H, sequence_parallel=True, context=ctx),
+            ids,
+            None,
+            1,
+        ),
+        (
+            "Classifier1D[sp]",
+            SerialClassifier(H, 12),
+            Classifier1D(H, 12, sequence_parallel=True, context=ctx),
+            x,
+            1,
+            None,
+        ),
+        (
+            "VocabParallelClassifier1D[sp]",
+            SerialClassifier(H, 16),
+            VocabParallelClassifier1D(H, 16, sequence_parallel=True, context=ctx),
+            x,
+            1,
+            -1,
+        ),
+    ]
+    if tp == 2:  # (img/patch)^2 + 1 = 10 tokens split over 2 ranks
+        checks.append(
+            (
+                "PatchEmbedding1D[sp]",
+                SerialPatchEmbedding(6, 2, 3, H),
+                PatchEmbedding1D(6, 2, 3, H, sequence_parallel=True, context=ctx),
+                img,
+                None,
+                1,
+            )
+        )
+    for i, (name, ref, par, inp, in_split, out_split) in enumerate(checks):
+        if in_split == "row":
+            # [b, s, 16] split along the features (the column layer's output)
+            inp, in_split = torch.randn(B, S, 16, generator=torch.Generator().manual_seed(6)), -1
+        check_against_reference(
+            name, ref, par, inp, ctx, in_split=in_split, out_split=out_split, seed=30 + i
+        )
+    return len(checks)
+
+
+def _all_layer_checks(tp: int) -> dict[str, int]:
+    plain = with_context(tp, _layers_plain)
+    with_context(tp, _skip_bias_add)
+    sp = with_context(tp, _layers_sequence_parallel, sp=True)
+    return {"plain": plain, "sequence_parallel": sp}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_every_1d_layer_matches_torch(dist, tp: int) -> None:
+    results = dist.run(_all_layer_checks, world_size=tp, args=(tp,), timeout=120.0)
+    assert results[0]["plain"] == 13
+    assert results[0]["sequence_parallel"] == (8 if tp == 2 else 7)
+    assert all(r == results[0] for r in results)

@@ -1,0 +1,100 @@
+"""Dropout streams across tensor ranks, and checkpointing that replays every stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from blocks import Block
+from tp_reference import with_context
+
+from tessera.context import ParallelContext
+from tessera.layers import Dropout, Dropout1D, checkpoint
+
+
+def _masks(ctx: ParallelContext) -> dict[str, list[int]]:
+    ctx.reseed()  # the default stream now agrees across tensor ranks
+    x = torch.ones(64)
+    shared = Dropout(0.5, context=ctx)
+    sharded = Dropout(0.5, parallel_input=True, context=ctx)
+    assert isinstance(shared, Dropout1D) and isinstance(sharded, Dropout1D)
+    out = {
+        "replicated": (shared(x) == 0).int().tolist(),
+        "sharded": (sharded(x) == 0).int().tolist(),
+    }
+    shared.eval()
+    assert torch.equal(shared(x), x)
+    return out
+
+
+def _masks_sp(ctx: ParallelContext) -> list[int]:
+    ctx.reseed()
+    drop = Dropout(0.5, context=ctx)  # sequence parallel: the input is split, masks differ
+    assert isinstance(drop, Dropout1D) and drop.sharded_input
+    return (drop(torch.ones(64)) == 0).int().tolist()
+
+
+def _grads(block: Block, x: torch.Tensor, use_checkpoint: bool, ctx: ParallelContext) -> list:
+    block.zero_grad()
+    x = x.clone().requires_grad_()
+    if use_checkpoint:
+        y = checkpoint(block.attention, x, context=ctx)
+        y = x + y
+        y = y + checkpoint(block.mlp, y, context=ctx)
+    else:
+        y = block(x)
+    (y * y).sum().backward()
+    return [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+
+
+def _checkpoint(ctx: ParallelContext) -> bool:
+    ctx.reseed()
+    block = Block(16, 4, p=0.3, context=ctx)
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0))
+    start = ctx.get_rng_state()
+    plain = _grads(block, x, False, ctx)
+    after_plain = torch.rand(8)
+    ctx.set_rng_state(start)
+    ckpt = _grads(block, x, True, ctx)
+    after_ckpt = torch.rand(8)
+    for a, b in zip(plain, ckpt, strict=True):
+        assert torch.equal(a, b)
+    # the streams end where they would have without checkpointing
+    assert torch.equal(after_plain, after_ckpt)
+    # and dropout was really on: a different RNG state gives different gradients
+    other = _grads(block, x, True, ctx)
+    return not all(torch.equal(a, b) for a, b in zip(plain, other, strict=True))
+
+
+def _all(tp: int) -> dict:
+    masks = with_context(tp, _masks)
+    sp = with_context(tp, _masks_sp, sp=True)
+    changed = with_context(tp, _checkpoint)
+    return {"masks": masks, "sp": sp, "changed": changed}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_dropout_streams_and_checkpoint(dist, tp: int) -> None:
+    results = dist.run(_all, world_size=tp, args=(tp,), timeout=120.0)
+    replicated = [r["masks"]["replicated"] for r in results]
+    sharded = [r["masks"]["sharded"] for r in results]
+    assert all(m == replicated[0] for m in replicated), "replicated dropout must agree"
+    assert len({tuple(m) for m in sharded}) == tp, "sharded dropout must differ per rank"
+    assert len({tuple(r["sp"]) for r in results}) == tp, "sequence-parallel dropout must differ"
+    assert all(0 < sum(m) < 64 for m in replicated + sharded)
+    assert all(r["changed"] for r in results)
+
+
+def test_checkpoint_without_context_replays_torch_rng() -> None:
+    block = Block(16, 4, p=0.3)
+    x = torch.randn(2, 4, 16)
+    state = torch.get_rng_state()
+    y = block.attention(x)
+    (y * y).sum().backward()
+    plain = [p.grad.clone() for p in block.parameters() if p.grad is not None]
+    block.zero_grad()
+    torch.set_rng_state(state)
+    y = checkpoint(block.attention, x)
+    (y * y).sum().backward()
+    ckpt = [p.grad.clone() for p in block.parameters() if p.grad is not None]
+    assert len(plain) == len(ckpt) > 0
+    assert all(torch.equal(a, b) for a, b in zip(plain, ckpt, strict=True))
