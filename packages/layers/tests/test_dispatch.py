@@ -1,5 +1,5 @@
-"""Mode dispatch: plain torch without tensor parallelism, 1D classes under '1d', a clear error
-for modes without layers, and size errors before any collective."""
+"""Mode dispatch: plain torch without tensor parallelism, 1D classes under '1d' (2D/2.5D in
+test_layers_2d.py), a clear error for modes without layers, size errors before any collective."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from tessera.layers import (
     LayerNorm,
     Linear,
     Linear1DCol,
+    Linear2D,
+    Linear2p5D,
     ModeNotImplementedError,
     PatchEmbedding,
     SerialAccuracy,
@@ -68,9 +70,21 @@ def test_every_layer_is_registered() -> None:
         "LayerNorm1D",
         "Dropout1D",
         "PatchEmbedding1D",
+        *(
+            prefix + name + suffix
+            for suffix in ("2D", "2p5D")
+            for prefix in ("", "VocabParallel")
+            for name in ("Embedding", "Classifier", "CrossEntropyLoss", "Accuracy")
+        ),
+        *(
+            name + suffix
+            for suffix in ("2D", "2p5D")
+            for name in ("Linear", "LayerNorm", "PatchEmbedding", "Dropout")
+        ),
     ]:
         assert name in LAYERS, name
     assert LAYERS.get("Linear1DCol") is Linear1DCol
+    assert LAYERS.get("Linear2D") is Linear2D and LAYERS.get("Linear2p5D") is Linear2p5D
 
 
 def _unimplemented(mode: str, size: int) -> list[str]:
@@ -113,8 +127,7 @@ def _errors_sp(ctx: ParallelContext) -> None:
 
 
 def _all() -> list[str]:
-    messages = _unimplemented("2d", 4)
-    messages += _unimplemented("sequence", 4)
+    messages = _unimplemented("sequence", 4)
     with_context(4, _errors_1d)
     with_context(4, _errors_sp, sp=True)
     return messages
@@ -122,6 +135,6 @@ def _all() -> list[str]:
 
 def test_modes_without_layers_raise_and_sizes_are_checked(dist) -> None:
     messages = dist.run(_all, world_size=4, timeout=120.0)[0]
-    assert "no Linear for tensor mode '2d'" in messages[0]
+    assert "no Linear for tensor mode 'sequence'" in messages[0]
     assert "no Accuracy for tensor mode 'sequence'" in messages[-1]
-    assert all("'1d'" in m for m in messages)
+    assert all("'1d', '2.5d', '2d'" in m for m in messages)

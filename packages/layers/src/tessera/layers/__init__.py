@@ -3,15 +3,21 @@
 Every layer keeps the parameter names and (in full form) the shapes of the plain torch model it
 mirrors; ``load_full_state_dict`` / ``gather_full_state_dict`` convert between the two.
 The mode-dispatching layers (``Linear``, ``LayerNorm``, ...) build the implementation of the
-context's tensor mode, or plain torch without tensor parallelism. See the package README for
-the contract every layer keeps.
+context's tensor mode (1D, 2D, 2.5D), or plain torch without tensor parallelism. See the
+package README for the contract every layer keeps.
 """
 
 from tessera.layers.accuracy import VocabParallelAccuracy1D, vocab_parallel_argmax
-from tessera.layers.activations import gather_activation, split_activation
+from tessera.layers.activations import gather_activation, split_activation, split_batch
 from tessera.layers.base import Module1D, ParallelModule
 from tessera.layers.checkpointing import checkpoint
 from tessera.layers.classifier_1d import Classifier1D, VocabParallelClassifier1D
+from tessera.layers.classifier_2d import (
+    Classifier2D,
+    Classifier2p5D,
+    VocabParallelClassifier2D,
+    VocabParallelClassifier2p5D,
+)
 from tessera.layers.comm import (
     all_to_all,
     broadcast,
@@ -38,7 +44,14 @@ from tessera.layers.dispatch import (
     PatchEmbedding,
 )
 from tessera.layers.dropout_1d import Dropout1D
+from tessera.layers.dropout_2d import Dropout2D, Dropout2p5D
 from tessera.layers.embedding_1d import Embedding1D, VocabParallelEmbedding1D
+from tessera.layers.embedding_2d import (
+    Embedding2D,
+    Embedding2p5D,
+    VocabParallelEmbedding2D,
+    VocabParallelEmbedding2p5D,
+)
 from tessera.layers.errors import ModeNotImplementedError
 from tessera.layers.initializers import (
     Initializer,
@@ -51,11 +64,26 @@ from tessera.layers.initializers import (
     zeros,
 )
 from tessera.layers.linear_1d import Linear1DCol, Linear1DRow, LinearOutput
+from tessera.layers.linear_2d import Linear2D, Linear2p5D
+from tessera.layers.loss_2d import (
+    Accuracy2D,
+    Accuracy2p5D,
+    CrossEntropyLoss2D,
+    CrossEntropyLoss2p5D,
+    VocabParallelAccuracy2D,
+    VocabParallelAccuracy2p5D,
+    VocabParallelCrossEntropyLoss2D,
+    VocabParallelCrossEntropyLoss2p5D,
+)
+from tessera.layers.mesh import Mesh, MeshModule, mesh_of
 from tessera.layers.norm_1d import LayerNorm1D
+from tessera.layers.norm_2d import LayerNorm2D, LayerNorm2p5D, layer_norm_over_group
 from tessera.layers.patch_embedding_1d import PatchEmbedding1D
+from tessera.layers.patch_embedding_2d import PatchEmbedding2D, PatchEmbedding2p5D
 from tessera.layers.serial import SerialAccuracy, SerialClassifier, SerialPatchEmbedding
 from tessera.layers.shards import new_parameter, shard_info
 from tessera.layers.state_dict import gather_full_state_dict, load_full_state_dict
+from tessera.layers.summa import summa_ab, summa_abt, summa_atb
 
 __all__ = [
     # mode-dispatching layers
@@ -82,6 +110,32 @@ __all__ = [
     "PatchEmbedding1D",
     "VocabParallelCrossEntropyLoss1D",
     "VocabParallelAccuracy1D",
+    # 2D (SUMMA, Xu et al. 2021)
+    "Linear2D",
+    "LayerNorm2D",
+    "Embedding2D",
+    "VocabParallelEmbedding2D",
+    "PatchEmbedding2D",
+    "Classifier2D",
+    "VocabParallelClassifier2D",
+    "Dropout2D",
+    "CrossEntropyLoss2D",
+    "VocabParallelCrossEntropyLoss2D",
+    "Accuracy2D",
+    "VocabParallelAccuracy2D",
+    # 2.5D (Tesseract, Wang et al. 2021)
+    "Linear2p5D",
+    "LayerNorm2p5D",
+    "Embedding2p5D",
+    "VocabParallelEmbedding2p5D",
+    "PatchEmbedding2p5D",
+    "Classifier2p5D",
+    "VocabParallelClassifier2p5D",
+    "Dropout2p5D",
+    "CrossEntropyLoss2p5D",
+    "VocabParallelCrossEntropyLoss2p5D",
+    "Accuracy2p5D",
+    "VocabParallelAccuracy2p5D",
     # plain layers torch lacks
     "SerialClassifier",
     "SerialPatchEmbedding",
@@ -97,16 +151,25 @@ __all__ = [
     "reduce_scatter_along_dim",
     "all_to_all",
     "broadcast",
+    # SUMMA products (autograd) and the distributed LayerNorm
+    "summa_ab",
+    "summa_abt",
+    "summa_atb",
+    "layer_norm_over_group",
     # state dicts and activations
     "load_full_state_dict",
     "gather_full_state_dict",
     "split_activation",
     "gather_activation",
+    "split_batch",
     # checkpointing
     "checkpoint",
     # building blocks for new modes
     "ParallelModule",
     "Module1D",
+    "Mesh",
+    "MeshModule",
+    "mesh_of",
     "GroupInfo",
     "group_info",
     "shard_info",

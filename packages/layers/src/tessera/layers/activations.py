@@ -5,7 +5,10 @@ The local block is what a tensor mode's layers take and return between each othe
 Each mode registers one pair in ``SPLITTERS`` / ``GATHERERS``. 1D keeps activations between
 blocks replicated, so both are the identity, unless 1D sequence parallelism is on
 (``tensor=dict(mode="1d", sequence_parallel=True)``), where they split / gather dim 1
-(``[batch, seq, hidden]``). Sizes are checked before any collective.
+(``[batch, seq, hidden]``). 2D and 2.5D split the batch (dim 0) over the mesh's batch group
+(``depth * q`` blocks) and the hidden dim (last) over the mesh row (``q`` blocks), see
+``mesh.py``. ``split_batch`` splits only the batch (token ids, targets, images): the identity
+in 1D. Sizes are checked before any collective.
 """
 
 from __future__ import annotations
@@ -20,8 +23,16 @@ from .collectives import check_divisible
 from .comm import gather_along_dim, split_along_dim
 from .context_access import current_or_none, sequence_parallel_default, tensor_mode
 from .errors import ModeNotImplementedError
+from .mesh import gather_mesh_activation, mesh_of, split_mesh_activation, split_mesh_batch
 
-__all__ = ["GATHERERS", "SPLITTERS", "gather_activation", "split_activation"]
+__all__ = [
+    "BATCH_SPLITTERS",
+    "GATHERERS",
+    "SPLITTERS",
+    "gather_activation",
+    "split_activation",
+    "split_batch",
+]
 
 ActivationMap = Callable[[torch.Tensor, ParallelContext], torch.Tensor]
 
@@ -52,10 +63,32 @@ def _gather_1d(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
     return gather_along_dim(x, 1, context.get_group(ParallelMode.PARALLEL_1D))
 
 
+def _split_mesh(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
+    return split_mesh_activation(x, mesh_of(context, str(context.config.tensor_mode)))
+
+
+def _gather_mesh(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
+    return gather_mesh_activation(x, mesh_of(context, str(context.config.tensor_mode)))
+
+
+def _split_batch_mesh(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
+    return split_mesh_batch(x, mesh_of(context, str(context.config.tensor_mode)))
+
+
 #: tensor mode -> full activation to local block.
-SPLITTERS: dict[str, ActivationMap] = {"1d": _split_1d}
+SPLITTERS: dict[str, ActivationMap] = {"1d": _split_1d, "2d": _split_mesh, "2.5d": _split_mesh}
 #: tensor mode -> local block to full activation (every rank gets it).
-GATHERERS: dict[str, ActivationMap] = {"1d": _gather_1d}
+GATHERERS: dict[str, ActivationMap] = {
+    "1d": _gather_1d,
+    "2d": _gather_mesh,
+    "2.5d": _gather_mesh,
+}
+#: tensor mode -> full batch ``[b, ...]`` (ids, targets, images) to this rank's rows.
+BATCH_SPLITTERS: dict[str, ActivationMap] = {
+    "1d": lambda x, context: x,
+    "2d": _split_batch_mesh,
+    "2.5d": _split_batch_mesh,
+}
 
 
 def split_activation(x: torch.Tensor, context: ParallelContext | None = None) -> torch.Tensor:
@@ -92,3 +125,23 @@ def gather_activation(
     if mode not in GATHERERS:
         raise ModeNotImplementedError("gather_activation", mode, GATHERERS)
     return GATHERERS[mode](x_local, ctx)
+
+
+def split_batch(x: torch.Tensor, context: ParallelContext | None = None) -> torch.Tensor:
+    """This rank's rows of a full batch ``[b, ...]`` (token ids, targets, images).
+
+    The inputs of an embedding or patch embedding and the targets of a loss are split only
+    along the batch: ``[b/(depth q), ...]`` in 2D/2.5D, whole in 1D (the identity).
+
+    Raises:
+        ValueError: the batch is not divisible by the number of batch blocks (before any
+            collective).
+        ModeNotImplementedError: the mode has no layers yet.
+    """
+    ctx = current_or_none(context)
+    mode = tensor_mode(ctx)
+    if ctx is None or mode is None:
+        return x
+    if mode not in BATCH_SPLITTERS:
+        raise ModeNotImplementedError("split_batch", mode, BATCH_SPLITTERS)
+    return BATCH_SPLITTERS[mode](x, ctx)

@@ -3,8 +3,9 @@
 ``Linear(...)``, ``LayerNorm(...)`` ... build the implementation of the context's tensor mode:
 plain torch without tensor parallelism (no context, or ``tensor_mode is None``), the mode's
 class otherwise, looked up in ``IMPLEMENTATIONS[layer][mode]``. A mode without an entry raises
-:class:`ModeNotImplementedError`: never a silent fallback to an unparallel layer. Parts 2 and 3
-of tessera-layers add their modes' builders to these tables.
+:class:`ModeNotImplementedError`: never a silent fallback to an unparallel layer. The 2D and
+2.5D builders live in ``dispatch_2d.py`` (one builder per layer serves both); part 3 adds '3d'
+and 'sequence'.
 
 They are factories (functions with class-like names): the object returned *is* the torch or
 tessera module, so parameter names are exactly those of the plain torch model.
@@ -28,11 +29,13 @@ from .accuracy import VocabParallelAccuracy1D
 from .classifier_1d import Classifier1D, VocabParallelClassifier1D
 from .context_access import current_or_none, sequence_parallel_default, tensor_mode
 from .cross_entropy import VocabParallelCrossEntropyLoss1D
+from .dispatch_2d import MESH_BUILDERS
 from .dropout_1d import Dropout1D
 from .embedding_1d import Embedding1D, VocabParallelEmbedding1D, zero_row
 from .errors import ModeNotImplementedError
 from .initializers import Initializer
 from .linear_1d import Linear1DCol, Linear1DRow
+from .mesh import MESH_MODES
 from .norm_1d import LayerNorm1D
 from .patch_embedding_1d import PatchEmbedding1D
 from .serial import SerialAccuracy, SerialClassifier, SerialPatchEmbedding
@@ -465,14 +468,19 @@ def Accuracy(*, vocab_parallel: bool = False, context: ParallelContext | None = 
     return module if module is not None else SerialAccuracy()
 
 
-#: layer -> tensor mode -> builder. Parts 2 and 3 add '2d', '2.5d', '3d' and 'sequence'.
+def _modes(layer: str, one_d: Builder) -> dict[str, Builder]:
+    """``layer``'s row of the table: the 1D builder, and one builder for both mesh modes."""
+    return {"1d": one_d, **{mode: MESH_BUILDERS[layer] for mode in MESH_MODES}}
+
+
+#: layer -> tensor mode -> builder. Part 3 adds '3d' and 'sequence'.
 IMPLEMENTATIONS: dict[str, dict[str, Builder]] = {
-    "Linear": {"1d": _linear_1d},
-    "LayerNorm": {"1d": _layer_norm_1d},
-    "Embedding": {"1d": _embedding_1d},
-    "PatchEmbedding": {"1d": _patch_embedding_1d},
-    "Classifier": {"1d": _classifier_1d},
-    "Dropout": {"1d": _dropout_1d},
-    "CrossEntropyLoss": {"1d": _cross_entropy_1d},
-    "Accuracy": {"1d": _accuracy_1d},
+    "Linear": _modes("Linear", _linear_1d),
+    "LayerNorm": _modes("LayerNorm", _layer_norm_1d),
+    "Embedding": _modes("Embedding", _embedding_1d),
+    "PatchEmbedding": _modes("PatchEmbedding", _patch_embedding_1d),
+    "Classifier": _modes("Classifier", _classifier_1d),
+    "Dropout": _modes("Dropout", _dropout_1d),
+    "CrossEntropyLoss": _modes("CrossEntropyLoss", _cross_entropy_1d),
+    "Accuracy": _modes("Accuracy", _accuracy_1d),
 }

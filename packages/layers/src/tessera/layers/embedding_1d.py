@@ -18,7 +18,7 @@ from .collectives import check_divisible
 from .comm import all_to_all, gather_along_dim, reduce_from_group, reduce_scatter_along_dim
 from .initializers import Initializer, normal
 
-__all__ = ["Embedding1D", "VocabParallelEmbedding1D", "zero_row"]
+__all__ = ["Embedding1D", "VocabParallelEmbedding1D", "check_padding_idx", "zero_row"]
 
 
 def zero_row(initializer: Initializer, row: int | None) -> Initializer:
@@ -33,7 +33,8 @@ def zero_row(initializer: Initializer, row: int | None) -> Initializer:
     return init
 
 
-def _check_padding_idx(padding_idx: int | None, num_embeddings: int) -> int | None:
+def check_padding_idx(padding_idx: int | None, num_embeddings: int) -> int | None:
+    """``padding_idx`` as a non-negative row index (``ValueError`` outside the table)."""
     if padding_idx is None:
         return None
     if not -num_embeddings <= padding_idx < num_embeddings:
@@ -73,7 +74,7 @@ class Embedding1D(Module1D):
         super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
         check_divisible(embedding_dim, self.tp.world_size, "Embedding1D embedding_dim")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.padding_idx = _check_padding_idx(padding_idx, num_embeddings)
+        self.padding_idx = check_padding_idx(padding_idx, num_embeddings)
         self.weight = self.make_parameter(
             "weight",
             (num_embeddings, embedding_dim),
@@ -123,7 +124,7 @@ class VocabParallelEmbedding1D(Module1D):
             num_embeddings, self.tp.world_size, "VocabParallelEmbedding1D num_embeddings"
         )
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.padding_idx = _check_padding_idx(padding_idx, num_embeddings)
+        self.padding_idx = check_padding_idx(padding_idx, num_embeddings)
         per_rank = num_embeddings // self.tp.world_size
         self.vocab_start = self.tp.rank * per_rank
         self.vocab_end = self.vocab_start + per_rank

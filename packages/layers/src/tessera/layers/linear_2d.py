@@ -1,0 +1,125 @@
+"""2D (SUMMA) and 2.5D (Tesseract) linear layers: one implementation on a :class:`Mesh`.
+
+Xu et al. 2021, section 3.1: ``Y = X W`` with ``X`` ``[b, in]`` split into q x q blocks
+(batch by mesh row, features by mesh column) and ``W`` (``[in, out]`` in the paper's notation)
+into q x q blocks, computed by SUMMA (:func:`summa_ab`); the backward is ``dX = dY W^T``
+(:func:`summa_abt`) and ``dW = X^T dY`` (:func:`summa_atb`). Tesseract (Wang et al. 2021,
+section 3) runs the same product in each of ``depth`` layers on its share of the batch, with
+the weight blocks replicated across depth and their gradients summed over DEP.
+
+The weight keeps torch's layout ``[out, in]``: rank ``(i, j, k)`` holds ``W[out_j, in_i]``,
+the transpose of the paper's block ``(i, j)`` of ``W^T``, so ``ShardInfo`` says dim 0 is split
+over ROW (local rank ``j``) and dim 1 over COL (local rank ``i``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.context import ParallelContext
+
+from .initializers import Initializer, fan_in_uniform, kaiming_uniform
+from .linear_1d import LinearOutput
+from .mesh import MeshModule
+from .summa import summa_ab
+
+__all__ = ["Linear2D", "Linear2p5D", "MeshLinear"]
+
+
+class MeshLinear(MeshModule):
+    """``y = x W^T + b`` on a 2D/2.5D mesh (the implementation behind ``Linear2D``/``2p5D``).
+
+    Input ``[b/(depth q), ..., in/q]``; output ``[b/(depth q), ..., out/q]`` (activation
+    layout, see :mod:`tessera.layers.mesh`). Weight ``[out/q, in/q]`` (block ``W[out_j,
+    in_i]``), bias ``[out/q]`` (block ``j``, replicated over the batch group).
+
+    Args:
+        in_features: Input features, divisible by q.
+        out_features: Output features, divisible by q.
+        bias: Whether to learn a bias.
+        skip_bias_add: Return ``(y, bias)`` without adding the bias; the returned bias block
+            is routed so that its gradient is summed over the batch group.
+        dtype: Parameter dtype.
+        weight_initializer: Fills the full ``[out, in]`` weight (torch's default).
+        bias_initializer: Fills the full ``[out]`` bias (torch's default).
+        device: Parameter device (default the context's).
+        context: The ParallelContext (default the current one).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        skip_bias_add: bool = False,
+        dtype: torch.dtype | None = None,
+        weight_initializer: Initializer | None = None,
+        bias_initializer: Initializer | None = None,
+        *,
+        device: torch.device | str | None = None,
+        context: ParallelContext | None = None,
+    ) -> None:
+        super().__init__(context, device)
+        mesh = self.mesh
+        self.in_features, self.out_features = in_features, out_features
+        self.skip_bias_add = skip_bias_add
+        self.weight = self.make_parameter(
+            "weight",
+            (out_features, in_features),
+            weight_initializer or kaiming_uniform(),
+            fan_in=in_features,
+            fan_out=out_features,
+            splits={0: (mesh.row.mode,), 1: (mesh.col.mode,)},
+            replicated=mesh.depth_modes,
+            dtype=dtype,
+        )  # [out/q, in/q]: W[out_j, in_i]
+        self.bias = (
+            self.make_parameter(
+                "bias",
+                (out_features,),
+                bias_initializer or fan_in_uniform(),
+                fan_in=in_features,
+                fan_out=out_features,
+                splits={0: (mesh.row.mode,)},
+                replicated=(mesh.col.mode, *mesh.depth_modes),
+                dtype=dtype,
+            )
+            if bias
+            else None
+        )  # [out/q]: b[out_j]
+
+    def forward(self, x: torch.Tensor) -> LinearOutput:
+        """See the class docstring for shapes."""
+        mesh = self.mesh
+        local_in = self.in_features // mesh.q
+        mesh.check_local(x, -1, local_in, f"{self.owner}({self.in_features}, ...) input")
+        lead = x.shape[:-1]
+        weight = mesh.over_depth(self.weight).t()  # [in/q, out/q]: block (i, j) of W^T
+        y = summa_ab(x.reshape(-1, local_in), weight, mesh.row, mesh.col)  # [m, out/q]
+        y = y.view(*lead, y.shape[-1])  # [b/(dq), ..., out/q]
+        bias = None if self.bias is None else mesh.over_batch(self.bias)
+        if self.skip_bias_add:
+            return y, bias
+        return y if bias is None else y + bias
+
+    def extra_repr(self) -> str:
+        """The summary shown by ``print(module)``."""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, " + super().extra_repr()
+        )
+
+
+class Linear2D(MeshLinear):
+    """2D (SUMMA, Xu et al. 2021) linear layer on q x q ranks; see :class:`MeshLinear`."""
+
+    MESH = "2d"
+
+
+class Linear2p5D(MeshLinear):
+    """2.5D (Tesseract, Wang et al. 2021) linear layer on q x q x depth ranks.
+
+    See :class:`MeshLinear`; the weight blocks are replicated over depth.
+    """
+
+    MESH = "2.5d"

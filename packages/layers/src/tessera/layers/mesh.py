@@ -1,0 +1,212 @@
+"""The q x q (x depth) mesh shared by 2D (SUMMA) and 2.5D (Tesseract) tensor parallelism.
+
+2D (Xu et al. 2021, "An Efficient 2D Method for Training Super-Large Deep Learning Models")
+runs SUMMA on a q x q mesh; 2.5D (Wang et al. 2021, "Tesseract") stacks ``depth`` such meshes,
+splits the batch once more across them and keeps every weight's q x q blocks in each layer.
+So 2D *is* 2.5D with depth 1, and every 2D/2.5D layer is written once against :class:`Mesh`:
+
+* rank ``(i, j, k)`` = (row, col, depth); the ROW group (same ``i``, ``k``) is ordered by
+  ``j``, the COL group (same ``j``, ``k``) by ``i``, the DEP group (same ``i``, ``j``) by
+  ``k``;
+* an activation ``[b, ..., h]`` is split along the batch into ``depth * q`` blocks, block
+  ``k * q + i`` on rank ``(i, j, k)``, and along the hidden dim into ``q`` blocks, block
+  ``j``: rank ``(i, j, k)`` holds ``[b / (depth q), ..., h / q]``. The ranks sharing ``j``
+  (the COL group in 2D, the XZ group in 2.5D) are the *batch group*;
+* a weight is split in two dims over ROW and COL; in 2.5D every depth layer holds the same
+  blocks (replicated over DEP), and the forward routes the weight through
+  ``copy_to_group(weight, DEP)``, whose backward sums the depth layers' partial gradients
+  (Tesseract's all-reduce of weight gradients across depth, done inside autograd so ``.grad``
+  is complete after backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from tessera.context import ParallelContext, ParallelMode
+
+from .base import ParallelModule
+from .collectives import check_divisible
+from .comm import copy_to_group, gather_along_dim, split_along_dim
+from .context_access import GroupInfo, group_info
+
+__all__ = [
+    "MESH_MODES",
+    "Mesh",
+    "MeshModule",
+    "gather_mesh_activation",
+    "mesh_of",
+    "split_mesh_activation",
+    "split_mesh_batch",
+]
+
+#: The tensor modes whose layers run on a :class:`Mesh`.
+MESH_MODES = ("2d", "2.5d")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's view of a 2D or 2.5D mesh.
+
+    Attributes:
+        kind: ``"2d"`` or ``"2.5d"``.
+        row: The ROW group (same row and depth; local rank = col ``j``; size q).
+        col: The COL group (same col and depth; local rank = row ``i``; size q).
+        dep: The DEP group (same row and col; local rank = depth ``k``), ``None`` for 2D.
+        batch: The ranks sharing ``j`` (local rank ``k * q + i``; size ``depth * q``): COL
+            in 2D, XZ in 2.5D. An activation's batch is split over it.
+    """
+
+    kind: str
+    row: GroupInfo
+    col: GroupInfo
+    dep: GroupInfo | None
+    batch: GroupInfo
+
+    @property
+    def q(self) -> int:
+        """The side of the mesh."""
+        return self.row.world_size
+
+    @property
+    def depth(self) -> int:
+        """The number of stacked q x q layers (1 in 2D)."""
+        return 1 if self.dep is None else self.dep.world_size
+
+    @property
+    def suffix(self) -> str:
+        """The class-name suffix of the mode's layers: ``2D`` or ``2p5D``."""
+        return "2D" if self.kind == "2d" else "2p5D"
+
+    @property
+    def depth_modes(self) -> tuple[str, ...]:
+        """The modes a weight is replicated over besides its split ones: ``(DEP,)`` or ``()``."""
+        return () if self.dep is None else (self.dep.mode,)
+
+    @property
+    def batch_modes(self) -> tuple[str, ...]:
+        """The modes the batch is split over, outermost first (``ShardInfo`` style)."""
+        return (*self.depth_modes, self.col.mode)
+
+    def over_depth(self, weight: torch.Tensor) -> torch.Tensor:
+        """Route a depth-replicated parameter: identity forward, sum over DEP backward."""
+        return weight if self.dep is None else copy_to_group(weight, self.dep.group)
+
+    def over_batch(self, param: torch.Tensor) -> torch.Tensor:
+        """Route a parameter used by every batch block (a bias): sum its gradient over them."""
+        return copy_to_group(param, self.batch.group)
+
+    def check_local(self, x: torch.Tensor, dim: int, expected: int, what: str) -> None:
+        """``ValueError`` (before any collective) unless ``x.shape[dim] == expected``."""
+        if x.dim() == 0 or x.shape[dim] != expected:
+            raise ValueError(
+                f"{what}: expected the local block to have size {expected} in dim {dim}, got "
+                f"shape {list(x.shape)} (with q={self.q}, depth={self.depth}: did you split "
+                "the input with split_activation?)"
+            )
+
+
+def mesh_of(context: ParallelContext, kind: str) -> Mesh:
+    """The mesh of ``context`` for tensor mode ``kind`` (``"2d"`` or ``"2.5d"``).
+
+    Raises:
+        ValueError: ``kind`` is not a mesh mode, or the context's tensor mode differs.
+    """
+    if kind not in MESH_MODES:
+        raise ValueError(f"mesh mode must be one of {MESH_MODES}, got {kind!r}")
+    if context.config.tensor_mode != kind:
+        raise ValueError(
+            f"{kind} layers need a context with tensor mode {kind!r}, but its tensor mode is "
+            f"{context.config.tensor_mode!r}"
+        )
+    if kind == "2d":
+        col = group_info(context, ParallelMode.PARALLEL_2D_COL)
+        return Mesh(kind, group_info(context, ParallelMode.PARALLEL_2D_ROW), col, None, col)
+    dep = group_info(context, ParallelMode.PARALLEL_2P5D_DEP)
+    return Mesh(
+        kind,
+        group_info(context, ParallelMode.PARALLEL_2P5D_ROW),
+        group_info(context, ParallelMode.PARALLEL_2P5D_COL),
+        dep if dep.world_size > 1 else None,
+        group_info(context, ParallelMode.PARALLEL_2P5D_XZ),
+    )
+
+
+class MeshModule(ParallelModule):
+    """Base of the 2D and 2.5D layers: one implementation, the mode set by ``MESH``.
+
+    A layer is written once as a ``MeshModule`` subclass; ``Linear2D`` and ``Linear2p5D`` are
+    that class with ``MESH = "2d"`` and ``MESH = "2.5d"``.
+
+    Args:
+        context: The ParallelContext (default the current one).
+        device: Where parameters live (default the context's device).
+    """
+
+    #: The tensor mode: ``"2d"`` or ``"2.5d"``.
+    MESH: ClassVar[str] = "2d"
+
+    def __init__(
+        self,
+        context: ParallelContext | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(context, device)
+        self.mesh = mesh_of(self.context, self.MESH)
+
+    @property
+    def owner(self) -> str:
+        """The class name, for error messages."""
+        return type(self).__name__
+
+    def extra_repr(self) -> str:
+        """The summary shown by ``print(module)``."""
+        return f"q={self.mesh.q}, depth={self.mesh.depth}"
+
+
+# ---------------------------------------------------------------------------- activations
+
+
+def _check_activation(x: torch.Tensor, mesh: Mesh, dims: Sequence[int], what: str) -> None:
+    if x.dim() < len(dims):
+        raise ValueError(
+            f"{what}: {mesh.kind} splits the batch (dim 0) and the hidden dim (last) of "
+            f"[batch, ..., hidden], but the activation has shape {list(x.shape)}"
+        )
+    names = {0: "batch", -1: "hidden"}
+    for dim in dims:
+        divisor = mesh.batch.world_size if dim == 0 else mesh.q
+        check_divisible(
+            x.shape[dim],
+            divisor,
+            f"{what}: dim {dim % x.dim()} ({names[dim]}) of activation {list(x.shape)} "
+            f"under {mesh.kind} (q={mesh.q}, depth={mesh.depth})",
+        )
+
+
+def split_mesh_activation(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """``[b, ..., h]`` -> ``[b/(depth q), ..., h/q]``; the backward all-gathers."""
+    _check_activation(x, mesh, (0, -1), "split_activation")
+    x = split_along_dim(x, 0, mesh.batch.group)  # [b/(dq), ..., h]
+    return split_along_dim(x, -1, mesh.row.group)  # [b/(dq), ..., h/q]
+
+
+def gather_mesh_activation(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """``[b/(depth q), ..., h/q]`` -> ``[b, ..., h]`` on every rank; the backward splits."""
+    if x.dim() < 2:
+        raise ValueError(
+            f"gather_activation: {mesh.kind} activations are [batch, ..., hidden], got shape "
+            f"{list(x.shape)}"
+        )
+    x = gather_along_dim(x, -1, mesh.row.group)  # [b/(dq), ..., h]
+    return gather_along_dim(x, 0, mesh.batch.group)  # [b, ..., h]
+
+
+def split_mesh_batch(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """``[b, ...]`` -> ``[b/(depth q), ...]`` (token ids, targets, images); backward gathers."""
+    _check_activation(x, mesh, (0,), "split_batch")
+    return split_along_dim(x, 0, mesh.batch.group)

@@ -1,0 +1,192 @@
+"""2D and 2.5D LayerNorm: the hidden dim is split over the mesh row, so are the statistics.
+
+Xu et al. 2021, section 3.2 (LayerNorm in 2D): each rank holds ``[b/(depth q), ..., h/q]``;
+the mean and variance of a row of ``h`` values are sums over the ROW group (two all-reduces
+of one value per row, ``[m]``), and the backward needs the row sums of the gradient and of
+gradient * normalized input (one all-reduce of ``[2, m]``). The affine parameters ``[h/q]``
+(block ``j``) are used by every batch block, so their gradients are summed over the batch
+group (``copy_to_group``, inside autograd).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tessera.context import ParallelContext
+
+from .collectives import check_divisible
+from .comm import apply_function
+from .context_access import GroupInfo
+from .initializers import ones, zeros
+from .mesh import MeshModule
+
+__all__ = ["LayerNorm2D", "LayerNorm2p5D", "MeshLayerNorm", "layer_norm_over_group"]
+
+
+def _row_sum(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
+    """Sum over the last dim and over the ranks of ``group`` (which split that dim)."""
+    out = x.sum(dim=-1, keepdim=True)
+    if group.world_size > 1:
+        dist.all_reduce(out, group=group.group)
+    return out
+
+
+class _LayerNormOverGroup(torch.autograd.Function):
+    """LayerNorm of rows whose last dim is split over a group, affine fused (saves x-hat)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        hidden: int,
+        eps: float,
+        group: GroupInfo,
+    ) -> torch.Tensor:
+        x = x.detach()
+        mean = _row_sum(x, group) / hidden  # [.., 1]
+        centered = x - mean  # [.., h/q]
+        var = _row_sum(centered * centered, group) / hidden  # [.., 1], biased as torch's
+        rstd = torch.rsqrt(var + eps)
+        x_hat = centered.mul_(rstd)
+        ctx.hidden, ctx.group = hidden, group
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x_hat, rstd, weight)
+        y = x_hat if weight is None else x_hat * weight
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None, None, None]:
+        x_hat, rstd, weight = ctx.saved_tensors
+        lead = tuple(range(grad.dim() - 1))
+        grad_weight = (grad * x_hat).sum(dim=lead) if weight is not None else None
+        grad_bias = grad.sum(dim=lead) if ctx.has_bias else None
+        g = grad if weight is None else grad * weight  # d loss / d x_hat, [.., h/q]
+        sums = torch.cat((g.sum(dim=-1, keepdim=True), (g * x_hat).sum(dim=-1, keepdim=True)), -1)
+        if ctx.group.world_size > 1:
+            dist.all_reduce(sums, group=ctx.group.group)  # one all-reduce for both: [.., 2]
+        means = sums / ctx.hidden
+        grad_x = (g - means[..., :1] - x_hat * means[..., 1:]) * rstd
+        return grad_x, grad_weight, grad_bias, None, None, None
+
+
+def layer_norm_over_group(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    hidden: int,
+    eps: float,
+    group: GroupInfo,
+) -> torch.Tensor:
+    """``F.layer_norm`` over the last dim of ``hidden`` values split over ``group``.
+
+    Args:
+        x: ``[.., hidden / group size]``, this rank's slice of every row.
+        weight: ``[hidden / group size]`` or ``None``.
+        bias: ``[hidden / group size]`` or ``None``.
+        hidden: The full size of the normalized dim.
+        eps: Added to the variance.
+        group: The ranks holding the other slices, in order.
+    """
+    return apply_function(_LayerNormOverGroup, x, weight, bias, hidden, eps, group)
+
+
+class MeshLayerNorm(MeshModule):
+    """LayerNorm over the hidden dim of a 2D/2.5D activation (behind ``LayerNorm2D``/``2p5D``).
+
+    Input and output ``[b/(depth q), ..., h/q]``; ``weight`` and ``bias`` ``[h/q]`` (block
+    ``j``, replicated over the batch group), ``[h]`` in full form as torch's.
+
+    Args:
+        normalized_shape: ``h`` (or ``(h,)``): 2D/2.5D normalize over the hidden dim only.
+        eps: As torch's LayerNorm.
+        elementwise_affine: Learn weight (and bias).
+        bias: Learn a bias (with ``elementwise_affine``).
+        dtype: Parameter dtype.
+        device: Parameter device (default the context's).
+        context: The ParallelContext (default the current one).
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | tuple[int, ...],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        dtype: torch.dtype | None = None,
+        *,
+        device: torch.device | str | None = None,
+        context: ParallelContext | None = None,
+    ) -> None:
+        super().__init__(context, device)
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+        if len(shape) != 1:
+            raise ValueError(
+                f"{self.owner} normalizes over the hidden dim only; normalized_shape must be an "
+                f"int or a 1-tuple, got {normalized_shape!r}"
+            )
+        self.normalized_shape: tuple[int, ...] = (int(shape[0]),)
+        self.hidden, self.eps = int(shape[0]), eps
+        mesh = self.mesh
+        check_divisible(self.hidden, mesh.q, f"{self.owner} normalized_shape (hidden)")
+        split = {0: (mesh.row.mode,)}
+        replicated = (mesh.col.mode, *mesh.depth_modes)
+        h = self.hidden
+        self.weight = (
+            self.make_parameter(
+                "weight",
+                shape,
+                ones(),
+                fan_in=h,
+                fan_out=h,
+                splits=split,
+                replicated=replicated,
+                dtype=dtype,
+            )
+            if elementwise_affine
+            else None
+        )  # [h/q]
+        self.bias = (
+            self.make_parameter(
+                "bias",
+                shape,
+                zeros(),
+                fan_in=h,
+                fan_out=h,
+                splits=split,
+                replicated=replicated,
+                dtype=dtype,
+            )
+            if elementwise_affine and bias
+            else None
+        )  # [h/q]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """See the class docstring for shapes."""
+        mesh = self.mesh
+        mesh.check_local(x, -1, self.hidden // mesh.q, f"{self.owner}({self.hidden}) input")
+        weight = None if self.weight is None else mesh.over_batch(self.weight)
+        bias = None if self.bias is None else mesh.over_batch(self.bias)
+        return layer_norm_over_group(x, weight, bias, self.hidden, self.eps, mesh.row)
+
+    def extra_repr(self) -> str:
+        """The summary shown by ``print(module)``."""
+        return f"{self.normalized_shape}, eps={self.eps}, " + super().extra_repr()
+
+
+class LayerNorm2D(MeshLayerNorm):
+    """2D LayerNorm (Xu et al. 2021); see :class:`MeshLayerNorm`."""
+
+    MESH = "2d"
+
+
+class LayerNorm2p5D(MeshLayerNorm):
+    """2.5D LayerNorm (Tesseract, Wang et al. 2021); see :class:`MeshLayerNorm`."""
+
+    MESH = "2.5d"
