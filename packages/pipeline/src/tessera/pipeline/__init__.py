@@ -1,4 +1,4 @@
-"""tessera-pipeline: pipeline partitioning, schedules as data, a simulator and timeline plots."""
+"""tessera-pipeline: partitioning, schedules as data, p2p, one executor, a simulator, timelines."""
 
 from tessera.pipeline.actions import (
     Action,
@@ -10,18 +10,43 @@ from tessera.pipeline.actions import (
     stage_of,
     virtual_stage,
 )
+from tessera.pipeline.backward_split import (
+    WeightGradWork,
+    backward_input,
+    backward_weight,
+    full_backward,
+)
 from tessera.pipeline.dataflow import make_deadlock_free
 from tessera.pipeline.errors import DeadlockError, ScheduleError
+from tessera.pipeline.executor import LossFn, PipelineExecutor, run_schedule
 from tessera.pipeline.gpipe import GPipeSchedule
 from tessera.pipeline.interleaved import InterleavedPipelineSchedule
 from tessera.pipeline.one_f_one_b import PipelineSchedule
+from tessera.pipeline.p2p import (
+    CommContext,
+    PayloadMeta,
+    PipelineComm,
+    TensorMeta,
+    Transfer,
+    check_message_order,
+)
 from tessera.pipeline.partition import (
     check_boundaries,
     partition_balanced,
     partition_uniform,
     stage_ranges,
 )
+from tessera.pipeline.payload import (
+    Spec,
+    batch_size_of,
+    concat_microbatches,
+    flatten_payload,
+    payload_signature,
+    split_microbatches,
+    unflatten_payload,
+)
 from tessera.pipeline.plot import plot_timeline
+from tessera.pipeline.recording import RunRecord, gather_timeline
 from tessera.pipeline.schedule import Schedule, add_communication, check_actions
 from tessera.pipeline.simulator import (
     DEFAULT_COSTS,
@@ -73,6 +98,31 @@ __all__ = [
     "PipelineSchedule",
     "InterleavedPipelineSchedule",
     "ZeroBubbleSchedule",
+    # payloads and microbatches
+    "Spec",
+    "flatten_payload",
+    "unflatten_payload",
+    "batch_size_of",
+    "split_microbatches",
+    "concat_microbatches",
+    "payload_signature",
+    # point-to-point communication
+    "CommContext",
+    "TensorMeta",
+    "PayloadMeta",
+    "Transfer",
+    "PipelineComm",
+    "check_message_order",
+    # the executor and the split backward
+    "LossFn",
+    "PipelineExecutor",
+    "run_schedule",
+    "WeightGradWork",
+    "backward_input",
+    "backward_weight",
+    "full_backward",
+    "RunRecord",
+    "gather_timeline",
     # simulator and timeline
     "DEFAULT_COSTS",
     "DeadlockError",

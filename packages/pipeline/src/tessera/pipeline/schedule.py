@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import abc
 from collections import Counter
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
 
 from tessera.pipeline.actions import Action, ActionKind, virtual_stage
 from tessera.pipeline.dataflow import make_deadlock_free
 from tessera.pipeline.errors import ScheduleError
+from tessera.pipeline.executor import LossFn, run_schedule
+from tessera.pipeline.p2p import PayloadMeta, PipelineComm
+from tessera.pipeline.recording import RunRecord
 
 __all__ = ["Schedule", "add_communication", "check_actions"]
 
@@ -44,6 +50,10 @@ class Schedule(abc.ABC):
             executor skip the shape exchange on the first microbatch), else None.
         splits_backward: True when the backward is split into B (input gradient) and W (weight
             gradient); False when ``B`` is the full backward and no ``W`` appears.
+        tensor_dtype: dtype of the tensor passed between stages when ``tensor_shape`` is given
+            (default: ``torch.get_default_dtype()``); settable.
+        last_run: what the last :meth:`forward_backward_step` measured on this rank
+            (:class:`tessera.pipeline.RunRecord`), None before the first.
     """
 
     splits_backward: ClassVar[bool] = False
@@ -63,6 +73,11 @@ class Schedule(abc.ABC):
             None if tensor_shape is None else tuple(int(size) for size in tensor_shape)
         )
         self._tables: dict[tuple[int, bool, int, int], list[list[Action]]] = {}
+        self.tensor_dtype: torch.dtype | None = None
+        self.last_run: RunRecord | None = None
+        # Metadata agreed on a first step, by (stage ids, input signature, forward_only, p).
+        self._link_meta: dict[tuple[Any, ...], dict[tuple[str, int], PayloadMeta]] = {}
+        self._comms: list[tuple[Any, PipelineComm]] = []
 
     @abc.abstractmethod
     def compute_actions(self, pipeline_rank: int, num_stages: int) -> list[Action]:
@@ -116,6 +131,83 @@ class Schedule(abc.ABC):
             )
             self._tables[key] = table
         return [list(actions) for actions in table]
+
+    def forward_backward_step(
+        self,
+        stage: nn.Module | Sequence[nn.Module],
+        data_iter: Iterator[Any],
+        loss_fn: LossFn | None,
+        forward_only: bool = False,
+        return_loss: bool = True,
+        return_output_label: bool = True,
+        context: Any = None,
+        *,
+        record_timeline: bool = False,
+        track_memory: bool = False,
+    ) -> tuple[Any, Any, torch.Tensor | None]:
+        """Run one step of this schedule on this pipeline rank: forwards, backwards, transfers.
+
+        Every pipeline rank calls it with the same arguments. It reads ONE batch with
+        ``next(data_iter)`` on every pipeline rank, so all pipeline ranks must read the same
+        batch (the first stage needs the inputs, the last the labels; the others use its shapes
+        to know, like everyone, whether shapes must be exchanged).
+
+        Args:
+            stage: what :func:`tessera.pipeline.build_pipeline_model` returned: one module, or
+                a list of ``num_chunks`` modules (interleaved). A stage is called with ONE
+                argument, the payload: the microbatch inputs on the first virtual stage, else
+                what the previous virtual stage returned (tensor, tuple, list or dict).
+            data_iter: yields ``(inputs, labels)``; inputs a tensor, tuple or dict (of tensors,
+                non-tensor leaves are passed unchanged); each tensor is split into
+                ``num_microbatches`` parts along dim 0.
+            loss_fn: ``loss_fn(output, label) -> scalar`` per microbatch, on the last virtual
+                stage; the step's loss is its mean over the microbatches (each microbatch's
+                loss is divided by ``num_microbatches`` before its backward, so gradients
+                accumulate to those of the mean). Not needed when ``forward_only``.
+            forward_only: run only the forwards under ``torch.no_grad``: no activations kept,
+                gradients untouched.
+            return_loss: return the loss (on the last stage).
+            return_output_label: return the last stage's outputs (detached, microbatches
+                concatenated along dim 0) and the batch's labels; keeps the outputs of the
+                whole batch, so turn it off when they are not needed.
+            context: the parallel context; the current one when None; with none at all, one
+                pipeline rank.
+            record_timeline: record this rank's timeline in ``self.last_run.timeline``
+                (a barrier first aligns the ranks' clocks).
+            track_memory: measure ``self.last_run.peak_activation_bytes``.
+
+        Returns:
+            ``(output, label, loss)`` on the pipeline rank holding the last virtual stage
+            (``loss`` a 0-dim detached tensor, None when ``return_loss`` is False or there is no
+            loss_fn); ``(None, None, None)`` on every other pipeline rank.
+
+        Raises:
+            ValueError: the batch size is not divisible by ``num_microbatches`` (both numbers
+                named), the stages do not match the schedule, the schedule cannot run on this
+                many stages (interleaved: ``num_microbatches % num_stages != 0``), or no loss_fn
+                for training. All raised before any communication.
+        """
+        return run_schedule(
+            self,
+            stage,
+            data_iter,
+            loss_fn,
+            forward_only=forward_only,
+            return_loss=return_loss,
+            return_output_label=return_output_label,
+            context=context,
+            record_timeline=record_timeline,
+            track_memory=track_memory,
+        )
+
+    def _comm_for(self, context: Any) -> PipelineComm:
+        """The point-to-point layer of ``context`` (made once per context)."""
+        for known, comm in self._comms:
+            if known is context:
+                return comm
+        comm = PipelineComm(context)
+        self._comms.append((context, comm))
+        return comm
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,582 @@
+"""ONE executor for every schedule: it runs a rank's action list, step by step.
+
+:func:`tessera.pipeline.split_steps` cuts the list into compute steps (F, B, W) and
+communication batches. A compute step runs a chunk of the stage; a batch is one
+:meth:`tessera.pipeline.PipelineComm.communicate` (one ``batch_isend_irecv``, waited on as a
+whole). Because receives may come several steps before their consumer (the lists are made
+deadlock-free by moving receives earlier), everything in flight is kept in dicts keyed by
+(microbatch, chunk).
+
+Per (microbatch, chunk), what is held and when it is released:
+
+- F keeps the stage's input leaves and the outputs that get a gradient (their autograd graph);
+  on the last virtual stage the loss ``loss_fn(output, label) / num_microbatches``;
+- B (unsplit) runs the full backward, weights accumulating into ``.grad``, and releases them;
+- B (split) computes only the input gradient (:func:`tessera.pipeline.backward_input`), keeps
+  what W needs; W accumulates the weight gradients and releases everything.
+
+So a rank holds exactly the microbatches its schedule has between F and the last backward
+piece: ``p - r`` for 1F1B on rank r, m for GPipe (``RunRecord.peak_live``).
+
+Inputs of a stage that come from another stage are fresh leaves (received buffers, or a
+detached copy when the previous virtual stage is on the same rank, i.e. one pipeline rank with
+several chunks): each chunk's graph ends at its own inputs and the gradients of those leaves are
+what B sends back. Tensors that do not require grad flow forward and get no gradient: the
+metadata carries the mask, so the sender does not wait for one and the receiver sends none.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.context import ParallelMode, get_context, has_context
+from tessera.pipeline.actions import Action, ActionKind, peer_rank, split_steps
+from tessera.pipeline.backward_split import (
+    WeightGradWork,
+    backward_input,
+    backward_weight,
+    full_backward,
+)
+from tessera.pipeline.p2p import PayloadMeta, PipelineComm, TensorMeta, Transfer
+from tessera.pipeline.payload import (
+    concat_microbatches,
+    flatten_payload,
+    payload_signature,
+    split_microbatches,
+    unflatten_payload,
+)
+from tessera.pipeline.recording import RunRecord
+from tessera.pipeline.stage import PipelineStage
+from tessera.pipeline.timeline import TimelineEvent
+
+if TYPE_CHECKING:
+    from tessera.pipeline.schedule import Schedule
+
+__all__ = ["LossFn", "PipelineExecutor", "run_schedule"]
+
+#: ``loss_fn(output, label) -> scalar tensor``, called per microbatch on the last stage.
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass
+class _Held:
+    """What a (microbatch, chunk) keeps from its F until its last backward piece."""
+
+    roots: list[torch.Tensor]  # outputs that get a gradient, or [loss] on the last stage
+    inputs: list[torch.Tensor]  # input leaves that require grad
+    grad_meta: PayloadMeta | None  # metadata of the gradient message RECV_B gets
+    storages: dict[int, int] = field(default_factory=dict)  # saved storages: ptr -> bytes
+    work: WeightGradWork | None = None
+
+
+@dataclass
+class _Results:
+    losses: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)
+
+
+def _detach(payload: Any) -> Any:
+    tensors, spec = flatten_payload(payload, where="output")
+    return unflatten_payload([t.detach() for t in tensors], spec)
+
+
+def _to_device(payload: Any, device: torch.device) -> Any:
+    if isinstance(payload, torch.Tensor):
+        return payload.to(device)
+    if isinstance(payload, tuple | list):
+        items = [_to_device(item, device) for item in payload]
+        return tuple(items) if isinstance(payload, tuple) else items
+    if isinstance(payload, dict):
+        return {key: _to_device(value, device) for key, value in payload.items()}
+    return payload
+
+
+class PipelineExecutor:
+    """Runs one rank's action list for one step (one use).
+
+    Most users call ``schedule.forward_backward_step``, which builds this. Using it directly
+    lets a custom driver run its own action list.
+
+    Args:
+        stages: this rank's model chunks, chunk 0 first.
+        actions: this rank's ordered action list.
+        pipeline_rank: this rank's index in the pipeline group.
+        num_stages: pipeline ranks (p).
+        num_microbatches: microbatches per step (m).
+        splits_backward: whether B is only the input gradient and W the weight gradient.
+        loss_fn: ``loss_fn(output, label)`` on the last virtual stage (None: no loss; then the
+            step must be forward-only).
+        forward_only: run F only, under ``torch.no_grad`` (nothing kept, gradients untouched).
+        comm: the point-to-point layer (None with one pipeline rank).
+        link_meta: known metadata per link, ``("in", chunk)`` / ``("out", chunk)``; filled
+            with what this step learns when ``exchange_meta`` is True.
+        exchange_meta: send metadata with every message of this step (both ends agree).
+        fixed_meta: the one-tensor metadata from ``tensor_shape`` (no exchange at all).
+        keep_outputs: keep the last stage's outputs (detached) to return them.
+        record_timeline: record a :class:`TimelineEvent` per action.
+        track_memory: count the bytes saved for backward (a saved-tensor hook on F).
+        clock_start: ``time.perf_counter()`` value the timeline is relative to.
+    """
+
+    def __init__(
+        self,
+        *,
+        stages: Sequence[nn.Module],
+        actions: Sequence[Action],
+        pipeline_rank: int,
+        num_stages: int,
+        num_microbatches: int,
+        splits_backward: bool,
+        loss_fn: LossFn | None,
+        forward_only: bool = False,
+        comm: PipelineComm | None = None,
+        link_meta: dict[tuple[str, int], PayloadMeta] | None = None,
+        exchange_meta: bool = True,
+        fixed_meta: PayloadMeta | None = None,
+        keep_outputs: bool = True,
+        record_timeline: bool = False,
+        track_memory: bool = False,
+        clock_start: float | None = None,
+    ) -> None:
+        self.stages = list(stages)
+        self.actions = list(actions)
+        self.rank = pipeline_rank
+        self.p = num_stages
+        self.m = num_microbatches
+        self.v = len(self.stages)
+        self.last = self.p * self.v - 1
+        self.split = splits_backward
+        self.loss_fn = loss_fn
+        self.training = not forward_only
+        self.comm = comm
+        self.link_meta = link_meta if link_meta is not None else {}
+        self.exchange = exchange_meta and fixed_meta is None
+        self.fixed = fixed_meta
+        self.keep_outputs = keep_outputs
+        self.record = record_timeline
+        self.track_memory = track_memory
+        self.t0 = time.perf_counter() if clock_start is None else clock_start
+        if self.training and loss_fn is None:
+            raise ValueError("a training step needs a loss_fn; pass forward_only=True to evaluate")
+        if self.p > 1 and comm is None:
+            raise ValueError(f"{self.p} pipeline ranks need a PipelineComm")
+        # (microbatch, chunk) -> state
+        self._inputs: dict[tuple[int, int], tuple[Any, list[torch.Tensor]]] = {}
+        self._in_meta: dict[tuple[int, int], PayloadMeta] = {}
+        self._send_f: dict[tuple[int, int], tuple[list[torch.Tensor], PayloadMeta]] = {}
+        self._send_b: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._recv_b: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._held: dict[tuple[int, int], _Held] = {}
+        self.results = _Results()
+        self.events: list[TimelineEvent] = []
+        self.peak_live = 0
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._storage_users: dict[int, int] = {}
+        self._param_storages = {
+            p.untyped_storage().data_ptr() for stage in self.stages for p in stage.parameters()
+        }
+
+    # -- driver -------------------------------------------------------------------------------
+
+    def run(self, inputs: Sequence[Any], labels: Sequence[Any]) -> _Results:
+        """Run every step of the action list.
+
+        Args:
+            inputs: the microbatches' inputs (read by the first virtual stage).
+            labels: the microbatches' labels (read by the last virtual stage).
+        """
+        self._data, self._labels = list(inputs), list(labels)
+        for step in split_steps(self.actions):
+            start = time.perf_counter()
+            if step[0].kind.is_compute:
+                self._compute(step[0])
+            else:
+                self._communicate(step)
+            if self.record:
+                end = time.perf_counter()
+                for action in step:
+                    self.events.append(
+                        TimelineEvent(start - self.t0, end - self.t0, self.rank, action)
+                    )
+        leftover = [key for key, held in self._held.items() if held is not None]
+        if leftover:
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: the action list left activations of (microbatch, "
+                f"chunk) {sorted(leftover)} without their backward"
+            )
+        return self.results
+
+    def _virtual(self, chunk: int) -> int:
+        return chunk * self.p + self.rank
+
+    # -- compute ------------------------------------------------------------------------------
+
+    def _compute(self, action: Action) -> None:
+        if action.kind is ActionKind.F:
+            self._forward(action.microbatch, action.chunk)
+        elif action.kind is ActionKind.B:
+            self._backward(action.microbatch, action.chunk)
+        else:
+            self._weight(action.microbatch, action.chunk)
+
+    def _memory_hooks(self) -> tuple[AbstractContextManager[Any], dict[int, int]]:
+        saved: dict[int, int] = {}
+        if not self.track_memory:
+            return nullcontext(), saved
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self._param_storages:
+                saved[ptr] = storage.nbytes()
+            # A detached alias: returning the tensor itself would tie an output to its own
+            # grad_fn in a reference cycle.
+            return tensor.detach()
+
+        def unpack(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack), saved
+
+    def _forward(self, m: int, c: int) -> None:
+        vs = self._virtual(c)
+        in_leaves: list[torch.Tensor]
+        if vs == 0:
+            payload, in_leaves = self._data[m], []
+        else:
+            try:
+                payload, in_leaves = self._inputs.pop((m, c))
+            except KeyError:
+                raise RuntimeError(
+                    f"pipeline rank {self.rank}: F{m}:{c} runs before its input arrived"
+                ) from None
+        hooks, saved = self._memory_hooks()
+        grad_mode = torch.enable_grad() if self.training else torch.no_grad()
+        with grad_mode, hooks:
+            out = self.stages[c](payload)
+            loss = None
+            if vs == self.last and self.loss_fn is not None:
+                loss = self.loss_fn(out, self._labels[m])
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
+                    raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+                loss = loss.reshape(()) / self.m
+        if vs == self.last:
+            if loss is not None:
+                self.results.losses.append(loss.detach())
+            if self.keep_outputs:
+                self.results.outputs.append(_detach(out))
+            if self.training:
+                assert loss is not None
+                self._hold(m, c, _Held([loss], in_leaves, None, saved))
+            return
+        flat, spec = flatten_payload(out, where=f"the output of virtual stage {vs}")
+        if self.fixed is not None:
+            self._check_fixed(flat, spec, vs)
+            meta = self.fixed
+        else:
+            meta = PayloadMeta(
+                spec,
+                tuple(TensorMeta.of(t, self.training and t.requires_grad) for t in flat),
+            )
+        mask = meta.grad_mask
+        detached = [t.detach() for t in flat]
+        if self.p == 1:  # the next virtual stage is the next chunk of this rank
+            leaves = [d.requires_grad_() if g else d for d, g in zip(detached, mask, strict=True)]
+            self._inputs[(m, c + 1)] = (
+                unflatten_payload(leaves, spec),
+                [t for t, g in zip(leaves, mask, strict=True) if g],
+            )
+        else:
+            self._send_f[(m, c)] = (detached, meta)
+        if self.training:
+            roots = [t for t, g in zip(flat, mask, strict=True) if g]
+            self._hold(m, c, _Held(roots, in_leaves, meta.gradient_meta(), saved))
+
+    def _check_fixed(self, flat: list[torch.Tensor], spec: Any, vs: int) -> None:
+        fixed = self.fixed
+        assert fixed is not None
+        if spec != fixed.spec or not fixed.tensors[0].matches(flat[0]):
+            got = [(list(t.shape), t.dtype) for t in flat]
+            raise ValueError(
+                f"pipeline rank {self.rank}: virtual stage {vs} outputs {got}, but tensor_shape "
+                f"says one tensor of {fixed.describe()}; fix tensor_shape / TENSOR_SHAPE or "
+                "leave it unset so the shapes are exchanged"
+            )
+
+    def _hold(self, m: int, c: int, held: _Held) -> None:
+        self._held[(m, c)] = held
+        self.peak_live = max(self.peak_live, len(self._held))
+        # A storage shared by several microbatches (views of one batch) counts once.
+        for ptr, nbytes in held.storages.items():
+            count = self._storage_users.get(ptr, 0)
+            if count == 0:
+                self.live_bytes += nbytes
+            self._storage_users[ptr] = count + 1
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _release(self, m: int, c: int) -> None:
+        held = self._held.pop((m, c))
+        for ptr, nbytes in held.storages.items():
+            count = self._storage_users.pop(ptr) - 1
+            if count:
+                self._storage_users[ptr] = count
+            else:
+                self.live_bytes -= nbytes
+
+    def _backward(self, m: int, c: int) -> None:
+        vs = self._virtual(c)
+        held = self._held.get((m, c))
+        if held is None:
+            raise RuntimeError(f"pipeline rank {self.rank}: B{m}:{c} runs without its forward")
+        if vs == self.last:
+            grads = [torch.ones_like(held.roots[0])]
+        else:
+            try:
+                grads = self._recv_b.pop((m, c))
+            except KeyError:
+                raise RuntimeError(
+                    f"pipeline rank {self.rank}: B{m}:{c} runs before its output gradient arrived"
+                ) from None
+        if self.split:
+            in_grads, held.work = backward_input(held.roots, grads, held.inputs)
+            held.roots = []
+        else:
+            in_grads = full_backward(held.roots, grads, held.inputs)
+            self._release(m, c)
+        if vs == 0:
+            return
+        if self.p == 1:
+            self._recv_b[(m, c - 1)] = in_grads
+        else:
+            self._send_b[(m, c)] = in_grads
+
+    def _weight(self, m: int, c: int) -> None:
+        held = self._held.get((m, c))
+        if held is None or held.work is None:
+            raise RuntimeError(f"pipeline rank {self.rank}: W{m}:{c} runs before its B")
+        work, held.work = held.work, None
+        backward_weight(work)
+        self._release(m, c)
+
+    # -- communication ------------------------------------------------------------------------
+
+    def _communicate(self, batch: Sequence[Action]) -> None:
+        assert self.comm is not None
+        transfers: list[tuple[Action, Transfer]] = []
+        for action in batch:
+            key = (action.microbatch, action.chunk)
+            peer = peer_rank(action, self.rank, self.p)
+            kind = action.kind
+            if kind is ActionKind.SEND_F:
+                tensors, meta = self._send_f.pop(key)
+                meta = self._agreed_output_meta(action, meta)
+                transfers.append((action, Transfer("send", peer, tensors, meta)))
+            elif kind is ActionKind.RECV_F:
+                expected = self.fixed or (
+                    None if self.exchange else self.link_meta.get(("in", action.chunk))
+                )
+                transfers.append((action, Transfer("recv", peer, meta=expected)))
+            elif kind is ActionKind.SEND_B:
+                grads = self._send_b.pop(key)
+                meta = self._in_meta.pop(key).gradient_meta()
+                transfers.append((action, Transfer("send", peer, grads, meta)))
+            else:
+                grad_meta = self._held[key].grad_meta
+                transfers.append((action, Transfer("recv", peer, meta=grad_meta)))
+        self.comm.communicate([t for _, t in transfers], exchange_meta=self.exchange)
+        for action, transfer in transfers:
+            key = (action.microbatch, action.chunk)
+            if action.kind is ActionKind.RECV_F:
+                got = transfer.received_meta
+                assert got is not None
+                if self.exchange:
+                    self.link_meta.setdefault(("in", action.chunk), got)
+                wants = [self.training and t.requires_grad for t in got.tensors]
+                leaves = [
+                    b.requires_grad_() if g else b
+                    for b, g in zip(transfer.received, wants, strict=True)
+                ]
+                grad_leaves = [b for b, g in zip(leaves, wants, strict=True) if g]
+                self._inputs[key] = (unflatten_payload(leaves, got.spec), grad_leaves)
+                if self.training:
+                    self._in_meta[key] = got
+            elif action.kind is ActionKind.RECV_B:
+                self._recv_b[key] = transfer.received
+
+    def _agreed_output_meta(self, action: Action, meta: PayloadMeta) -> PayloadMeta:
+        """The metadata of F's output as agreed with the receiver (checked, not sent, later)."""
+        if self.fixed is not None:
+            return meta
+        link = ("out", action.chunk)
+        if self.exchange:
+            self.link_meta.setdefault(link, meta)
+            return meta
+        agreed = self.link_meta.get(link)
+        if agreed is None:
+            raise RuntimeError(f"pipeline rank {self.rank}: no agreed metadata for {action}")
+        if agreed != meta:
+            raise ValueError(
+                f"pipeline rank {self.rank}: {action} sends {meta.describe()}, but the shapes "
+                f"agreed on the first step with these input shapes were {agreed.describe()}; "
+                "stage output shapes must depend only on the input shapes"
+            )
+        return agreed
+
+
+# -- forward_backward_step ---------------------------------------------------------------------
+
+
+def _stage_list(stage: nn.Module | Sequence[nn.Module], num_chunks: int) -> list[nn.Module]:
+    stages = [stage] if isinstance(stage, nn.Module) else list(stage)
+    if len(stages) != num_chunks:
+        raise ValueError(
+            f"the schedule runs {num_chunks} model chunk(s) per rank but got {len(stages)} "
+            "stage module(s); pass what build_pipeline_model(..., num_chunks=...) returned"
+        )
+    for index, module in enumerate(stages):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"stage {index} is a {type(module).__name__}, expected an nn.Module")
+    return stages
+
+
+def _check_stage_positions(stages: Sequence[nn.Module], rank: int, size: int) -> None:
+    for chunk, module in enumerate(stages):
+        if not isinstance(module, PipelineStage):
+            continue
+        position = (module.pipeline_rank, module.num_stages, module.chunk, module.num_chunks)
+        expected = (rank, size, chunk, len(stages))
+        if position != expected:
+            raise ValueError(
+                f"stage {chunk} was built for (pipeline rank, pipeline size, chunk, chunks) = "
+                f"{position} but runs at {expected}"
+            )
+
+
+def _fixed_meta(schedule: Schedule, context: Any, forward_only: bool) -> PayloadMeta | None:
+    shape = schedule.tensor_shape
+    if shape is None and context is not None:
+        config = getattr(context, "full_config", None)
+        if config is not None and hasattr(config, "get"):
+            given = config.get("TENSOR_SHAPE")
+            if given is not None:
+                shape = tuple(int(s) for s in given)
+    if shape is None:
+        return None
+    dtype = schedule.tensor_dtype or torch.get_default_dtype()
+    grad = not forward_only and dtype.is_floating_point
+    return PayloadMeta(("tensor",), (TensorMeta(tuple(shape), dtype, grad),))
+
+
+def _device_of(stages: Sequence[nn.Module], context: Any) -> torch.device:
+    if context is not None:
+        return torch.device(context.device)
+    for stage in stages:
+        for param in stage.parameters():
+            return param.device
+    return torch.device("cpu")
+
+
+def run_schedule(
+    schedule: Schedule,
+    stage: nn.Module | Sequence[nn.Module],
+    data_iter: Iterator[Any],
+    loss_fn: LossFn | None,
+    *,
+    forward_only: bool = False,
+    return_loss: bool = True,
+    return_output_label: bool = True,
+    context: Any = None,
+    record_timeline: bool = False,
+    track_memory: bool = False,
+) -> tuple[Any, Any, torch.Tensor | None]:
+    """What ``schedule.forward_backward_step`` does (see there); also sets ``schedule.last_run``."""
+    if context is None and has_context():
+        context = get_context()
+    if context is None:
+        rank, size = 0, 1
+    else:
+        rank = context.get_local_rank(ParallelMode.PIPELINE)
+        size = context.get_world_size(ParallelMode.PIPELINE)
+    stages = _stage_list(stage, schedule.num_chunks)
+    _check_stage_positions(stages, rank, size)
+    if not forward_only and loss_fn is None:
+        raise ValueError("a training step needs a loss_fn; pass forward_only=True to evaluate")
+    batch = next(data_iter)
+    if not isinstance(batch, tuple | list) or len(batch) != 2:
+        raise TypeError(
+            "data_iter must yield (inputs, labels) pairs, got "
+            f"{type(batch).__name__}{'' if not isinstance(batch, tuple | list) else len(batch)}"
+        )
+    inputs, labels = batch
+    m = schedule.num_microbatches
+    # Every check that can fail runs before the first message, identically on every rank
+    # (all pipeline ranks read the same batch), so an error never leaves a peer waiting.
+    input_parts = split_microbatches(inputs, m, what="inputs")
+    label_parts = split_microbatches(labels, m, what="labels")
+    actions = schedule.actions(rank, size, forward_only=forward_only)
+    device = _device_of(stages, context)
+    virtual_first = rank == 0
+    holds_last = rank == size - 1
+    if virtual_first:
+        input_parts = [_to_device(part, device) for part in input_parts]
+    if holds_last:
+        label_parts = [_to_device(part, device) for part in label_parts]
+
+    fixed = _fixed_meta(schedule, context, forward_only)
+    comm = schedule._comm_for(context) if size > 1 else None
+    cache_key = (
+        tuple(id(s) for s in stages),
+        payload_signature(input_parts[0]),
+        forward_only,
+        size,
+    )
+    known = schedule._link_meta.get(cache_key)
+    exchange = fixed is None and known is None
+    if comm is not None:
+        comm.ensure_ready()
+        if record_timeline:
+            dist.barrier(group=comm.cpu_group)
+    executor = PipelineExecutor(
+        stages=stages,
+        actions=actions,
+        pipeline_rank=rank,
+        num_stages=size,
+        num_microbatches=m,
+        splits_backward=schedule.splits_backward,
+        loss_fn=loss_fn if (return_loss or not forward_only) else None,
+        forward_only=forward_only,
+        comm=comm,
+        link_meta=dict(known) if known is not None else {},
+        exchange_meta=exchange,
+        fixed_meta=fixed,
+        keep_outputs=return_output_label and holds_last,
+        record_timeline=record_timeline,
+        track_memory=track_memory,
+    )
+    results = executor.run(input_parts, label_parts)
+    if exchange and size > 1:
+        schedule._link_meta[cache_key] = dict(executor.link_meta)
+    schedule.last_run = RunRecord(
+        pipeline_rank=rank,
+        timeline=tuple(executor.events),
+        peak_live=executor.peak_live,
+        peak_activations=executor.peak_live / schedule.num_chunks,
+        peak_activation_bytes=executor.peak_bytes,
+        exchanged_metadata=exchange and size > 1,
+    )
+    if not holds_last:
+        return None, None, None
+    output = concat_microbatches(results.outputs) if return_output_label else None
+    label = labels if return_output_label else None
+    loss = torch.stack(results.losses).sum() if return_loss and results.losses else None
+    return output, label, loss
