@@ -1,0 +1,99 @@
+"""tessera-engine: the Engine and everything around a training step.
+
+Gradient handlers, initialize(), mixed precision, ZeRO, gradient accumulation, global-norm
+clipping, data loading, and the Trainer with hooks.
+
+It knows no layer class: what it needs about sharded parameters comes from
+``tessera.context.ShardInfo``; pipeline schedules come from tessera-pipeline.
+"""
+
+from .accumulation import AccumulatedLRScheduler
+from .buckets import all_reduce_coalesced, broadcast_coalesced, bucketize
+from .clipping import (
+    clip_grad_norm,
+    combine_norms,
+    global_grad_norm,
+    norm_contributions,
+    reduce_contributions,
+)
+from .data import get_dataloader
+from .dist_logger import DistributedLogger, get_dist_logger
+from .engine import Engine
+from .gradient_handlers import (
+    BaseGradientHandler,
+    DataParallelGradientHandler,
+    PipelineSharedModuleGradientHandler,
+    SequenceParallelGradientHandler,
+    mark_pipeline_shared,
+)
+from .hooks import (
+    AccuracyHook,
+    BaseHook,
+    LogMemoryByEpochHook,
+    LogMetricByEpochHook,
+    LogMetricByStepHook,
+    LogTimingByEpochHook,
+    LossHook,
+    LRSchedulerHook,
+    TensorboardHook,
+    ThroughputHook,
+)
+from .initialize import ENGINE_CONFIG_KEYS, initialize, sync_replicated_parameters
+from .loss_scaler import DynamicLossScaler
+from .metrics import AverageMetric, ThroughputMetric
+from .schedule import NonPipelineSchedule, StepSchedule
+from .timer import MultiTimer, Timer
+from .trainer import Trainer
+from .zero import rebuild_optimizer, shard_with_fsdp2, zero_redundancy_optimizer
+
+__all__ = [
+    # engine and setup
+    "Engine",
+    "initialize",
+    "ENGINE_CONFIG_KEYS",
+    "sync_replicated_parameters",
+    # schedules
+    "StepSchedule",
+    "NonPipelineSchedule",
+    # gradient handlers
+    "BaseGradientHandler",
+    "DataParallelGradientHandler",
+    "SequenceParallelGradientHandler",
+    "PipelineSharedModuleGradientHandler",
+    "mark_pipeline_shared",
+    # precision, ZeRO, accumulation, clipping
+    "DynamicLossScaler",
+    "zero_redundancy_optimizer",
+    "shard_with_fsdp2",
+    "rebuild_optimizer",
+    "AccumulatedLRScheduler",
+    "clip_grad_norm",
+    "global_grad_norm",
+    "norm_contributions",
+    "combine_norms",
+    "reduce_contributions",
+    # collectives
+    "bucketize",
+    "all_reduce_coalesced",
+    "broadcast_coalesced",
+    # data
+    "get_dataloader",
+    # trainer, hooks, metrics, timing, logging
+    "Trainer",
+    "BaseHook",
+    "LRSchedulerHook",
+    "LossHook",
+    "AccuracyHook",
+    "ThroughputHook",
+    "LogMetricByEpochHook",
+    "LogMetricByStepHook",
+    "LogTimingByEpochHook",
+    "LogMemoryByEpochHook",
+    "TensorboardHook",
+    "AverageMetric",
+    "ThroughputMetric",
+    "MultiTimer",
+    "Timer",
+    "DistributedLogger",
+    "get_dist_logger",
+]

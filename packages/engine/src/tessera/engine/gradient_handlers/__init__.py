@@ -1,0 +1,17 @@
+"""Gradient handlers: what happens to the gradients between backward and the optimizer step."""
+
+from .base import BaseGradientHandler
+from .data_parallel import DataParallelGradientHandler
+from .pipeline_shared import (
+    PipelineSharedModuleGradientHandler,
+    mark_pipeline_shared,
+)
+from .sequence_parallel import SequenceParallelGradientHandler
+
+__all__ = [
+    "BaseGradientHandler",
+    "DataParallelGradientHandler",
+    "SequenceParallelGradientHandler",
+    "PipelineSharedModuleGradientHandler",
+    "mark_pipeline_shared",
+]

@@ -1,0 +1,334 @@
+"""``initialize``: turn a model, optimizer and config into an Engine ready for the job.
+
+It reads the engine keys of the configuration (the one ``launch`` was given, unless
+``config=`` is passed):
+
+=========================  ================================================================
+key                        effect
+=========================  ================================================================
+``fp16=dict(mode="torch",  float16 autocast + dynamic loss scaling; an overflow on any rank
+init_scale=2**16, ...)``   skips the step on every rank (``DynamicLossScaler`` keywords)
+``bf16=True``              bfloat16 autocast (no scaling needed)
+``zero=dict(stage=1|2|3,   ZeRO over DATA: ZeroRedundancyOptimizer (1), FSDP2 (2: gradients
+offload=False)``           and optimizer state sharded, 3: also parameters; offload: CPU)
+``gradient_accumulation``  N micro-steps per optimizer (and lr-scheduler) step
+``clip_grad_norm``         clip to this global norm (ShardInfo-aware, every layout)
+``gradient_handlers``      ``[dict(type="DataParallelGradientHandler"), ...]``; default:
+                           torch DDP for plain data parallelism, else the matching handler
+``ddp=dict(...)``          extra keywords of DistributedDataParallel
+``schedule=dict(type=..)`` a schedule from the SCHEDULES registry; default: see below
+``NUM_MICRO_BATCHES``,     with pipeline size > 1: ``PipelineSchedule`` (1F1B), or
+``NUM_CHUNKS``,            ``InterleavedPipelineSchedule`` when NUM_CHUNKS > 1, from
+``TENSOR_SHAPE``           tessera.pipeline
+=========================  ================================================================
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera.context import ConfigError, ParallelContext, ParallelMode
+from tessera.registry import GRADIENT_HANDLERS, SCHEDULES, build
+
+from .accumulation import AccumulatedLRScheduler
+from .buckets import broadcast_coalesced
+from .context_lookup import group_if_parallel, resolve_context
+from .engine import Engine
+from .gradient_handlers import (
+    BaseGradientHandler,
+    DataParallelGradientHandler,
+    SequenceParallelGradientHandler,
+)
+from .loss_scaler import DynamicLossScaler
+from .schedule import NonPipelineSchedule, StepSchedule
+from .zero import rebuild_optimizer, shard_with_fsdp2, zero_redundancy_optimizer
+
+__all__ = ["ENGINE_CONFIG_KEYS", "initialize", "sync_replicated_parameters"]
+
+#: The configuration keys ``initialize`` reads.
+ENGINE_CONFIG_KEYS = (
+    "fp16",
+    "bf16",
+    "zero",
+    "gradient_accumulation",
+    "clip_grad_norm",
+    "gradient_handlers",
+    "ddp",
+    "schedule",
+    "NUM_MICRO_BATCHES",
+    "NUM_CHUNKS",
+    "TENSOR_SHAPE",
+)
+
+_FP16_KEYS = (
+    "mode",
+    "init_scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "min_scale",
+    "max_scale",
+)
+
+
+def _modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    return [model] if isinstance(model, nn.Module) else list(model)
+
+
+def _is_sequence_parallel(ctx: ParallelContext) -> bool:
+    return ctx.config.tensor_mode == "sequence"
+
+
+def _replica_mode(ctx: ParallelContext) -> ParallelMode:
+    """The ranks over which a whole parameter is replicated: DATA, or data x sequence."""
+    if _is_sequence_parallel(ctx) and ctx.is_initialized(ParallelMode.SEQUENCE_DP):
+        return ParallelMode.SEQUENCE_DP
+    return ParallelMode.DATA
+
+
+def sync_replicated_parameters(
+    model: nn.Module | Sequence[nn.Module], context: ParallelContext | None = None
+) -> None:
+    """Copy the parameters and buffers of the first replica to every other.
+
+    (over DATA, or
+    SEQUENCE_DP under sequence parallelism), so replicas start equal whatever their seeds.
+    """
+    ctx = resolve_context(context)
+    if ctx is None:
+        return
+    mode = _replica_mode(ctx)
+    group = group_if_parallel(ctx, mode)
+    if group is None:
+        return
+    src = ctx.get_ranks_in_group(mode)[0]
+    tensors: list[torch.Tensor] = []
+    for m in _modules(model):
+        tensors.extend(p.data for p in m.parameters())
+        tensors.extend(b for b in m.buffers())
+    broadcast_coalesced(tensors, src, group)
+
+
+def _read_precision(cfg: Mapping[str, Any]) -> tuple[torch.dtype | None, DynamicLossScaler | None]:
+    fp16, bf16 = cfg.get("fp16"), cfg.get("bf16")
+    if fp16 and bf16:
+        raise ConfigError("fp16 and bf16 are both set; choose one mixed-precision mode")
+    if bf16:
+        if bf16 is not True:
+            raise ConfigError(f"bf16 must be True or absent, got {bf16!r}")
+        return torch.bfloat16, None
+    if not fp16:
+        return None, None
+    if not isinstance(fp16, Mapping):
+        raise ConfigError(f"fp16 must be a dict like dict(mode='torch'), got {fp16!r}")
+    unknown = sorted(set(fp16) - set(_FP16_KEYS))
+    if unknown:
+        raise ConfigError(f"fp16 has unknown keys {unknown}; accepted: {list(_FP16_KEYS)}")
+    mode = fp16.get("mode", "torch")
+    if mode != "torch":
+        raise ConfigError(f"fp16.mode {mode!r} is not supported; use fp16=dict(mode='torch')")
+    kwargs = {k: v for k, v in fp16.items() if k != "mode"}
+    return torch.float16, DynamicLossScaler(**kwargs)
+
+
+def _read_int(cfg: Mapping[str, Any], key: str, default: int, minimum: int = 1) -> int:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{key} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _read_zero(cfg: Mapping[str, Any]) -> tuple[int, bool]:
+    zero = cfg.get("zero")
+    if zero is None:
+        return 0, False
+    if not isinstance(zero, Mapping):
+        raise ConfigError(f"zero must be a dict like dict(stage=1), got {zero!r}")
+    unknown = sorted(set(zero) - {"stage", "offload"})
+    if unknown:
+        raise ConfigError(f"zero has unknown keys {unknown}; accepted: ['stage', 'offload']")
+    stage = zero.get("stage")
+    if stage not in (1, 2, 3):
+        raise ConfigError(f"zero.stage must be 1, 2 or 3, got {stage!r}")
+    offload = bool(zero.get("offload", False))
+    if offload and stage == 1:
+        raise ConfigError("zero.offload needs stage 2 or 3 (FSDP2's CPUOffloadPolicy)")
+    return int(stage), offload
+
+
+def _pipeline_schedule(cfg: Mapping[str, Any], ctx: ParallelContext) -> StepSchedule:
+    if "NUM_MICRO_BATCHES" not in cfg:
+        raise ConfigError(
+            f"pipeline size is {ctx.pipeline_size} but the config has no NUM_MICRO_BATCHES: "
+            "set NUM_MICRO_BATCHES (and NUM_CHUNKS for the interleaved schedule)"
+        )
+    from tessera.pipeline import InterleavedPipelineSchedule, PipelineSchedule
+
+    micro = _read_int(cfg, "NUM_MICRO_BATCHES", 1)
+    chunks = _read_int(cfg, "NUM_CHUNKS", 1)
+    shape = cfg.get("TENSOR_SHAPE")
+    schedule: Any
+    if chunks > 1:
+        schedule = InterleavedPipelineSchedule(micro, chunks, tensor_shape=shape)
+    else:
+        schedule = PipelineSchedule(micro, tensor_shape=shape)
+    if not callable(getattr(schedule, "forward_backward_step", None)):
+        raise NotImplementedError(
+            f"{type(schedule).__name__} of this tessera-pipeline version has no "
+            "forward_backward_step (executor); update tessera-pipeline"
+        )
+    return schedule  # type: ignore[no-any-return]
+
+
+def _build_handlers(
+    cfg: Mapping[str, Any],
+    forward_model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    ctx: ParallelContext,
+) -> list[BaseGradientHandler]:
+    handlers = []
+    for i, entry in enumerate(cfg.get("gradient_handlers") or ()):
+        if not isinstance(entry, Mapping) or "type" not in entry:
+            raise ConfigError(f"gradient_handlers[{i}] must be a dict with a 'type', got {entry!r}")
+        handler = build(
+            entry, GRADIENT_HANDLERS, model=forward_model, optimizer=optimizer, context=ctx
+        )
+        if not isinstance(handler, BaseGradientHandler):
+            raise ConfigError(
+                f"gradient_handlers[{i}] built a {type(handler).__name__}, not a "
+                "BaseGradientHandler"
+            )
+        handlers.append(handler)
+    return handlers
+
+
+def initialize(
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    criterion: Any = None,
+    train_dataloader: Any = None,
+    test_dataloader: Any = None,
+    lr_scheduler: Any = None,
+    config: Mapping[str, Any] | None = None,
+    context: ParallelContext | None = None,
+) -> tuple[Engine, Any, Any, Any]:
+    """Build the Engine for ``model`` under the current (or given) parallel context.
+
+    Every rank must call it (it broadcasts replicated parameters and may create groups).
+
+    Args:
+        model: This rank's model (a pipeline stage or its chunks, tensor-parallel layers...).
+        optimizer: Its optimizer. Under ZeRO a new optimizer of the same class and param-group
+            settings replaces it (read ``engine.optimizer``); its state is not carried over.
+        criterion: ``criterion(output, label) -> loss``.
+        train_dataloader: Returned unchanged (build it with ``get_dataloader``).
+        test_dataloader: Returned unchanged.
+        lr_scheduler: Returned wrapped in ``AccumulatedLRScheduler`` under gradient
+            accumulation (it must then be stepped once per micro-step).
+        config: The configuration (default: the launcher's, ``context.full_config``).
+        context: The ParallelContext (default: the current one; none: a single process).
+
+    Returns:
+        ``(engine, train_dataloader, test_dataloader, lr_scheduler)``.
+
+    Raises:
+        ConfigError: a key above has a bad value or a combination is unsupported.
+    """
+    ctx = resolve_context(context)
+    cfg: Mapping[str, Any] = (
+        config if config is not None else (ctx.full_config if ctx is not None else {})
+    )
+    dtype, scaler = _read_precision(cfg)
+    zero_stage, offload = _read_zero(cfg)
+    accumulation = _read_int(cfg, "gradient_accumulation", 1)
+    clip = cfg.get("clip_grad_norm", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+        raise ConfigError(f"clip_grad_norm must be a number >= 0, got {clip!r}")
+    modules = _modules(model)
+    pipeline_size = ctx.pipeline_size if ctx is not None else 1
+    data_size = ctx.data_size if ctx is not None else 1
+    if zero_stage and ctx is None:
+        raise ConfigError("zero needs a ParallelContext (launch tessera first)")
+    if zero_stage >= 2 and (pipeline_size > 1 or len(modules) > 1):
+        raise ConfigError(
+            f"zero.stage {zero_stage} (FSDP2) is not supported with pipeline size "
+            f"{pipeline_size}; use zero.stage 1 with pipeline parallelism"
+        )
+
+    # 1. device and equal replicas
+    if ctx is not None:
+        for m in modules:
+            m.to(ctx.device)
+        sync_replicated_parameters(modules, ctx)
+
+    # 2. ZeRO (may replace the parameters and hence the optimizer)
+    forward_model: nn.Module | list[nn.Module] = model if isinstance(model, nn.Module) else modules
+    if zero_stage >= 2:
+        assert ctx is not None and isinstance(forward_model, nn.Module)
+        names = {id(p): n for n, p in forward_model.named_parameters()}
+        shard_with_fsdp2(forward_model, ctx, zero_stage, offload)
+        optimizer = rebuild_optimizer(optimizer, names, forward_model)
+
+    # 3. gradient handlers, or DDP for plain data parallelism
+    handlers: list[BaseGradientHandler] = []
+    if ctx is not None:
+        handlers = _build_handlers(cfg, forward_model, optimizer, ctx)
+        configured = "gradient_handlers" in cfg and bool(cfg.get("gradient_handlers"))
+        if not configured and zero_stage < 2:
+            if _is_sequence_parallel(ctx) and group_if_parallel(ctx, ParallelMode.SEQUENCE_DP):
+                handlers.append(SequenceParallelGradientHandler(forward_model, optimizer, ctx))
+            elif data_size > 1 and (pipeline_size > 1 or not isinstance(forward_model, nn.Module)):
+                handlers.append(DataParallelGradientHandler(forward_model, optimizer, ctx))
+            elif data_size > 1 and isinstance(forward_model, nn.Module):
+                ddp_kwargs = dict(cfg.get("ddp") or {})
+                if ctx.device.type == "cuda":
+                    ddp_kwargs.setdefault("device_ids", [ctx.device.index])
+                forward_model = nn.parallel.DistributedDataParallel(
+                    forward_model, process_group=ctx.get_group(ParallelMode.DATA), **ddp_kwargs
+                )
+    if zero_stage == 1:
+        assert ctx is not None
+        optimizer = zero_redundancy_optimizer(optimizer, ctx)
+
+    # 4. schedule
+    schedule: StepSchedule
+    if cfg.get("schedule") is not None:
+        schedule_cfg = cfg["schedule"]
+        extra: dict[str, Any] = {}
+        target = schedule_cfg.get("type") if isinstance(schedule_cfg, Mapping) else None
+        resolved = SCHEDULES.get(target) if isinstance(target, str) else target
+        if resolved is not None and "context" in _parameters(resolved):
+            extra["context"] = ctx
+        schedule = build(schedule_cfg, SCHEDULES, **extra)
+    elif pipeline_size > 1 and ctx is not None:
+        schedule = _pipeline_schedule(cfg, ctx)
+    else:
+        schedule = NonPipelineSchedule()
+
+    engine = Engine(
+        forward_model,
+        optimizer,
+        criterion,
+        handlers,
+        schedule,
+        float(clip),
+        gradient_accumulation=accumulation,
+        autocast_dtype=dtype,
+        loss_scaler=scaler,
+        context=ctx,
+    )
+    if lr_scheduler is not None and accumulation > 1:
+        lr_scheduler = AccumulatedLRScheduler(lr_scheduler, accumulation)
+    return engine, train_dataloader, test_dataloader, lr_scheduler
+
+
+def _parameters(obj: Any) -> set[str]:
+    try:
+        return set(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        return set()

@@ -1,0 +1,122 @@
+"""ZeRO over the DATA group, built on PyTorch's own implementations.
+
+ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models") removes the redundancy of data parallelism stage by stage:
+
+* stage 1 shards the optimizer state: torch's ``ZeroRedundancyOptimizer`` (each data rank
+  keeps and updates the state of its share of the parameters, then broadcasts them);
+* stage 2 also shards the gradients: FSDP2 ``fully_shard(reshard_after_forward=False)``
+  (gradients reduce-scattered, parameters kept gathered from forward to backward; torch's
+  documentation maps this setting to ZeRO-2, ``SHARD_GRAD_OP``);
+* stage 3 also shards the parameters: FSDP2 ``fully_shard`` (gathered per module for its
+  forward and backward, freed after), with ``CPUOffloadPolicy`` when ``offload=True``.
+
+FSDP2 replaces each parameter with a sharded ``DTensor``; an optimizer built on the old
+parameters would update tensors no longer used, so ``rebuild_optimizer`` makes a new one of the
+same class and the same param-group settings on the new parameters (matched by name).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera.context import ParallelContext, ParallelMode
+
+__all__ = ["rebuild_optimizer", "shard_with_fsdp2", "zero_redundancy_optimizer"]
+
+
+def _group_settings(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def zero_redundancy_optimizer(
+    optimizer: torch.optim.Optimizer, context: ParallelContext
+) -> torch.optim.Optimizer:
+    """ZeRO stage 1.
+
+    A ``ZeroRedundancyOptimizer`` over DATA with ``optimizer``'s class and
+    param groups (its state, if any, is not carried over).
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    groups = [{"params": list(g["params"]), **_group_settings(g)} for g in optimizer.param_groups]
+    first, rest = groups[0], groups[1:]
+    zero = ZeroRedundancyOptimizer(
+        first.pop("params"),
+        optimizer_class=type(optimizer),
+        process_group=context.get_group(ParallelMode.DATA),
+        **first,
+    )
+    for group in rest:
+        zero.add_param_group(group)
+    return zero
+
+
+def shard_with_fsdp2(
+    model: nn.Module, context: ParallelContext, stage: int, offload: bool = False
+) -> nn.Module:
+    """Shard ``model`` in place over DATA with FSDP2.
+
+    Each direct child that holds parameters,
+    then the root (so a child's parameters are gathered only around its own compute).
+
+    Args:
+        model: The module (moved to ``context.device`` already).
+        context: The ParallelContext.
+        stage: 2 (keep parameters gathered between forward and backward) or 3.
+        offload: Keep the sharded parameters, gradients and optimizer state on the CPU (a
+            no-op when ``context.device`` is the CPU already).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    group = context.get_group(ParallelMode.DATA)
+    # The dim name carries the group's name: torch caches sharding metadata by the mesh's hash
+    # (ranks, device type, dim names, not the group), so a second job in the same process with
+    # a new DATA group over the same ranks would otherwise reuse a mesh whose group is gone.
+    mesh = DeviceMesh.from_group(
+        group, context.device.type, mesh_dim_names=(f"data_{group.group_name}",)
+    )
+    # On a CPU-only job everything already lives in host memory: offloading is a no-op there
+    # (and torch's CPUOffloadPolicy requires an accelerator).
+    policy: OffloadPolicy = (
+        CPUOffloadPolicy() if offload and context.device.type != "cpu" else OffloadPolicy()
+    )
+    reshard = stage == 3
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
+    return model
+
+
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer,
+    old_names: dict[int, str],
+    model: nn.Module,
+) -> torch.optim.Optimizer:
+    """A new optimizer like ``optimizer`` on ``model``'s current parameters.
+
+    Same class and param-group settings; parameters matched by name (``old_names``: id of an
+    old parameter -> its name).
+
+    Raises:
+        ValueError: an optimized parameter is not in the model.
+    """
+    current = dict(model.named_parameters())
+    groups: list[dict[str, Any]] = []
+    for g in optimizer.param_groups:
+        params = []
+        for p in g["params"]:
+            name = old_names.get(id(p))
+            if name is None or name not in current:
+                raise ValueError(
+                    f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not a "
+                    "parameter of the model; ZeRO needs an optimizer over model.parameters()"
+                )
+            params.append(current[name])
+        groups.append({"params": params, **_group_settings(g)})
+    return type(optimizer)(groups, **optimizer.defaults)

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from tessera.engine import MultiTimer, Timer, get_dist_logger
+
+
+def test_timer_accumulates_and_rejects_misuse() -> None:
+    t = Timer(synchronize=False)
+    with pytest.raises(RuntimeError, match="without start"):
+        t.stop()
+    t.start()
+    time.sleep(0.01)
+    first = t.stop()
+    t.start()
+    with pytest.raises(RuntimeError, match="twice"):
+        t.start()
+    t.stop()
+    assert first >= 0.009
+    assert t.count == 2
+    assert t.elapsed() >= first
+    assert t.mean() == pytest.approx(t.elapsed() / 2)
+    t.reset()
+    assert t.count == 0 and t.elapsed() == 0.0
+
+
+def test_multitimer_named_and_disabled() -> None:
+    timers = MultiTimer(synchronize=False)
+    with timers.time("fwd"):
+        time.sleep(0.005)
+    with timers.time("fwd"):
+        pass
+    assert timers.names() == ["fwd"]
+    assert timers.get("fwd").count == 2
+    assert timers.summary()["fwd"] >= 0.004
+    off = MultiTimer(enabled=False)
+    with off.time("x"):
+        pass
+    assert off.stop("x") == 0.0
+    assert off.names() == []
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_dist_logger_writes_on_chosen_ranks_only() -> None:
+    logger = get_dist_logger("tessera-test-logger")
+    assert get_dist_logger("tessera-test-logger") is logger
+    cap = _Capture()
+    logger.logger.addHandler(cap)
+    logger.info("default ranks")  # this process is rank 0: written
+    logger.info("other rank", ranks=[1])  # not this rank: dropped
+    logger.warning("all ranks", ranks=None)
+    get_dist_logger("tessera-test-logger", ranks=[3])
+    logger.info("now rank 3 only")
+    assert cap.messages == ["default ranks", "[rank 0] all ranks"]
