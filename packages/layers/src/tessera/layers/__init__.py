@@ -3,8 +3,8 @@
 Every layer keeps the parameter names and (in full form) the shapes of the plain torch model it
 mirrors; ``load_full_state_dict`` / ``gather_full_state_dict`` convert between the two.
 The mode-dispatching layers (``Linear``, ``LayerNorm``, ...) build the implementation of the
-context's tensor mode (1D, 2D, 2.5D), or plain torch without tensor parallelism. See the
-package README for the contract every layer keeps.
+context's tensor mode (1D, 2D, 2.5D, 3D, sequence), or plain torch without tensor
+parallelism. See the package README for the contract every layer keeps.
 """
 
 from tessera.layers.accuracy import VocabParallelAccuracy1D, vocab_parallel_argmax
@@ -18,6 +18,7 @@ from tessera.layers.classifier_2d import (
     VocabParallelClassifier2D,
     VocabParallelClassifier2p5D,
 )
+from tessera.layers.classifier_3d import Classifier3D, VocabParallelClassifier3D
 from tessera.layers.comm import (
     all_to_all,
     broadcast,
@@ -32,6 +33,7 @@ from tessera.layers.cross_entropy import (
     VocabParallelCrossEntropyLoss1D,
     vocab_parallel_cross_entropy,
 )
+from tessera.layers.cube import LAYOUTS_3D, Cube, CubeModule, Layout3D, cube_linear, cube_of
 from tessera.layers.dispatch import (
     IMPLEMENTATIONS,
     Accuracy,
@@ -45,6 +47,7 @@ from tessera.layers.dispatch import (
 )
 from tessera.layers.dropout_1d import Dropout1D
 from tessera.layers.dropout_2d import Dropout2D, Dropout2p5D
+from tessera.layers.dropout_3d import Dropout3D, SequenceDropout, ShardedDropout
 from tessera.layers.embedding_1d import Embedding1D, VocabParallelEmbedding1D
 from tessera.layers.embedding_2d import (
     Embedding2D,
@@ -52,6 +55,7 @@ from tessera.layers.embedding_2d import (
     VocabParallelEmbedding2D,
     VocabParallelEmbedding2p5D,
 )
+from tessera.layers.embedding_3d import Embedding3D, VocabParallelEmbedding3D
 from tessera.layers.errors import ModeNotImplementedError
 from tessera.layers.initializers import (
     Initializer,
@@ -65,6 +69,7 @@ from tessera.layers.initializers import (
 )
 from tessera.layers.linear_1d import Linear1DCol, Linear1DRow, LinearOutput
 from tessera.layers.linear_2d import Linear2D, Linear2p5D
+from tessera.layers.linear_3d import Linear3D
 from tessera.layers.loss_2d import (
     Accuracy2D,
     Accuracy2p5D,
@@ -75,11 +80,27 @@ from tessera.layers.loss_2d import (
     VocabParallelCrossEntropyLoss2D,
     VocabParallelCrossEntropyLoss2p5D,
 )
+from tessera.layers.loss_3d import (
+    Accuracy3D,
+    CrossEntropyLoss3D,
+    VocabParallelAccuracy3D,
+    VocabParallelCrossEntropyLoss3D,
+)
 from tessera.layers.mesh import Mesh, MeshModule, mesh_of
 from tessera.layers.norm_1d import LayerNorm1D
 from tessera.layers.norm_2d import LayerNorm2D, LayerNorm2p5D, layer_norm_over_group
+from tessera.layers.norm_3d import LayerNorm3D
 from tessera.layers.patch_embedding_1d import PatchEmbedding1D
 from tessera.layers.patch_embedding_2d import PatchEmbedding2D, PatchEmbedding2p5D
+from tessera.layers.patch_embedding_3d import PatchEmbedding3D
+from tessera.layers.ring_attention import AttentionImpl, RingSelfAttention
+from tessera.layers.ring_ops import Ring, ring_av, ring_of, ring_qk
+from tessera.layers.sequence import (
+    SequenceAccuracy,
+    gather_sequence_activation,
+    mark_sequence_replicated,
+    split_sequence_activation,
+)
 from tessera.layers.serial import SerialAccuracy, SerialClassifier, SerialPatchEmbedding
 from tessera.layers.shards import new_parameter, shard_info
 from tessera.layers.state_dict import gather_full_state_dict, load_full_state_dict
@@ -136,6 +157,38 @@ __all__ = [
     "VocabParallelCrossEntropyLoss2p5D",
     "Accuracy2p5D",
     "VocabParallelAccuracy2p5D",
+    # 3D (Bian et al. 2021)
+    "Linear3D",
+    "LayerNorm3D",
+    "Embedding3D",
+    "VocabParallelEmbedding3D",
+    "PatchEmbedding3D",
+    "Classifier3D",
+    "VocabParallelClassifier3D",
+    "Dropout3D",
+    "CrossEntropyLoss3D",
+    "VocabParallelCrossEntropyLoss3D",
+    "Accuracy3D",
+    "VocabParallelAccuracy3D",
+    "Cube",
+    "CubeModule",
+    "Layout3D",
+    "LAYOUTS_3D",
+    "cube_of",
+    "cube_linear",
+    # sequence parallelism (Li et al. 2021; DeepSpeed-Ulysses)
+    "RingSelfAttention",
+    "AttentionImpl",
+    "SequenceDropout",
+    "SequenceAccuracy",
+    "ShardedDropout",
+    "Ring",
+    "ring_of",
+    "ring_qk",
+    "ring_av",
+    "mark_sequence_replicated",
+    "split_sequence_activation",
+    "gather_sequence_activation",
     # plain layers torch lacks
     "SerialClassifier",
     "SerialPatchEmbedding",

@@ -22,8 +22,15 @@ from tessera.context import ParallelContext, ParallelMode
 from .collectives import check_divisible
 from .comm import gather_along_dim, split_along_dim
 from .context_access import current_or_none, sequence_parallel_default, tensor_mode
+from .cube import (
+    cube_of,
+    gather_cube_activation,
+    split_cube_activation,
+    split_cube_batch,
+)
 from .errors import ModeNotImplementedError
 from .mesh import gather_mesh_activation, mesh_of, split_mesh_activation, split_mesh_batch
+from .sequence import gather_sequence_activation, split_sequence_activation
 
 __all__ = [
     "BATCH_SPLITTERS",
@@ -89,6 +96,17 @@ BATCH_SPLITTERS: dict[str, ActivationMap] = {
     "2d": _split_batch_mesh,
     "2.5d": _split_batch_mesh,
 }
+
+# 3D (cube.py): layout "y": batch block z*q + x over PARALLEL_3D_OUTPUT_X_WEIGHT, hidden block
+# y over PARALLEL_3D_INPUT (rank (x, y, z) holds [b/q^2, ..., h/q]); the batch alone for ids.
+# Sequence (sequence.py): dim 1 split over SEQUENCE ([b, s/N, ...], chunk r on rank r), also
+# for token ids and targets.
+SPLITTERS["3d"] = lambda x, context: split_cube_activation(x, cube_of(context))
+GATHERERS["3d"] = lambda x, context: gather_cube_activation(x, cube_of(context))
+BATCH_SPLITTERS["3d"] = lambda x, context: split_cube_batch(x, cube_of(context))
+SPLITTERS["sequence"] = split_sequence_activation
+GATHERERS["sequence"] = gather_sequence_activation
+BATCH_SPLITTERS["sequence"] = split_sequence_activation
 
 
 def split_activation(x: torch.Tensor, context: ParallelContext | None = None) -> torch.Tensor:

@@ -30,6 +30,7 @@ from .classifier_1d import Classifier1D, VocabParallelClassifier1D
 from .context_access import current_or_none, sequence_parallel_default, tensor_mode
 from .cross_entropy import VocabParallelCrossEntropyLoss1D
 from .dispatch_2d import MESH_BUILDERS
+from .dispatch_3d import BUILDERS_3D, SEQUENCE_BUILDERS
 from .dropout_1d import Dropout1D
 from .embedding_1d import Embedding1D, VocabParallelEmbedding1D, zero_row
 from .errors import ModeNotImplementedError
@@ -484,3 +485,13 @@ IMPLEMENTATIONS: dict[str, dict[str, Builder]] = {
     "CrossEntropyLoss": _modes("CrossEntropyLoss", _cross_entropy_1d),
     "Accuracy": _modes("Accuracy", _accuracy_1d),
 }
+
+
+def _add_mode(mode: str, builders: dict[str, Builder]) -> None:
+    """Add ``mode``'s column to the table (part 3: '3d' and 'sequence', see dispatch_3d.py)."""
+    for layer, builder in builders.items():
+        IMPLEMENTATIONS[layer][mode] = builder
+
+
+_add_mode("3d", BUILDERS_3D)
+_add_mode("sequence", SEQUENCE_BUILDERS)

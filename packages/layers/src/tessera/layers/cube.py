@@ -1,0 +1,300 @@
+"""The q x q x q cube of 3D tensor parallelism: its groups, activation layouts and matmul.
+
+Bian et al. 2021, "Maximizing Parallelism in Distributed Training for Huge Neural Networks"
+(after Agarwal et al. 1995's 3D matrix multiplication): ``P = q^3`` ranks, tensor rank
+``t = z q^2 + y q + x`` with x the *weight* axis, y the *input* axis and z the *output* axis
+(``tessera.context``'s layout). ``C = A B`` with ``C_ij = sum_l A_il B_lj`` puts the product
+``A_il B_lj`` on rank ``(i, l, j)`` of the cube: every rank does ``1/P`` of the flops and each
+operand moves along one axis only, ``O(P^(1/3))`` communication per rank.
+
+Activation layouts (``Layout3D``). An activation ``[b, ..., h]`` is split in two dims:
+
+* layout ``"y"`` (between blocks; what ``split_activation`` returns): the hidden dim in ``q``
+  blocks over the INPUT axis (block ``y``), the batch in ``q^2`` blocks over
+  ``PARALLEL_3D_OUTPUT_X_WEIGHT`` (block ``z q + x``). Rank ``(x, y, z)`` holds
+  ``[b/q^2, ..., h/q]``;
+* layout ``"z"``: the roles of y and z swapped: hidden block ``z``, batch block ``y q + x``
+  (over ``PARALLEL_3D_INPUT_X_WEIGHT``).
+
+No two ranks hold the same elements. A linear layer maps one layout to the other
+(:func:`cube_linear`): its input features lie on the input layout's hidden axis ``A``, its
+output features on the other axis ``B``, so consecutive layers alternate ``"y" -> "z" -> "y"``.
+Each layer says which layout it takes (``Linear3D(..., input_layout=...)``); nothing is
+flipped behind the user's back, so two models built in one process cannot interfere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from tessera.context import ParallelContext, ParallelMode
+
+from .base import ParallelModule
+from .collectives import all_gather_along, check_divisible, reduce_scatter_along
+from .comm import apply_function, copy_to_group, gather_along_dim, split_along_dim
+from .context_access import GroupInfo, group_info
+
+__all__ = [
+    "LAYOUTS_3D",
+    "Cube",
+    "CubeModule",
+    "Layout3D",
+    "cube_linear",
+    "cube_of",
+    "gather_cube_activation",
+    "split_cube_activation",
+    "split_cube_batch",
+]
+
+#: The cube axis that splits an activation's hidden dim.
+Layout3D = Literal["y", "z"]
+LAYOUTS_3D: tuple[Layout3D, ...] = ("y", "z")
+
+
+@dataclass(frozen=True)
+class Cube:
+    """This rank's view of the 3D cube.
+
+    Attributes:
+        weight: PARALLEL_3D_WEIGHT (varies x; local rank x).
+        input: PARALLEL_3D_INPUT (varies y; local rank y).
+        output: PARALLEL_3D_OUTPUT (varies z; local rank z).
+        input_x_weight: same z, local rank ``y q + x``: the batch group of layout ``"z"``.
+        output_x_weight: same y, local rank ``z q + x``: the batch group of layout ``"y"``.
+    """
+
+    weight: GroupInfo
+    input: GroupInfo
+    output: GroupInfo
+    input_x_weight: GroupInfo
+    output_x_weight: GroupInfo
+
+    @property
+    def q(self) -> int:
+        """The side of the cube."""
+        return self.weight.world_size
+
+    def hidden(self, layout: Layout3D) -> GroupInfo:
+        """The axis splitting the hidden dim in ``layout`` (y: INPUT, z: OUTPUT)."""
+        return self.input if layout == "y" else self.output
+
+    def across(self, layout: Layout3D) -> GroupInfo:
+        """The axis that is neither the weight axis nor ``layout``'s hidden axis.
+
+        It is the outer index of ``layout``'s batch block.
+        """
+        return self.output if layout == "y" else self.input
+
+    def batch(self, layout: Layout3D) -> GroupInfo:
+        """The q*q ranks sharing ``layout``'s hidden block: the batch is split over them."""
+        return self.output_x_weight if layout == "y" else self.input_x_weight
+
+    def check_local(self, x: torch.Tensor, dim: int, expected: int, what: str) -> None:
+        """``ValueError`` (before any collective) unless ``x.shape[dim] == expected``."""
+        if x.dim() == 0 or x.shape[dim] != expected:
+            raise ValueError(
+                f"{what}: expected the local block to have size {expected} in dim {dim}, got "
+                f"shape {list(x.shape)} (3d with q={self.q}: did you split the input with "
+                "split_activation / split_batch?)"
+            )
+
+
+def cube_of(context: ParallelContext) -> Cube:
+    """The cube of a context with tensor mode ``'3d'``.
+
+    Raises:
+        ValueError: the context's tensor mode is not ``'3d'``.
+    """
+    if context.config.tensor_mode != "3d":
+        raise ValueError(
+            "3d layers need a context with tensor mode '3d', but its tensor mode is "
+            f"{context.config.tensor_mode!r}"
+        )
+    return Cube(
+        weight=group_info(context, ParallelMode.PARALLEL_3D_WEIGHT),
+        input=group_info(context, ParallelMode.PARALLEL_3D_INPUT),
+        output=group_info(context, ParallelMode.PARALLEL_3D_OUTPUT),
+        input_x_weight=group_info(context, ParallelMode.PARALLEL_3D_INPUT_X_WEIGHT),
+        output_x_weight=group_info(context, ParallelMode.PARALLEL_3D_OUTPUT_X_WEIGHT),
+    )
+
+
+def check_layout(layout: str, owner: str) -> Layout3D:
+    """``layout`` as a :data:`Layout3D` (``ValueError`` naming ``owner`` otherwise)."""
+    if layout == "y":
+        return "y"
+    if layout == "z":
+        return "z"
+    raise ValueError(f"{owner}: a 3d layout is 'y' or 'z' (the hidden dim's axis), got {layout!r}")
+
+
+def other_layout(layout: Layout3D) -> Layout3D:
+    """The layout a linear layer maps ``layout`` to."""
+    return "z" if layout == "y" else "y"
+
+
+class CubeModule(ParallelModule):
+    """Base of the 3D layers: keeps the :class:`Cube`.
+
+    Args:
+        context: The ParallelContext (default the current one).
+        device: Where parameters live (default the context's device).
+    """
+
+    def __init__(
+        self,
+        context: ParallelContext | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(context, device)
+        self.cube = cube_of(self.context)
+
+    @property
+    def owner(self) -> str:
+        """The class name, for error messages."""
+        return type(self).__name__
+
+    def gather_table(self, param: torch.Tensor, dim: int) -> torch.Tensor:
+        """A ``dim`` split over (INPUT, WEIGHT) and replicated over OUTPUT -> INPUT block ``y``.
+
+        All-gather over WEIGHT (backward: reduce-scatter, summing the x ranks' partial
+        gradients) after routing through OUTPUT (backward: sum over the z ranks). Used by
+        the tables and heads whose output is in layout ``"y"`` (embeddings, classifier).
+        """
+        cube = self.cube
+        param = copy_to_group(param, cube.output.group)
+        return gather_along_dim(param, dim, cube.weight.group, partial_grad=True)
+
+    def extra_repr(self) -> str:
+        """The summary shown by ``print(module)``."""
+        return f"q={self.cube.q}"
+
+
+# ---------------------------------------------------------------------------- the matmul
+
+
+class _CubeLinear(torch.autograd.Function):
+    """``y = x W^T`` on the cube, saving only the local blocks (re-gathered in backward).
+
+    For input layout with hidden axis ``A`` (local rank ``a``) and other axis ``B`` (``b``),
+    on rank ``(x, a, b)``:
+
+    * forward: all-gather ``x`` over ``B`` along dim 0 (the ``q`` batch blocks ``b' q + x``),
+      all-gather ``W`` over WEIGHT along dim 0 (output features block ``b``), multiply
+      (a partial sum over the input-feature block ``a``), reduce-scatter over ``A`` along
+      dim 0 (batch block ``a q + x``, output features block ``b``: the other layout);
+    * backward: all-gather ``dy`` over ``A``; ``dx = dy W`` reduce-scattered over ``B``;
+      ``dW = dy^T x`` reduce-scattered over WEIGHT (summing the x ranks' batch blocks).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        hidden: GroupInfo,
+        across: GroupInfo,
+        weight_axis: GroupInfo,
+    ) -> torch.Tensor:
+        ctx.groups = (hidden, across, weight_axis)
+        ctx.save_for_backward(x, weight)
+        x_all = all_gather_along(x.detach(), 0, across.group, across.world_size)  # [b/q, .., in/q]
+        w_all = all_gather_along(
+            weight.detach(), 0, weight_axis.group, weight_axis.world_size
+        )  # [out/q, in/q]
+        partial = torch.matmul(x_all, w_all.t())  # [b/q, .., out/q], partial over in blocks
+        return reduce_scatter_along(partial, 0, hidden.group, hidden.world_size)  # [b/q^2, ..]
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+        x, weight = ctx.saved_tensors
+        hidden, across, weight_axis = ctx.groups
+        grad = grad.contiguous()
+        g_all = all_gather_along(grad, 0, hidden.group, hidden.world_size)  # [b/q, .., out/q]
+        w_all = all_gather_along(weight, 0, weight_axis.group, weight_axis.world_size)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            dx_all = torch.matmul(g_all, w_all)  # [b/q, .., in/q], partial over out blocks
+            grad_x = reduce_scatter_along(dx_all, 0, across.group, across.world_size)
+        if ctx.needs_input_grad[1]:
+            x_all = all_gather_along(x, 0, across.group, across.world_size)  # [b/q, .., in/q]
+            dw_all = g_all.reshape(-1, g_all.shape[-1]).t() @ x_all.reshape(-1, x.shape[-1])
+            grad_w = reduce_scatter_along(
+                dw_all, 0, weight_axis.group, weight_axis.world_size
+            )  # [out/q^2, in/q]
+        return grad_x, grad_w, None, None, None
+
+
+def cube_linear(
+    x: torch.Tensor, weight: torch.Tensor, cube: Cube, input_layout: Layout3D
+) -> torch.Tensor:
+    """``x W^T`` from blocks; the result is in the other layout.
+
+    Args:
+        x: ``[b/q^2, ..., in/q]`` in ``input_layout``.
+        weight: ``[out/q^2, in/q]``: output features split over (other axis, WEIGHT),
+            input features over ``input_layout``'s hidden axis (torch's ``[out, in]``).
+        cube: The cube.
+        input_layout: ``"y"`` or ``"z"``.
+
+    Returns:
+        ``[b/q^2, ..., out/q]`` in the other layout.
+    """
+    if x.dim() < 2:
+        raise ValueError(f"cube_linear: the input must be [batch, ..., in], got {list(x.shape)}")
+    return apply_function(
+        _CubeLinear,
+        x,
+        weight,
+        cube.hidden(input_layout),
+        cube.across(input_layout),
+        cube.weight,
+    )
+
+
+# ---------------------------------------------------------------------------- activations
+
+
+def _check(x: torch.Tensor, cube: Cube, dims: tuple[int, ...], what: str) -> None:
+    if x.dim() < max(len(dims), 1) or (len(dims) == 2 and x.dim() < 2):
+        raise ValueError(
+            f"{what}: 3d splits the batch (dim 0) and the hidden dim (last) of "
+            f"[batch, ..., hidden], but the activation has shape {list(x.shape)}"
+        )
+    names = {0: "batch", -1: "hidden"}
+    for dim in dims:
+        divisor = cube.q * cube.q if dim == 0 else cube.q
+        check_divisible(
+            x.shape[dim],
+            divisor,
+            f"{what}: dim {dim % x.dim()} ({names[dim]}) of activation {list(x.shape)} "
+            f"under 3d (q={cube.q})",
+        )
+
+
+def split_cube_activation(x: torch.Tensor, cube: Cube, layout: Layout3D = "y") -> torch.Tensor:
+    """``[b, ..., h]`` -> ``[b/q^2, ..., h/q]`` in ``layout``; the backward all-gathers."""
+    _check(x, cube, (0, -1), "split_activation")
+    x = split_along_dim(x, 0, cube.batch(layout).group)  # [b/q^2, ..., h]
+    return split_along_dim(x, -1, cube.hidden(layout).group)  # [b/q^2, ..., h/q]
+
+
+def gather_cube_activation(x: torch.Tensor, cube: Cube, layout: Layout3D = "y") -> torch.Tensor:
+    """``[b/q^2, ..., h/q]`` in ``layout`` -> ``[b, ..., h]`` on every rank."""
+    if x.dim() < 2:
+        raise ValueError(
+            f"gather_activation: 3d activations are [batch, ..., hidden], got {list(x.shape)}"
+        )
+    x = gather_along_dim(x, -1, cube.hidden(layout).group)  # [b/q^2, ..., h]
+    return gather_along_dim(x, 0, cube.batch(layout).group)  # [b, ..., h]
+
+
+def split_cube_batch(x: torch.Tensor, cube: Cube) -> torch.Tensor:
+    """``[b, ...]`` -> ``[b/q^2, ...]``: the batch block of layout ``"y"`` (ids, targets)."""
+    _check(x, cube, (0,), "split_batch")
+    return split_along_dim(x, 0, cube.output_x_weight.group)

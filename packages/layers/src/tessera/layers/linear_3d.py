@@ -1,0 +1,120 @@
+"""3D linear layer (Bian et al. 2021): ``y = x W^T + b`` on the q x q x q cube.
+
+The layer takes its input in one activation layout and returns the other (see
+:mod:`tessera.layers.cube`): ``Linear3D(h, 4h)`` takes layout ``"y"`` (between blocks) and
+returns ``"z"``, ``Linear3D(4h, h, input_layout="z")`` takes it back to ``"y"``. A Megatron MLP
+or an attention block's qkv / proj pair is one layer of each.
+
+The weight keeps torch's layout ``[out, in]``: the input features are split over the input
+layout's hidden axis, the output features over the other axis and, inside that block, over the
+WEIGHT axis (``[out/q^2, in/q]``: every rank holds a distinct ``1/P`` of the weight). The bias
+``[out/q]`` is split like the output's hidden dim and replicated over the output's batch group,
+through which its gradient is summed (``copy_to_group``, inside autograd).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.context import ParallelContext
+
+from .comm import copy_to_group
+from .cube import CubeModule, Layout3D, check_layout, cube_linear, other_layout
+from .initializers import Initializer, fan_in_uniform, kaiming_uniform
+from .linear_1d import LinearOutput
+
+__all__ = ["Linear3D"]
+
+
+class Linear3D(CubeModule):
+    """3D linear layer; input in ``input_layout``, output in the other layout.
+
+    Input ``[b/q^2, ..., in/q]``; output ``[b/q^2, ..., out/q]``. Weight ``[out/q^2, in/q]``,
+    bias ``[out/q]``.
+
+    Args:
+        in_features: Input features, divisible by q.
+        out_features: Output features, divisible by q^2.
+        bias: Whether to learn a bias.
+        skip_bias_add: Return ``(y, bias)`` without adding the bias; the returned bias block
+            is routed so that its gradient is summed over the output's batch group.
+        dtype: Parameter dtype.
+        weight_initializer: Fills the full ``[out, in]`` weight (torch's default).
+        bias_initializer: Fills the full ``[out]`` bias (torch's default).
+        input_layout: ``"y"`` (default: the layout between blocks, e.g. a first MLP layer or
+            qkv) or ``"z"`` (the output of a ``"y"`` layer, e.g. a second MLP layer or proj).
+        device: Parameter device (default the context's).
+        context: The ParallelContext (default the current one).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        skip_bias_add: bool = False,
+        dtype: torch.dtype | None = None,
+        weight_initializer: Initializer | None = None,
+        bias_initializer: Initializer | None = None,
+        *,
+        input_layout: Layout3D = "y",
+        device: torch.device | str | None = None,
+        context: ParallelContext | None = None,
+    ) -> None:
+        super().__init__(context, device)
+        self.input_layout: Layout3D = check_layout(input_layout, self.owner)
+        cube = self.cube
+        self.in_features, self.out_features = in_features, out_features
+        self.skip_bias_add = skip_bias_add
+        hidden, across = cube.hidden(self.input_layout), cube.across(self.input_layout)
+        self.weight = self.make_parameter(
+            "weight",
+            (out_features, in_features),
+            weight_initializer or kaiming_uniform(),
+            fan_in=in_features,
+            fan_out=out_features,
+            splits={0: (across.mode, cube.weight.mode), 1: (hidden.mode,)},
+            dtype=dtype,
+        )  # [out/q^2, in/q]
+        self.bias = (
+            self.make_parameter(
+                "bias",
+                (out_features,),
+                bias_initializer or fan_in_uniform(),
+                fan_in=in_features,
+                fan_out=out_features,
+                splits={0: (across.mode,)},
+                replicated=(hidden.mode, cube.weight.mode),
+                dtype=dtype,
+            )
+            if bias
+            else None
+        )  # [out/q]
+
+    @property
+    def output_layout(self) -> Layout3D:
+        """The layout of the output: the other one."""
+        return other_layout(self.input_layout)
+
+    def forward(self, x: torch.Tensor) -> LinearOutput:
+        """See the class docstring for shapes."""
+        cube = self.cube
+        local_in = self.in_features // cube.q
+        cube.check_local(x, -1, local_in, f"{self.owner}({self.in_features}, ...) input")
+        y = cube_linear(x, self.weight, cube, self.input_layout)  # [b/q^2, ..., out/q]
+        bias = (
+            None
+            if self.bias is None
+            else copy_to_group(self.bias, cube.batch(self.output_layout).group)
+        )
+        if self.skip_bias_add:
+            return y, bias
+        return y if bias is None else y + bias
+
+    def extra_repr(self) -> str:
+        """The summary shown by ``print(module)``."""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, input_layout={self.input_layout!r}, "
+            + super().extra_repr()
+        )

@@ -1,0 +1,115 @@
+"""3D LayerNorm: the hidden dim of an activation is split over one cube axis.
+
+In layout ``"y"`` (``"z"``) rank ``(x, y, z)`` holds ``[b/q^2, ..., h/q]`` with hidden block
+``y`` (``z``); a row's mean and variance are sums over that axis's group (Bian et al. 2021
+normalize the same way; the reductions are :func:`layer_norm_over_group`'s, shared with 2D).
+The affine parameters ``[h/q]`` are used by every batch block, so their gradients are summed
+over the layout's batch group (``copy_to_group``, inside autograd).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.context import ParallelContext
+
+from .collectives import check_divisible
+from .comm import copy_to_group
+from .cube import CubeModule, Layout3D, check_layout
+from .initializers import ones, zeros
+from .norm_2d import layer_norm_over_group
+
+__all__ = ["LayerNorm3D"]
+
+
+class LayerNorm3D(CubeModule):
+    """LayerNorm over the hidden dim of a 3D activation.
+
+    Input and output ``[b/q^2, ..., h/q]`` in ``layout``; ``weight`` and ``bias`` ``[h/q]``
+    (``[h]`` in full form, as torch's).
+
+    Args:
+        normalized_shape: ``h`` (or ``(h,)``): only the hidden dim is normalized.
+        eps: As torch's LayerNorm.
+        elementwise_affine: Learn weight (and bias).
+        bias: Learn a bias (with ``elementwise_affine``).
+        dtype: Parameter dtype.
+        layout: The input's layout, ``"y"`` (between blocks, the default) or ``"z"``.
+        device: Parameter device (default the context's).
+        context: The ParallelContext (default the current one).
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | tuple[int, ...],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        dtype: torch.dtype | None = None,
+        *,
+        layout: Layout3D = "y",
+        device: torch.device | str | None = None,
+        context: ParallelContext | None = None,
+    ) -> None:
+        super().__init__(context, device)
+        self.layout: Layout3D = check_layout(layout, self.owner)
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+        if len(shape) != 1:
+            raise ValueError(
+                f"{self.owner} normalizes over the hidden dim only; normalized_shape must be an "
+                f"int or a 1-tuple, got {normalized_shape!r}"
+            )
+        self.normalized_shape: tuple[int, ...] = (int(shape[0]),)
+        self.hidden, self.eps = int(shape[0]), eps
+        cube = self.cube
+        check_divisible(self.hidden, cube.q, f"{self.owner} normalized_shape (hidden)")
+        axis = cube.hidden(self.layout)
+        split = {0: (axis.mode,)}
+        replicated = (cube.across(self.layout).mode, cube.weight.mode)
+        h = self.hidden
+        self.weight = (
+            self.make_parameter(
+                "weight",
+                self.normalized_shape,
+                ones(),
+                fan_in=h,
+                fan_out=h,
+                splits=split,
+                replicated=replicated,
+                dtype=dtype,
+            )
+            if elementwise_affine
+            else None
+        )  # [h/q]
+        self.bias = (
+            self.make_parameter(
+                "bias",
+                self.normalized_shape,
+                zeros(),
+                fan_in=h,
+                fan_out=h,
+                splits=split,
+                replicated=replicated,
+                dtype=dtype,
+            )
+            if elementwise_affine and bias
+            else None
+        )  # [h/q]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """See the class docstring for shapes."""
+        cube = self.cube
+        cube.check_local(x, -1, self.hidden // cube.q, f"{self.owner}({self.hidden}) input")
+        batch = cube.batch(self.layout).group
+        weight = None if self.weight is None else copy_to_group(self.weight, batch)
+        bias = None if self.bias is None else copy_to_group(self.bias, batch)
+        return layer_norm_over_group(
+            x, weight, bias, self.hidden, self.eps, cube.hidden(self.layout)
+        )
+
+    def extra_repr(self) -> str:
+        """The summary shown by ``print(module)``."""
+        return (
+            f"{self.normalized_shape}, eps={self.eps}, layout={self.layout!r}, "
+            + super().extra_repr()
+        )

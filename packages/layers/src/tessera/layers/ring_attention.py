@@ -1,0 +1,167 @@
+"""Self-attention on a sequence split over the SEQUENCE group: ring or all-to-all.
+
+Each rank holds the sub-sequence ``[b, c, h]`` (``c = s / N``, chunk ``r`` on rank ``r``,
+what ``split_activation`` returns under ``tensor=dict(size=N, mode="sequence")``) and all of
+the weights. Two ways to attend over the whole sequence:
+
+* ``impl="ring"`` (Li et al. 2021, "Sequence Parallelism: Long Sequence Training from System
+  Perspective", ring self-attention): keys and values travel the ring (:func:`ring_qk`,
+  :func:`ring_av`); each rank keeps the scores of its own queries, ``[b, heads, c, s]``. Any
+  head count; communication ``2 (N - 1)`` chunk transfers forward, twice that backward.
+* ``impl="all_to_all"`` (Jacobs et al. 2023, DeepSpeed-Ulysses): one all-to-all turns the
+  sequence split of q, k, v into a head split (``[b, heads/N, s, d]``), attention runs
+  locally on whole sequences, one all-to-all turns the output back. Needs ``heads % N == 0``;
+  communication ``4`` all-to-alls of ``1/N`` of the activation each way, cheaper than the
+  ring when there are enough heads.
+
+Causal masking uses global positions: query ``r c + i`` sees keys ``<= r c + i``, across
+chunks. The parameters (``qkv``, ``proj``: ``torch.nn.Linear``, so the full state dict is a
+plain attention's) are replicated over SEQUENCE and each rank's gradient is the partial
+gradient of its own tokens: their ``ShardInfo`` says so (``partial_grad_modes``), and the
+engine's sequence-parallel gradient handler sums them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.context import ParallelContext, ParallelMode
+
+from .base import ParallelModule
+from .comm import all_to_all
+from .context_access import GroupInfo, group_info
+from .ring_ops import ring_av, ring_of, ring_qk
+from .sequence import mark_sequence_replicated
+
+__all__ = ["AttentionImpl", "RingSelfAttention"]
+
+AttentionImpl = Literal["ring", "all_to_all"]
+_IMPLS: tuple[AttentionImpl, ...] = ("ring", "all_to_all")
+
+
+def sequence_group(context: ParallelContext, owner: str) -> GroupInfo:
+    """The SEQUENCE group of a context with tensor mode ``'sequence'``."""
+    if context.config.tensor_mode != "sequence":
+        raise ValueError(
+            f"{owner} needs a context with tensor mode 'sequence' (tensor=dict(size=N, "
+            f"mode='sequence')), but its tensor mode is {context.config.tensor_mode!r}"
+        )
+    return group_info(context, ParallelMode.SEQUENCE)
+
+
+class RingSelfAttention(ParallelModule):
+    """Multi-head self-attention over a sequence split across the SEQUENCE group.
+
+    Input ``[b, s/N, hidden]`` (this rank's chunk); output ``[b, s/N, hidden]``. Parameters,
+    full on every rank, as a plain attention's: ``qkv.weight [3 hidden, hidden]``,
+    ``qkv.bias [3 hidden]`` (the output is q, k, v concatenated, each ``[heads, head_dim]``
+    with heads contiguous), ``proj.weight [hidden, hidden]``, ``proj.bias [hidden]``.
+
+    Args:
+        hidden_size: The model width, divisible by ``num_heads``.
+        num_heads: Attention heads (divisible by N for ``impl="all_to_all"``).
+        dropout: On the attention probabilities (drawn from the TENSOR stream: every rank
+            holds other queries).
+        causal: Each token attends only to itself and earlier tokens of the whole sequence.
+        impl: ``"ring"`` (Li et al. 2021) or ``"all_to_all"`` (DeepSpeed-Ulysses).
+        bias: Learn the biases of ``qkv`` and ``proj``.
+        dtype: Parameter dtype.
+        device: Parameter device (default the context's).
+        context: The ParallelContext, tensor mode ``'sequence'`` (default the current one).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        causal: bool = False,
+        *,
+        impl: AttentionImpl = "ring",
+        bias: bool = True,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        context: ParallelContext | None = None,
+    ) -> None:
+        super().__init__(context, device)
+        owner = type(self).__name__
+        self.sequence = sequence_group(self.context, owner)
+        if impl not in _IMPLS:
+            raise ValueError(f"{owner}: impl must be one of {_IMPLS}, got {impl!r}")
+        if hidden_size % num_heads != 0:
+            raise ValueError(
+                f"{owner}: hidden_size {hidden_size} is not divisible by num_heads {num_heads} "
+                f"({hidden_size} % {num_heads} = {hidden_size % num_heads})"
+            )
+        n = self.sequence.world_size
+        if impl == "all_to_all" and num_heads % n != 0:
+            raise ValueError(
+                f"{owner}(impl='all_to_all'): num_heads {num_heads} is not divisible by the "
+                f"sequence size {n} ({num_heads} % {n} = {num_heads % n}); use impl='ring'"
+            )
+        if not 0.0 <= dropout <= 1.0:
+            raise ValueError(f"dropout probability has to be between 0 and 1, but got {dropout}")
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.head_dim = hidden_size // num_heads
+        self.dropout, self.causal, self.impl = dropout, causal, impl
+        self.ring = ring_of(self.sequence)
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias, device=self.device, dtype=dtype)
+        self.proj = nn.Linear(hidden_size, hidden_size, bias, device=self.device, dtype=dtype)
+        mark_sequence_replicated(self, self.context)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """See the class docstring for shapes."""
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"{type(self).__name__}: expected the local chunk [b, s/N, {self.hidden_size}], "
+                f"got {list(x.shape)}"
+            )
+        b, c, _ = x.shape
+        qkv = self.qkv(x).view(b, c, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [b, heads, c, d]
+        attend = self._ring if self.impl == "ring" else self._all_to_all
+        out = attend(q, k, v)  # [b, heads, c, d]
+        y: torch.Tensor = self.proj(out.transpose(1, 2).reshape(b, c, self.hidden_size))
+        return y
+
+    def _dropout(self, probs: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.dropout == 0.0:
+            return probs
+        with self.context.seed(ParallelMode.TENSOR):
+            return F.dropout(probs, self.dropout, True)
+
+    def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        c = q.shape[-2]
+        scores = ring_qk(q * (1.0 / math.sqrt(self.head_dim)), k, self.ring)  # [b, n, c, s]
+        if self.causal:
+            start = self.sequence.rank * c
+            rows = torch.arange(start, start + c, device=q.device).unsqueeze(-1)  # [c, 1]
+            cols = torch.arange(scores.shape[-1], device=q.device)  # [s]
+            scores = scores.masked_fill(cols > rows, float("-inf"))
+        probs = self._dropout(scores.softmax(dim=-1))
+        return ring_av(probs, v, self.ring)  # [b, n, c, d]
+
+    def _all_to_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        group = self.sequence.group
+        # [b, heads, c, d] -> [b, heads/N, s, d]: scatter heads, gather the sequence
+        q, k, v = (all_to_all(t, 1, 2, group) for t in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        if p > 0.0:
+            with self.context.seed(ParallelMode.TENSOR):
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return all_to_all(out, 2, 1, group)  # [b, heads, c, d]
+
+    def extra_repr(self) -> str:
+        """The summary shown by ``print(module)``."""
+        return (
+            f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
+            f"dropout={self.dropout}, causal={self.causal}, impl={self.impl!r}, "
+            f"sequence={self.sequence.world_size}"
+        )
