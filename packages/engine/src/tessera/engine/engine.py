@@ -189,6 +189,27 @@ class Engine:
         """``step()`` calls so far (micro-steps under gradient accumulation)."""
         return self._micro_step
 
+    def progress_state_dict(self) -> dict[str, Any]:
+        """Counters and the loss scaler: what a checkpoint needs besides weights and optimizer.
+
+        Plain numbers only (loads with ``weights_only=True``).
+        """
+        return {
+            "global_step": self.global_step,
+            "micro_step": self._micro_step,
+            "skipped_steps": self.skipped_steps,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+        }
+
+    def load_progress_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``progress_state_dict`` returned."""
+        self.global_step = int(state["global_step"])
+        self._micro_step = int(state["micro_step"])
+        self.skipped_steps = int(state["skipped_steps"])
+        scaler = state.get("loss_scaler")
+        if self.loss_scaler is not None and scaler is not None:
+            self.loss_scaler.load_state_dict(scaler)
+
     def parameters(self) -> Iterator[nn.Parameter]:
         """Every parameter this rank holds."""
         for m in self._modules:

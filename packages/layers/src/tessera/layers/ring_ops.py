@@ -121,6 +121,9 @@ class _RingQK(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, ring: Ring) -> torch.Tensor:
         ctx.ring = ring
+        # A contiguous k (the copy the ring sends anyway) lets the fused qkv buffer it may
+        # view be freed once q and v are done with it.
+        k = k.contiguous()
         ctx.save_for_backward(q, k)
         q, k = q.detach(), k.detach()
         c = k.shape[-2]
@@ -163,6 +166,7 @@ class _RingAV(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, p: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
         ctx.ring = ring
+        v = v.contiguous()  # as k in _RingQK: do not keep the fused qkv buffer alive
         ctx.save_for_backward(p, v)
         p, v = p.detach(), v.detach()
         c = v.shape[-2]
