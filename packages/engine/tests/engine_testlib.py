@@ -1,11 +1,20 @@
-"""Shared helpers of the engine tests: a tiny model, data, and a plain-PyTorch reference."""
+"""Shared helpers of the engine tests: a tiny model, data, a plain-PyTorch reference, and
+hand-made 1D tensor-parallel linears marked with ShardInfo (the engine does not depend on
+tessera-layers; Megatron-style column/row split, Shoeybi et al. 2019)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
 from torch import nn
+
+from tessera.context import ParallelMode, ShardInfo, set_shard_info
+
+M = ParallelMode
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -46,3 +55,66 @@ def sgd(model: nn.Module) -> torch.optim.Optimizer:
 
 def adam(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+class _CopyToTensor(torch.autograd.Function):
+    """Identity forward; all-reduce of the input gradient over the 1D group."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        tdist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensor(torch.autograd.Function):
+    """All-reduce forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        x = x.clone()
+        tdist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class ColumnLinear(nn.Module):
+    def __init__(self, full: nn.Linear, ctx: Any) -> None:
+        super().__init__()
+        r, n = ctx.get_local_rank(M.PARALLEL_1D), ctx.get_world_size(M.PARALLEL_1D)
+        self.group = ctx.get_group(M.PARALLEL_1D)
+        w_info = ShardInfo.from_split(full.weight.shape, {0: [(M.PARALLEL_1D, r, n)]})
+        b_info = ShardInfo.from_split(full.bias.shape, {0: [(M.PARALLEL_1D, r, n)]})
+        self.weight = nn.Parameter(full.weight.detach()[w_info.slices].clone())  # [out/n, in]
+        self.bias = nn.Parameter(full.bias.detach()[b_info.slices].clone())  # [out/n]
+        set_shard_info(self.weight, w_info)
+        set_shard_info(self.bias, b_info)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _CopyToTensor.apply(x, self.group)
+        return F.linear(x, self.weight, self.bias)  # [b, out/n]
+
+
+class RowLinear(nn.Module):
+    def __init__(self, full: nn.Linear, ctx: Any) -> None:
+        super().__init__()
+        r, n = ctx.get_local_rank(M.PARALLEL_1D), ctx.get_world_size(M.PARALLEL_1D)
+        self.group = ctx.get_group(M.PARALLEL_1D)
+        w_info = ShardInfo.from_split(full.weight.shape, {1: [(M.PARALLEL_1D, r, n)]})
+        b_info = ShardInfo.from_split(full.bias.shape, {}, replicated_modes=[M.PARALLEL_1D])
+        self.weight = nn.Parameter(full.weight.detach()[w_info.slices].clone())  # [out, in/n]
+        self.bias = nn.Parameter(full.bias.detach().clone())  # [out], whole on every rank
+        set_shard_info(self.weight, w_info)
+        set_shard_info(self.bias, b_info)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)  # [b, out], a partial sum over the 1D group
+        return _ReduceFromTensor.apply(partial, self.group) + self.bias

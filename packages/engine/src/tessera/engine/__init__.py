@@ -1,7 +1,7 @@
 """tessera-engine: the Engine and everything around a training step.
 
 Gradient handlers, initialize(), mixed precision, ZeRO, gradient accumulation, global-norm
-clipping, data loading, and the Trainer with hooks.
+clipping, data loading, checkpoints that reshard across layouts, and the Trainer with hooks.
 
 It knows no layer class: what it needs about sharded parameters comes from
 ``tessera.context.ShardInfo``; pipeline schedules come from tessera-pipeline.
@@ -9,6 +9,18 @@ It knows no layer class: what it needs about sharded parameters comes from
 
 from .accumulation import AccumulatedLRScheduler
 from .buckets import all_reduce_coalesced, broadcast_coalesced, bucketize
+from .checkpoint import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointParts,
+    export_torch_state_dict,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from .clipping import (
     clip_grad_norm,
     combine_norms,
@@ -16,7 +28,7 @@ from .clipping import (
     norm_contributions,
     reduce_contributions,
 )
-from .data import get_dataloader
+from .data import ResumableDataLoader, ResumableDistributedSampler, get_dataloader
 from .dist_logger import DistributedLogger, get_dist_logger
 from .engine import Engine
 from .gradient_handlers import (
@@ -29,12 +41,14 @@ from .gradient_handlers import (
 from .hooks import (
     AccuracyHook,
     BaseHook,
+    LoadCheckpointHook,
     LogMemoryByEpochHook,
     LogMetricByEpochHook,
     LogMetricByStepHook,
     LogTimingByEpochHook,
     LossHook,
     LRSchedulerHook,
+    SaveCheckpointHook,
     TensorboardHook,
     ThroughputHook,
 )
@@ -78,6 +92,19 @@ __all__ = [
     "broadcast_coalesced",
     # data
     "get_dataloader",
+    "ResumableDataLoader",
+    "ResumableDistributedSampler",
+    # checkpoints
+    "save_checkpoint",
+    "load_checkpoint",
+    "CheckpointParts",
+    "CheckpointInfo",
+    "CheckpointError",
+    "CheckpointCorruptError",
+    "export_torch_state_dict",
+    "verify_checkpoint",
+    "latest_checkpoint",
+    "prune_checkpoints",
     # trainer, hooks, metrics, timing, logging
     "Trainer",
     "BaseHook",
@@ -90,6 +117,8 @@ __all__ = [
     "LogTimingByEpochHook",
     "LogMemoryByEpochHook",
     "TensorboardHook",
+    "SaveCheckpointHook",
+    "LoadCheckpointHook",
     "AverageMetric",
     "ThroughputMetric",
     "MultiTimer",

@@ -38,24 +38,28 @@ def _seed_worker(worker_id: int) -> None:
 
 
 class ResumableDistributedSampler(DistributedSampler[Any]):
-    """``DistributedSampler`` that can start its next epoch after a number of samples.
+    """``DistributedSampler`` that can start an epoch after a number of samples.
 
-    ``skip_next(n)`` makes the next ``__iter__`` drop the first ``n`` indices of this rank's
-    shard (after shuffling and padding exactly as ``DistributedSampler`` does), once.
-    ``len()`` stays the full shard length, so ``len(loader)`` is the epoch length.
+    ``skip_next(n)`` makes the next ``__iter__`` of the current epoch drop the first ``n``
+    indices of this rank's shard (after shuffling and padding exactly as
+    ``DistributedSampler`` does), once. ``len()`` stays the full shard length, so
+    ``len(loader)`` is the epoch length.
     """
 
     _skip = 0
+    _skip_epoch = -1
 
     def skip_next(self, samples: int) -> None:
-        """Drop the first ``samples`` indices of the next iteration only."""
+        """Drop the first ``samples`` indices of the next iteration of the current epoch."""
         if samples < 0:
             raise ValueError(f"cannot skip {samples} samples")
         self._skip = int(samples)
+        self._skip_epoch = self.epoch
 
     def __iter__(self) -> Iterator[Any]:
         indices = list(super().__iter__())
-        skip, self._skip = self._skip, 0
+        skip = self._skip if self._skip_epoch == self.epoch else 0
+        self._skip, self._skip_epoch = 0, -1
         return iter(indices[skip:])
 
 
@@ -82,14 +86,17 @@ class ResumableDataLoader(DataLoader[Any]):
     """
 
     _consumed = 0
-    _resume_batches = 0
+    _resume: tuple[int, int] | None = None  # (epoch, batches) the next iteration starts at
     _epoch_start_generator: torch.Tensor | None = None
+
+    def _epoch(self) -> int:
+        return int(getattr(self.sampler, "epoch", 0))
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         if self.generator is not None:
             self._epoch_start_generator = self.generator.get_state()
-        self._consumed = self._resume_batches
-        self._resume_batches = 0
+        resume, self._resume = self._resume, None
+        self._consumed = resume[1] if resume is not None and resume[0] == self._epoch() else 0
         return _CountingIterator(self, super().__iter__())
 
     @property
@@ -101,15 +108,20 @@ class ResumableDataLoader(DataLoader[Any]):
         return int(getattr(self.sampler, "num_replicas", 1))
 
     def state_dict(self) -> dict[str, Any]:
-        """The position: plain ints and a generator-state tensor (``weights_only``-safe)."""
-        if self._epoch_start_generator is not None:
+        """The position: plain ints and a generator-state tensor (``weights_only``-safe).
+
+        Mid-epoch, the generator state is the one the epoch's iteration started from (it is
+        drawn again when the iteration is recreated); after a whole epoch, the current one.
+        """
+        complete = self._consumed >= len(self)
+        if not complete and self._epoch_start_generator is not None:
             generator = self._epoch_start_generator
         elif self.generator is not None:
             generator = self.generator.get_state()
         else:
             generator = torch.empty(0, dtype=torch.uint8)
         return {
-            "epoch": int(getattr(self.sampler, "epoch", 0)),
+            "epoch": self._epoch(),
             "batches": self._consumed,
             "batch_size": int(self.batch_size or 1),
             "data_size": self._replicas(),
@@ -117,7 +129,7 @@ class ResumableDataLoader(DataLoader[Any]):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Make the next iteration resume where ``state`` was taken.
+        """Make the next iteration of the saved epoch resume where ``state`` was taken.
 
         Under another data-parallel size or batch size the position is converted through the
         number of samples consumed by all data ranks together (exact when it divides).
@@ -134,18 +146,20 @@ class ResumableDataLoader(DataLoader[Any]):
                 self._replicas(),
                 batches,
             )
+        epoch = int(state["epoch"])
         set_epoch = getattr(self.sampler, "set_epoch", None)
         if callable(set_epoch):
-            set_epoch(int(state["epoch"]))
-        skip_next = getattr(self.sampler, "skip_next", None)
-        if batches and not callable(skip_next):
-            raise TypeError(
-                f"the sampler {type(self.sampler).__name__} cannot skip samples; "
-                "build the loader with get_dataloader"
-            )
-        if callable(skip_next):
+            set_epoch(epoch)
+        complete = batches >= len(self)
+        if not complete and batches:
+            skip_next = getattr(self.sampler, "skip_next", None)
+            if not callable(skip_next):
+                raise TypeError(
+                    f"the sampler {type(self.sampler).__name__} cannot skip samples; "
+                    "build the loader with get_dataloader"
+                )
             skip_next(batches * int(self.batch_size or 1))
-        self._resume_batches = batches
+        self._resume = None if complete else (epoch, batches)
         self._consumed = batches
         generator = state.get("generator")
         if self.generator is not None and isinstance(generator, torch.Tensor) and generator.numel():

@@ -33,8 +33,10 @@ from torch import nn
 from tessera.context import ParallelContext, ParallelMode
 
 from .clipping import clip_grad_norm
+from .consistency import checks_batch
 from .context_lookup import resolve_context
 from .gradient_handlers.base import BaseGradientHandler
+from .guarding import guarded
 from .loss_scaler import DynamicLossScaler
 from .schedule import NonPipelineSchedule, StepSchedule
 
@@ -89,6 +91,10 @@ class Engine:
         loss_scaler: Dynamic loss scaler (fp16); ``None`` for no scaling.
         context: The ParallelContext (default: the current one, or none).
     """
+
+    #: Debug mode: ``execute_schedule`` checks that every rank reads a batch of the same
+    #: shapes (``initialize`` sets it from ``debug=`` / ``$TESSERA_DEBUG``).
+    debug: bool = False
 
     def __init__(
         self,
@@ -245,6 +251,7 @@ class Engine:
         for setter in self._sync_setters:
             setter(enabled)
 
+    @guarded("engine.forward")
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward through the model (under autocast when mixed precision is on)."""
         if not isinstance(self._model, nn.Module):
@@ -276,6 +283,7 @@ class Engine:
 
     # ------------------------------------------------------------------ backward
 
+    @guarded("engine.backward")
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss``.
 
@@ -285,6 +293,7 @@ class Engine:
         factor = self._loss_factor()
         torch.autograd.backward(loss * factor if factor != 1.0 else loss)
 
+    @guarded("engine.backward")
     def backward_by_grad(self, tensors: torch.Tensor | Sequence[torch.Tensor], grads: Any) -> None:
         """Backpropagate from ``tensors`` given their gradients.
 
@@ -310,6 +319,8 @@ class Engine:
         factor = self._loss_factor()
         return loss * factor if factor != 1.0 else loss
 
+    @guarded("engine.execute_schedule")
+    @checks_batch
     def execute_schedule(
         self,
         data_iter: Iterator[Any],
@@ -375,6 +386,7 @@ class Engine:
             dups.extend(handler.duplicate_parameters())
         return dups
 
+    @guarded("engine.step")
     def step(self) -> bool:
         """One micro-step; every ``gradient_accumulation``-th call updates the parameters.
 

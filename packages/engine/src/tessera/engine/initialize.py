@@ -20,7 +20,14 @@ offload=False)``           and optimizer state sharded, 3: also parameters; offl
 ``NUM_MICRO_BATCHES``,     with pipeline size > 1: ``PipelineSchedule`` (1F1B), or
 ``NUM_CHUNKS``,            ``InterleavedPipelineSchedule`` when NUM_CHUNKS > 1, from
 ``TENSOR_SHAPE``           tessera.pipeline
+``debug=True``             more cross-rank checks (also ``TESSERA_DEBUG=1``): parameter
+                           checksums after initialize, batch shapes every step
 =========================  ================================================================
+
+Every rank must build the same model and read the same configuration: ``initialize`` compares
+the configuration keys above, and parameter names, shapes and dtypes across data and tensor
+ranks, before its first broadcast (``consistency.py``), so a mismatch is a clear ``ValueError``
+on every rank instead of a hang or silently mixed values.
 """
 
 from __future__ import annotations
@@ -37,6 +44,12 @@ from tessera.registry import GRADIENT_HANDLERS, SCHEDULES, build
 
 from .accumulation import AccumulatedLRScheduler
 from .buckets import broadcast_coalesced
+from .consistency import (
+    check_config_agreement,
+    check_model_agreement,
+    check_parameter_checksums,
+    debug_enabled,
+)
 from .context_lookup import group_if_parallel, resolve_context
 from .engine import Engine
 from .gradient_handlers import (
@@ -63,6 +76,7 @@ ENGINE_CONFIG_KEYS = (
     "NUM_MICRO_BATCHES",
     "NUM_CHUNKS",
     "TENSOR_SHAPE",
+    "debug",
 )
 
 _FP16_KEYS = (
@@ -260,11 +274,16 @@ def initialize(
             f"{pipeline_size}; use zero.stage 1 with pipeline parallelism"
         )
 
-    # 1. device and equal replicas
+    # 1. device and equal replicas (after checking that the ranks agree: see consistency.py)
+    debug = debug_enabled(cfg)
     if ctx is not None:
+        check_config_agreement({**cfg, "debug": debug}, ENGINE_CONFIG_KEYS, ctx)
+        check_model_agreement(modules, ctx)
         for m in modules:
             m.to(ctx.device)
         sync_replicated_parameters(modules, ctx)
+        if debug:
+            check_parameter_checksums(modules, ctx)
 
     # 2. ZeRO (may replace the parameters and hence the optimizer)
     forward_model: nn.Module | list[nn.Module] = model if isinstance(model, nn.Module) else modules
@@ -322,6 +341,7 @@ def initialize(
         loss_scaler=scaler,
         context=ctx,
     )
+    engine.debug = debug
     if lr_scheduler is not None and accumulation > 1:
         lr_scheduler = AccumulatedLRScheduler(lr_scheduler, accumulation)
     return engine, train_dataloader, test_dataloader, lr_scheduler

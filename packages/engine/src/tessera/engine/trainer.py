@@ -96,6 +96,9 @@ class Trainer:
         self.epoch = 0
         self.global_step = 0
         self.steps_per_epoch: int | None = None
+        # Where fit() starts: set by a hook in before_train when resuming a checkpoint.
+        self.start_epoch = 0
+        self.start_step_in_epoch = 0
         ctx = engine.context
         self._data_group = group_if_parallel(ctx, ParallelMode.DATA)
         self.is_display_rank = self._display_rank()
@@ -188,6 +191,7 @@ class Trainer:
         for hook in ordered:
             hook.after_hook_is_attached(self)
         self.states["hooks"] = ordered
+        self.states["train_dataloader"] = train_dataloader
         self._call(ordered, "before_train")
         try:
             length = len(train_dataloader)  # type: ignore[arg-type]
@@ -195,12 +199,16 @@ class Trainer:
             length = None
         self.steps_per_epoch = length
         stop = False
-        for epoch in range(epochs):
+        first = self.start_epoch
+        for epoch in range(first, epochs):
             self.epoch = epoch
             sampler = getattr(train_dataloader, "sampler", None)
             if sampler is not None and hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
-            stop = self._train_epoch(train_dataloader, length, max_steps, ordered, display_progress)
+            start = self.start_step_in_epoch if epoch == first else 0
+            stop = self._train_epoch(
+                train_dataloader, length, max_steps, ordered, display_progress, start
+            )
             if test_dataloader is not None and ((epoch + 1) % test_interval == 0 or stop):
                 self.evaluate(
                     test_dataloader,
@@ -219,15 +227,21 @@ class Trainer:
         max_steps: int | None,
         hooks: Sequence[BaseHook],
         display_progress: bool,
+        start_step: int = 0,
     ) -> bool:
         engine = self.engine
         engine.train()
         self._call(hooks, "before_train_epoch")
         bar = self._progress(length, f"epoch {self.epoch}", display_progress)
-        data_iter: Iterator[Any] = iter(loader)
+        if bar is not None and start_step:
+            bar.update(start_step)
+        # A resumed epoch whose batches were all consumed creates no iterator: creating one
+        # draws from the loader's generator, which the uninterrupted run did not do here.
+        done = length is not None and start_step >= length
+        data_iter: Iterator[Any] = iter(()) if done else iter(loader)
         stopped = False
         self.timer.start("train-epoch")
-        step_in_epoch = 0
+        step_in_epoch = start_step
         while length is None or step_in_epoch < length:
             if max_steps is not None and self.global_step >= max_steps:
                 stopped = True

@@ -1,6 +1,7 @@
 """Trainer hooks: the callbacks a training run is extended with."""
 
 from .base import BaseHook
+from .checkpoint_hooks import LoadCheckpointHook, SaveCheckpointHook
 from .log_hooks import (
     LogMemoryByEpochHook,
     LogMetricByEpochHook,
@@ -23,6 +24,8 @@ __all__ = [
     "LogTimingByEpochHook",
     "LogMemoryByEpochHook",
     "TensorboardHook",
+    "SaveCheckpointHook",
+    "LoadCheckpointHook",
     "memory_usage",
     "top1_correct",
 ]

@@ -1,0 +1,539 @@
+"""``save_checkpoint`` / ``load_checkpoint``: everything a run needs to continue, any layout.
+
+A checkpoint is a directory::
+
+    step_00000100/
+      manifest.json      size + sha256 of every other file (written last; see files.py)
+      metadata.json      DCP's tensor index as JSON (global shapes, chunks, byte ranges)
+      .metadata          the same index pickled by DCP (kept for plain ``dcp.load``; never read)
+      __<r>_0.distcp     DCP data: the blocks rank r wrote (one writer per block)
+      state.json         step, epoch, layout, param-group settings and optimizer numbers by name
+      rank_<r>.pt        rank r's RNG streams, data position, lr scheduler, counters, ``extra``
+
+Tensors (``model/<name>``, ``optim/<name>/<key>``) are saved by torch.distributed.checkpoint
+through the block planners, keyed by the full model's names, so they load under any other
+data/pipeline/tensor layout of the same model. What is per rank (RNG) is restored only under
+the same layout; what is the same on every rank (scheduler, counters, data position) is read
+from rank 0's file when the layout changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import uuid
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from tessera.context import ParallelContext, ParallelMode
+
+from ..engine import Engine
+from .blocks import Block, block_of, model_tensors, parameter_names, unwrap_modules
+from .comm import Comm
+from .errors import CheckpointCorruptError, CheckpointError
+from .files import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    publish,
+    read_json,
+    sha256_file,
+    temporary_dir,
+    verify_checkpoint,
+    write_bytes,
+    write_json,
+)
+from .optimizer_state import optimizer_parts, prepare_optimizer_load
+from .planners import (
+    METADATA_JSON,
+    BlockLoadPlanner,
+    BlockSavePlanner,
+    JsonMetadataReader,
+    metadata_from_json,
+    metadata_to_json,
+)
+from .rng import capture_rng, restore_rng
+
+__all__ = [
+    "MODEL_PREFIX",
+    "STATE_JSON",
+    "CheckpointInfo",
+    "CheckpointParts",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+MODEL_PREFIX = "model/"
+STATE_JSON = "state.json"
+
+
+def rank_file(rank: int) -> str:
+    """Name of rank ``rank``'s own file."""
+    return f"rank_{rank:05d}.pt"
+
+
+@dataclass
+class CheckpointParts:
+    """What a checkpoint saves and restores when there is no Engine (or more than it holds).
+
+    Attributes:
+        model: The module, or this pipeline rank's chunks (DDP wrappers are looked through).
+        optimizer: Its optimizer (also ZeroRedundancyOptimizer or an FSDP2 one).
+        lr_scheduler: Anything with ``state_dict``/``load_state_dict``.
+        dataloader: A loader from ``get_dataloader`` (its position is saved).
+        engine: Its counters and loss scaler are saved.
+        context: The ParallelContext (default: the engine's, else the current one).
+    """
+
+    model: nn.Module | Sequence[nn.Module]
+    optimizer: torch.optim.Optimizer | None = None
+    lr_scheduler: Any = None
+    dataloader: Any = None
+    engine: Engine | None = None
+    context: ParallelContext | None = None
+
+    @classmethod
+    def of(
+        cls,
+        engine_or_parts: Engine | CheckpointParts,
+        lr_scheduler: Any = None,
+        dataloader: Any = None,
+    ) -> CheckpointParts:
+        """Parts of an Engine (or a copy of parts) with the scheduler and loader added."""
+        if isinstance(engine_or_parts, Engine):
+            engine = engine_or_parts
+            parts = cls(engine.module, engine.optimizer, engine=engine, context=engine.context)
+        elif isinstance(engine_or_parts, CheckpointParts):
+            parts = CheckpointParts(**vars(engine_or_parts))
+        else:
+            raise TypeError(
+                f"expected an Engine or CheckpointParts, got {type(engine_or_parts).__name__}"
+            )
+        if lr_scheduler is not None:
+            parts.lr_scheduler = lr_scheduler
+        if dataloader is not None:
+            parts.dataloader = dataloader
+        return parts
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What ``load_checkpoint`` found.
+
+    Attributes:
+        path: The checkpoint directory.
+        step: The ``step`` it was saved with.
+        epoch: The ``epoch`` it was saved with.
+        extra: The ``extra`` it was saved with (this rank's, or rank 0's after a relayout).
+        same_layout: Saved under the same parallel layout (then the RNG streams were restored).
+        dataloader: The saved data position (``ResumableDataLoader.state_dict()``), if any.
+    """
+
+    path: Path
+    step: int
+    epoch: int
+    extra: Any
+    same_layout: bool
+    dataloader: dict[str, Any] | None
+
+
+def _layout(comm: Comm) -> dict[str, Any]:
+    ctx = comm.context
+    if ctx is None:
+        return {"world_size": comm.world_size, "data": comm.world_size, "pipeline": 1,
+                "tensor": 1, "tensor_mode": None, "tensor_depth": 1}  # fmt: skip
+    c = ctx.config
+    return {
+        "world_size": ctx.world_size,
+        "data": c.data_size,
+        "pipeline": c.pipeline_size,
+        "tensor": c.tensor_size,
+        "tensor_mode": c.tensor_mode,
+        "tensor_depth": getattr(c, "tensor_depth", 1),
+    }
+
+
+def _pipeline_rank(comm: Comm) -> int:
+    ctx = comm.context
+    if ctx is not None and ctx.is_initialized(ParallelMode.PIPELINE):
+        return ctx.get_local_rank(ParallelMode.PIPELINE)
+    return 0
+
+
+def _rank_payload(parts: CheckpointParts, comm: Comm, extra: Any) -> bytes:
+    """This rank's own file, checked to load back with ``weights_only=True``."""
+    payload = {
+        "rng": capture_rng(comm.context),
+        "engine": parts.engine.progress_state_dict() if parts.engine is not None else None,
+        "lr_scheduler": (
+            parts.lr_scheduler.state_dict() if parts.lr_scheduler is not None else None
+        ),
+        "dataloader": _loader_state(parts.dataloader),
+        "extra": extra,
+    }
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # the message of torch's weights-only unpickler names the type
+        raise CheckpointError(
+            "extra / lr_scheduler state must hold only tensors, numbers, strings and "
+            f"containers of them (it must load with weights_only=True): {exc}"
+        ) from exc
+    return data
+
+
+def _loader_state(loader: Any) -> dict[str, Any] | None:
+    if loader is None:
+        return None
+    state_dict = getattr(loader, "state_dict", None)
+    if not callable(state_dict):
+        raise CheckpointError(
+            f"the dataloader ({type(loader).__name__}) has no state_dict(): build it with "
+            "tessera.engine.get_dataloader to save its position"
+        )
+    state = state_dict()
+    assert isinstance(state, dict)
+    return state
+
+
+def _collisions(gathered: list[dict[str, Any]]) -> list[str]:
+    """Names held by two pipeline stages: they would overwrite each other in the checkpoint."""
+    holders: dict[str, set[int]] = {}
+    for g in gathered:
+        for name in g["names"]:
+            holders.setdefault(name, set()).add(g["stage"])
+    return [
+        f"{name} is held by pipeline stages {sorted(stages)}: name stage parameters as in the "
+        "full model (tessera.pipeline.build_pipeline_model does)"
+        for name, stages in sorted(holders.items())
+        if len(stages) > 1
+    ]
+
+
+@contextlib.contextmanager
+def quiet_single_process(comm: Comm) -> Iterator[None]:
+    """Silence DCP's warning that it runs in one process when that is what we asked for."""
+    with warnings.catch_warnings():
+        if not comm.distributed:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _raise_all(problems: list[str], what: str) -> None:
+    """Raise one error listing ``problems`` (the same list on every rank: gathered)."""
+    unique = list(dict.fromkeys(problems))
+    if unique:
+        shown = unique[:20]
+        more = f"\n  ... and {len(unique) - 20} more" if len(unique) > 20 else ""
+        raise CheckpointError(f"{what}:\n  " + "\n  ".join(shown) + more)
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    engine_or_parts: Engine | CheckpointParts,
+    step: int = 0,
+    epoch: int = 0,
+    extra: Any = None,
+    *,
+    lr_scheduler: Any = None,
+    dataloader: Any = None,
+) -> Path:
+    """Save a checkpoint that loads under any parallel layout of the same model.
+
+    Every rank of the job must call it (collective). The directory appears at ``path`` only
+    once complete (written under a hidden temporary name, then renamed); an existing
+    checkpoint at ``path`` is replaced only then.
+
+    Args:
+        path: The checkpoint directory to create (its parent is created if needed; on a
+            file system every rank sees).
+        engine_or_parts: An Engine (model, optimizer, counters, loss scaler) or
+            CheckpointParts.
+        step: Recorded (the Trainer passes its global step).
+        epoch: Recorded.
+        extra: Anything of tensors, numbers, strings and containers, per rank.
+        lr_scheduler: Saved with the rest (also ``CheckpointParts.lr_scheduler``).
+        dataloader: Its position is saved (a loader from ``get_dataloader``).
+
+    Returns:
+        The published directory.
+
+    Raises:
+        CheckpointError: on every rank, when any rank cannot describe its state.
+    """
+    parts = CheckpointParts.of(engine_or_parts, lr_scheduler, dataloader)
+    comm = Comm(parts.context)
+    final = Path(path).absolute()
+    # 1. A fresh temporary directory, named by rank 0.
+    token, setup_error = None, None
+    if comm.is_coordinator:
+        token = uuid.uuid4().hex[:12]
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            temporary_dir(final, token).mkdir()
+        except OSError as exc:
+            setup_error = f"cannot create a temporary directory next to {final}: {exc}"
+    token, setup_error = comm.broadcast((token, setup_error))
+    if setup_error is not None:
+        raise CheckpointError(setup_error)
+    assert token is not None
+    tmp = temporary_dir(final, token)
+
+    # 2. What this rank holds; every rank learns every rank's problems before any DCP call.
+    modules = unwrap_modules(parts.model)
+    errors: list[str] = []
+    blocks: dict[str, Block] = {}
+    names: list[str] = []
+    values: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
+    payload = b""
+    try:
+        for name, tensor in model_tensors(modules):
+            blocks[MODEL_PREFIX + name] = block_of(name, tensor)
+            names.append(name)
+        if parts.optimizer is not None:
+            oblocks, values, settings = optimizer_parts(parts.optimizer, parameter_names(modules))
+            blocks.update(oblocks)
+        payload = _rank_payload(parts, comm, extra)
+    except CheckpointError as exc:
+        errors.append(str(exc))
+    gathered: list[dict[str, Any]] = comm.all_gather(
+        {
+            "errors": errors,
+            "names": names,
+            "stage": _pipeline_rank(comm),
+            "values": values,
+            "settings": settings,
+            "optimizer": parts.optimizer is not None,
+        }
+    )
+    # Every rank holds the same gathered list, so every rank raises the same error.
+    _raise_all([e for g in gathered for e in g["errors"]] + _collisions(gathered),
+               f"cannot save checkpoint {final}")  # fmt: skip
+
+    # 3. Tensors through DCP (deduplicated, validated: no overlap, no hole), then own files.
+    writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, overwrite=False)
+    with quiet_single_process(comm):
+        metadata = dcp_save(
+            {key: b.local for key, b in blocks.items()},
+            storage_writer=writer,
+            planner=BlockSavePlanner(blocks),
+            process_group=comm.group,
+            no_dist=not comm.distributed,
+        )
+    write_bytes(tmp / rank_file(comm.rank), payload)
+    if comm.is_coordinator:
+        write_json(tmp / METADATA_JSON, metadata_to_json(metadata))
+        all_values: dict[str, Any] = {}
+        all_settings: dict[str, Any] = {}
+        for g in gathered:
+            all_values.update(g["values"])
+            all_settings.update(g["settings"])
+        write_json(
+            tmp / STATE_JSON,
+            {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "step": int(step),
+                "epoch": int(epoch),
+                "layout": _layout(comm),
+                "model_keys": sorted({n for g in gathered for n in g["names"]}),
+                "has_optimizer": any(g["optimizer"] for g in gathered),
+                "param_groups": all_settings,
+                "optimizer_values": all_values,
+                "torch_version": torch.__version__,
+            },
+        )
+
+    # 4. Checksums (files shared among the ranks), manifest, atomic publication by rank 0.
+    listing = comm.broadcast(sorted(p.name for p in tmp.iterdir()) if comm.is_coordinator else [])
+    digests = {
+        name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+        for i, name in enumerate(listing)
+        if i % comm.world_size == comm.rank
+    }
+    everyone = comm.all_gather(digests)
+    publish_error: str | None = None
+    if comm.is_coordinator:
+        files: dict[str, Any] = {}
+        for d in everyone:
+            files.update(d)
+        try:
+            write_json(
+                tmp / MANIFEST,
+                {
+                    "format": FORMAT,
+                    "version": FORMAT_VERSION,
+                    "step": int(step),
+                    "epoch": int(epoch),
+                    "files": files,
+                },
+            )
+            publish(tmp, final, token)
+        except (OSError, CheckpointError) as exc:
+            publish_error = f"cannot publish checkpoint {final}: {exc}"
+    publish_error = comm.broadcast(publish_error)
+    if publish_error is not None:
+        raise CheckpointError(publish_error)
+    return final
+
+
+def _saved_tensors(directory: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    metadata = metadata_from_json(read_json(directory / METADATA_JSON))
+    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        assert hasattr(md, "properties") and hasattr(md, "size")
+        out[key] = (md.properties.dtype, tuple(int(s) for s in md.size))
+    return out
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    engine_or_parts: Engine | CheckpointParts,
+    strict: bool = True,
+    *,
+    lr_scheduler: Any = None,
+    dataloader: Any = None,
+    verify: bool = True,
+) -> CheckpointInfo:
+    """Load a checkpoint saved under any layout into this layout's parts, in place.
+
+    Every rank of the job must call it (collective). The files are first checked against the
+    manifest; nothing is unpickled (tensor data with ``weights_only=True``, metadata from JSON).
+
+    Args:
+        path: A checkpoint directory written by ``save_checkpoint``.
+        engine_or_parts: What to fill (see ``save_checkpoint``).
+        strict: Every tensor of the model must be in the checkpoint and every model tensor of
+            the checkpoint in the model (checked over all ranks together); a scheduler or
+            loader given must have saved state. Else missing entries are left as they are.
+        lr_scheduler: Restored with the rest.
+        dataloader: Its position is restored (its next iteration resumes there).
+        verify: Check the checksums first (``False`` only right after ``latest_checkpoint``
+            verified the same directory).
+
+    Returns:
+        The step, epoch and ``extra`` recorded.
+
+    Raises:
+        CheckpointCorruptError: a file is missing, truncated or altered (named).
+        CheckpointError: keys or shapes do not match the model (named).
+    """
+    parts = CheckpointParts.of(engine_or_parts, lr_scheduler, dataloader)
+    comm = Comm(parts.context)
+    directory = Path(path).absolute()
+    if verify:
+        verify_checkpoint(directory, comm)
+    errors: list[str] = []
+    blocks: dict[str, Block] = {}
+    names: list[str] = []
+    finish_optimizer = None
+    state: dict[str, Any] = {}
+    try:
+        state = read_json(directory / STATE_JSON)
+        saved = _saved_tensors(directory)
+        modules = unwrap_modules(parts.model)
+        for name, tensor in model_tensors(modules):
+            names.append(name)
+            key = MODEL_PREFIX + name
+            block = block_of(name, tensor)
+            if key not in saved:
+                if strict:
+                    errors.append(f"{name} (global shape {list(block.global_shape)}) is not in "
+                                  "the checkpoint")  # fmt: skip
+                continue
+            saved_shape = saved[key][1]
+            if saved_shape != block.global_shape:
+                errors.append(
+                    f"{name}: the checkpoint holds global shape {list(saved_shape)}, the model "
+                    f"{list(block.global_shape)}"
+                )
+                continue
+            blocks[key] = block
+        if parts.optimizer is not None:
+            if not state.get("has_optimizer"):
+                if strict:
+                    errors.append("the checkpoint holds no optimizer state")
+            else:
+                oblocks, finish_optimizer, oerrors = prepare_optimizer_load(
+                    parts.optimizer,
+                    parameter_names(modules),
+                    saved,
+                    state.get("optimizer_values", {}),
+                    state.get("param_groups", {}),
+                    strict,
+                )
+                errors.extend(oerrors)
+                blocks.update(oblocks)
+    except CheckpointError as exc:
+        errors.append(str(exc))
+    gathered = comm.all_gather({"errors": errors, "names": names})
+    problems = [e for g in gathered for e in g["errors"]]
+    if strict and state:
+        present = {n for g in gathered for n in g["names"]}
+        unexpected = sorted(set(state.get("model_keys", [])) - present)
+        if unexpected:
+            problems.append(f"the checkpoint holds tensors the model lacks: {unexpected[:10]}")
+    _raise_all(problems, f"cannot load {directory}")
+
+    with torch.no_grad(), quiet_single_process(comm):
+        dcp_load(
+            {key: b.local for key, b in blocks.items()},
+            storage_reader=JsonMetadataReader(directory),
+            planner=BlockLoadPlanner(blocks),
+            process_group=comm.group,
+            no_dist=not comm.distributed,
+        )
+    if finish_optimizer is not None:
+        finish_optimizer()
+    return _load_rank_state(directory, parts, comm, state, strict)
+
+
+def _load_rank_state(
+    directory: Path, parts: CheckpointParts, comm: Comm, state: dict[str, Any], strict: bool
+) -> CheckpointInfo:
+    same_layout = state.get("layout") == _layout(comm)
+    name = rank_file(comm.rank if same_layout else 0)
+    errors: list[str] = []
+    own: dict[str, Any] = {}
+    try:
+        loaded = torch.load(directory / name, weights_only=True, map_location="cpu")
+        if not isinstance(loaded, dict):
+            raise CheckpointCorruptError(f"{directory / name} does not hold a dict")
+        own = loaded
+        if strict and parts.lr_scheduler is not None and own.get("lr_scheduler") is None:
+            errors.append("the checkpoint holds no lr scheduler state")
+        if strict and parts.dataloader is not None and own.get("dataloader") is None:
+            errors.append("the checkpoint holds no data loader position")
+    except (OSError, RuntimeError) as exc:
+        errors.append(f"{directory / name} cannot be read: {exc}")
+    comm.agree(errors, f"cannot load {directory}", CheckpointError)
+    if parts.engine is not None and own.get("engine") is not None:
+        parts.engine.load_progress_state_dict(own["engine"])
+    if parts.lr_scheduler is not None and own.get("lr_scheduler") is not None:
+        parts.lr_scheduler.load_state_dict(own["lr_scheduler"])
+    loader_state = own.get("dataloader")
+    if parts.dataloader is not None and loader_state is not None:
+        parts.dataloader.load_state_dict(loader_state)
+    if same_layout and own.get("rng") is not None:
+        restore_rng(own["rng"], comm.context)
+    return CheckpointInfo(
+        path=directory,
+        step=int(state.get("step", 0)),
+        epoch=int(state.get("epoch", 0)),
+        extra=own.get("extra"),
+        same_layout=same_layout,
+        dataloader=loader_state,
+    )

@@ -1,0 +1,293 @@
+"""Ranks that must agree, checked: configuration, model metadata, and (debug) values and batches.
+
+A model built differently on one rank, a configuration edited on one node, or a data rank
+reading a different batch size does not fail loudly in a data- or tensor-parallel job: a
+broadcast or all-reduce of tensors whose sizes differ either hangs, reads past a buffer, or
+silently mixes unrelated numbers (gloo receives a short message into a longer buffer without
+complaint). These checks compare small fingerprints over the *cpu* groups, where objects are
+cheap to gather, and raise the same ``ValueError`` on every rank of the group (every rank sees
+the same gathered data), so no rank is left waiting in a collective.
+
+Always on (``initialize``, once): the engine and pipeline keys of the configuration across all
+ranks; parameter and buffer names, shapes and dtypes across data replicas (DATA, or
+SEQUENCE_DP under sequence parallelism) and names, global shapes (``ShardInfo``) and dtypes
+across tensor ranks. One ``all_gather_object`` of a hash per group; the detailed lists are
+gathered only when the hashes differ, to say what differs.
+
+Debug mode (``debug=True`` in the configuration or ``TESSERA_DEBUG=1``): after initialize,
+checksums of every parameter across the ranks holding the same values (data replicas, and
+tensor ranks over which a parameter is replicated); per ``execute_schedule``, the batch's
+structure, shapes and dtypes across all ranks (every data, pipeline and tensor rank reads a
+batch of the same shapes).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.context import ParallelContext, ParallelMode, get_shard_info
+
+__all__ = [
+    "DEBUG_ENV",
+    "agree_on_batch",
+    "check_config_agreement",
+    "check_model_agreement",
+    "check_parameter_checksums",
+    "checks_batch",
+    "debug_enabled",
+]
+
+#: Environment variable that turns the debug checks on (``1``, ``true``, ``yes``).
+DEBUG_ENV = "TESSERA_DEBUG"
+
+#: Most differing entries named in an error.
+_MAX_SHOWN = 5
+
+
+def debug_enabled(config: Mapping[str, Any] | None = None) -> bool:
+    """Whether the debug checks run: ``config["debug"]`` if set, else ``$TESSERA_DEBUG``."""
+    if config is not None and config.get("debug") is not None:
+        return bool(config.get("debug"))
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _canonical(value: Any) -> Any:
+    """A rank-independent, picklable description: plain data kept, objects by type name."""
+    if isinstance(value, Mapping):
+        return sorted(((str(k), _canonical(v)) for k, v in value.items()), key=lambda kv: kv[0])
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.dtype):
+        return str(value)
+    return f"<{type(value).__qualname__}>"
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(repr(value).encode()).hexdigest()
+
+
+def _gather(value: Any, group: dist.ProcessGroup) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
+
+
+def _cpu_group(ctx: ParallelContext, mode: ParallelMode) -> dist.ProcessGroup | None:
+    if not ctx.is_initialized(mode) or ctx.get_world_size(mode) < 2:
+        return None
+    return ctx.get_cpu_group(mode)
+
+
+def _agree(
+    entries: Sequence[tuple[str, Any]],
+    ctx: ParallelContext,
+    mode: ParallelMode,
+    what: str,
+    hint: str,
+) -> None:
+    """Raise the same ValueError on every rank of ``mode``'s group unless all ``entries`` agree.
+
+    ``entries`` is this rank's list of (key, description); only a hash travels unless the
+    hashes differ.
+    """
+    group = _cpu_group(ctx, mode)
+    if group is None:
+        return
+    ranks = ctx.get_ranks_in_group(mode)
+    digests = _gather(_digest(entries), group)
+    if len(set(digests)) == 1:
+        return
+    lists = [dict(e) for e in _gather(list(entries), group)]
+    reference = lists[0]
+    lines: list[str] = []
+    for rank, found in zip(ranks[1:], lists[1:], strict=True):
+        if found == reference:
+            continue
+        keys = list(dict.fromkeys([*reference, *found]))
+        diffs = [k for k in keys if reference.get(k) != found.get(k)]
+        for key in diffs[:_MAX_SHOWN]:
+            lines.append(
+                f"  {key}: rank {ranks[0]} has {reference.get(key, 'nothing')}, "
+                f"rank {rank} has {found.get(key, 'nothing')}"
+            )
+        if len(diffs) > _MAX_SHOWN:
+            lines.append(f"  ... and {len(diffs) - _MAX_SHOWN} more differences on rank {rank}")
+    raise ValueError(
+        f"the {mode.value} ranks {ranks} disagree on the {what}; {hint}:\n" + "\n".join(lines)
+    )
+
+
+# -- configuration ---------------------------------------------------------------------------------
+
+
+def check_config_agreement(
+    config: Mapping[str, Any], keys: Sequence[str], ctx: ParallelContext
+) -> None:
+    """Every rank read the same values for ``keys`` (and ``parallel``) of the configuration.
+
+    A ``TENSOR_SHAPE`` or ``NUM_MICRO_BATCHES`` edited on one node would otherwise make the
+    pipeline ranks send and receive messages of different sizes.
+    """
+    entries = [(key, _canonical(config.get(key))) for key in ("parallel", *keys) if key in config]
+    _agree(
+        entries,
+        ctx,
+        ParallelMode.GLOBAL,
+        "configuration",
+        "every rank must be launched with the same configuration",
+    )
+
+
+# -- model metadata ----------------------------------------------------------------------------
+
+
+def _named_tensors(modules: Sequence[nn.Module]) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    for chunk, module in enumerate(modules):
+        prefix = f"chunk{chunk}." if len(modules) > 1 else ""
+        for name, param in module.named_parameters():
+            yield prefix + name, param, True
+        for name, buffer in module.named_buffers():
+            yield prefix + name, buffer, False
+
+
+def _replica_mode(ctx: ParallelContext) -> ParallelMode:
+    if ctx.config.tensor_mode == "sequence" and ctx.is_initialized(ParallelMode.SEQUENCE_DP):
+        return ParallelMode.SEQUENCE_DP
+    return ParallelMode.DATA
+
+
+def check_model_agreement(modules: Sequence[nn.Module], ctx: ParallelContext) -> None:
+    """Data replicas hold the same tensors; tensor ranks the same tensors up to sharding.
+
+    Run before the first broadcast of parameters: broadcasting tensors of different sizes
+    would hang or mix values.
+    """
+    local: list[tuple[str, Any]] = []
+    full: list[tuple[str, Any]] = []
+    for name, tensor, is_param in _named_tensors(modules):
+        kind = "parameter" if is_param else "buffer"
+        dtype = str(tensor.dtype).replace("torch.", "")
+        local.append((name, f"{kind} {list(tensor.shape)} {dtype}"))
+        info = get_shard_info(tensor) if is_param else None
+        shape = list(info.global_shape) if info is not None else list(tensor.shape)
+        full.append((name, f"{kind} of full shape {shape} {dtype}"))
+    hint = "build the same model on every rank"
+    _agree(local, ctx, _replica_mode(ctx), "model", f"{hint} (same layers, sizes and dtypes)")
+    _agree(full, ctx, ParallelMode.TENSOR, "model", f"{hint} (same full shapes and dtypes)")
+
+
+# -- debug: values and batches -------------------------------------------------------------------
+
+
+def _checksum(tensor: torch.Tensor) -> tuple[float, float]:
+    """Two float64 fingerprints: equal tensors give bitwise-equal values on the same device."""
+    flat = tensor.detach().flatten().to(torch.float64)
+    if flat.numel() == 0:
+        return (0.0, 0.0)
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+    return (float(flat.sum()), float((flat * weights).sum()))
+
+
+def _replicated_modes(ctx: ParallelContext, tensor: torch.Tensor) -> list[str]:
+    """The modes, besides the data replicas, over which ``tensor`` holds equal values."""
+    info = get_shard_info(tensor)
+    if info is None:
+        return [ParallelMode.TENSOR.value]
+    return [m for m in info.replicated_modes if m not in info.partial_grad_modes]
+
+
+def check_parameter_checksums(modules: Sequence[nn.Module], ctx: ParallelContext) -> None:
+    """Parameters and buffers are equal wherever they are replicated (debug mode).
+
+    Over the data replicas every tensor; over the tensor ranks (or a ShardInfo's replicated
+    modes) every parameter that is not split there. Catches a replica that was not
+    synchronized, or layers that initialize replicated weights from a per-rank RNG stream.
+    """
+    tensors = list(_named_tensors(modules))
+    sums = {name: _checksum(t) for name, t, _ in tensors}
+    entries = [(name, sums[name]) for name, _, _ in tensors]
+    hint = "replicated tensors must be equal (synchronize them, or seed them alike)"
+    _agree(entries, ctx, _replica_mode(ctx), "parameter values", hint)
+    by_mode: dict[str, list[tuple[str, Any]]] = {}
+    for name, tensor, is_param in tensors:
+        if not is_param:
+            continue
+        for mode in _replicated_modes(ctx, tensor):
+            by_mode.setdefault(mode, []).append((name, sums[name]))
+    for mode_name in sorted(by_mode):
+        try:
+            mode = ParallelMode(mode_name)
+        except ValueError:  # a custom mode: its groups are not DATA-like, skip it
+            continue
+        # Every rank must take part in each gather: the list of modes is the same on every
+        # rank of a replica (same model), and a mode with no group here is skipped everywhere.
+        _agree(by_mode[mode_name], ctx, mode, "parameter values", hint)
+
+
+def _signature(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return f"tensor {list(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    if isinstance(value, Mapping):
+        return {str(k): _signature(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_signature(v) for v in value]
+    return type(value).__qualname__
+
+
+def agree_on_batch(data_iter: Iterator[Any], ctx: ParallelContext) -> Iterator[Any]:
+    """Peek at the next batch and check its shapes agree on every rank (debug mode).
+
+    Every data, pipeline and tensor rank reads a batch of the same structure and shapes: a
+    different batch size on one data rank weights its gradients wrongly, a different one on a
+    pipeline rank breaks the microbatch split. Returns an iterator that yields the batch again.
+    """
+    try:
+        first = next(data_iter)
+    except StopIteration:
+        entries: list[tuple[str, Any]] = [("batch", "no batch (data exhausted)")]
+        _agree(entries, ctx, ParallelMode.GLOBAL, "batch", "every rank must read alike")
+        return iter(())
+    entries = [("batch", repr(_signature(first)))]
+    _agree(
+        entries,
+        ctx,
+        ParallelMode.GLOBAL,
+        "batch",
+        "every rank must read batches of the same shapes (same batch size, sequence length "
+        "and dtype; use get_dataloader so data ranks get equal shards)",
+    )
+    return itertools.chain([first], data_iter)
+
+
+class _DebugEngine(Protocol):
+    debug: bool
+
+    @property
+    def context(self) -> ParallelContext | None: ...
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def checks_batch(method: F) -> F:
+    """Decorate ``execute_schedule(data_iter, ...)``: in debug mode, ``agree_on_batch`` first."""
+
+    @functools.wraps(method)
+    def wrapper(self: _DebugEngine, data_iter: Iterator[Any], *args: Any, **kwargs: Any) -> Any:
+        context = self.context
+        if self.debug and context is not None and context.world_size > 1:
+            data_iter = agree_on_batch(data_iter, context)
+        return method(self, data_iter, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,292 @@
+"""Crash safety, checksums, no unpickling, export, hooks: one process each (no process group)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_testlib import make_data, make_model
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from tessera.engine import (
+    BaseHook,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointParts,
+    Engine,
+    LoadCheckpointHook,
+    LRSchedulerHook,
+    SaveCheckpointHook,
+    Trainer,
+    export_torch_state_dict,
+    get_dataloader,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from tessera.registry import HOOKS
+
+
+def _trained(steps: int = 3) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    model = make_model(0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    x, y = make_data()
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def _save(path: Path, step: int = 3) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model, opt, sched = _trained(step)
+    save_checkpoint(path, CheckpointParts(model, opt, sched), step=step, extra={"note": "hi"})
+    return model, opt
+
+
+def _fresh() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    model = make_model(5)
+    opt = torch.optim.Adam(model.parameters(), lr=1.0)
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def test_round_trip_model_optimizer_scheduler_extra(tmp_path: Path) -> None:
+    model, opt = _save(tmp_path / "c")
+    model2, opt2, sched2 = _fresh()
+    info = load_checkpoint(tmp_path / "c", CheckpointParts(model2, opt2, sched2))
+    assert (info.step, info.extra, info.same_layout) == (3, {"note": "hi"}, True)
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key, value in opt.state[a].items():
+            assert torch.equal(value, opt2.state[b][key]), key
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 0.005
+    assert opt2.param_groups[0]["betas"] == (0.9, 0.999)  # tuples stay tuples
+    assert sched2.last_epoch == 3
+    names = sorted(p.name for p in (tmp_path / "c").iterdir())
+    assert names == sorted(
+        [".metadata", "__0_0.distcp", "manifest.json", "metadata.json", "rank_00000.pt",
+         "state.json"]
+    )  # fmt: skip
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_strict_names_the_missing_and_the_mismatched(tmp_path: Path) -> None:
+    _save(tmp_path / "c")
+    bigger = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 5))
+    with pytest.raises(CheckpointError, match=r"2\.weight: the checkpoint holds global shape"):
+        load_checkpoint(tmp_path / "c", CheckpointParts(bigger))
+    extra = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3), nn.Linear(3, 3))
+    with pytest.raises(CheckpointError, match=r"3\.weight .* is not in the checkpoint"):
+        load_checkpoint(tmp_path / "c", CheckpointParts(extra))
+    before = [p.detach().clone() for p in extra.parameters()]
+    load_checkpoint(tmp_path / "c", CheckpointParts(extra), strict=False)
+    assert torch.equal(list(extra.parameters())[-1], before[-1])  # left as it was
+    assert not torch.equal(next(iter(extra.parameters())), before[0])  # loaded
+
+
+@pytest.mark.parametrize(
+    ("victim", "damage", "message"),
+    [
+        ("__0_0.distcp", "flip", "sha256"),
+        ("rank_00000.pt", "truncate", "truncated"),
+        ("state.json", "delete", "missing"),
+        ("manifest.json", "delete", "manifest.json is missing"),
+    ],
+)
+def test_corrupted_checkpoint_names_the_file(
+    tmp_path: Path, victim: str, damage: str, message: str
+) -> None:
+    path = tmp_path / "c"
+    _save(path)
+    target = path / victim
+    if damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        target.write_bytes(bytes(data))
+    elif damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-10])
+    else:
+        target.unlink()
+    model, opt, _ = _fresh()
+    with pytest.raises(CheckpointCorruptError, match=message) as err:
+        load_checkpoint(path, CheckpointParts(model, opt))
+    assert victim in str(err.value)
+    with pytest.raises(CheckpointCorruptError):
+        export_torch_state_dict(path)
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, ("touch PWNED",))
+
+
+def test_loading_never_unpickles_the_dcp_metadata(tmp_path: Path) -> None:
+    """A crafted pickle in .metadata (with a matching manifest) is never executed."""
+    path = tmp_path / "c"
+    model, _ = _save(path)
+    (path / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    manifest = json.loads((path / "manifest.json").read_text())
+    from tessera.engine.checkpoint.files import sha256_file
+
+    size = (path / ".metadata").stat().st_size
+    manifest["files"][".metadata"] = {"bytes": size, "sha256": sha256_file(path / ".metadata")}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        model2, opt2, _ = _fresh()
+        load_checkpoint(path, CheckpointParts(model2, opt2))
+        export_torch_state_dict(path)
+    finally:
+        os.chdir(cwd)
+    assert not (tmp_path / "PWNED").exists()
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+_KILLED_SAVE = """
+import os, sys, time
+import torch
+from torch import nn
+from tessera.engine import CheckpointParts, save_checkpoint
+
+root = sys.argv[1]
+torch.manual_seed(0)
+save_checkpoint(root + "/step_00000001", CheckpointParts(nn.Linear(4, 4)), step=1)
+big = nn.Linear(1024, 1024)  # 4 MiB of weights
+real_fsync = os.fsync
+def stalled_fsync(fd):
+    print("WRITING", flush=True)  # the data file is written, not yet synced or published
+    time.sleep(120)
+os.fsync = stalled_fsync
+save_checkpoint(root + "/step_00000001", CheckpointParts(big), step=2)  # overwrite: killed
+print("NOT KILLED", flush=True)
+"""
+
+
+def test_kill_9_during_save_leaves_previous_checkpoint_intact(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_SAVE, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "WRITING", proc.stderr.read() if proc.stderr else line
+        tmp_dirs = [p for p in tmp_path.iterdir() if p.name.startswith(".step_00000001.tmp-")]
+        assert len(tmp_dirs) == 1
+        assert any(f.stat().st_size > 4_000_000 for f in tmp_dirs[0].iterdir())  # mid-save
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    # the previous checkpoint is intact, loadable, and the newest good one
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+    model = nn.Linear(4, 4)
+    info = load_checkpoint(tmp_path / "step_00000001", CheckpointParts(model))
+    assert info.step == 1
+    torch.manual_seed(0)
+    assert torch.equal(model.weight, nn.Linear(4, 4).weight)
+    # the unfinished save is garbage for the next prune
+    removed = prune_checkpoints(tmp_path, keep_last=1)
+    assert [p.name for p in removed] == [tmp_dirs[0].name]
+
+
+def test_latest_checkpoint_skips_corrupt_and_unfinished(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        _save(tmp_path / f"step_{step:08d}", step)
+    (tmp_path / ".step_00000004.tmp-abc123").mkdir()  # a save that never finished
+    data = tmp_path / "step_00000003" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000002"
+    assert verify_checkpoint(tmp_path / "step_00000002")["step"] == 2
+
+
+def test_export_cli_writes_a_plain_state_dict(tmp_path: Path) -> None:
+    model, _ = _save(tmp_path / "c")
+    out = tmp_path / "plain.pt"
+    subprocess.run(
+        [sys.executable, "-m", "tessera.engine.export", str(tmp_path / "c"), str(out)],
+        check=True,
+        timeout=120,
+    )
+    plain = make_model(9)
+    plain.load_state_dict(torch.load(out, weights_only=True))
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+class _Losses(BaseHook):
+    def __init__(self) -> None:
+        super().__init__(priority=50)
+        self.losses: dict[int, float] = {}
+
+    def after_train_iter(self, trainer: Trainer, output: Any, label: Any, loss: Any) -> None:
+        self.losses[trainer.global_step] = float(loss.item())
+
+
+def _fit(directory: Path, max_steps: int | None, resume: bool, seed: int) -> dict[int, float]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    x, y = make_data(n=20, seed=4)
+    loader = get_dataloader(TensorDataset(x, y), shuffle=True, batch_size=3)  # 7 per epoch
+    trainer = Trainer(Engine(model, opt, nn.CrossEntropyLoss()))
+    losses = _Losses()
+    hooks: list[BaseHook] = [
+        LRSchedulerHook(sched, by_epoch=False),
+        losses,
+        SaveCheckpointHook(directory, interval=4, keep_last=2),
+    ]
+    if resume:
+        hooks.append(LoadCheckpointHook(directory))
+    trainer.fit(loader, epochs=3, max_steps=max_steps, hooks=hooks, display_progress=False)
+    return losses.losses
+
+
+def test_hooks_keep_last_and_resume_exactly_in_one_process(tmp_path: Path) -> None:
+    full = _fit(tmp_path / "a", None, resume=False, seed=0)
+    assert len(full) == 21
+    kept = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert kept == ["step_00000016", "step_00000020"]  # keep_last=2 of 4, 8, ..., 20
+    _fit(tmp_path / "b", 10, resume=False, seed=0)  # "killed" after step 10, saved at 8
+    resumed = _fit(tmp_path / "b", None, resume=True, seed=123)  # other init, other RNG
+    assert sorted(resumed) == list(range(9, 22))
+    assert all(resumed[s] == full[s] for s in resumed), (resumed, full)  # bitwise
+
+
+def test_hooks_are_registered() -> None:
+    assert HOOKS.get("SaveCheckpointHook") is SaveCheckpointHook
+    assert HOOKS.get("LoadCheckpointHook") is LoadCheckpointHook
+
+
+def test_data_position_survives_a_change_of_batch_layout(tmp_path: Path) -> None:
+    """3 batches of 4 consumed = 12 samples = 6 batches of 2 under another loader."""
+    ds = TensorDataset(torch.arange(40))
+    loader = get_dataloader(ds, shuffle=True, batch_size=4)
+    loader.sampler.set_epoch(2)  # type: ignore[attr-defined]
+    it = iter(loader)
+    seen = [next(it)[0] for _ in range(3)]
+    state = loader.state_dict()
+    other = get_dataloader(ds, shuffle=True, batch_size=2)
+    other.load_state_dict(state)
+    rest = torch.cat([b for (b,) in other])
+    full_order = torch.cat([*seen, *(b for (b,) in it)])
+    assert torch.equal(torch.cat([*seen, rest]), full_order)
+    assert other.batches_consumed == 20
