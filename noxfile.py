@@ -1,7 +1,8 @@
 """Every task of the tessera monorepo.
 
 `nox` with no arguments runs lint, typecheck and tests. Other sessions: `build` (six wheels into
-dist/), `bench` (everything under benchmarks/), `demo` (the README's main command).
+dist/), `bench` (everything under benchmarks/), `demo` (the README's main command),
+`convergence` (the ViT under every parallel layout, writes docs/convergence.md).
 
 Each package's tests run in an environment holding only that package, its declared tessera
 dependencies and the test tools: that is what proves "install only the package you need".
@@ -167,9 +168,27 @@ def bench(session: nox.Session) -> None:
         session.run("python", str(script), *session.posargs)
 
 
+def _install_examples(session: nox.Session, *extras: str) -> None:
+    """torch, every tessera package and what the examples read (scikit-learn's digits)."""
+    _install_torch(session)
+    session.install("scikit-learn", *extras)
+    session.install(*(_path(p) for p in PACKAGES if _has_code(p)))
+
+
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The README's main command: the smallest end-to-end run that exists."""
-    _install_torch(session)
-    session.install(*(_path(p) for p in PACKAGES if _has_code(p)))
+    """The README's main command: the ViT, single process next to data x pipeline x tensor.
+
+    First a few seconds of checks that every example config and model still works
+    (examples/check.py), then examples/demo.py (arguments after `--` go to it).
+    """
+    _install_examples(session)
+    session.run("python", str(ROOT / "examples" / "check.py"))
     session.run("python", str(ROOT / "examples" / "demo.py"), *session.posargs)
+
+
+@nox.session
+def convergence(session: nox.Session) -> None:
+    """The ViT under every layout from the same weights: docs/convergence.md and .png."""
+    _install_examples(session, "matplotlib")
+    session.run("python", str(ROOT / "examples" / "convergence.py"), *session.posargs)
