@@ -15,6 +15,13 @@ from tessera.context.context import (
     load_config,
 )
 from tessera.context.current import get_context, has_context, set_context
+from tessera.context.failures import (
+    DEFAULT_HEARTBEAT_INTERVAL,
+    FailureBoard,
+    FailureReport,
+    RankFailedError,
+    is_communication_error,
+)
 from tessera.context.initializers import (
     GlobalInitializer,
     ProcessGroupInitializer,
@@ -72,6 +79,12 @@ __all__ = [
     "get_context",
     "set_context",
     "has_context",
+    # failures (ParallelContext.guard)
+    "RankFailedError",
+    "FailureReport",
+    "FailureBoard",
+    "DEFAULT_HEARTBEAT_INTERVAL",
+    "is_communication_error",
     # seeds
     "set_seed",
     "derive_seed",

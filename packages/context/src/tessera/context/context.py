@@ -7,6 +7,7 @@ else: two contexts in one process do not interfere, and ``destroy()`` releases e
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -17,11 +18,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import Store  # type: ignore[attr-defined]  # re-exported from C++
 
 from tessera.registry import Config, ConfigError
 
 from . import current
 from .config import ParallelConfig
+from .failures import (
+    DEFAULT_HEARTBEAT_INTERVAL,
+    FailureBoard,
+    FailureMonitor,
+    default_store,
+)
 from .initializers import rank_groups
 from .layouts import Group, coordinates
 from .modes import ModeLike, ParallelMode, mode_key
@@ -108,6 +116,7 @@ class ParallelContext:
         seed: int,
         timeout: timedelta,
         owns_default_group: bool,
+        monitor: FailureMonitor | None = None,
     ) -> None:
         self._config = config
         self._full_config = full_config
@@ -123,6 +132,7 @@ class ParallelContext:
         self._destroyed = False
         self._mesh: Any = None
         self._rng = RngStreams(device, self._stream_seed)
+        self._monitor = monitor if monitor is not None else FailureMonitor(None, None)
 
     def __repr__(self) -> str:
         c = self._config
@@ -349,6 +359,35 @@ class ParallelContext:
             )
         return self._mesh
 
+    # ------------------------------------------------------------------ failures
+
+    @property
+    def failure_board(self) -> FailureBoard | None:
+        """Where this context's ranks post failures (None: no store was reachable)."""
+        return self._monitor.board
+
+    @property
+    def heartbeat_interval(self) -> float | None:
+        """Seconds between heartbeats (None: heartbeats off)."""
+        return self._monitor.heartbeat_interval
+
+    def guard(self, where: str) -> contextlib.AbstractContextManager[None]:
+        """Fail fast across ranks around a step (a context manager, also a decorator).
+
+        ``with ctx.guard("train step"):`` -- if the body raises on this rank, the error is
+        posted to the failure board (rank, ``where``, type, message) and re-raised unchanged;
+        if a collective in the body fails because of another rank (a timeout, a closed
+        connection), this rank raises ``RankFailedError`` naming the rank that failed and where
+        it was. Guards nest (the innermost ``where`` is reported; an error is posted once).
+        The engine's ``step``/``execute_schedule`` and the pipeline executor guard themselves;
+        wrap your own loop body when you drive collectives yourself.
+        """
+        return self._monitor.guard(where)
+
+    def check_failures(self, where: str = "-") -> None:
+        """Raise ``RankFailedError`` now if another rank has posted a failure (no waiting)."""
+        self._monitor.check(where)
+
     # ------------------------------------------------------------------ teardown
 
     def _adopt_default_group(self) -> None:
@@ -365,6 +404,7 @@ class ParallelContext:
             return
         self._destroyed = True
         self._mesh = None
+        self._monitor.stop()
         if dist.is_initialized():
             for group in reversed(self._created):
                 dist.destroy_process_group(group)
@@ -390,6 +430,8 @@ def create_context(
     seed: int = 1024,
     timeout: float | timedelta | None = None,
     device: torch.device | str | None = None,
+    store: Store | None = None,
+    heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
 ) -> ParallelContext:
     """Build every group the config describes on top of the initialized default group.
 
@@ -405,6 +447,10 @@ def create_context(
             (default DEFAULT_TIMEOUT).
         device: The device of this rank; default ``cuda:$LOCAL_RANK`` (or the current CUDA
             device) under NCCL, else ``cpu``.
+        store: The key-value store of the failure board (see ``ParallelContext.guard``);
+            default the default group's store. The launchers pass their rendezvous store.
+        heartbeat_interval: Seconds between the heartbeats that let other ranks name a rank
+            that died without raising; None or 0 turns them off.
 
     Raises:
         RuntimeError: the default process group is not initialized.
@@ -431,6 +477,7 @@ def create_context(
     # Pure and identical on every rank: any error is raised everywhere before a collective.
     layout = rank_groups(parallel)
     td = as_timedelta(timeout)
+    _check_heartbeat_interval(heartbeat_interval)
     backend = str(dist.get_backend())
     dev = torch.device(device) if device is not None else _default_device(backend)
     needs_cpu_groups = "gloo" not in backend
@@ -475,6 +522,7 @@ def create_context(
         for pg in reversed(created):
             dist.destroy_process_group(pg)
         raise
+    monitor = _failure_monitor(store, rank, world, heartbeat_interval)
     return ParallelContext(
         config=parallel,
         full_config=full,
@@ -487,4 +535,34 @@ def create_context(
         seed=seed,
         timeout=td,
         owns_default_group=False,
+        monitor=monitor,
     )
+
+
+def _check_heartbeat_interval(interval: float | None) -> None:
+    if interval is not None and (
+        isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0
+    ):
+        raise ValueError(
+            f"heartbeat_interval must be a non-negative number of seconds or None, got {interval!r}"
+        )
+
+
+def _failure_monitor(
+    store: Store | None, rank: int, world: int, heartbeat_interval: float | None
+) -> FailureMonitor:
+    """The failure board of a new context, in a namespace of its own.
+
+    Contexts are created in the same order on every rank (their groups are collective), so the
+    per-rank count of contexts built on one store names the same board on every rank without
+    a collective; boards of earlier contexts on the same store (tests) stay apart.
+    """
+    store = store if store is not None else default_store()
+    if store is None:
+        return FailureMonitor(None, None)
+    try:
+        serial = store.add(f"tessera/contexts/{rank}", 1)
+    except RuntimeError:
+        return FailureMonitor(None, None)
+    board = FailureBoard(store, f"tessera/failures/{serial}", rank, world)
+    return FailureMonitor(board, float(heartbeat_interval) if heartbeat_interval else None)

@@ -25,7 +25,15 @@ from tessera.registry import ConfigError
 
 from . import current
 from .config import ParallelConfig
-from .context import ConfigLike, ParallelContext, as_timedelta, create_context, load_config
+from .context import (
+    ConfigLike,
+    ParallelContext,
+    _check_heartbeat_interval,
+    as_timedelta,
+    create_context,
+    load_config,
+)
+from .failures import DEFAULT_HEARTBEAT_INTERVAL
 
 __all__ = ["launch", "launch_from_openmpi", "launch_from_slurm", "launch_from_torch"]
 
@@ -108,6 +116,7 @@ def launch(
     local_rank: int | None = None,
     seed: int = 1024,
     timeout: float | timedelta | None = None,
+    heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
 ) -> ParallelContext:
     """Initialize torch.distributed, build the context, seed, and make the context current.
 
@@ -122,7 +131,10 @@ def launch(
             ``rank % torch.cuda.device_count()``.
         seed: Base seed (see ``ParallelContext.reseed``).
         timeout: Seconds or timedelta for the rendezvous and every collective (default
-            30 minutes).
+            30 minutes). A rank waiting on a failed peer raises ``RankFailedError`` at the
+            latest when its collective times out (see ``ParallelContext.guard``).
+        heartbeat_interval: Seconds between heartbeats in the rendezvous store, which let
+            the other ranks name a rank that died without raising; None or 0 turns them off.
 
     Raises:
         ConfigError: invalid configuration (before any network traffic).
@@ -141,6 +153,7 @@ def launch(
         timeout,
         agent_store=False,
         attempt="0",
+        heartbeat_interval=heartbeat_interval,
     )
 
 
@@ -157,6 +170,7 @@ def _launch(
     *,
     agent_store: bool,
     attempt: str,
+    heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
 ) -> ParallelContext:
     full = load_config(config)
     parallel = ParallelConfig.from_dict(full.get("parallel"), world_size)
@@ -169,6 +183,7 @@ def _launch(
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     _check_not_launched()
     td = as_timedelta(timeout)
+    _check_heartbeat_interval(heartbeat_interval)
 
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -185,7 +200,14 @@ def _launch(
     store = _rendezvous(host, port, rank, world_size, td, agent_store=agent_store, attempt=attempt)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
     try:
-        context = create_context(parallel, seed=seed, timeout=td, device=device)
+        context = create_context(
+            parallel,
+            seed=seed,
+            timeout=td,
+            device=device,
+            store=store,
+            heartbeat_interval=heartbeat_interval,
+        )
     except BaseException:
         dist.destroy_process_group()
         raise
@@ -215,6 +237,7 @@ def launch_from_torch(
     backend: str | None = None,
     seed: int = 1024,
     timeout: float | timedelta | None = None,
+    heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
 ) -> ParallelContext:
     """Launch from torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT."""
     name = "launch_from_torch"
@@ -231,6 +254,7 @@ def launch_from_torch(
         local_rank=_env_int("LOCAL_RANK", name),
         seed=seed,
         timeout=timeout,
+        heartbeat_interval=heartbeat_interval,
         # torchrun's agent already hosts a store on MASTER_PORT: every rank is a client of it,
         # and keys are kept apart per restart.
         agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
@@ -245,6 +269,7 @@ def launch_from_slurm(
     backend: str | None = None,
     seed: int = 1024,
     timeout: float | timedelta | None = None,
+    heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
 ) -> ParallelContext:
     """Launch from srun's environment: SLURM_PROCID, SLURM_NPROCS, SLURM_LOCALID."""
     name = "launch_from_slurm"
@@ -259,6 +284,7 @@ def launch_from_slurm(
         local_rank=_env_int("SLURM_LOCALID", name),
         seed=seed,
         timeout=timeout,
+        heartbeat_interval=heartbeat_interval,
     )
 
 
@@ -269,6 +295,7 @@ def launch_from_openmpi(
     backend: str | None = None,
     seed: int = 1024,
     timeout: float | timedelta | None = None,
+    heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
 ) -> ParallelContext:
     """Launch from mpirun's environment: OMPI_COMM_WORLD_RANK/_SIZE/_LOCAL_RANK."""
     name = "launch_from_openmpi"
@@ -282,4 +309,5 @@ def launch_from_openmpi(
         local_rank=_env_int("OMPI_COMM_WORLD_LOCAL_RANK", name),
         seed=seed,
         timeout=timeout,
+        heartbeat_interval=heartbeat_interval,
     )

@@ -16,9 +16,14 @@ from tessera.context import ModeLike, ParallelContext, ParallelMode
 
 from .context_access import GroupInfo, group_info, resolve_context
 from .initializers import Initializer
+from .input_checks import check_input
 from .shards import new_parameter, shard_info
 
 __all__ = ["Module1D", "ParallelModule"]
+
+
+def _check_input_hook(module: nn.Module, args: tuple[object, ...]) -> None:
+    check_input(module, args)
 
 
 class ParallelModule(nn.Module):
@@ -27,7 +32,13 @@ class ParallelModule(nn.Module):
     Args:
         context: The ParallelContext; default the current one.
         device: Where parameters live; default the context's device.
+
+    Attributes:
+        takes_indices: Whether the input holds integer indices (embeddings); the input check
+            then requires an integer dtype instead of the parameters' dtype.
     """
+
+    takes_indices: bool = False
 
     def __init__(
         self,
@@ -37,6 +48,8 @@ class ParallelModule(nn.Module):
         super().__init__()
         self.context = resolve_context(context)
         self.device = torch.device(device) if device is not None else self.context.device
+        # Wrong dtype or device: a named ValueError before any matmul or collective.
+        self.register_forward_pre_hook(_check_input_hook)
 
     def make_parameter(
         self,

@@ -59,6 +59,8 @@ class Embedding1D(Module1D):
         context: The ParallelContext (default the current one).
     """
 
+    takes_indices = True
+
     def __init__(
         self,
         num_embeddings: int,
@@ -106,6 +108,8 @@ class VocabParallelEmbedding1D(Module1D):
 
     Args: as :class:`Embedding1D`, with ``num_embeddings`` divisible by the 1D size.
     """
+
+    takes_indices = True
 
     def __init__(
         self,

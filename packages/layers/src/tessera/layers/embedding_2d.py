@@ -55,6 +55,8 @@ class MeshEmbedding(MeshModule):
         context: The ParallelContext (default the current one).
     """
 
+    takes_indices = True
+
     def __init__(
         self,
         num_embeddings: int,
@@ -101,6 +103,8 @@ class MeshVocabParallelEmbedding(MeshModule):
 
     Args: as :class:`MeshEmbedding`, with V and D divisible by q.
     """
+
+    takes_indices = True
 
     def __init__(
         self,

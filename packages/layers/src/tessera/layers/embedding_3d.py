@@ -50,6 +50,8 @@ class Embedding3D(CubeModule):
         context: The ParallelContext (default the current one).
     """
 
+    takes_indices = True
+
     def __init__(
         self,
         num_embeddings: int,
@@ -94,6 +96,8 @@ class VocabParallelEmbedding3D(CubeModule):
 
     Args: as :class:`Embedding3D`, with V divisible by ``q * q`` and D by q.
     """
+
+    takes_indices = True
 
     def __init__(
         self,

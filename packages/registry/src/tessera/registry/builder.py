@@ -128,6 +128,11 @@ def _build_mapping(
     for key, value in cfg.items():
         if key == "type":
             continue
+        if not isinstance(key, str):
+            raise ConfigError(
+                f"{_join(path, key)}: keyword names must be strings, got "
+                f"{type(key).__name__} {key!r}"
+            )
         if key in passthrough:
             kwargs[key] = value
             continue

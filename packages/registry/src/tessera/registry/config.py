@@ -227,7 +227,8 @@ class Config(dict[str, Any]):
 
         Raises:
             ConfigError: unknown suffix, a missing optional reader, a parse error (naming the
-                file) or a top level that is not a mapping.
+                file), text that is not UTF-8, a Python config that raises (chained), or a
+                top level that is not a mapping.
             FileNotFoundError: the file does not exist.
         """
         file = Path(path)
@@ -271,9 +272,25 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
+def _read_text(file: Path, kind: str) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{file}: invalid {kind}: not UTF-8 text ({exc})") from exc
+
+
 def _read_python(file: Path) -> dict[str, Any]:
     run_name = f"tessera_config_{file.stem}"
-    namespace = runpy.run_path(str(file), run_name=run_name)
+    try:
+        namespace = runpy.run_path(str(file), run_name=run_name)
+    except SyntaxError as exc:  # also IndentationError, and a file that is not UTF-8
+        where = f" line {exc.lineno}" if exc.lineno is not None else ""
+        raise ConfigError(f"{file}:{where} invalid Python: {exc.msg}") from exc
+    except Exception as exc:
+        # The config file is a program; its own error, named after the file it came from.
+        raise ConfigError(
+            f"{file}: running the config file raised {type(exc).__name__}: {exc}"
+        ) from exc
     return {
         name: value
         for name, value in namespace.items()
@@ -303,15 +320,17 @@ def _read_toml(file: Path) -> dict[str, Any]:
                 "(pip install tomli)"
             ) from None
     try:
-        return loads(file.read_text(encoding="utf-8"))
+        return loads(_read_text(file, "TOML"))
+    except ConfigError:
+        raise
     except ValueError as exc:  # tomllib.TOMLDecodeError subclasses ValueError
         raise ConfigError(f"{file}: invalid TOML: {exc}") from exc
 
 
 def _read_json(file: Path) -> object:
     try:
-        result: object = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
+        result: object = json.loads(_read_text(file, "JSON"))
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise ConfigError(f"{file}: invalid JSON: {exc}") from exc
     return result
 
@@ -324,7 +343,7 @@ def _read_yaml(file: Path) -> object:
             f"{file}: reading YAML needs PyYAML, which is not installed (pip install pyyaml)"
         ) from None
     try:
-        result: object = yaml.safe_load(file.read_text(encoding="utf-8"))
+        result: object = yaml.safe_load(_read_text(file, "YAML"))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{file}: invalid YAML: {exc}") from exc
     return result

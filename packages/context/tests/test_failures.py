@@ -1,0 +1,315 @@
+"""Fail fast across ranks: the failure board, heartbeats and ``ParallelContext.guard``.
+
+Unit tests drive the board on an in-process ``HashStore``; the multi-rank tests launch real
+gloo jobs with a 4 s collective timeout and check that every surviving rank stops within a
+few seconds with an error naming the rank that failed and where.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+from tessera.context import (
+    FailureBoard,
+    FailureReport,
+    ParallelMode,
+    RankFailedError,
+    create_context,
+    is_communication_error,
+    launch,
+)
+from tessera.context.failures import FailureMonitor
+from tessera.testing import DistributedRunner, RankError
+
+TIMEOUT = 4.0  # collective timeout of the fault tests (s): a healthy step on busy cores fits
+BEAT = 0.2  # heartbeat interval of the fault tests (s)
+# Detection must come within the collective timeout plus the heartbeat window plus slack for
+# two shared CPU cores; a hang would take the harness's 60 s.
+BOUND = TIMEOUT + 3 * BEAT + 8.0
+
+GLOO_TIMEOUT = RuntimeError(
+    "[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for "
+    "recv operation to complete"
+)
+
+
+# ---------------------------------------------------------------- board and monitor, one process
+
+
+def _board(rank: int, world: int = 2, store: Any = None) -> FailureBoard:
+    return FailureBoard(store if store is not None else tdist.HashStore(), "ns", rank, world)
+
+
+def test_board_posts_and_reads_in_order() -> None:
+    store = tdist.HashStore()
+    one, two = _board(1, 3, store), _board(2, 3, store)
+    assert one.reports() == []
+    one.post("forward", ValueError("bad shape [2, 3]"))
+    two.post("step", KeyError("w"))
+    reports = _board(0, 3, store).reports()
+    assert [(r.rank, r.where, r.error) for r in reports] == [
+        (1, "forward", "ValueError"),
+        (2, "step", "KeyError"),
+    ]
+    assert reports[0].message == "bad shape [2, 3]"
+    assert reports[0].describe() == "rank 1 failed in 'forward': ValueError: bad shape [2, 3]"
+    assert FailureReport.from_json(reports[1].to_json()) == reports[1]
+
+
+def test_namespaces_do_not_mix() -> None:
+    store = tdist.HashStore()
+    FailureBoard(store, "a", 1, 2).post("x", ValueError("old"))
+    assert FailureBoard(store, "b", 0, 2).reports() == []
+
+
+def test_communication_errors_are_recognized() -> None:
+    assert is_communication_error(GLOO_TIMEOUT)
+    assert is_communication_error(RuntimeError("Connection closed by peer [127.0.0.1]:4"))
+    assert is_communication_error(tdist.DistBackendError("NCCL error"))
+    assert not is_communication_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_communication_error(ValueError("timed out"))
+    assert not is_communication_error(RankFailedError("x", rank=1, where="y"))
+
+
+def test_rank_failed_error_pickles() -> None:
+    report = FailureReport(1, "step", "ValueError", "boom", 0.0)
+    err = RankFailedError("msg", rank=1, where="step", reports=[report], observer=0)
+    back = pickle.loads(pickle.dumps(err))
+    assert isinstance(back, RankFailedError)
+    assert (str(back), back.rank, back.where, back.reports, back.observer) == (
+        "msg",
+        1,
+        "step",
+        (report,),
+        0,
+    )
+
+
+def test_guard_posts_own_error_and_reraises_it_unchanged() -> None:
+    store = tdist.HashStore()
+    monitor = FailureMonitor(_board(1, 2, store), None)
+    with pytest.raises(ValueError, match="boom"), monitor.guard("outer"), monitor.guard("inner"):
+        raise ValueError("boom")
+    (report,) = _board(0, 2, store).reports()  # nested guards post once, the innermost place
+    assert (report.rank, report.where, report.message) == (1, "inner", "boom")
+
+
+def test_guard_turns_a_timeout_into_the_failed_ranks_error() -> None:
+    store = tdist.HashStore()
+    _board(1, 2, store).post("engine.step", ValueError("loss is nan"))
+    monitor = FailureMonitor(_board(0, 2, store), None)
+    with pytest.raises(RankFailedError) as info, monitor.guard("all_reduce grads"):
+        raise GLOO_TIMEOUT
+    err = info.value
+    assert (err.rank, err.where, err.observer, err.observed_where) == (
+        1,
+        "engine.step",
+        0,
+        "all_reduce grads",
+    )
+    assert "rank 1 failed in 'engine.step': ValueError: loss is nan" in str(err)
+    assert "Rank 0 stopped in 'all_reduce grads'" in str(err)
+    assert err.__cause__ is GLOO_TIMEOUT
+    assert [r.rank for r in _board(1, 2, store).reports()] == [1]  # the observer posts nothing
+
+
+def test_guard_names_a_rank_whose_heartbeat_stopped() -> None:
+    store = tdist.HashStore()
+    dead = _board(1, 3, store)
+    dead.beat("pipeline step")  # beat once, then never again
+    alive = _board(2, 3, store)
+    monitor = FailureMonitor(_board(0, 3, store), 0.05)
+    monitor.stop()  # drive rank 0's beats by hand: only rank 2 keeps beating
+    stop = time.monotonic() + 0.5
+
+    def beat_rank_2() -> None:
+        while time.monotonic() < stop:
+            alive.beat()
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=beat_rank_2)
+    thread.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(RankFailedError) as info, monitor.guard("step"):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:5555")
+    finally:
+        thread.join()
+    assert time.monotonic() - start < 1.0
+    assert (info.value.rank, info.value.where) == (1, "pipeline step")
+    assert "rank 1 stopped responding (last seen in 'pipeline step')" in str(info.value)
+    # Nobody had posted: the observer tells the others what it saw.
+    assert [(r.rank, r.where) for r in _board(2, 3, store).reports()] == [(0, "step")]
+
+
+def test_guard_without_news_raises_an_unattributed_error() -> None:
+    monitor = FailureMonitor(_board(0, 2), None)
+    start = time.monotonic()
+    with (
+        pytest.raises(RankFailedError, match="no rank reported an error") as info,
+        monitor.guard("step"),
+    ):
+        raise GLOO_TIMEOUT
+    assert info.value.rank is None
+    assert time.monotonic() - start < 3.0
+
+
+def test_check_failures_raises_without_a_collective() -> None:
+    store = tdist.HashStore()
+    monitor = FailureMonitor(_board(0, 2, store), None)
+    monitor.check("between steps")
+    _board(1, 2, store).post("data loading", OSError("disk full"))
+    with pytest.raises(RankFailedError, match="rank 1 failed in 'data loading': OSError"):
+        monitor.check("between steps")
+
+
+def test_guard_without_a_board_only_reraises() -> None:
+    monitor = FailureMonitor(None, None)
+    with pytest.raises(RuntimeError, match="Timed out"), monitor.guard("step"):
+        raise GLOO_TIMEOUT
+
+
+def test_heartbeat_thread_beats_and_stops() -> None:
+    store = tdist.HashStore()
+    monitor = FailureMonitor(_board(0, 2, store), 0.01)
+    try:
+        with monitor.guard("forward"):
+            deadline = time.monotonic() + 5.0
+            while _board(1, 2, store).beats()[0] < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            while _board(1, 2, store).last_where(0) != "forward":
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+    finally:
+        monitor.stop()
+    count = _board(1, 2, store).beats()[0]
+    assert count >= 3
+    time.sleep(0.05)
+    assert _board(1, 2, store).beats()[0] == count  # stopped
+
+
+# ---------------------------------------------------------------- real jobs
+
+
+def _launch_short() -> Any:
+    return launch(
+        {"parallel": {}},
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        host="127.0.0.1",
+        port=int(os.environ["MASTER_PORT"]),
+        timeout=TIMEOUT,
+        heartbeat_interval=BEAT,
+    )
+
+
+def _raise_mid_step(failing: int) -> dict[str, Any]:
+    """Rank ``failing`` raises before the step's all-reduce; the others wait in it."""
+    ctx = _launch_short()
+    start = time.monotonic()
+    try:
+        with ctx.guard("train step"):
+            grads = torch.ones(3)  # [3]
+            if ctx.global_rank == failing:
+                raise ValueError(f"batch on rank {failing} has NaNs")
+            tdist.all_reduce(grads, group=ctx.get_group(ParallelMode.DATA))
+        return {"outcome": "finished"}
+    except RankFailedError as err:
+        return {
+            "outcome": "RankFailedError",
+            "rank": err.rank,
+            "where": err.where,
+            "message": str(err),
+            "seconds": time.monotonic() - start,
+        }
+    except ValueError as err:
+        return {"outcome": "ValueError", "message": str(err)}
+    finally:
+        ctx.destroy()
+
+
+def test_a_rank_that_raises_stops_the_others_in_bounded_time(dist: Any) -> None:
+    results = dist.run(_raise_mid_step, world_size=4, args=(1,), init_process_group=False)
+    assert results[1] == {"outcome": "ValueError", "message": "batch on rank 1 has NaNs"}
+    for rank in (0, 2, 3):
+        got = results[rank]
+        assert got["outcome"] == "RankFailedError", got
+        assert (got["rank"], got["where"]) == (1, "train step")
+        assert (
+            "rank 1 failed in 'train step': ValueError: batch on rank 1 has NaNs"
+            in (got["message"])
+        )
+        assert got["seconds"] < BOUND
+
+
+def _guarded_context_error(_: int) -> str:
+    """create_context on the harness's default group finds the default store."""
+    ctx = create_context({"parallel": {}}, timeout=TIMEOUT, heartbeat_interval=0)
+    try:
+        assert ctx.failure_board is not None
+        assert ctx.heartbeat_interval is None
+        try:
+            with ctx.guard("probe"):
+                if ctx.global_rank == 1:
+                    raise KeyError("missing weight")
+        except KeyError:
+            pass
+        tdist.barrier(group=ctx.get_cpu_group(ParallelMode.GLOBAL))
+        return "; ".join(r.describe() for r in ctx.failure_board.reports())
+    finally:
+        ctx.destroy()
+
+
+def test_create_context_uses_the_default_store_with_a_fresh_board(dist: Any) -> None:
+    first = dist.run(_guarded_context_error, world_size=2, args=(0,))
+    assert first == ["rank 1 failed in 'probe': KeyError: 'missing weight'"] * 2
+    # A second context on the same store reads a board of its own.
+    assert dist.run(_guarded_context_error, world_size=2, args=(1,)) == first
+
+
+def _exit_mid_step() -> None:
+    ctx = _launch_short()
+    start = time.monotonic()
+    try:
+        with ctx.guard("forward of stage 1"):
+            if ctx.global_rank == 1:
+                time.sleep(3 * BEAT)  # beat a few times, then vanish
+                os._exit(17)
+            tdist.all_reduce(torch.ones(2), group=ctx.get_group(ParallelMode.GLOBAL))
+    except RankFailedError as err:
+        err.args = (f"{err.args[0]} [after {time.monotonic() - start:.2f} s]",)
+        raise
+    finally:
+        ctx.destroy()
+
+
+@pytest.fixture(scope="module")
+def patient_runner() -> Iterator[DistributedRunner]:
+    """A runner that waits for the survivors' own errors after a rank died."""
+    with DistributedRunner(timeout=60.0, failure_grace=30.0) as runner:
+        yield runner
+
+
+def test_a_rank_that_exits_is_named_in_bounded_time(patient_runner: DistributedRunner) -> None:
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        patient_runner.run(_exit_mid_step, world_size=2, init_process_group=False)
+    elapsed = time.monotonic() - start
+    err = info.value.exceptions[0]
+    assert isinstance(err, RankFailedError), info.value
+    assert err.rank == 1
+    assert err.where == "forward of stage 1"
+    assert "rank 1 stopped responding" in str(err)
+    seconds = float(str(err).rsplit("[after ", 1)[1].split(" s]")[0])
+    assert seconds < BOUND
+    assert 1 in info.value.failures  # the harness saw rank 1 die
+    assert elapsed < 60.0
