@@ -29,6 +29,8 @@ from tessera.pipeline.p2p import (
     TensorMeta,
     Transfer,
     check_message_order,
+    link_of,
+    message_tag,
 )
 from tessera.pipeline.partition import (
     check_boundaries,
@@ -112,6 +114,8 @@ __all__ = [
     "PayloadMeta",
     "Transfer",
     "PipelineComm",
+    "link_of",
+    "message_tag",
     "check_message_order",
     # the executor and the split backward
     "LossFn",

@@ -2,10 +2,10 @@
 
 :func:`tessera.pipeline.split_steps` cuts the list into compute steps (F, B, W) and
 communication batches. A compute step runs a chunk of the stage; a batch is one
-:meth:`tessera.pipeline.PipelineComm.communicate` (one ``batch_isend_irecv``, waited on as a
-whole). Because receives may come several steps before their consumer (the lists are made
-deadlock-free by moving receives earlier), everything in flight is kept in dicts keyed by
-(microbatch, chunk).
+:meth:`tessera.pipeline.PipelineComm.communicate` (posted at once, its receives waited on;
+sends finish in the background, all of them by the end of the step). Because receives may come
+several steps before their consumer (the lists are made deadlock-free by moving receives
+earlier), everything in flight is kept in dicts keyed by (microbatch, chunk).
 
 Per (microbatch, chunk), what is held and when it is released:
 
@@ -39,13 +39,21 @@ from torch import nn
 
 from tessera.context import ParallelMode, get_context, has_context
 from tessera.pipeline.actions import Action, ActionKind, peer_rank, split_steps
+from tessera.pipeline.agreement import agree_on_fixed_meta
 from tessera.pipeline.backward_split import (
     WeightGradWork,
     backward_input,
     backward_weight,
     full_backward,
 )
-from tessera.pipeline.p2p import PayloadMeta, PipelineComm, TensorMeta, Transfer
+from tessera.pipeline.p2p import (
+    PayloadMeta,
+    PipelineComm,
+    TensorMeta,
+    Transfer,
+    link_of,
+    message_tag,
+)
 from tessera.pipeline.payload import (
     concat_microbatches,
     flatten_payload,
@@ -108,6 +116,7 @@ class PipelineExecutor:
     Args:
         stages: this rank's model chunks, chunk 0 first.
         actions: this rank's ordered action list.
+        steps: ``split_steps(actions)`` when the caller has it already (schedules cache it).
         pipeline_rank: this rank's index in the pipeline group.
         num_stages: pipeline ranks (p).
         num_microbatches: microbatches per step (m).
@@ -118,7 +127,9 @@ class PipelineExecutor:
         comm: the point-to-point layer (None with one pipeline rank).
         link_meta: known metadata per link, ``("in", chunk)`` / ``("out", chunk)``; filled
             with what this step learns when ``exchange_meta`` is True.
-        exchange_meta: send metadata with every message of this step (both ends agree).
+        exchange_meta: learn the shapes this step: the first activation message of each link
+            carries its metadata (both ends must agree; ``run_schedule`` decides it from
+            what every rank has alike).
         fixed_meta: the one-tensor metadata from ``tensor_shape`` (no exchange at all).
         keep_outputs: keep the last stage's outputs (detached) to return them.
         record_timeline: record a :class:`TimelineEvent` per action.
@@ -131,6 +142,7 @@ class PipelineExecutor:
         *,
         stages: Sequence[nn.Module],
         actions: Sequence[Action],
+        steps: Sequence[tuple[Action, ...]] | None = None,
         pipeline_rank: int,
         num_stages: int,
         num_microbatches: int,
@@ -181,9 +193,12 @@ class PipelineExecutor:
         self.live_bytes = 0
         self.peak_bytes = 0
         self._storage_users: dict[int, int] = {}
-        self._param_storages = {
-            p.untyped_storage().data_ptr() for stage in self.stages for p in stage.parameters()
-        }
+        self._param_storages: set[int] = set()
+        if track_memory:
+            self._param_storages = {
+                p.untyped_storage().data_ptr() for stage in self.stages for p in stage.parameters()
+            }
+        self._steps = steps
 
     # -- driver -------------------------------------------------------------------------------
 
@@ -195,8 +210,9 @@ class PipelineExecutor:
             labels: the microbatches' labels (read by the last virtual stage).
         """
         self._data, self._labels = list(inputs), list(labels)
-        for step in split_steps(self.actions):
-            start = time.perf_counter()
+        steps = self._steps if self._steps is not None else split_steps(self.actions)
+        for step in steps:
+            start = time.perf_counter() if self.record else 0.0
             if step[0].kind.is_compute:
                 self._compute(step[0])
             else:
@@ -207,6 +223,8 @@ class PipelineExecutor:
                     self.events.append(
                         TimelineEvent(start - self.t0, end - self.t0, self.rank, action)
                     )
+        if self.comm is not None:
+            self.comm.flush()  # sends still in flight
         leftover = [key for key, held in self._held.items() if held is not None]
         if leftover:
             raise RuntimeError(
@@ -373,26 +391,34 @@ class PipelineExecutor:
     def _communicate(self, batch: Sequence[Action]) -> None:
         assert self.comm is not None
         transfers: list[tuple[Action, Transfer]] = []
+        first_in: dict[int, Transfer] = {}  # exchange: chunk -> this batch's announced receive
         for action in batch:
             key = (action.microbatch, action.chunk)
             peer = peer_rank(action, self.rank, self.p)
             kind = action.kind
             if kind is ActionKind.SEND_F:
                 tensors, meta = self._send_f.pop(key)
-                meta = self._agreed_output_meta(action, meta)
-                transfers.append((action, Transfer("send", peer, tensors, meta)))
+                meta, announce = self._agreed_output_meta(action, meta)
+                transfer = Transfer("send", peer, tensors, meta, announce=announce)
             elif kind is ActionKind.RECV_F:
-                expected = self.fixed or (
-                    None if self.exchange else self.link_meta.get(("in", action.chunk))
-                )
-                transfers.append((action, Transfer("recv", peer, meta=expected)))
+                expected = self.fixed or self.link_meta.get(("in", action.chunk))
+                transfer = Transfer("recv", peer, meta=expected)
+                if expected is None and self.exchange:
+                    # The first activation of this link in the step: its metadata comes with
+                    # it; a later microbatch of the same batch shares it.
+                    transfer.meta_from = first_in.get(action.chunk)
+                    first_in.setdefault(action.chunk, transfer)
             elif kind is ActionKind.SEND_B:
                 grads = self._send_b.pop(key)
                 meta = self._in_meta.pop(key).gradient_meta()
-                transfers.append((action, Transfer("send", peer, grads, meta)))
+                transfer = Transfer("send", peer, grads, meta, announce=False)
             else:
                 grad_meta = self._held[key].grad_meta
-                transfers.append((action, Transfer("recv", peer, meta=grad_meta)))
+                transfer = Transfer("recv", peer, meta=grad_meta)
+            transfer.tag = message_tag(action, self.rank, self.p)
+            transfer.link = link_of(action, self.rank, self.p)
+            transfer.microbatch = action.microbatch
+            transfers.append((action, transfer))
         self.comm.communicate([t for _, t in transfers], exchange_meta=self.exchange)
         for action, transfer in transfers:
             key = (action.microbatch, action.chunk)
@@ -413,24 +439,30 @@ class PipelineExecutor:
             elif action.kind is ActionKind.RECV_B:
                 self._recv_b[key] = transfer.received
 
-    def _agreed_output_meta(self, action: Action, meta: PayloadMeta) -> PayloadMeta:
-        """The metadata of F's output as agreed with the receiver (checked, not sent, later)."""
+    def _agreed_output_meta(self, action: Action, meta: PayloadMeta) -> tuple[PayloadMeta, bool]:
+        """F's output metadata as agreed with the receiver, and whether to announce it.
+
+        On a step that exchanges metadata, the first message of each link announces it and
+        every later one must match it (the receiver reuses it); on other steps every message
+        must match the metadata agreed on the first step with these input shapes.
+        """
         if self.fixed is not None:
-            return meta
+            return meta, False
         link = ("out", action.chunk)
-        if self.exchange:
-            self.link_meta.setdefault(link, meta)
-            return meta
         agreed = self.link_meta.get(link)
         if agreed is None:
-            raise RuntimeError(f"pipeline rank {self.rank}: no agreed metadata for {action}")
+            if not self.exchange:
+                raise RuntimeError(f"pipeline rank {self.rank}: no agreed metadata for {action}")
+            self.link_meta[link] = meta
+            return meta, True
         if agreed != meta:
             raise ValueError(
                 f"pipeline rank {self.rank}: {action} sends {meta.describe()}, but the shapes "
                 f"agreed on the first step with these input shapes were {agreed.describe()}; "
-                "stage output shapes must depend only on the input shapes"
+                "stage output shapes must depend only on the input shapes (run another model "
+                "with another schedule object)"
             )
-        return agreed
+        return agreed, False
 
 
 # -- forward_backward_step ---------------------------------------------------------------------
@@ -523,7 +555,7 @@ def run_schedule(
     # (all pipeline ranks read the same batch), so an error never leaves a peer waiting.
     input_parts = split_microbatches(inputs, m, what="inputs")
     label_parts = split_microbatches(labels, m, what="labels")
-    actions = schedule.actions(rank, size, forward_only=forward_only)
+    actions, steps = schedule._plan(rank, size, forward_only)
     device = _device_of(stages, context)
     virtual_first = rank == 0
     holds_last = rank == size - 1
@@ -534,12 +566,13 @@ def run_schedule(
 
     fixed = _fixed_meta(schedule, context, forward_only)
     comm = schedule._comm_for(context) if size > 1 else None
-    cache_key = (
-        tuple(id(s) for s in stages),
-        payload_signature(input_parts[0]),
-        forward_only,
-        size,
-    )
+    if fixed is not None and comm is not None:
+        agree_on_fixed_meta(schedule, fixed, comm.cpu_group, rank)
+    # Identical on every pipeline rank (they read the same batch): whether to exchange metadata
+    # is decided the same everywhere. Nothing rank-local (e.g. ids of the stage objects, which
+    # differ between ranks and get reused) may enter it, or one rank could announce metadata
+    # its peer does not read.
+    cache_key = (payload_signature(input_parts[0]), forward_only, size, len(stages))
     known = schedule._link_meta.get(cache_key)
     exchange = fixed is None and known is None
     if comm is not None:
@@ -549,6 +582,7 @@ def run_schedule(
     executor = PipelineExecutor(
         stages=stages,
         actions=actions,
+        steps=steps,
         pipeline_rank=rank,
         num_stages=size,
         num_microbatches=m,
@@ -563,7 +597,10 @@ def run_schedule(
         record_timeline=record_timeline,
         track_memory=track_memory,
     )
-    results = executor.run(input_parts, label_parts)
+    # A failure here is posted for the other ranks, which stop naming this rank (tessera.context).
+    guard = getattr(context, "guard", None)
+    with guard(f"pipeline rank {rank} of {size}") if guard else nullcontext():
+        results = executor.run(input_parts, label_parts)
     if exchange and size > 1:
         schedule._link_meta[cache_key] = dict(executor.link_meta)
     schedule.last_run = RunRecord(

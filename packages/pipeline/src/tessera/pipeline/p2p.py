@@ -1,23 +1,30 @@
 """Point-to-point communication between pipeline ranks: batched isend/irecv plus shape metadata.
 
 One executor step that holds communication actions becomes ONE call of :meth:`PipelineComm.
-communicate`: every send and receive of the batch is posted together with
-``torch.distributed.batch_isend_irecv`` and waited on as a whole. That is how the fused pairs of
-Megatron-LM (``send_forward_recv_backward``, ``send_backward_recv_forward``; Narayanan et al.
-2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM") come out
-of the action lists: a schedule puts a send and a receive in the same batch.
+communicate`: every send and receive of the batch is posted together (one
+``torch.distributed.batch_isend_irecv``; on gloo, which has no batching, the same ops straight
+on the group) and the receives are waited on. That is how the fused pairs of Megatron-LM
+(``send_forward_recv_backward``, ``send_backward_recv_forward``; Narayanan et al. 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM") come out of
+the action lists: a schedule puts a send and a receive in the same batch. Sends finish in the
+background (``send_depth`` batches in flight, all of them by the end of the step).
 
 Ranks. Everything runs over the PIPELINE group of the context; a pipeline rank ``i`` is global
-rank ``context.get_ranks_in_group(PIPELINE)[i]`` (``P2POp`` takes global ranks).
+rank ``context.get_ranks_in_group(PIPELINE)[i]`` and local rank ``i`` of the group.
+
+Streams. Each boundary between virtual stages ``v -> v + 1`` and each direction is its own
+stream with its own tag (:func:`message_tag`); on gloo, which matches by tag, only the order
+within a stream matters (microbatch order on both ends).
 
 Metadata. A receiver must allocate its buffers before the data arrives, so it needs the
 payload's structure, shapes, dtypes and which tensors require grad (:class:`PayloadMeta`). On
-a step that needs it (the first one for given input shapes), every message of the step travels
-with its metadata over the context's CPU (gloo) group, each receive posting its next part as
-soon as the previous one landed (:meth:`PipelineComm._communicate_with_meta`), so a batch makes
-progress exactly as it would with known shapes. Later steps post each batch at once with the
-cached shapes. Metadata and tensors use different tags, so on gloo, where the CPU group is the
-same group, they never match each other.
+a step that needs it (the first one for given input shapes), the first activation message of
+each link this step is preceded by a metadata message over the context's CPU (gloo) group,
+which the receiver reads (blocking, in one thread) before posting that receive
+(:meth:`PipelineComm._communicate_with_meta`); later microbatches reuse it, gradients need none
+(their shapes are those of the activations they answer). Later steps post each batch at once
+with the cached shapes. No helper threads, no collectives: the order of every message is fixed
+by the action lists alone.
 
 Order. NCCL matches point-to-point messages between two ranks in the order they are posted,
 whatever their tag. The executor therefore relies on the action lists posting, for every pair
@@ -30,7 +37,6 @@ from __future__ import annotations
 import pickle
 from collections import deque
 from collections.abc import Sequence
-from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -49,12 +55,18 @@ __all__ = [
     "Transfer",
     "PipelineComm",
     "check_message_order",
+    "link_of",
+    "message_tag",
 ]
 
-# Tags keep the three kinds of messages apart where they share a gloo group.
-TAG_TENSOR = 0
-TAG_META_LENGTH = 1
-TAG_META_BYTES = 2
+#: Metadata messages: a fixed header ``[magic, link, microbatch, nbytes]``, then the bytes.
+TAG_HEADER = 1
+TAG_META = 2
+#: Tensors: ``TAG_LINK + 2 * link + direction`` (:func:`message_tag`).
+TAG_LINK = 16
+
+_MAGIC = 0x7E55E7A
+_HEADER_WORDS = 4
 
 
 class CommContext(Protocol):
@@ -163,7 +175,7 @@ class PayloadMeta:
         return cls(spec, tuple(metas))
 
 
-@dataclass
+@dataclass(eq=False)
 class Transfer:
     """One send or receive of a batch.
 
@@ -171,18 +183,59 @@ class Transfer:
         op: ``"send"`` or ``"recv"``.
         peer: the PIPELINE rank at the other end.
         tensors: what to send (sends only), in the order of ``meta.tensors``.
-        meta: for a send, the metadata of ``tensors`` (sent when metadata is exchanged); for a
-            receive, the expected metadata, or None to take it from the metadata message.
+        meta: for a send, the metadata of ``tensors``; for a receive, the expected metadata,
+            or None to read it from the sender's metadata message (steps that exchange
+            metadata only; the send must then have ``announce`` set).
+        tag: the message stream (:func:`message_tag`: one per link and direction). Sender and
+            receiver must use the same tag; messages of one tag match in posting order.
+        link: the boundary the message crosses (:func:`link_of`), checked against the
+            metadata message when one is read.
+        microbatch: the microbatch the message belongs to, checked likewise.
+        announce: on a step that exchanges metadata, whether a send sends its metadata first
+            (exactly when its receiver has ``meta=None`` and no ``meta_from``).
+        meta_from: for a receive of an exchange step, an earlier receive of the same batch
+            whose metadata this one shares (a later microbatch on the same link).
         received: filled by :meth:`PipelineComm.communicate` for a receive.
-        received_meta: the metadata the receive used (exchanged or expected).
+        received_meta: the metadata the receive used (read or expected).
     """
 
     op: Literal["send", "recv"]
     peer: int
     tensors: Sequence[torch.Tensor] = ()
     meta: PayloadMeta | None = None
+    tag: int = TAG_LINK
+    link: int = 0
+    microbatch: int = 0
+    announce: bool = True
+    meta_from: Transfer | None = None
     received: list[torch.Tensor] = field(default_factory=list)
     received_meta: PayloadMeta | None = None
+
+
+def link_of(action: Action, pipeline_rank: int, num_stages: int) -> int:
+    """The boundary a communication action crosses: ``v`` for the link ``v -> v + 1``.
+
+    SEND_F and RECV_B of virtual stage ``v`` cross boundary ``v``; RECV_F and SEND_B cross
+    ``v - 1``. Both ends of a message compute the same boundary.
+    """
+    v = virtual_stage(pipeline_rank, action.chunk, num_stages)
+    if action.kind in (ActionKind.SEND_F, ActionKind.RECV_B):
+        return v
+    if action.kind in (ActionKind.RECV_F, ActionKind.SEND_B):
+        return v - 1
+    raise ValueError(f"{action} is a compute action; only send/receive actions cross a link")
+
+
+def message_tag(action: Action, pipeline_rank: int, num_stages: int) -> int:
+    """The tag of a communication action's messages: one stream per boundary and direction.
+
+    On gloo (which matches by tag) every stream is then ordered on its own, so the order in
+    which receives of *different* streams are posted does not matter; within a stream the
+    microbatches go in the same order on both ends (:func:`check_message_order`). NCCL
+    ignores tags and relies on that order alone.
+    """
+    backward = action.kind in (ActionKind.SEND_B, ActionKind.RECV_B)
+    return TAG_LINK + 2 * link_of(action, pipeline_rank, num_stages) + int(backward)
 
 
 class PipelineComm:
@@ -192,9 +245,17 @@ class PipelineComm:
         context: the parallel context (``get_group``, ``get_cpu_group``,
             ``get_ranks_in_group``, ``get_local_rank``, ``get_world_size``, ``device``).
         mode: the group to use; PIPELINE unless a caller has its own reason.
+        send_depth: how many batches of sends may still be in flight after their batch
+            (:meth:`communicate`); 0 waits for every send within its batch.
     """
 
-    def __init__(self, context: CommContext, mode: ParallelMode = ParallelMode.PIPELINE) -> None:
+    def __init__(
+        self,
+        context: CommContext,
+        mode: ParallelMode = ParallelMode.PIPELINE,
+        *,
+        send_depth: int = 2,
+    ) -> None:
         self.mode = mode
         self.group = context.get_group(mode)
         self.cpu_group = context.get_cpu_group(mode)
@@ -207,10 +268,22 @@ class PipelineComm:
             raise ValueError(
                 f"the {mode} group lists {len(self.global_ranks)} ranks but has size {self.size}"
             )
+        if send_depth < 0:
+            raise ValueError(f"send_depth must be >= 0, got {send_depth}")
+        self.send_depth = send_depth
         self._ready = "nccl" not in self.backend
-        timeout = getattr(context, "timeout", None)
-        self.timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
-        self._pool: futures.ThreadPoolExecutor | None = None
+        # gloo posts every op on its own (no coalescing): call the group directly, which
+        # skips torch.distributed's per-op Python checks on the hot path. That addresses
+        # peers by group rank, so only where group rank i is pipeline rank i.
+        self._direct = (
+            self.backend == "gloo"
+            and callable(getattr(self.group, "send", None))
+            and dist.get_rank(self.group) == self.rank
+            and all(
+                dist.get_global_rank(self.group, i) == g for i, g in enumerate(self.global_ranks)
+            )
+        )
+        self._in_flight: deque[list[Any]] = deque()  # per batch, its send works not yet waited
 
     def global_rank(self, pipeline_rank: int) -> int:
         """The global rank of pipeline rank ``pipeline_rank`` (what ``P2POp`` takes)."""
@@ -232,28 +305,38 @@ class PipelineComm:
         self._ready = True
 
     def communicate(self, transfers: Sequence[Transfer], *, exchange_meta: bool) -> None:
-        """Run one batch of transfers and wait for all of them.
+        """Run one batch of transfers; on return every receive has landed.
 
-        Without metadata: every send and receive in ONE ``batch_isend_irecv`` on the group.
-        With metadata (both ends of every transfer agree on ``exchange_meta``; the executor
-        decides it identically on all ranks), see :meth:`_communicate_with_meta`. Receives
-        land in ``transfer.received`` (on this rank's device).
+        Without metadata: every send and receive is posted at once (one
+        ``batch_isend_irecv``, or the same ops straight on a gloo group) and the receives are
+        waited on. Sends complete in the background: the last ``send_depth`` batches' sends
+        stay in flight and older ones are waited on here; :meth:`flush` waits for all (the
+        executor calls it at the end of every step). Waiting for a send later than its batch
+        never adds a dependency, so the action lists, deadlock-free when every send waits for
+        its receive within its batch, stay deadlock-free.
+
+        With metadata (both ends agree on ``exchange_meta``; the executor decides it
+        identically on all ranks), see :meth:`_communicate_with_meta`. Receives land in
+        ``transfer.received`` (on this rank's device).
 
         Raises:
             ValueError: a receive has no metadata and none is exchanged, a send's tensors do
                 not match its metadata, or the received metadata differs from the expected.
         """
         if exchange_meta:
+            self.flush()
             self._communicate_with_meta(transfers)
             return
-        ops: list[dist.P2POp] = []
+        sends: list[tuple[int, int, torch.Tensor]] = []  # (group rank, tag, tensor)
+        recvs: list[tuple[int, int, torch.Tensor]] = []
         for transfer in transfers:
-            peer = self.global_rank(transfer.peer)
+            if not 0 <= transfer.peer < self.size:
+                raise ValueError(f"pipeline rank {transfer.peer} is outside [0, {self.size})")
             if transfer.op == "send":
                 self._check_send(transfer)
-                ops.extend(
-                    dist.P2POp(dist.isend, tensor.contiguous(), peer, self.group, TAG_TENSOR)
-                    for tensor in transfer.tensors
+                sends.extend(
+                    (transfer.peer, transfer.tag, t if t.is_contiguous() else t.contiguous())
+                    for t in transfer.tensors
                 )
                 continue
             meta = transfer.meta
@@ -266,11 +349,41 @@ class PipelineComm:
             transfer.received = [
                 torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in meta.tensors
             ]
-            ops.extend(
-                dist.P2POp(dist.irecv, buffer, peer, self.group, TAG_TENSOR)
-                for buffer in transfer.received
-            )
-        _run(ops)
+            recvs.extend((transfer.peer, transfer.tag, b) for b in transfer.received)
+        if self._direct:
+            group = self.group
+            sent = [group.send([t], peer, tag) for peer, tag, t in sends]
+            for work in [group.recv([b], peer, tag) for peer, tag, b in recvs]:
+                work.wait()
+        else:
+            ops = [
+                dist.P2POp(dist.isend, t, self.global_ranks[peer], self.group, tag)
+                for peer, tag, t in sends
+            ]
+            ops += [
+                dist.P2POp(dist.irecv, b, self.global_ranks[peer], self.group, tag)
+                for peer, tag, b in recvs
+            ]
+            works = [w for w in dist.batch_isend_irecv(ops) if w is not None] if ops else []
+            if len(works) == len(ops):
+                sent = works[: len(sends)]
+                for work in works[len(sends) :]:
+                    work.wait()
+            else:  # coalesced (NCCL): one work for the whole batch
+                sent = []
+                for work in works:
+                    work.wait()
+        if sent:
+            self._in_flight.append(sent)
+        while len(self._in_flight) > self.send_depth:
+            for work in self._in_flight.popleft():
+                work.wait()
+
+    def flush(self) -> None:
+        """Wait for every send still in flight (end of a step)."""
+        while self._in_flight:
+            for work in self._in_flight.popleft():
+                work.wait()
 
     def _check_send(self, transfer: Transfer) -> None:
         meta = transfer.meta
@@ -290,87 +403,110 @@ class PipelineComm:
                 )
 
     def _communicate_with_meta(self, transfers: Sequence[Transfer]) -> None:
-        """A batch whose receivers do not know the shapes yet (the first step of a shape).
+        """A batch whose receivers may not know the shapes yet (a step that exchanges them).
 
-        Every message becomes three on the CPU group: its metadata's length, the metadata, the
-        tensors (copied through the CPU when the device is not). A send posts all three at
-        once. A receive posts the length at once and each next part as soon as the previous
-        arrived (watched by helper threads), so nothing waits for more than its own message: a
-        batch progresses exactly as it would if the shapes were known, which is what keeps the
-        deadlock-free action lists deadlock-free here. Waiting for all metadata first would
-        not: a fused ``[SEND_F, RECV_B]`` batch would hold back the forward that produces its
-        own gradient.
+        Everything goes over the CPU (gloo) group, each op posted on its own, in one thread:
+
+        1. every send is posted; an announcing send first posts its metadata message (a fixed
+           header ``[magic, link, microbatch, nbytes]``, then the pickled
+           :class:`PayloadMeta`), then its tensors;
+        2. every receive whose metadata is known is posted, unless a receive of the same stream
+           that waits for metadata comes before it in the batch;
+        3. the others, in batch order: read the sender's metadata message (a blocking receive;
+           a sender's metadata messages arrive in the order it posts them, which is the order
+           this rank receives its messages, :func:`check_message_order`), then post them;
+        4. wait for everything.
+
+        Why this cannot deadlock where the same batch with known shapes would not: at step 3
+        this rank has posted all its sends and every receive except those of messages the
+        peer posts together with, or after, the metadata message it waits for, so nothing the
+        peer needs in order to get to that metadata message is missing. Waiting for all
+        metadata before posting any send would not be safe: a fused ``[SEND_F, RECV_F]``
+        batch would hold back the forward that produces its own input. Steps with known
+        shapes never come here.
         """
         pg = self.cpu_group
         cpu = torch.device("cpu")
-        final: list[Any] = []
-        queues: dict[int, deque[_PendingRecv]] = {}
-        for transfer in transfers:
-            peer = self.global_rank(transfer.peer)
-            if transfer.op == "send":
-                if transfer.meta is None:
-                    raise ValueError(f"pipeline rank {self.rank}: a send without metadata")
-                self._check_send(transfer)
-                data = torch.frombuffer(bytearray(transfer.meta.encode()), dtype=torch.uint8)
-                length = torch.tensor([data.numel()], dtype=torch.int64)
-                final.append(dist.isend(length, peer, group=pg, tag=TAG_META_LENGTH))
-                final.append(dist.isend(data, peer, group=pg, tag=TAG_META_BYTES))
-                for tensor in transfer.tensors:
-                    payload = tensor.detach().to(cpu).contiguous()
-                    final.append(dist.isend(payload, peer, group=pg, tag=TAG_TENSOR))
-                continue
-            length = torch.zeros(1, dtype=torch.int64)
-            work = dist.irecv(length, peer, group=pg, tag=TAG_META_LENGTH)
-            queues.setdefault(peer, deque()).append(_PendingRecv(transfer, length, work))
-        # Per peer, strictly in order, so each tag's messages are posted in message order.
-        # Only the heads wait, each in a helper thread (gloo's works have no completion poll),
-        # and every op is posted from this thread.
+        works: list[Any] = []
         landed: list[tuple[Transfer, list[torch.Tensor]]] = []
-        pool = self._waiter_pool()
-        for queue in queues.values():
-            queue[0].future = pool.submit(queue[0].work.wait)
-        while any(queues.values()):
-            heads = [q[0].future for q in queues.values() if q and q[0].future is not None]
-            done, _ = futures.wait(heads, timeout=self.timeout_s, return_when="FIRST_COMPLETED")
-            if not done:
-                waiting = sorted(peer for peer, queue in queues.items() if queue)
-                raise TimeoutError(
-                    f"pipeline rank {self.rank}: no metadata from global rank(s) {waiting} "
-                    f"within {self.timeout_s:.0f} s"
+        for transfer in transfers:
+            if transfer.op != "send":
+                continue
+            peer = self.global_rank(transfer.peer)
+            meta = transfer.meta
+            if meta is None:
+                raise ValueError(f"pipeline rank {self.rank}: a send without metadata")
+            self._check_send(transfer)
+            if transfer.announce:
+                data = torch.frombuffer(bytearray(meta.encode()), dtype=torch.uint8)
+                header = torch.tensor(
+                    [_MAGIC, transfer.link, transfer.microbatch, data.numel()], dtype=torch.int64
                 )
-            for peer, queue in queues.items():
-                while queue and queue[0].future is not None and queue[0].future.done():
-                    head = queue[0]
-                    assert head.future is not None
-                    head.future.result()  # raises what the wait raised
-                    if head.data is None:
-                        head.data = torch.empty(int(head.length.item()), dtype=torch.uint8)
-                        head.work = dist.irecv(head.data, peer, group=pg, tag=TAG_META_BYTES)
-                        head.future = pool.submit(head.work.wait)
-                        continue
-                    meta = self._decode(head.transfer, head.data)
-                    buffers = [
-                        torch.empty(t.shape, dtype=t.dtype, device=cpu) for t in meta.tensors
-                    ]
-                    final.extend(
-                        dist.irecv(buffer, peer, group=pg, tag=TAG_TENSOR) for buffer in buffers
+                works.append(dist.isend(header, peer, group=pg, tag=TAG_HEADER))
+                works.append(dist.isend(data, peer, group=pg, tag=TAG_META))
+            for tensor in transfer.tensors:
+                payload = tensor.detach().to(cpu).contiguous()
+                works.append(dist.isend(payload, peer, group=pg, tag=transfer.tag))
+        waiting: set[tuple[int, int]] = set()  # streams with an earlier receive not posted yet
+        later: list[Transfer] = []
+        for transfer in transfers:
+            if transfer.op != "recv":
+                continue
+            stream = (transfer.peer, transfer.tag)
+            if transfer.meta is None or stream in waiting:
+                waiting.add(stream)
+                later.append(transfer)
+                continue
+            landed.append((transfer, self._post_recv(transfer, transfer.meta, works)))
+        for transfer in later:
+            if transfer.meta is not None:
+                meta = transfer.meta
+            elif transfer.meta_from is not None:
+                if transfer.meta_from.received_meta is None:
+                    raise ValueError(
+                        f"pipeline rank {self.rank}: a receive takes its metadata from a "
+                        "receive that comes after it in the batch"
                     )
-                    landed.append((head.transfer, buffers))
-                    queue.popleft()
-                    if queue:
-                        queue[0].future = pool.submit(queue[0].work.wait)
-        for work in final:
-            if work is not None:
-                work.wait()
+                meta = transfer.meta_from.received_meta
+            else:
+                meta = self._read_meta(transfer)
+            landed.append((transfer, self._post_recv(transfer, meta, works)))
+        for work in works:
+            work.wait()
         for transfer, buffers in landed:
             transfer.received = [buffer.to(self.device) for buffer in buffers]
 
-    def _waiter_pool(self) -> futures.ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = futures.ThreadPoolExecutor(
-                max_workers=8, thread_name_prefix="tessera-p2p-meta"
+    def _post_recv(
+        self, transfer: Transfer, meta: PayloadMeta, works: list[Any]
+    ) -> list[torch.Tensor]:
+        """Post the receives of ``transfer``'s tensors (on the CPU group) into new buffers."""
+        transfer.received_meta = meta
+        buffers = [torch.empty(t.shape, dtype=t.dtype) for t in meta.tensors]
+        peer = self.global_rank(transfer.peer)
+        works.extend(
+            dist.irecv(buffer, peer, group=self.cpu_group, tag=transfer.tag) for buffer in buffers
+        )
+        return buffers
+
+    def _read_meta(self, transfer: Transfer) -> PayloadMeta:
+        """Read the sender's metadata message for ``transfer`` and check it is the expected one.
+
+        Blocking; bounded by the CPU group's timeout (the context's).
+        """
+        peer = self.global_rank(transfer.peer)
+        header = torch.zeros(_HEADER_WORDS, dtype=torch.int64)
+        dist.recv(header, peer, group=self.cpu_group, tag=TAG_HEADER)
+        magic, link, microbatch, nbytes = (int(v) for v in header.tolist())
+        if magic != _MAGIC or (link, microbatch) != (transfer.link, transfer.microbatch):
+            raise ValueError(
+                f"pipeline rank {self.rank}: expected the metadata of microbatch "
+                f"{transfer.microbatch} over link {transfer.link} from pipeline rank "
+                f"{transfer.peer}, got microbatch {microbatch} over link {link} (magic "
+                f"{magic:#x}); the ranks run action lists that do not match"
             )
-        return self._pool
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        dist.recv(data, peer, group=self.cpu_group, tag=TAG_META)
+        return self._decode(transfer, data)
 
     def _decode(self, transfer: Transfer, data: torch.Tensor) -> PayloadMeta:
         received = PayloadMeta.decode(data.numpy().tobytes())
@@ -380,27 +516,7 @@ class PipelineComm:
                 f"pipeline rank {self.rank}: pipeline rank {transfer.peer} sends "
                 f"{received.describe()}, expected {expected.describe()}"
             )
-        transfer.received_meta = received
         return received
-
-
-@dataclass
-class _PendingRecv:
-    """A receive of a metadata step: length, then metadata, then the tensors are posted."""
-
-    transfer: Transfer
-    length: torch.Tensor
-    work: Any
-    data: torch.Tensor | None = None
-    future: futures.Future[Any] | None = None
-
-
-def _run(ops: Sequence[dist.P2POp]) -> None:
-    if not ops:
-        return
-    for work in dist.batch_isend_irecv(list(ops)):
-        if work is not None:
-            work.wait()
 
 
 def _message(action: Action, rank: int, num_stages: int) -> tuple[str, int, int]:

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tessera.pipeline.actions import Action, ActionKind, virtual_stage
+from tessera.pipeline.actions import Action, ActionKind, split_steps, virtual_stage
 from tessera.pipeline.dataflow import make_deadlock_free
 from tessera.pipeline.errors import ScheduleError
 from tessera.pipeline.executor import LossFn, run_schedule
@@ -29,6 +29,9 @@ from tessera.pipeline.p2p import PayloadMeta, PipelineComm
 from tessera.pipeline.recording import RunRecord
 
 __all__ = ["Schedule", "add_communication", "check_actions"]
+
+#: A rank's action list and the same cut into executor steps.
+_Plan = tuple[tuple[Action, ...], tuple[tuple[Action, ...], ...]]
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -73,6 +76,9 @@ class Schedule(abc.ABC):
             None if tensor_shape is None else tuple(int(size) for size in tensor_shape)
         )
         self._tables: dict[tuple[int, bool, int, int], list[list[Action]]] = {}
+        # (rank, stages, forward_only, m, chunks) -> (actions, split_steps(actions)), for the
+        # executor: built once, not on every step.
+        self._plans: dict[tuple[int, int, bool, int, int], _Plan] = {}
         self.tensor_dtype: torch.dtype | None = None
         self.last_run: RunRecord | None = None
         # Metadata agreed on a first step, by (stage ids, input signature, forward_only, p).
@@ -131,6 +137,16 @@ class Schedule(abc.ABC):
             )
             self._tables[key] = table
         return [list(actions) for actions in table]
+
+    def _plan(self, pipeline_rank: int, num_stages: int, forward_only: bool) -> _Plan:
+        """This rank's actions and their executor steps, cached (see :meth:`actions`)."""
+        key = (pipeline_rank, num_stages, forward_only, self.num_microbatches, self.num_chunks)
+        plan = self._plans.get(key)
+        if plan is None:
+            actions = tuple(self.actions(pipeline_rank, num_stages, forward_only=forward_only))
+            plan = (actions, tuple(split_steps(actions)))
+            self._plans[key] = plan
+        return plan
 
     def forward_backward_step(
         self,
