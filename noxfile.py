@@ -2,7 +2,8 @@
 
 `nox` with no arguments runs lint, typecheck and tests. Other sessions: `build` (six wheels into
 dist/), `bench` (everything under benchmarks/), `demo` (the README's main command),
-`convergence` (the ViT under every parallel layout, writes docs/convergence.md).
+`convergence` (the ViT under every parallel layout, writes docs/convergence.md), `docs` (runs
+every code block of the user guide; also in the default run).
 
 Each package's tests run in an environment holding only that package, its declared tessera
 dependencies and the test tools: that is what proves "install only the package you need".
@@ -37,7 +38,7 @@ USES_HARNESS = ("context", "layers", "pipeline", "engine")
 
 TEST_TOOLS = ("pytest>=7", "hypothesis>=6", "numpy", "pyyaml")
 
-nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.sessions = ["lint", "typecheck", "tests", "docs"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
@@ -192,3 +193,52 @@ def convergence(session: nox.Session) -> None:
     """The ViT under every layout from the same weights: docs/convergence.md and .png."""
     _install_examples(session, "matplotlib")
     session.run("python", str(ROOT / "examples" / "convergence.py"), *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Runs every ```python block of docs/*.md (docs/test_docs.py), so the guide cannot rot."""
+    _install_torch(session)
+    session.install(*TEST_TOOLS, "matplotlib")
+    session.install(*(_path(p) for p in PACKAGES))
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        str(ROOT / "docs" / "test_docs.py"),
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+    )
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """tests_integration/: the ViT under torchrun as two nodes and through an elastic restart.
+
+    Each test starts real torchrun jobs (4 CPU workers) with a wall-clock limit, and compares
+    their final losses with one uninterrupted single-invocation run.
+    """
+    _install_examples(session, "pytest>=7")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        str(ROOT / "tests_integration"),
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+    )
+
+
+@nox.session
+def reliability(session: nox.Session) -> None:
+    """The reliability report: hostile configs, injected faults, hangs, wrong results.
+
+    Exits non-zero on any hang or wrong result (arguments after `--` go to the script, e.g.
+    `nox -s reliability -- --configs 5000 --repeats 3`).
+    """
+    _install_examples(session)
+    session.run(
+        "python", str(ROOT / "tests_integration" / "reliability_report.py"), *session.posargs
+    )
