@@ -2,6 +2,15 @@
 
     torchrun --nproc-per-node 4 examples/vit/train.py --config examples/vit/configs/2d.py
 
+Reliability options (see examples/README.md): ``--checkpoint-dir DIR`` saves every
+``--checkpoint-interval`` steps and resumes from the newest intact checkpoint there, so a job
+restarted by ``torchrun --max-restarts`` continues by itself; ``--timeout`` and ``--heartbeat``
+set the collective timeout and heartbeat interval (seconds) that bound how long the other ranks
+wait on a failed one; ``--max-steps`` stops early without changing the lr schedule;
+``--kill-rank R --kill-at-step S`` makes rank R exit abruptly after step S on the first attempt
+only (fault injection for the elastic-restart test). The display rank ends with one line
+``final: step N loss L test_loss T`` (floats in ``repr``, so equal runs print equal text).
+
 Every layout starts from the same full weights: every rank builds the plain single-process model
 from the config's seed *before* launching (no context yet, so the dispatching layers are plain
 torch), then ``load_full_state_dict`` gives each rank its block of it (by name for a pipeline
@@ -10,7 +19,9 @@ stage). Data order follows the same seed, so under every layout the job sees the
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,9 +47,12 @@ from toolkit.transformer import to_ring_layout
 from tessera.context import launch_from_torch
 from tessera.engine import (
     AccuracyHook,
+    BaseHook,
+    LoadCheckpointHook,
     LogMetricByEpochHook,
     LossHook,
     LRSchedulerHook,
+    SaveCheckpointHook,
     ThroughputHook,
     Trainer,
     get_dataloader,
@@ -72,8 +86,44 @@ DEFAULTS: dict[str, Any] = dict(
 )
 
 
+def reliability_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The checkpoint, timeout and fault-injection options; the rest goes to ``parse_args``."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--checkpoint-dir", help="save here and resume from the newest one")
+    parser.add_argument("--checkpoint-interval", type=int, default=2, help="steps between saves")
+    parser.add_argument("--max-steps", type=int, help="stop after this many steps in all")
+    parser.add_argument("--timeout", type=float, help="collective timeout, seconds")
+    parser.add_argument("--heartbeat", type=float, help="heartbeat interval, seconds")
+    parser.add_argument("--kill-rank", type=int, help="fault injection: the rank that dies")
+    parser.add_argument("--kill-at-step", type=int, help="... right after this global step")
+    return parser.parse_known_args(argv)
+
+
+class KillOnce(BaseHook):
+    """Fault injection: ``os._exit`` on one rank after one step, on torchrun's first attempt.
+
+    Runs after ``SaveCheckpointHook`` (priority 100), like a crash between two steps. The
+    process dies without raising, so nothing is posted to the failure board: the other ranks
+    find out from a closed connection or their collective timeout, and torchrun, seeing a
+    worker exit non-zero, stops the rest and restarts the job (``--max-restarts``).
+    """
+
+    def __init__(self, rank: int, step: int) -> None:
+        super().__init__(priority=200)
+        self.rank, self.step = rank, step
+
+    def after_train_iter(self, trainer: Trainer, output: Any, label: Any, loss: Any) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        ctx = trainer.engine.context
+        rank = ctx.global_rank if ctx is not None else 0
+        if first_attempt and rank == self.rank and trainer.global_step == self.step:
+            print(f"fault injection: rank {rank} exits after step {self.step}", flush=True)
+            os._exit(17)
+
+
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    extra, rest = reliability_args(sys.argv[1:])
+    args = parse_args(__doc__.splitlines()[0], rest)
     cfg = load_config(args.config, DEFAULTS, args.overrides)
     model_cfg, train_cfg = dict(cfg.model), cfg.train
     started = time.perf_counter()
@@ -84,7 +134,8 @@ def main() -> None:
     full = build_vit(**model_cfg).state_dict()
 
     # 2. the parallel job
-    ctx = launch_from_torch(cfg, seed=cfg.seed)
+    heartbeat = {} if extra.heartbeat is None else {"heartbeat_interval": extra.heartbeat}
+    ctx = launch_from_torch(cfg, seed=cfg.seed, timeout=extra.timeout, **heartbeat)
     if ctx.config.tensor_mode == "sequence":
         full = to_ring_layout(full, model_cfg["heads"])
     layers = build_vit(**model_cfg)
@@ -125,12 +176,20 @@ def main() -> None:
         LogMetricByEpochHook(),
         recorder,
     ]
+    if extra.checkpoint_dir is not None:
+        hooks.append(LoadCheckpointHook(extra.checkpoint_dir))
+        hooks.append(
+            SaveCheckpointHook(extra.checkpoint_dir, extra.checkpoint_interval, keep_last=2)
+        )
+    if extra.kill_rank is not None and extra.kill_at_step is not None:
+        hooks.append(KillOnce(extra.kill_rank, extra.kill_at_step))
+    max_steps = train_cfg.steps if extra.max_steps is None else extra.max_steps
     trainer = Trainer(engine, metrics_log=args.metrics_log)
-    epochs = math.ceil(train_cfg.steps / len(train))
+    epochs = math.ceil(max_steps / len(train))
     trainer.fit(
         train,
         epochs,
-        max_steps=train_cfg.steps,
+        max_steps=max_steps,
         test_dataloader=test,
         test_interval=epochs,
         hooks=hooks,
@@ -142,6 +201,11 @@ def main() -> None:
             f"[{Path(args.config).stem}] {ctx.world_size} ranks: test accuracy "
             f"{results['accuracy']:.4f}, test loss {results['loss']:.4f} after "
             f"{trainer.global_step} steps ({time.perf_counter() - started:.1f} s)",
+            flush=True,
+        )
+        last = trainer.step_metrics.get("loss", float("nan"))
+        print(
+            f"final: step {trainer.global_step} loss {last!r} test_loss {results['loss']!r}",
             flush=True,
         )
         write_result(

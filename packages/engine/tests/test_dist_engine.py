@@ -28,7 +28,12 @@ def _train_dp(config: dict[str, Any], opt_name: str, steps: int) -> dict[str, An
     try:
         rank = tdist.get_rank()
         model = make_model(seed=rank)  # different on purpose: initialize must equalize
-        opt = (adam if opt_name == "adam" else sgd)(model)
+        opt = OPTIMIZERS[opt_name](model)
+        if opt_name == "adamw":
+            # A scheduler made before initialize adds `initial_lr` to the param groups, and AdamW
+            # records `decoupled_weight_decay` there: neither is a constructor keyword, and
+            # ZeRO's rebuilt optimizer must not pass them back to AdamW's constructor.
+            torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
         engine, *_ = initialize(model, opt, nn.CrossEntropyLoss(), config=config, context=ctx)
         for s in range(steps):
             x, y = make_data(8, seed=s)
@@ -68,17 +73,28 @@ CASES = {
     "zero3_offload": ({"zero": {"stage": 3, "offload": True}}, "FSDPSequential", []),
     "zero3_clip": ({"zero": {"stage": 3}, "clip_grad_norm": 0.02}, "FSDPSequential", []),
     "zero1_clip": ({"zero": {"stage": 1}, "clip_grad_norm": 0.02}, "DistributedDataParallel", []),
+    "zero1_adamw": ({"zero": {"stage": 1}}, "DistributedDataParallel", []),
+    "zero3_adamw": ({"zero": {"stage": 3}}, "FSDPSequential", []),
 }
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+
+OPTIMIZERS = {"adam": adam, "adamw": adamw, "sgd": sgd}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_dp2_equals_one_process_on_full_batch(dist: Any, case: str) -> None:
     config, kind, handlers = CASES[case]
-    opt_name = "adam" if case.startswith("zero") else "sgd"
+    opt_name = "sgd"
+    if case.startswith("zero"):
+        opt_name = "adamw" if case.endswith("adamw") else "adam"
     results = dist.run(_train_dp, world_size=2, args=(config, opt_name, 3), timeout=120)
     data = [make_data(8, seed=s) for s in range(3)]
     clip = config.get("clip_grad_norm", 0.0)
-    expected = reference_params(data, adam if opt_name == "adam" else sgd, clip=clip)
+    expected = reference_params(data, OPTIMIZERS[opt_name], clip=clip)
     for r in results:
         assert r["kind"] == kind
         assert r["handlers"] == handlers

@@ -18,6 +18,7 @@ same class and the same param-group settings on the new parameters (matched by n
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -32,6 +33,24 @@ def _group_settings(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+def _constructor_kwargs(
+    optimizer_class: type[torch.optim.Optimizer], settings: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split param-group settings into constructor keywords and the rest.
+
+    A param group carries keys its optimizer's constructor does not accept: keys an lr
+    scheduler adds (``initial_lr``) and keys an optimizer records itself (AdamW's
+    ``decoupled_weight_decay``). Passing those back to the constructor would raise, so they
+    are returned separately for the caller to set on the new param group.
+    """
+    accepted = inspect.signature(optimizer_class.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(settings), {}
+    keywords = {k: v for k, v in settings.items() if k in accepted}
+    extra = {k: v for k, v in settings.items() if k not in accepted}
+    return keywords, extra
+
+
 def zero_redundancy_optimizer(
     optimizer: torch.optim.Optimizer, context: ParallelContext
 ) -> torch.optim.Optimizer:
@@ -44,12 +63,16 @@ def zero_redundancy_optimizer(
 
     groups = [{"params": list(g["params"]), **_group_settings(g)} for g in optimizer.param_groups]
     first, rest = groups[0], groups[1:]
+    params = first.pop("params")
+    keywords, extra = _constructor_kwargs(type(optimizer), first)
     zero = ZeroRedundancyOptimizer(
-        first.pop("params"),
+        params,
         optimizer_class=type(optimizer),
         process_group=context.get_group(ParallelMode.DATA),
-        **first,
+        **keywords,
     )
+    # ZeroRedundancyOptimizer copies every param-group key to its local optimizer on step.
+    zero.param_groups[0].update(extra)
     for group in rest:
         zero.add_param_group(group)
     return zero
@@ -119,4 +142,5 @@ def rebuild_optimizer(
                 )
             params.append(current[name])
         groups.append({"params": params, **_group_settings(g)})
-    return type(optimizer)(groups, **optimizer.defaults)
+    keywords, _ = _constructor_kwargs(type(optimizer), dict(optimizer.defaults))
+    return type(optimizer)(groups, **keywords)
