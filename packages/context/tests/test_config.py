@@ -176,6 +176,7 @@ ERRORS: list[tuple[str, Any, int, list[str]]] = [
     ("data zero", {"data": 0}, 2, ["parallel.data must be a positive int"]),
     ("tensor zero", {"tensor": 0}, 2, ["parallel.tensor must be a positive int"]),
     ("world size zero", {}, 0, ["world_size must be a positive int"]),
+    ("world size absurd", {}, 2**65, ["world_size 36893488147419103232 exceeds", "2**20"]),
     # unknown keys, with the closest suggestion
     (
         "pipline",

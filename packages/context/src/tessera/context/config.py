@@ -25,6 +25,10 @@ _SIZE_KEYS = ("size",)
 _TENSOR_KEYS = ("size", "mode", "depth")
 
 
+#: The largest world size a config may describe (about a million ranks).
+MAX_WORLD_SIZE = 1 << 20
+
+
 @dataclass(frozen=True)
 class ExtraInitializer:
     """One entry of ``parallel.extra``: a user's process-group initializer and its arguments.
@@ -112,6 +116,13 @@ class ParallelConfig:
             ConfigError: any violation; the message names the key and shows the arithmetic.
         """
         _check_size("world_size", world_size)
+        if world_size > MAX_WORLD_SIZE:
+            # Layouts are computed as explicit rank tuples: an absurd world size (a typo, an
+            # overflowed variable) must fail here, not as a MemoryError in rank_groups.
+            raise ConfigError(
+                f"world_size {world_size} exceeds the largest supported job of "
+                f"{MAX_WORLD_SIZE} ranks (2**20)"
+            )
         if parallel is None:
             parallel = {}
         if not isinstance(parallel, Mapping):

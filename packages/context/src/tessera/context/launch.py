@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from C++
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # from C++
 
 from tessera.registry import ConfigError
 
@@ -197,7 +197,11 @@ def _launch(
     else:
         device = torch.device("cpu")
 
-    store = _rendezvous(host, port, rank, world_size, td, agent_store=agent_store, attempt=attempt)
+    joined = _rendezvous(host, port, rank, world_size, td, agent_store=agent_store, attempt=attempt)
+    # torchrun's agent store outlives a failed attempt: the keys of the dead processes (their
+    # gloo/NCCL addresses) are still there when the restarted ones meet. A prefix per restart
+    # attempt keeps each attempt's process-group keys and failure board apart.
+    store: Store = PrefixStore(f"tessera/attempt_{attempt}", joined) if agent_store else joined
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
     try:
         context = create_context(
