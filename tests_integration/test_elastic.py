@@ -17,6 +17,7 @@ from pathlib import Path
 from conftest import JOB_TIMEOUT
 from torchrun_jobs import STEPS, WORLD, Final, final_line, finish, job_env, start, torchrun_command
 
+
 def test_killed_rank_restarts_and_resumes_to_the_same_loss(
     reference: Final, tmp_path: Path
 ) -> None:
