@@ -1,9 +1,10 @@
 """Every task of the tessera monorepo.
 
-`nox` with no arguments runs lint, typecheck and tests. Other sessions: `build` (six wheels into
-dist/), `bench` (everything under benchmarks/), `demo` (the README's main command),
-`convergence` (the ViT under every parallel layout, writes docs/convergence.md), `docs` (runs
-every code block of the user guide; also in the default run).
+`nox` with no arguments runs lint, typecheck, tests, docs (every code block of the user guide)
+and integration (torchrun multi-node and elastic-restart jobs). Other sessions: `build` (six
+wheels into dist/), `bench` (everything under benchmarks/), `demo` (the README's main command),
+`convergence` (the ViT under every parallel layout, writes docs/convergence.md), `reliability`
+(hostile configs and injected faults, a report).
 
 Each package's tests run in an environment holding only that package, its declared tessera
 dependencies and the test tools: that is what proves "install only the package you need".
@@ -38,7 +39,7 @@ USES_HARNESS = ("context", "layers", "pipeline", "engine")
 
 TEST_TOOLS = ("pytest>=7", "hypothesis>=6", "numpy", "pyyaml")
 
-nox.options.sessions = ["lint", "typecheck", "tests", "docs"]
+nox.options.sessions = ["lint", "typecheck", "tests", "docs", "integration"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
