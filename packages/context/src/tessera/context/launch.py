@@ -93,17 +93,33 @@ def _rendezvous(
     keys = [f"{prefix}/rank/{r}" for r in range(world_size)]
     deadline = time.monotonic() + timeout.total_seconds()
     delay = 0.01
-    while not store.check(keys):
-        if time.monotonic() > deadline:
+    missing = list(range(world_size))  # until the first look at the store says otherwise
+    while True:
+        try:
+            if store.check(keys):
+                return store
             missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        except (RuntimeError, OSError) as exc:
+            # The host gave up first (its own deadline passed) and closed the store.
             raise RuntimeError(
-                f"only {world_size - len(missing)} of world size {world_size} processes joined "
-                f"the rendezvous at {where} within {timeout.total_seconds():g} s; missing "
-                f"ranks {missing}. Does world_size match the number of processes started?"
+                f"{_missing_message(world_size, missing, where, timeout)} The store's host "
+                f"closed it while rank {rank} waited ({exc}). Does world_size match the "
+                "number of processes started?"
+            ) from exc
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{_missing_message(world_size, missing, where, timeout)} Does world_size "
+                "match the number of processes started?"
             )
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
-    return store
+
+
+def _missing_message(world_size: int, missing: list[int], where: str, timeout: timedelta) -> str:
+    return (
+        f"only {world_size - len(missing)} of world size {world_size} processes joined the "
+        f"rendezvous at {where} within {timeout.total_seconds():g} s; missing ranks {missing}."
+    )
 
 
 def launch(
