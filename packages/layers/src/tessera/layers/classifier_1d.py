@@ -13,30 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.context import ParallelContext, ShardInfo, get_shard_info
+from tessera.context import ParallelContext
 
 from .base import Module1D
 from .collectives import check_divisible
 from .comm import copy_to_group, gather_along_dim, reduce_from_group, split_along_dim
-from .initializers import Initializer, fan_in_uniform, kaiming_uniform
-from .shards import shard_info
+from .dense import check_shared_weight, dense_bias, dense_weight
+from .initializers import Initializer
 
 __all__ = ["Classifier1D", "VocabParallelClassifier1D", "check_shared_weight"]
-
-
-def check_shared_weight(weight: nn.Parameter, expected: ShardInfo, owner: str) -> None:
-    """A weight shared from another layer must hold the block this layer would hold."""
-    got = get_shard_info(weight)
-    if tuple(weight.shape) != expected.local_shape or (
-        got is not None
-        and (got.global_shape, got.offsets) != (expected.global_shape, expected.offsets)
-    ):
-        where = f", global {list(got.global_shape)} at {list(got.offsets)}" if got else ""
-        raise ValueError(
-            f"{owner}: the shared weight is the block {list(weight.shape)}{where}, but this layer "
-            f"needs {list(expected.local_shape)} of global {list(expected.global_shape)} at "
-            f"offsets {list(expected.offsets)}"
-        )
 
 
 class Classifier1D(Module1D):
@@ -71,33 +56,23 @@ class Classifier1D(Module1D):
         super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
         check_divisible(in_features, self.tp.world_size, "Classifier1D in_features")
         self.in_features, self.num_classes = in_features, num_classes
-        shape, split = (num_classes, in_features), {1: (self.split_mode,)}
-        if weight is not None:
-            expected = shard_info(self.context, shape, split, owner="Classifier1D.weight")
-            check_shared_weight(weight, expected, "Classifier1D")
-            self.weight = weight
-        else:
-            self.weight = self.make_parameter(
-                "weight",
-                shape,
-                weight_initializer or kaiming_uniform(),
-                fan_in=in_features,
-                fan_out=num_classes,
-                splits=split,
-                dtype=dtype,
-            )  # [C, in/p]
-        self.bias = (
-            self.make_parameter(
-                "bias",
-                (num_classes,),
-                bias_initializer or fan_in_uniform(),
-                fan_in=in_features,
-                fan_out=num_classes,
-                replicated=(self.split_mode,),
-                dtype=dtype,
-            )
-            if bias
-            else None
+        self.weight = dense_weight(
+            self,
+            num_classes,
+            in_features,
+            weight_initializer,
+            splits={1: (self.split_mode,)},
+            dtype=dtype,
+            shared=weight,
+        )  # [C, in/p]
+        self.bias = dense_bias(
+            self,
+            num_classes,
+            in_features,
+            bias,
+            bias_initializer,
+            replicated=(self.split_mode,),
+            dtype=dtype,
         )  # [C]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,35 +120,24 @@ class VocabParallelClassifier1D(Module1D):
         check_divisible(num_classes, self.tp.world_size, "VocabParallelClassifier1D num_classes")
         self.in_features, self.num_classes = in_features, num_classes
         self.gather_output = gather_output
-        shape, split = (num_classes, in_features), {0: (self.split_mode,)}
-        if weight is not None:
-            expected = shard_info(
-                self.context, shape, split, owner="VocabParallelClassifier1D.weight"
-            )
-            check_shared_weight(weight, expected, "VocabParallelClassifier1D")
-            self.weight = weight
-        else:
-            self.weight = self.make_parameter(
-                "weight",
-                shape,
-                weight_initializer or kaiming_uniform(),
-                fan_in=in_features,
-                fan_out=num_classes,
-                splits=split,
-                dtype=dtype,
-            )  # [C/p, in]
-        self.bias = (
-            self.make_parameter(
-                "bias",
-                (num_classes,),
-                bias_initializer or fan_in_uniform(),
-                fan_in=in_features,
-                fan_out=num_classes,
-                splits=split,
-                dtype=dtype,
-            )
-            if bias
-            else None
+        split = {0: (self.split_mode,)}
+        self.weight = dense_weight(
+            self,
+            num_classes,
+            in_features,
+            weight_initializer,
+            splits=split,
+            dtype=dtype,
+            shared=weight,
+        )  # [C/p, in]
+        self.bias = dense_bias(
+            self,
+            num_classes,
+            in_features,
+            bias,
+            bias_initializer,
+            splits=split,
+            dtype=dtype,
         )  # [C/p]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

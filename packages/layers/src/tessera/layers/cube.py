@@ -32,10 +32,10 @@ import torch
 
 from tessera.context import ParallelContext, ParallelMode
 
-from .base import ParallelModule
 from .collectives import all_gather_along, check_divisible, reduce_scatter_along
 from .comm import apply_function, copy_to_group, gather_along_dim, split_along_dim
 from .context_access import GroupInfo, group_info
+from .grid import GridModule
 
 __all__ = [
     "LAYOUTS_3D",
@@ -92,6 +92,36 @@ class Cube:
         """The q*q ranks sharing ``layout``'s hidden block: the batch is split over them."""
         return self.output_x_weight if layout == "y" else self.input_x_weight
 
+    @property
+    def hidden_axis(self) -> GroupInfo:
+        """:class:`~tessera.layers.grid.Grid`: INPUT, the hidden axis of layout ``"y"``."""
+        return self.input
+
+    @property
+    def batch_axis(self) -> GroupInfo:
+        """:class:`~tessera.layers.grid.Grid`: the batch group of layout ``"y"``."""
+        return self.output_x_weight
+
+    @property
+    def table_modes(self) -> tuple[str, str]:
+        """:class:`~tessera.layers.grid.Grid`: tables lie on the INPUT x WEIGHT face."""
+        return (self.input.mode, self.weight.mode)
+
+    @property
+    def table_replicated(self) -> tuple[str, ...]:
+        """:class:`~tessera.layers.grid.Grid`: tables are replicated over OUTPUT."""
+        return (self.output.mode,)
+
+    def gather_table(self, param: torch.Tensor, dim: int) -> torch.Tensor:
+        """A ``dim`` split over (INPUT, WEIGHT) and replicated over OUTPUT -> INPUT block ``y``.
+
+        All-gather over WEIGHT (backward: reduce-scatter, summing the x ranks' partial
+        gradients) after routing through OUTPUT (backward: sum over the z ranks). Used by
+        the tables and heads whose output is in layout ``"y"`` (embeddings, classifier).
+        """
+        param = copy_to_group(param, self.output.group)
+        return gather_along_dim(param, dim, self.weight.group, partial_grad=True)
+
     def check_local(self, x: torch.Tensor, dim: int, expected: int, what: str) -> None:
         """``ValueError`` (before any collective) unless ``x.shape[dim] == expected``."""
         if x.dim() == 0 or x.shape[dim] != expected:
@@ -136,7 +166,7 @@ def other_layout(layout: Layout3D) -> Layout3D:
     return "z" if layout == "y" else "y"
 
 
-class CubeModule(ParallelModule):
+class CubeModule(GridModule):
     """Base of the 3D layers: keeps the :class:`Cube`.
 
     Args:
@@ -153,20 +183,13 @@ class CubeModule(ParallelModule):
         self.cube = cube_of(self.context)
 
     @property
-    def owner(self) -> str:
-        """The class name, for error messages."""
-        return type(self).__name__
+    def grid(self) -> Cube:
+        """The cube, as the :class:`~tessera.layers.grid.Grid` of the shared layers."""
+        return self.cube
 
     def gather_table(self, param: torch.Tensor, dim: int) -> torch.Tensor:
-        """A ``dim`` split over (INPUT, WEIGHT) and replicated over OUTPUT -> INPUT block ``y``.
-
-        All-gather over WEIGHT (backward: reduce-scatter, summing the x ranks' partial
-        gradients) after routing through OUTPUT (backward: sum over the z ranks). Used by
-        the tables and heads whose output is in layout ``"y"`` (embeddings, classifier).
-        """
-        cube = self.cube
-        param = copy_to_group(param, cube.output.group)
-        return gather_along_dim(param, dim, cube.weight.group, partial_grad=True)
+        """:meth:`Cube.gather_table` of this layer's cube."""
+        return self.cube.gather_table(param, dim)
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""

@@ -1,7 +1,8 @@
-"""Builders of the dispatching layers for the mesh modes ``'2d'`` and ``'2.5d'``.
+"""Builders of the dispatching layers for the grid modes ``'2d'``, ``'2.5d'`` and ``'3d'``.
 
-One builder per dispatching layer serves both modes: it picks the ``...2D`` or ``...2p5D``
-class from the context's tensor mode. The 1D-only options of the dispatching layers
+One builder per dispatching layer serves every grid mode: it picks the ``...2D``, ``...2p5D``
+or ``...3D`` class from the context's tensor mode (``Linear`` serves the mesh modes only: 3D's
+needs a layout, see ``dispatch_3d.py``). The 1D-only options of the dispatching layers
 (``gather_output``, ``parallel_input=False``, ``sequence_parallel``) have no meaning on a mesh
 and raise instead of being silently dropped; ``parallel="col"/"row"`` is accepted and ignored
 (2D splits both dims of every weight), so one model definition serves 1D, 2D and 2.5D.
@@ -22,13 +23,16 @@ from .classifier_2d import (
     VocabParallelClassifier2D,
     VocabParallelClassifier2p5D,
 )
+from .classifier_3d import Classifier3D, VocabParallelClassifier3D
 from .dropout_2d import Dropout2D, Dropout2p5D
+from .dropout_3d import Dropout3D
 from .embedding_2d import (
     Embedding2D,
     Embedding2p5D,
     VocabParallelEmbedding2D,
     VocabParallelEmbedding2p5D,
 )
+from .embedding_3d import Embedding3D, VocabParallelEmbedding3D
 from .linear_2d import Linear2D, Linear2p5D
 from .loss_2d import (
     Accuracy2D,
@@ -40,40 +44,62 @@ from .loss_2d import (
     VocabParallelCrossEntropyLoss2D,
     VocabParallelCrossEntropyLoss2p5D,
 )
-from .mesh import MESH_MODES, MeshModule
+from .loss_3d import (
+    Accuracy3D,
+    CrossEntropyLoss3D,
+    VocabParallelAccuracy3D,
+    VocabParallelCrossEntropyLoss3D,
+)
 from .norm_2d import LayerNorm2D, LayerNorm2p5D
+from .norm_3d import LayerNorm3D
 from .patch_embedding_2d import PatchEmbedding2D, PatchEmbedding2p5D
+from .patch_embedding_3d import PatchEmbedding3D
 
-__all__ = ["MESH_BUILDERS", "MESH_CLASSES"]
+__all__ = ["GRID_BUILDERS", "GRID_CLASSES", "MESH_BUILDERS"]
 
 #: class key -> tensor mode -> class.
-MESH_CLASSES: dict[str, dict[str, type[MeshModule]]] = {
+GRID_CLASSES: dict[str, dict[str, type[nn.Module]]] = {
     "Linear": {"2d": Linear2D, "2.5d": Linear2p5D},
-    "LayerNorm": {"2d": LayerNorm2D, "2.5d": LayerNorm2p5D},
-    "Embedding": {"2d": Embedding2D, "2.5d": Embedding2p5D},
-    "VocabParallelEmbedding": {"2d": VocabParallelEmbedding2D, "2.5d": VocabParallelEmbedding2p5D},
-    "PatchEmbedding": {"2d": PatchEmbedding2D, "2.5d": PatchEmbedding2p5D},
-    "Classifier": {"2d": Classifier2D, "2.5d": Classifier2p5D},
+    "LayerNorm": {"2d": LayerNorm2D, "2.5d": LayerNorm2p5D, "3d": LayerNorm3D},
+    "Embedding": {"2d": Embedding2D, "2.5d": Embedding2p5D, "3d": Embedding3D},
+    "VocabParallelEmbedding": {
+        "2d": VocabParallelEmbedding2D,
+        "2.5d": VocabParallelEmbedding2p5D,
+        "3d": VocabParallelEmbedding3D,
+    },
+    "PatchEmbedding": {"2d": PatchEmbedding2D, "2.5d": PatchEmbedding2p5D, "3d": PatchEmbedding3D},
+    "Classifier": {"2d": Classifier2D, "2.5d": Classifier2p5D, "3d": Classifier3D},
     "VocabParallelClassifier": {
         "2d": VocabParallelClassifier2D,
         "2.5d": VocabParallelClassifier2p5D,
+        "3d": VocabParallelClassifier3D,
     },
-    "Dropout": {"2d": Dropout2D, "2.5d": Dropout2p5D},
-    "CrossEntropyLoss": {"2d": CrossEntropyLoss2D, "2.5d": CrossEntropyLoss2p5D},
+    "Dropout": {"2d": Dropout2D, "2.5d": Dropout2p5D, "3d": Dropout3D},
+    "CrossEntropyLoss": {
+        "2d": CrossEntropyLoss2D,
+        "2.5d": CrossEntropyLoss2p5D,
+        "3d": CrossEntropyLoss3D,
+    },
     "VocabParallelCrossEntropyLoss": {
         "2d": VocabParallelCrossEntropyLoss2D,
         "2.5d": VocabParallelCrossEntropyLoss2p5D,
+        "3d": VocabParallelCrossEntropyLoss3D,
     },
-    "Accuracy": {"2d": Accuracy2D, "2.5d": Accuracy2p5D},
-    "VocabParallelAccuracy": {"2d": VocabParallelAccuracy2D, "2.5d": VocabParallelAccuracy2p5D},
+    "Accuracy": {"2d": Accuracy2D, "2.5d": Accuracy2p5D, "3d": Accuracy3D},
+    "VocabParallelAccuracy": {
+        "2d": VocabParallelAccuracy2D,
+        "2.5d": VocabParallelAccuracy2p5D,
+        "3d": VocabParallelAccuracy3D,
+    },
 }
 
 
 def _cls(key: str, ctx: ParallelContext) -> Callable[..., nn.Module]:
     mode = ctx.config.tensor_mode
-    if mode not in MESH_MODES:  # only reachable by calling a builder directly
-        raise ValueError(f"{key}: the mesh builders serve {MESH_MODES}, not {mode!r}")
-    return MESH_CLASSES[key][mode]
+    classes = GRID_CLASSES[key]
+    if mode not in classes:  # only reachable by calling a builder directly
+        raise ValueError(f"{key}: the grid builders serve {tuple(classes)}, not {mode!r}")
+    return classes[mode]
 
 
 def _vocab(key: str, vocab_parallel: bool) -> str:
@@ -164,9 +190,8 @@ def _accuracy(ctx: ParallelContext, *, vocab_parallel: bool) -> nn.Module:
     return _cls(_vocab("Accuracy", vocab_parallel), ctx)(context=ctx)
 
 
-#: dispatching layer -> builder serving both '2d' and '2.5d'.
-MESH_BUILDERS: dict[str, Callable[..., nn.Module]] = {
-    "Linear": _linear,
+#: dispatching layer -> builder serving every grid mode ('2d', '2.5d', '3d'); no ``Linear``.
+GRID_BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "LayerNorm": _layer_norm,
     "Embedding": _embedding,
     "PatchEmbedding": _patch_embedding,
@@ -175,3 +200,6 @@ MESH_BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "CrossEntropyLoss": _cross_entropy,
     "Accuracy": _accuracy,
 }
+
+#: dispatching layer -> builder serving both mesh modes ('2d', '2.5d').
+MESH_BUILDERS: dict[str, Callable[..., nn.Module]] = {"Linear": _linear, **GRID_BUILDERS}

@@ -26,23 +26,14 @@ from torch import nn
 
 from tessera.context import ParallelContext
 
-from .classifier_3d import Classifier3D, VocabParallelClassifier3D
 from .cube import Layout3D
-from .dropout_3d import Dropout3D, SequenceDropout
-from .embedding_1d import zero_row
-from .embedding_3d import Embedding3D, VocabParallelEmbedding3D
+from .dispatch_2d import GRID_BUILDERS
+from .dropout_3d import SequenceDropout
 from .initializers import Initializer
 from .linear_3d import Linear3D
-from .loss_3d import (
-    Accuracy3D,
-    CrossEntropyLoss3D,
-    VocabParallelAccuracy3D,
-    VocabParallelCrossEntropyLoss3D,
-)
-from .norm_3d import LayerNorm3D
-from .patch_embedding_3d import PatchEmbedding3D
 from .sequence import SequenceAccuracy, mark_sequence_replicated
 from .serial import SerialClassifier
+from .tables import zero_row
 
 __all__ = ["BUILDERS_3D", "SEQUENCE_BUILDERS"]
 
@@ -103,66 +94,8 @@ def _linear_3d(
     return Linear3D(in_features, out_features, bias, input_layout=layout, context=ctx, **common)
 
 
-def _layer_norm_3d(
-    ctx: ParallelContext, *, sequence_parallel: bool | None, **kwargs: Any
-) -> nn.Module:
-    _no_1d_options("LayerNorm", ctx, sequence_parallel=sequence_parallel)
-    return LayerNorm3D(context=ctx, **kwargs)
-
-
-def _embedding_3d(
-    ctx: ParallelContext, *, vocab_parallel: bool, sequence_parallel: bool | None, **kwargs: Any
-) -> nn.Module:
-    _no_1d_options("Embedding", ctx, sequence_parallel=sequence_parallel)
-    cls = VocabParallelEmbedding3D if vocab_parallel else Embedding3D
-    return cls(context=ctx, **kwargs)
-
-
-def _patch_embedding_3d(
-    ctx: ParallelContext, *, sequence_parallel: bool | None, **kwargs: Any
-) -> nn.Module:
-    _no_1d_options("PatchEmbedding", ctx, sequence_parallel=sequence_parallel)
-    return PatchEmbedding3D(context=ctx, **kwargs)
-
-
-def _classifier_3d(
-    ctx: ParallelContext, *, vocab_parallel: bool, sequence_parallel: bool | None, **kwargs: Any
-) -> nn.Module:
-    _no_1d_options("Classifier", ctx, sequence_parallel=sequence_parallel)
-    cls = VocabParallelClassifier3D if vocab_parallel else Classifier3D
-    return cls(context=ctx, **kwargs)
-
-
-def _dropout_3d(
-    ctx: ParallelContext, *, p: float, inplace: bool, parallel_input: bool
-) -> nn.Module:
-    del parallel_input  # every 3D activation is sharded: always the TENSOR stream
-    return Dropout3D(p, inplace, context=ctx)
-
-
-def _cross_entropy_3d(
-    ctx: ParallelContext, *, reduction: str, ignore_index: int, vocab_parallel: bool
-) -> nn.Module:
-    cls = VocabParallelCrossEntropyLoss3D if vocab_parallel else CrossEntropyLoss3D
-    return cls(reduction, ignore_index, context=ctx)
-
-
-def _accuracy_3d(ctx: ParallelContext, *, vocab_parallel: bool) -> nn.Module:
-    cls = VocabParallelAccuracy3D if vocab_parallel else Accuracy3D
-    return cls(context=ctx)
-
-
-#: dispatching layer -> builder for tensor mode '3d'.
-BUILDERS_3D: dict[str, Builder] = {
-    "Linear": _linear_3d,
-    "LayerNorm": _layer_norm_3d,
-    "Embedding": _embedding_3d,
-    "PatchEmbedding": _patch_embedding_3d,
-    "Classifier": _classifier_3d,
-    "Dropout": _dropout_3d,
-    "CrossEntropyLoss": _cross_entropy_3d,
-    "Accuracy": _accuracy_3d,
-}
+#: dispatching layer -> builder for tensor mode '3d': the grid builders, shared with 2D.
+BUILDERS_3D: dict[str, Builder] = {"Linear": _linear_3d, **GRID_BUILDERS}
 
 
 # ---------------------------------------------------------------------------- sequence

@@ -20,15 +20,15 @@ In 2.5D both tables are replicated over depth and their gradients summed over DE
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tessera.context import ParallelContext
 
 from .collectives import all_gather_along, check_divisible
-from .comm import gather_along_dim, reduce_scatter_along_dim
-from .embedding_1d import check_padding_idx, zero_row
-from .initializers import Initializer, normal
+from .comm import reduce_scatter_along_dim
+from .grid_embedding import GridEmbedding
+from .initializers import Initializer
 from .mesh import MeshModule
+from .tables import EmbeddingTable
 
 __all__ = [
     "Embedding2D",
@@ -40,71 +40,21 @@ __all__ = [
 ]
 
 
-class MeshEmbedding(MeshModule):
+class MeshEmbedding(GridEmbedding, MeshModule):
     """Embedding with the embedding dim split over the mesh: weight ``[V, D/q^2]``.
 
-    Input ids ``[b/(depth q), s]``; output ``[b/(depth q), s, D/q]``.
-
-    Args:
-        num_embeddings: Vocabulary size V.
-        embedding_dim: D, divisible by ``q * q``.
-        padding_idx: Row that gets no gradient (zeroed at init), as in torch.
-        dtype: Parameter dtype.
-        weight_initializer: Fills the full ``[V, D]`` table (default Normal(0, 1), torch's).
-        device: Parameter device (default the context's).
-        context: The ParallelContext (default the current one).
+    Input ids ``[b/(depth q), s]``; output ``[b/(depth q), s, D/q]``. Arguments and
+    implementation: :class:`~tessera.layers.grid_embedding.GridEmbedding`'s.
     """
 
-    takes_indices = True
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: int | None = None,
-        dtype: torch.dtype | None = None,
-        weight_initializer: Initializer | None = None,
-        *,
-        device: torch.device | str | None = None,
-        context: ParallelContext | None = None,
-    ) -> None:
-        super().__init__(context, device)
-        mesh = self.mesh
-        check_divisible(embedding_dim, mesh.q * mesh.q, f"{self.owner} embedding_dim (q * q)")
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.padding_idx = check_padding_idx(padding_idx, num_embeddings)
-        self.weight = self.make_parameter(
-            "weight",
-            (num_embeddings, embedding_dim),
-            zero_row(weight_initializer or normal(), self.padding_idx),
-            fan_in=num_embeddings,
-            fan_out=embedding_dim,
-            splits={1: (mesh.row.mode, mesh.col.mode)},
-            replicated=mesh.depth_modes,
-            dtype=dtype,
-        )  # [V, D/q^2]: block j * q + i
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """See the class docstring for shapes."""
-        mesh = self.mesh
-        weight = mesh.over_depth(self.weight)
-        weight = gather_along_dim(weight, 1, mesh.col.group, partial_grad=True)  # [V, D/q]
-        return F.embedding(ids, weight, self.padding_idx)  # [b/(dq), s, D/q]
-
-    def extra_repr(self) -> str:
-        """The summary shown by ``print(module)``."""
-        return f"{self.num_embeddings}, {self.embedding_dim}, " + super().extra_repr()
-
-
-class MeshVocabParallelEmbedding(MeshModule):
+class MeshVocabParallelEmbedding(EmbeddingTable, MeshModule):
     """Embedding with the vocabulary split over COL and the dim over ROW: ``[V/q, D/q]``.
 
     Input ids ``[b/(depth q), s]``; output ``[b/(depth q), s, D/q]``.
 
     Args: as :class:`MeshEmbedding`, with V and D divisible by q.
     """
-
-    takes_indices = True
 
     def __init__(
         self,
@@ -121,27 +71,16 @@ class MeshVocabParallelEmbedding(MeshModule):
         mesh = self.mesh
         check_divisible(num_embeddings, mesh.q, f"{self.owner} num_embeddings")
         check_divisible(embedding_dim, mesh.q, f"{self.owner} embedding_dim")
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.padding_idx = check_padding_idx(padding_idx, num_embeddings)
-        per_rank = num_embeddings // mesh.q
-        self.vocab_start = mesh.col.rank * per_rank
-        self.vocab_end = self.vocab_start + per_rank
-        self.local_padding_idx = (
-            self.padding_idx - self.vocab_start
-            if self.padding_idx is not None
-            and self.vocab_start <= self.padding_idx < self.vocab_end
-            else None
-        )
-        self.weight = self.make_parameter(
-            "weight",
-            (num_embeddings, embedding_dim),
-            zero_row(weight_initializer or normal(), self.padding_idx),
-            fan_in=num_embeddings,
-            fan_out=embedding_dim,
+        self.make_table(
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            dtype,
+            weight_initializer,
             splits={0: (mesh.col.mode,), 1: (mesh.row.mode,)},
             replicated=mesh.depth_modes,
-            dtype=dtype,
         )  # [V/q, D/q]: W[V_i, D_j]
+        self.own_vocab_rows(mesh.col.rank, num_embeddings // mesh.q)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
@@ -150,16 +89,8 @@ class MeshVocabParallelEmbedding(MeshModule):
             raise ValueError(f"{self.owner}: ids must be [batch, ...], got a scalar")
         col = mesh.col
         column_ids = all_gather_along(ids, 0, col.group, col.world_size)  # [b/d, s]
-        outside = (column_ids < self.vocab_start) | (column_ids >= self.vocab_end)
-        local = (column_ids - self.vocab_start).masked_fill(outside, 0)
-        weight = mesh.over_depth(self.weight)
-        out = F.embedding(local, weight, self.local_padding_idx)  # [b/d, s, D/q], partial
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        out = self.lookup_own_rows(column_ids, mesh.over_depth(self.weight))  # [b/d, s, D/q]
         return reduce_scatter_along_dim(out, 0, col.group)  # [b/(dq), s, D/q]
-
-    def extra_repr(self) -> str:
-        """The summary shown by ``print(module)``."""
-        return f"{self.num_embeddings}, {self.embedding_dim}, " + super().extra_repr()
 
 
 class Embedding2D(MeshEmbedding):

@@ -25,7 +25,8 @@ from .comm import (
     reduce_scatter_along_dim,
     split_along_dim,
 )
-from .initializers import Initializer, fan_in_uniform, kaiming_uniform
+from .dense import dense_bias, dense_weight
+from .initializers import Initializer
 
 __all__ = ["Linear1DCol", "Linear1DRow", "LinearOutput"]
 
@@ -74,27 +75,22 @@ class Linear1DCol(Module1D):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         split = {0: (self.split_mode,)}
-        self.weight = self.make_parameter(
-            "weight",
-            (out_features, in_features),
-            weight_initializer or kaiming_uniform(),
-            fan_in=in_features,
-            fan_out=out_features,
+        self.weight = dense_weight(
+            self,
+            out_features,
+            in_features,
+            weight_initializer,
             splits=split,
             dtype=dtype,
         )  # [out/p, in]
-        self.bias = (
-            self.make_parameter(
-                "bias",
-                (out_features,),
-                bias_initializer or fan_in_uniform(),
-                fan_in=in_features,
-                fan_out=out_features,
-                splits=split,
-                dtype=dtype,
-            )
-            if bias
-            else None
+        self.bias = dense_bias(
+            self,
+            out_features,
+            in_features,
+            bias,
+            bias_initializer,
+            splits=split,
+            dtype=dtype,
         )  # [out/p]
 
     def forward(self, x: torch.Tensor) -> LinearOutput:
@@ -163,30 +159,25 @@ class Linear1DRow(Module1D):
         check_divisible(in_features, self.tp.world_size, "Linear1DRow in_features")
         self.in_features, self.out_features = in_features, out_features
         self.parallel_input, self.skip_bias_add = parallel_input, skip_bias_add
-        self.weight = self.make_parameter(
-            "weight",
-            (out_features, in_features),
-            weight_initializer or kaiming_uniform(),
-            fan_in=in_features,
-            fan_out=out_features,
+        self.weight = dense_weight(
+            self,
+            out_features,
+            in_features,
+            weight_initializer,
             splits={1: (self.split_mode,)},
             dtype=dtype,
         )  # [out, in/p]
         # Under sequence parallelism each rank adds the bias to its own slice of the sequence,
         # so the bias gradient is partial: the forward routes it through f (copy_to_group),
         # whose backward sums it, and .grad is the full gradient as the contract promises.
-        self.bias = (
-            self.make_parameter(
-                "bias",
-                (out_features,),
-                bias_initializer or fan_in_uniform(),
-                fan_in=in_features,
-                fan_out=out_features,
-                replicated=(self.split_mode,),
-                dtype=dtype,
-            )
-            if bias
-            else None
+        self.bias = dense_bias(
+            self,
+            out_features,
+            in_features,
+            bias,
+            bias_initializer,
+            replicated=(self.split_mode,),
+            dtype=dtype,
         )  # [out]
 
     def forward(self, x: torch.Tensor) -> LinearOutput:

@@ -18,7 +18,8 @@ import torch
 
 from tessera.context import ParallelContext
 
-from .initializers import Initializer, fan_in_uniform, kaiming_uniform
+from .dense import dense_bias, dense_weight
+from .initializers import Initializer
 from .linear_1d import LinearOutput
 from .mesh import MeshModule
 from .summa import summa_ab
@@ -63,29 +64,24 @@ class MeshLinear(MeshModule):
         mesh = self.mesh
         self.in_features, self.out_features = in_features, out_features
         self.skip_bias_add = skip_bias_add
-        self.weight = self.make_parameter(
-            "weight",
-            (out_features, in_features),
-            weight_initializer or kaiming_uniform(),
-            fan_in=in_features,
-            fan_out=out_features,
+        self.weight = dense_weight(
+            self,
+            out_features,
+            in_features,
+            weight_initializer,
             splits={0: (mesh.row.mode,), 1: (mesh.col.mode,)},
             replicated=mesh.depth_modes,
             dtype=dtype,
         )  # [out/q, in/q]: W[out_j, in_i]
-        self.bias = (
-            self.make_parameter(
-                "bias",
-                (out_features,),
-                bias_initializer or fan_in_uniform(),
-                fan_in=in_features,
-                fan_out=out_features,
-                splits={0: (mesh.row.mode,)},
-                replicated=(mesh.col.mode, *mesh.depth_modes),
-                dtype=dtype,
-            )
-            if bias
-            else None
+        self.bias = dense_bias(
+            self,
+            out_features,
+            in_features,
+            bias,
+            bias_initializer,
+            splits={0: (mesh.row.mode,)},
+            replicated=(mesh.col.mode, *mesh.depth_modes),
+            dtype=dtype,
         )  # [out/q]: b[out_j]
 
     def forward(self, x: torch.Tensor) -> LinearOutput:

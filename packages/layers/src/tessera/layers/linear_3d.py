@@ -20,7 +20,8 @@ from tessera.context import ParallelContext
 
 from .comm import copy_to_group
 from .cube import CubeModule, Layout3D, check_layout, cube_linear, other_layout
-from .initializers import Initializer, fan_in_uniform, kaiming_uniform
+from .dense import dense_bias, dense_weight
+from .initializers import Initializer
 from .linear_1d import LinearOutput
 
 __all__ = ["Linear3D"]
@@ -67,28 +68,23 @@ class Linear3D(CubeModule):
         self.in_features, self.out_features = in_features, out_features
         self.skip_bias_add = skip_bias_add
         hidden, across = cube.hidden(self.input_layout), cube.across(self.input_layout)
-        self.weight = self.make_parameter(
-            "weight",
-            (out_features, in_features),
-            weight_initializer or kaiming_uniform(),
-            fan_in=in_features,
-            fan_out=out_features,
+        self.weight = dense_weight(
+            self,
+            out_features,
+            in_features,
+            weight_initializer,
             splits={0: (across.mode, cube.weight.mode), 1: (hidden.mode,)},
             dtype=dtype,
         )  # [out/q^2, in/q]
-        self.bias = (
-            self.make_parameter(
-                "bias",
-                (out_features,),
-                bias_initializer or fan_in_uniform(),
-                fan_in=in_features,
-                fan_out=out_features,
-                splits={0: (across.mode,)},
-                replicated=(hidden.mode, cube.weight.mode),
-                dtype=dtype,
-            )
-            if bias
-            else None
+        self.bias = dense_bias(
+            self,
+            out_features,
+            in_features,
+            bias,
+            bias_initializer,
+            splits={0: (across.mode,)},
+            replicated=(hidden.mode, cube.weight.mode),
+            dtype=dtype,
         )  # [out/q]
 
     @property

@@ -4,6 +4,8 @@ The logits of a mesh classifier are split along the batch over the batch group (
 XZ in 2.5D) and either replicated over the mesh row (:class:`MeshClassifier`, ``[b/(depth q),
 ..., C]``) or split over it by class (:class:`MeshVocabParallelClassifier`, ``[.., C/q]``).
 
+The implementation is shared with 3D (:mod:`tessera.layers.grid_loss`):
+
 * Per-sample losses come from ``F.cross_entropy`` on the local rows, or from the
   vocab-parallel cross-entropy over the ROW group (Megatron-LM's: one all-reduce MAX, one of
   the target logit and the sum of exponentials, a local backward).
@@ -17,16 +19,7 @@ XZ in 2.5D) and either replicated over the mesh row (:class:`MeshClassifier`, ``
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-
-from tessera.context import ParallelContext
-
-from .accuracy import vocab_parallel_argmax
-from .comm import reduce_from_group
-from .context_access import GroupInfo
-from .cross_entropy import vocab_parallel_cross_entropy
+from .grid_loss import GridAccuracy, GridCrossEntropyLoss, reduce_batch_loss
 from .mesh import MeshModule
 
 __all__ = [
@@ -43,42 +36,14 @@ __all__ = [
     "reduce_batch_loss",
 ]
 
-_REDUCTIONS = ("mean", "sum", "none")
 
-
-def reduce_batch_loss(
-    per_sample: torch.Tensor,
-    target: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    batch: GroupInfo,
-) -> torch.Tensor:
-    """Reduce per-sample losses of this rank's batch block to the loss of the whole batch.
-
-    Args:
-        per_sample: ``[..]`` losses of the local rows (0 where the target is ignored).
-        target: ``[..]`` the local targets.
-        ignore_index: Targets that count for nothing (excluded from the mean's count).
-        reduction: ``"none"`` (the local losses), ``"sum"`` or ``"mean"`` (whole batch).
-        batch: The group the batch is split over.
-    """
-    if reduction == "none":
-        return per_sample
-    total = reduce_from_group(per_sample.sum(), batch.group)  # the whole batch's sum
-    if reduction == "sum":
-        return total
-    count = (target != ignore_index).sum().to(total.dtype)
-    if batch.world_size > 1:
-        dist.all_reduce(count, group=batch.group)
-    return total / count
-
-
-class MeshCrossEntropyLoss(MeshModule):
+class MeshCrossEntropyLoss(GridCrossEntropyLoss, MeshModule):
     """Cross-entropy of batch-split logits; ``vocab_parallel`` for class-split ones.
 
     Logits ``[b/(depth q), ..., C]`` (replicated over the mesh row), or ``[.., C/q]`` with
     ``vocab_parallel``; targets ``[b/(depth q), ...]`` (use ``split_batch``). The loss is that
-    of the whole batch on every rank (``reduction="none"``: the local rows' losses).
+    of the whole batch on every rank (``reduction="none"``: the local rows' losses). The
+    implementation is :class:`~tessera.layers.grid_loss.GridCrossEntropyLoss`'s.
 
     Args:
         reduction: ``"mean"``, ``"sum"`` or ``"none"``, as torch's.
@@ -86,67 +51,12 @@ class MeshCrossEntropyLoss(MeshModule):
         context: The ParallelContext (default the current one).
     """
 
-    #: Whether the logits are split by class over the mesh row.
-    VOCAB_PARALLEL = False
 
-    def __init__(
-        self,
-        reduction: str = "mean",
-        ignore_index: int = -100,
-        *,
-        context: ParallelContext | None = None,
-    ) -> None:
-        super().__init__(context)
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-        self.reduction, self.ignore_index = reduction, ignore_index
-
-    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """See the class docstring for shapes."""
-        if tuple(logits.shape[:-1]) != tuple(target.shape):
-            raise ValueError(
-                f"{self.owner}: logits {list(logits.shape)} and target {list(target.shape)} "
-                "differ in the leading dims (split both with split_batch)"
-            )
-        mesh = self.mesh
-        if self.VOCAB_PARALLEL:
-            per_sample = vocab_parallel_cross_entropy(
-                logits, target, mesh.row.group, ignore_index=self.ignore_index, reduction="none"
-            )
-        else:
-            per_sample = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]),
-                target.reshape(-1),
-                ignore_index=self.ignore_index,
-                reduction="none",
-            ).view(target.shape)
-        return reduce_batch_loss(per_sample, target, self.ignore_index, self.reduction, mesh.batch)
-
-
-class MeshAccuracy(MeshModule):
+class MeshAccuracy(GridAccuracy, MeshModule):
     """The number of correct predictions in the whole batch, from batch-split logits.
 
     Logits as :class:`MeshCrossEntropyLoss`; a count, like ``SerialAccuracy``.
     """
-
-    #: Whether the logits are split by class over the mesh row.
-    VOCAB_PARALLEL = False
-
-    def __init__(self, *, context: ParallelContext | None = None) -> None:
-        super().__init__(context)
-
-    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """See the class docstring for shapes."""
-        mesh = self.mesh
-        with torch.no_grad():
-            if self.VOCAB_PARALLEL:
-                predicted = vocab_parallel_argmax(logits, mesh.row.group)
-            else:
-                predicted = logits.argmax(dim=-1)
-            count = (predicted == target).sum()
-            if mesh.batch.world_size > 1:
-                dist.all_reduce(count, group=mesh.batch.group)
-            return count
 
 
 class CrossEntropyLoss2D(MeshCrossEntropyLoss):

@@ -29,10 +29,10 @@ import torch
 
 from tessera.context import ParallelContext, ParallelMode
 
-from .base import ParallelModule
 from .collectives import check_divisible
 from .comm import copy_to_group, gather_along_dim, split_along_dim
 from .context_access import GroupInfo, group_info
+from .grid import GridModule
 
 __all__ = [
     "MESH_MODES",
@@ -96,6 +96,34 @@ class Mesh:
         """Route a depth-replicated parameter: identity forward, sum over DEP backward."""
         return weight if self.dep is None else copy_to_group(weight, self.dep.group)
 
+    @property
+    def hidden_axis(self) -> GroupInfo:
+        """:class:`~tessera.layers.grid.Grid`: ROW splits the hidden dim (and the classes)."""
+        return self.row
+
+    @property
+    def batch_axis(self) -> GroupInfo:
+        """:class:`~tessera.layers.grid.Grid`: the batch group (COL in 2D, XZ in 2.5D)."""
+        return self.batch
+
+    @property
+    def table_modes(self) -> tuple[str, str]:
+        """:class:`~tessera.layers.grid.Grid`: a table's dim in ``q * q`` blocks (ROW, COL)."""
+        return (self.row.mode, self.col.mode)
+
+    @property
+    def table_replicated(self) -> tuple[str, ...]:
+        """:class:`~tessera.layers.grid.Grid`: tables are replicated over depth only."""
+        return self.depth_modes
+
+    def gather_table(self, param: torch.Tensor, dim: int) -> torch.Tensor:
+        """Blocks ``j * q + i`` of ``dim`` -> block ``j``: all-gather over COL.
+
+        The backward reduce-scatters (the mesh rows saw other batch blocks) and, in 2.5D,
+        sums over DEP.
+        """
+        return gather_along_dim(self.over_depth(param), dim, self.col.group, partial_grad=True)
+
     def over_batch(self, param: torch.Tensor) -> torch.Tensor:
         """Route a parameter used by every batch block (a bias): sum its gradient over them."""
         return copy_to_group(param, self.batch.group)
@@ -136,7 +164,7 @@ def mesh_of(context: ParallelContext, kind: str) -> Mesh:
     )
 
 
-class MeshModule(ParallelModule):
+class MeshModule(GridModule):
     """Base of the 2D and 2.5D layers: one implementation, the mode set by ``MESH``.
 
     A layer is written once as a ``MeshModule`` subclass; ``Linear2D`` and ``Linear2p5D`` are
@@ -159,9 +187,9 @@ class MeshModule(ParallelModule):
         self.mesh = mesh_of(self.context, self.MESH)
 
     @property
-    def owner(self) -> str:
-        """The class name, for error messages."""
-        return type(self).__name__
+    def grid(self) -> Mesh:
+        """The mesh, as the :class:`~tessera.layers.grid.Grid` of the shared layers."""
+        return self.mesh
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""

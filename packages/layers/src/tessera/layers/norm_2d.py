@@ -14,16 +14,24 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from tessera.context import ParallelContext
 
 from .collectives import check_divisible
-from .comm import apply_function
+from .comm import apply_function, copy_to_group
 from .context_access import GroupInfo
-from .initializers import ones, zeros
+from .grid import GridModule
+from .initializers import Initializer, ones, zeros
 from .mesh import MeshModule
 
-__all__ = ["LayerNorm2D", "LayerNorm2p5D", "MeshLayerNorm", "layer_norm_over_group"]
+__all__ = [
+    "GroupLayerNorm",
+    "LayerNorm2D",
+    "LayerNorm2p5D",
+    "MeshLayerNorm",
+    "layer_norm_over_group",
+]
 
 
 def _row_sum(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
@@ -97,7 +105,65 @@ def layer_norm_over_group(
     return apply_function(_LayerNormOverGroup, x, weight, bias, hidden, eps, group)
 
 
-class MeshLayerNorm(MeshModule):
+class GroupLayerNorm(GridModule):
+    """Mixin of the LayerNorms whose hidden dim is split over one group (2D, 2.5D, 3D).
+
+    Holds ``normalized_shape``, ``hidden``, ``eps`` and the affine ``weight``/``bias``
+    ``[h/q]``; the mode's class says which group splits the hidden dim (the ``split``) and
+    which groups replicate the parameters, and passes its batch group to :meth:`normalize`.
+    """
+
+    def init_norm(
+        self,
+        normalized_shape: int | tuple[int, ...],
+        eps: float,
+        elementwise_affine: bool,
+        bias: bool,
+        dtype: torch.dtype | None,
+        q: int,
+        split: GroupInfo,
+        replicated: tuple[str, ...],
+    ) -> None:
+        """Check ``normalized_shape`` (``h`` divisible by ``q``) and make the parameters."""
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+        if len(shape) != 1:
+            raise ValueError(
+                f"{self.owner} normalizes over the hidden dim only; normalized_shape must be an "
+                f"int or a 1-tuple, got {normalized_shape!r}"
+            )
+        self.normalized_shape: tuple[int, ...] = (int(shape[0]),)
+        self.hidden, self.eps = int(shape[0]), eps
+        check_divisible(self.hidden, q, f"{self.owner} normalized_shape (hidden)")
+        h = self.hidden
+
+        def param(name: str, init: Initializer) -> nn.Parameter:
+            return self.make_parameter(
+                name,
+                self.normalized_shape,
+                init,
+                fan_in=h,
+                fan_out=h,
+                splits={0: (split.mode,)},
+                replicated=replicated,
+                dtype=dtype,
+            )
+
+        self.weight = param("weight", ones()) if elementwise_affine else None  # [h/q]
+        self.bias = param("bias", zeros()) if elementwise_affine and bias else None  # [h/q]
+
+    def normalize(self, x: torch.Tensor, split: GroupInfo, batch: GroupInfo) -> torch.Tensor:
+        """LayerNorm of ``x`` ``[.., h/q]`` over ``split``.
+
+        Every batch block uses the parameters, so their gradients are summed over ``batch``.
+        """
+        grid = self.grid
+        grid.check_local(x, -1, self.hidden // grid.q, f"{self.owner}({self.hidden}) input")
+        weight = None if self.weight is None else copy_to_group(self.weight, batch.group)
+        bias = None if self.bias is None else copy_to_group(self.bias, batch.group)
+        return layer_norm_over_group(x, weight, bias, self.hidden, self.eps, split)
+
+
+class MeshLayerNorm(GroupLayerNorm, MeshModule):
     """LayerNorm over the hidden dim of a 2D/2.5D activation (behind ``LayerNorm2D``/``2p5D``).
 
     Input and output ``[b/(depth q), ..., h/q]``; ``weight`` and ``bias`` ``[h/q]`` (block
@@ -125,55 +191,21 @@ class MeshLayerNorm(MeshModule):
         context: ParallelContext | None = None,
     ) -> None:
         super().__init__(context, device)
-        shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
-        if len(shape) != 1:
-            raise ValueError(
-                f"{self.owner} normalizes over the hidden dim only; normalized_shape must be an "
-                f"int or a 1-tuple, got {normalized_shape!r}"
-            )
-        self.normalized_shape: tuple[int, ...] = (int(shape[0]),)
-        self.hidden, self.eps = int(shape[0]), eps
         mesh = self.mesh
-        check_divisible(self.hidden, mesh.q, f"{self.owner} normalized_shape (hidden)")
-        split = {0: (mesh.row.mode,)}
-        replicated = (mesh.col.mode, *mesh.depth_modes)
-        h = self.hidden
-        self.weight = (
-            self.make_parameter(
-                "weight",
-                shape,
-                ones(),
-                fan_in=h,
-                fan_out=h,
-                splits=split,
-                replicated=replicated,
-                dtype=dtype,
-            )
-            if elementwise_affine
-            else None
-        )  # [h/q]
-        self.bias = (
-            self.make_parameter(
-                "bias",
-                shape,
-                zeros(),
-                fan_in=h,
-                fan_out=h,
-                splits=split,
-                replicated=replicated,
-                dtype=dtype,
-            )
-            if elementwise_affine and bias
-            else None
-        )  # [h/q]
+        self.init_norm(
+            normalized_shape,
+            eps,
+            elementwise_affine,
+            bias,
+            dtype,
+            mesh.q,
+            mesh.row,
+            (mesh.col.mode, *mesh.depth_modes),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
-        mesh = self.mesh
-        mesh.check_local(x, -1, self.hidden // mesh.q, f"{self.owner}({self.hidden}) input")
-        weight = None if self.weight is None else mesh.over_batch(self.weight)
-        bias = None if self.bias is None else mesh.over_batch(self.bias)
-        return layer_norm_over_group(x, weight, bias, self.hidden, self.eps, mesh.row)
+        return self.normalize(x, self.mesh.row, self.mesh.batch)
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""

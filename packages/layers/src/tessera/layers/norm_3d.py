@@ -13,16 +13,13 @@ import torch
 
 from tessera.context import ParallelContext
 
-from .collectives import check_divisible
-from .comm import copy_to_group
 from .cube import CubeModule, Layout3D, check_layout
-from .initializers import ones, zeros
-from .norm_2d import layer_norm_over_group
+from .norm_2d import GroupLayerNorm
 
 __all__ = ["LayerNorm3D"]
 
 
-class LayerNorm3D(CubeModule):
+class LayerNorm3D(GroupLayerNorm, CubeModule):
     """LayerNorm over the hidden dim of a 3D activation.
 
     Input and output ``[b/q^2, ..., h/q]`` in ``layout``; ``weight`` and ``bias`` ``[h/q]``
@@ -53,59 +50,22 @@ class LayerNorm3D(CubeModule):
     ) -> None:
         super().__init__(context, device)
         self.layout: Layout3D = check_layout(layout, self.owner)
-        shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
-        if len(shape) != 1:
-            raise ValueError(
-                f"{self.owner} normalizes over the hidden dim only; normalized_shape must be an "
-                f"int or a 1-tuple, got {normalized_shape!r}"
-            )
-        self.normalized_shape: tuple[int, ...] = (int(shape[0]),)
-        self.hidden, self.eps = int(shape[0]), eps
         cube = self.cube
-        check_divisible(self.hidden, cube.q, f"{self.owner} normalized_shape (hidden)")
-        axis = cube.hidden(self.layout)
-        split = {0: (axis.mode,)}
-        replicated = (cube.across(self.layout).mode, cube.weight.mode)
-        h = self.hidden
-        self.weight = (
-            self.make_parameter(
-                "weight",
-                self.normalized_shape,
-                ones(),
-                fan_in=h,
-                fan_out=h,
-                splits=split,
-                replicated=replicated,
-                dtype=dtype,
-            )
-            if elementwise_affine
-            else None
-        )  # [h/q]
-        self.bias = (
-            self.make_parameter(
-                "bias",
-                self.normalized_shape,
-                zeros(),
-                fan_in=h,
-                fan_out=h,
-                splits=split,
-                replicated=replicated,
-                dtype=dtype,
-            )
-            if elementwise_affine and bias
-            else None
-        )  # [h/q]
+        self.init_norm(
+            normalized_shape,
+            eps,
+            elementwise_affine,
+            bias,
+            dtype,
+            cube.q,
+            cube.hidden(self.layout),
+            (cube.across(self.layout).mode, cube.weight.mode),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
         cube = self.cube
-        cube.check_local(x, -1, self.hidden // cube.q, f"{self.owner}({self.hidden}) input")
-        batch = cube.batch(self.layout).group
-        weight = None if self.weight is None else copy_to_group(self.weight, batch)
-        bias = None if self.bias is None else copy_to_group(self.bias, batch)
-        return layer_norm_over_group(
-            x, weight, bias, self.hidden, self.eps, cube.hidden(self.layout)
-        )
+        return self.normalize(x, cube.hidden(self.layout), cube.batch(self.layout))
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""

@@ -1,0 +1,77 @@
+"""The grid: what 2D, 2.5D and 3D layers share, so their common layers are written once.
+
+2D/2.5D (:class:`~tessera.layers.mesh.Mesh`, Xu et al. 2021; Wang et al. 2021) and 3D
+(:class:`~tessera.layers.cube.Cube`, Bian et al. 2021) lay an activation ``[b, ..., h]`` out
+the same way between blocks: the hidden dim split over one group (ROW / INPUT: the *hidden
+axis*), the batch over another (COL or XZ / OUTPUT x WEIGHT: the *batch axis*). A table (an
+embedding, a patch embedding's parameters) splits its embedding dim into ``q * q`` blocks over
+two groups and is all-gathered over the inner one into the hidden axis's block, with its
+gradient summed over the groups that replicate it. :class:`Grid` names those groups;
+:class:`GridModule` is the base whose ``grid`` the shared layers (losses, accuracy, patch
+embedding, embedding) are written against.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .base import ParallelModule
+from .context_access import GroupInfo
+
+__all__ = ["Grid", "GridModule"]
+
+
+class Grid(Protocol):
+    """The groups a layer shared by 2D, 2.5D and 3D needs (provided by ``Mesh`` and ``Cube``)."""
+
+    @property
+    def q(self) -> int:
+        """The side of the mesh or cube."""
+        ...
+
+    @property
+    def hidden_axis(self) -> GroupInfo:
+        """The group splitting an activation's hidden dim (and vocab-parallel logits' classes)."""
+        ...
+
+    @property
+    def batch_axis(self) -> GroupInfo:
+        """The group an activation's (and the logits', the targets') batch is split over."""
+        ...
+
+    @property
+    def table_modes(self) -> tuple[str, str]:
+        """The two modes splitting a table's embedding dim into ``q * q`` blocks, outer first."""
+        ...
+
+    @property
+    def table_replicated(self) -> tuple[str, ...]:
+        """The modes a table is replicated over (its gradient is summed over them)."""
+        ...
+
+    def check_local(self, x: torch.Tensor, dim: int, expected: int, what: str) -> None:
+        """``ValueError`` (before any collective) unless ``x.shape[dim] == expected``."""
+        ...
+
+    def gather_table(self, param: torch.Tensor, dim: int) -> torch.Tensor:
+        """A table's ``q * q``-split ``dim`` -> the hidden axis's block (``q`` blocks).
+
+        The backward reduce-scatters the gradient and sums it over the replicating groups.
+        """
+        ...
+
+
+class GridModule(ParallelModule):
+    """Base of the 2D, 2.5D and 3D layers: ``grid`` is their :class:`Grid`."""
+
+    @property
+    def grid(self) -> Grid:
+        """This rank's mesh or cube (set by ``MeshModule`` / ``CubeModule``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no grid")
+
+    @property
+    def owner(self) -> str:
+        """The class name, for error messages."""
+        return type(self).__name__
