@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -292,16 +293,14 @@ def launch_from_slurm(
     heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
 ) -> ParallelContext:
     """Launch from srun's environment: SLURM_PROCID, SLURM_NPROCS, SLURM_LOCALID."""
-    name = "launch_from_slurm"
     size_var = "SLURM_NPROCS" if "SLURM_NPROCS" in os.environ else "SLURM_NTASKS"
-    return launch(
+    return _launch_from_env(
+        "launch_from_slurm",
+        ("SLURM_PROCID", size_var, "SLURM_LOCALID"),
         config,
-        rank=_env_int("SLURM_PROCID", name),
-        world_size=_env_int(size_var, name),
-        host=host,
-        port=port,
+        host,
+        port,
         backend=backend,
-        local_rank=_env_int("SLURM_LOCALID", name),
         seed=seed,
         timeout=timeout,
         heartbeat_interval=heartbeat_interval,
@@ -318,16 +317,35 @@ def launch_from_openmpi(
     heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
 ) -> ParallelContext:
     """Launch from mpirun's environment: OMPI_COMM_WORLD_RANK/_SIZE/_LOCAL_RANK."""
-    name = "launch_from_openmpi"
-    return launch(
+    return _launch_from_env(
+        "launch_from_openmpi",
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
         config,
-        rank=_env_int("OMPI_COMM_WORLD_RANK", name),
-        world_size=_env_int("OMPI_COMM_WORLD_SIZE", name),
-        host=host,
-        port=port,
+        host,
+        port,
         backend=backend,
-        local_rank=_env_int("OMPI_COMM_WORLD_LOCAL_RANK", name),
         seed=seed,
         timeout=timeout,
         heartbeat_interval=heartbeat_interval,
+    )
+
+
+def _launch_from_env(
+    name: str,
+    variables: tuple[str, str, str],
+    config: ConfigLike,
+    host: str,
+    port: int,
+    **options: Any,
+) -> ParallelContext:
+    """``launch`` with rank, world size and local rank read from a scheduler's variables."""
+    rank_var, size_var, local_var = variables
+    return launch(
+        config,
+        rank=_env_int(rank_var, name),
+        world_size=_env_int(size_var, name),
+        host=host,
+        port=port,
+        local_rank=_env_int(local_var, name),
+        **options,
     )
