@@ -64,6 +64,9 @@ def _has_code(name: str) -> bool:
     return (ROOT / "packages" / name / "src" / "tessera" / name / "__init__.py").exists()
 
 
+TEST_EXTRAS = {"pipeline": "plot", "engine": "tensorboard"}
+
+
 def _install_torch(session: nox.Session) -> None:
     session.install("--no-compile", TORCH)
 
@@ -76,9 +79,11 @@ def tests(session: nox.Session, package: str) -> None:
     wanted = _closure(package)
     if package in USES_HARNESS:
         wanted += [p for p in _closure("testing") if p not in wanted]
-    extras = ["matplotlib"] if package == "pipeline" else []
-    session.install(*TEST_TOOLS, *extras)
-    session.install(*(_path(p) for p in wanted))
+    session.install(*TEST_TOOLS)
+    # The package under test is installed with its optional extras, so the code behind them
+    # (timeline plots, the TensorBoard hook) is tested against the real dependency.
+    extra = TEST_EXTRAS.get(package)
+    session.install(*(_path(p) + (f"[{extra}]" if p == package and extra else "") for p in wanted))
     tests_dir = ROOT / "packages" / package / "tests"
     if not any(tests_dir.glob("test_*.py")):
         session.skip(f"tessera-{package} has no tests yet")
