@@ -16,6 +16,9 @@ from tessera.context import ParallelMode, ShardInfo, set_shard_info
 
 M = ParallelMode
 
+#: Checkpoint test blocks: key -> (local piece, its slices in the full tensor, full shape).
+Locals = dict[str, tuple[torch.Tensor, tuple[slice, ...], tuple[int, ...]]]
+
 
 def make_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
@@ -118,3 +121,21 @@ class RowLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)  # [b, out], a partial sum over the 1D group
         return _ReduceFromTensor.apply(partial, self.group) + self.bias
+
+
+def assemble(results: list[Locals]) -> dict[str, torch.Tensor]:
+    """Full tensors from every rank's blocks; replicas must agree bitwise, no hole is left."""
+    full: dict[str, torch.Tensor] = {}
+    covered: dict[str, torch.Tensor] = {}
+    for r in results:
+        for key, (local, where, shape) in r.items():
+            if key not in full:
+                full[key] = torch.zeros(shape, dtype=local.dtype)
+                covered[key] = torch.zeros(shape, dtype=torch.bool)
+            seen = covered[key][where]
+            assert torch.equal(full[key][where][seen], local[seen]), f"replicas differ: {key}"
+            full[key][where] = local
+            covered[key][where] = True
+    for key, mask in covered.items():
+        assert bool(mask.all()), f"{key} is not fully covered by the ranks' blocks"
+    return full

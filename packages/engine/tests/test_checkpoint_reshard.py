@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from engine_testlib import ColumnLinear, RowLinear
+from engine_testlib import ColumnLinear, Locals, RowLinear, assemble
 from torch import nn
 
 from tessera.context import ParallelMode, create_context, get_shard_info
@@ -29,7 +29,6 @@ from tessera.engine import (
 from tessera.pipeline import build_pipeline_model
 
 M = ParallelMode
-Locals = dict[str, tuple[torch.Tensor, tuple[slice, ...], tuple[int, ...]]]
 
 
 def make_full(seed: int = 0) -> nn.Sequential:
@@ -82,24 +81,6 @@ def _locals(modules: list[nn.Module], optimizer: torch.optim.Optimizer) -> Local
             else:
                 out[f"optim/{names[id(p)]}/{key}"] = (value.clone(), where, shape)
     return out
-
-
-def assemble(results: list[Locals]) -> dict[str, torch.Tensor]:
-    """Full tensors from every rank's blocks; replicas must agree bitwise, no hole is left."""
-    full: dict[str, torch.Tensor] = {}
-    covered: dict[str, torch.Tensor] = {}
-    for r in results:
-        for key, (local, where, shape) in r.items():
-            if key not in full:
-                full[key] = torch.zeros(shape, dtype=local.dtype)
-                covered[key] = torch.zeros(shape, dtype=torch.bool)
-            seen = covered[key][where]
-            assert torch.equal(full[key][where][seen], local[seen]), f"replicas differ: {key}"
-            full[key][where] = local
-            covered[key][where] = True
-    for key, mask in covered.items():
-        assert bool(mask.all()), f"{key} is not fully covered by the ranks' blocks"
-    return full
 
 
 def _train_and_save(parallel: dict[str, Any], path: str, zero: bool = False) -> Locals:

@@ -9,8 +9,13 @@ every element of the full model exactly once:
 * a parameter replicated over a mode (a LayerNorm weight kept whole in a 1D group, every
   parameter across DATA): do *not* sum over that mode, every copy already holds it all;
 * pipeline stages hold disjoint layers: sum over PIPELINE at the end;
-* a gradient that is a DTensor (FSDP2 / ZeRO-3) is sharded over its device mesh's Shard dims:
-  summed over those groups like a tensor-parallel shard;
+* a gradient that is a DTensor (FSDP2, ZeRO 2/3) is sharded over its device mesh's Shard dims:
+  its local piece (``to_local()``, no communication) is summed over those groups like a
+  tensor-parallel shard. Under tensor parallelism FSDP2 shards each rank's tensor-parallel
+  block over DATA, and the parameter keeps the block's ShardInfo (``shard_with_fsdp2`` moves
+  it to the new parameter), so the piece is summed over DATA *and* the ShardInfo's split
+  modes (the two groups are orthogonal: the pieces are disjoint and together make the full
+  tensor once); a parameter whole on every tensor rank is summed over DATA only;
 * a parameter tied across stages (an embedding on the first and last stage) is counted on one
   stage only: pass the other copies in ``exclude``.
 

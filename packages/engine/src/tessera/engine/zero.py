@@ -14,6 +14,12 @@ Models") removes the redundancy of data parallelism stage by stage:
 FSDP2 replaces each parameter with a sharded ``DTensor``; an optimizer built on the old
 parameters would update tensors no longer used, so ``rebuild_optimizer`` makes a new one of the
 same class and the same param-group settings on the new parameters (matched by name).
+
+Under tensor parallelism the tensor FSDP2 shards is a rank's tensor-parallel block: the new
+DTensor's shape is the block's shape, its data shards are pieces of that block, and only the
+old parameter's ``ShardInfo`` says where the block sits in the full parameter. FSDP2 does not
+carry attributes over to the parameters it creates, so ``shard_with_fsdp2`` moves each
+ShardInfo to the new parameter of the same name (clipping and checkpoints read it there).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.context import ParallelContext, ParallelMode
+from tessera.context import ParallelContext, ParallelMode, ShardInfo, get_shard_info, set_shard_info
 
 __all__ = ["rebuild_optimizer", "shard_with_fsdp2", "zero_redundancy_optimizer"]
 
@@ -84,7 +90,8 @@ def shard_with_fsdp2(
     """Shard ``model`` in place over DATA with FSDP2.
 
     Each direct child that holds parameters,
-    then the root (so a child's parameters are gathered only around its own compute).
+    then the root (so a child's parameters are gathered only around its own compute). The
+    ShardInfo of a tensor-parallel parameter is moved to the DTensor parameter that replaces it.
 
     Args:
         model: The module (moved to ``context.device`` already).
@@ -92,6 +99,9 @@ def shard_with_fsdp2(
         stage: 2 (keep parameters gathered between forward and backward) or 3.
         offload: Keep the sharded parameters, gradients and optimizer state on the CPU (a
             no-op when ``context.device`` is the CPU already).
+
+    Raises:
+        RuntimeError: a parameter that carried a ShardInfo has no successor of its name.
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -109,11 +119,43 @@ def shard_with_fsdp2(
         CPUOffloadPolicy() if offload and context.device.type != "cpu" else OffloadPolicy()
     )
     reshard = stage == 3
+    infos = _shard_infos(model)
     for child in model.children():
         if any(True for _ in child.parameters()):
             fully_shard(child, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
+    _reattach_shard_infos(model, infos)
     return model
+
+
+def _shard_infos(model: nn.Module) -> dict[str, ShardInfo]:
+    """``name -> ShardInfo`` of every parameter that carries one."""
+    infos: dict[str, ShardInfo] = {}
+    for name, p in model.named_parameters():
+        info = get_shard_info(p)
+        if info is not None:
+            infos[name] = info
+    return infos
+
+
+def _reattach_shard_infos(model: nn.Module, infos: dict[str, ShardInfo]) -> None:
+    """Put each recorded ShardInfo on the parameter of the same name (FSDP2 made new ones).
+
+    A new parameter is a DTensor over DATA whose (global) shape is the tensor-parallel block's,
+    so ``info.local_shape`` still describes it.
+
+    Raises:
+        RuntimeError: a parameter that carried a ShardInfo has no successor of that name.
+    """
+    current = dict(model.named_parameters())
+    missing = sorted(set(infos) - set(current))
+    if missing:
+        raise RuntimeError(
+            f"after fully_shard the model has no parameters named {missing}; their ShardInfo "
+            "(tensor-parallel placement) cannot be carried over"
+        )
+    for name, info in infos.items():
+        set_shard_info(current[name], info)
 
 
 def rebuild_optimizer(
