@@ -18,6 +18,13 @@ two depths) would be counted twice, so then the whole stage falls back to W =
 ``autograd.grad(outputs, weights)`` (exact, but it recomputes the input path). A stage without
 inputs that require grad (the first stage) does everything in W.
 
+Fused linear layers (:mod:`tessera.pipeline.weight_grad_fusion`) take no part in that walk:
+their weight edges carry no gradient. In B they compute the input gradient and keep ``(x, g)`` in
+the microbatch's store (mode DEFER); W adds ``g^T x`` to ``.grad``. When the stage falls back to
+the unsplit form, B drops their weight gradient (SKIP) and W runs one full backward that adds it
+(ACCUMULATE). A fused layer off the input path (its input does not depend on the stage's inputs)
+is not reached by B, so it also makes the stage fall back.
+
 Numerics: B and W run the same kernels as one ``backward()`` on the same tensors, so the split
 gives the unsplit gradients.
 """
@@ -31,6 +38,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from tessera.pipeline.weight_grad_fusion import StoreMode, WeightGradStore, is_fused_linear_node
+
 __all__ = ["WeightGradWork", "backward_input", "backward_weight", "full_backward"]
 
 
@@ -42,6 +51,8 @@ class WeightGradWork:
         groups: per group, the starting edges, their gradients, and the leaves to differentiate.
         fallback: ``(outputs, grads, leaves)`` for one plain ``autograd.grad`` call, or None.
         split: whether the weight gradients start at split nodes (False: fallback or nothing).
+        store: the fused linear layers' store: W flushes it (split) or runs the fallback as a
+            full backward that accumulates into it.
     """
 
     groups: list[tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]] = field(
@@ -49,6 +60,7 @@ class WeightGradWork:
     )
     fallback: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None
     split: bool = False
+    store: WeightGradStore | None = None
 
 
 def _is_leaf_node(node: Any) -> bool:
@@ -67,7 +79,10 @@ def _walk(roots: Sequence[Any]) -> tuple[list[Any], dict[Any, list[Any]]]:
             continue
         if node in children:
             continue
-        kids = [child for child, _ in node.next_functions if child is not None]
+        edges = node.next_functions
+        if is_fused_linear_node(node):
+            edges = edges[:1]  # the input; the weight and bias edges carry no gradient
+        kids = [child for child, _ in edges if child is not None]
         children[node] = kids
         stack.append((node, True))
         stack.extend((child, False) for child in kids if child not in children)
@@ -110,6 +125,7 @@ def backward_input(
     outputs: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor],
+    store: WeightGradStore | None = None,
 ) -> tuple[list[torch.Tensor], WeightGradWork]:
     """B: the gradients of ``inputs`` only; returns them and the work left for W.
 
@@ -117,8 +133,11 @@ def backward_input(
         outputs: the stage outputs that receive a gradient (the loss on the last stage).
         grads: their gradients (``ones`` for the loss).
         inputs: the stage's input leaves that require grad (empty on the first stage).
+        store: the store of the forward's fused linear layers, if any.
     """
     outs, gs = _prepare(outputs, grads)
+    if store is not None and not store.fused:
+        store = None
     if not outs:
         return [torch.zeros_like(t, requires_grad=False) for t in inputs], WeightGradWork()
     roots = [o.grad_fn for o in outs]
@@ -147,8 +166,9 @@ def backward_input(
             mask |= reach[k]
         reach[node] = mask
     plain_outputs = any(o.grad_fn is None for o in outs)
-    if not inputs or plain_outputs or not leaves:
-        return _unsplit(outs, gs, inputs, leaves)
+    fused_off_input = any(is_fused_linear_node(n) and not on_input[n] for n in order)
+    if not inputs or plain_outputs or fused_off_input or not (leaves or store):
+        return _unsplit(outs, gs, inputs, leaves, store)
 
     # Split nodes: on the input path, with a child off it that reaches weights.
     split_weights: dict[Any, int] = {}
@@ -193,7 +213,7 @@ def backward_input(
     for members, mask in groups:
         for kind, item in members:
             if kind == "split" and split_input_side[item] & mask:
-                return _unsplit(outs, gs, inputs, leaves)
+                return _unsplit(outs, gs, inputs, leaves, store)
 
     captured: dict[Any, tuple[torch.Tensor | None, ...]] = {}
     handles = []
@@ -203,14 +223,20 @@ def backward_input(
             captured[node] = tuple(grad_outputs)
 
         handles.append(node.register_prehook(record))
+    if store is not None:
+        store.mode = StoreMode.DEFER
     try:
         input_grads = torch.autograd.grad(
-            outs, list(inputs), gs, retain_graph=True, allow_unused=True
+            outs,
+            list(inputs),
+            gs,
+            retain_graph=bool(split_weights or root_edges),
+            allow_unused=True,
         )
     finally:
         for handle in handles:
             handle.remove()
-    work = WeightGradWork(split=True)
+    work = WeightGradWork(split=True, store=store)
     for members, mask in groups:
         edges: list[GradientEdge] = []
         edge_grads: list[torch.Tensor] = []
@@ -234,16 +260,20 @@ def _unsplit(
     gs: list[torch.Tensor],
     inputs: Sequence[torch.Tensor],
     leaves: list[torch.Tensor],
+    store: WeightGradStore | None,
 ) -> tuple[list[torch.Tensor], WeightGradWork]:
     """B as autograd.grad w.r.t. the inputs; W recomputes from the outputs (always exact)."""
+    has_weights = bool(leaves) or store is not None
     if inputs:
+        if store is not None:
+            store.mode = StoreMode.SKIP  # W's full backward adds the fused weight gradients
         input_grads = torch.autograd.grad(
-            outs, list(inputs), gs, retain_graph=bool(leaves), allow_unused=True
+            outs, list(inputs), gs, retain_graph=has_weights, allow_unused=True
         )
         in_grads = _zeros_for_none(input_grads, inputs)
     else:
         in_grads = []
-    work = WeightGradWork(fallback=(outs, gs, leaves) if leaves else None)
+    work = WeightGradWork(fallback=(outs, gs, leaves) if has_weights else None, store=store)
     return in_grads, work
 
 
@@ -269,12 +299,23 @@ def _accumulate(leaves: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
 
 def backward_weight(work: WeightGradWork) -> None:
     """W: accumulate the weight gradients into ``.grad`` and release the graph."""
+    store, work.store = work.store, None
     if work.fallback is not None:
         outs, gs, leaves = work.fallback
         work.fallback = None
-        grads = torch.autograd.grad(outs, leaves, gs, allow_unused=True)
-        _accumulate(leaves, grads)
+        if store is None:
+            grads = torch.autograd.grad(outs, leaves, gs, allow_unused=True)
+            _accumulate(leaves, grads)
+        else:
+            # Fused layers are reached only by running their nodes: one full backward, which
+            # adds every weight gradient to .grad (fused ones through the store). The stage's
+            # input leaves get a .grad too; nothing reads it (B sent the input gradients).
+            store.mode = StoreMode.ACCUMULATE
+            torch.autograd.backward(outs, gs)
+        return
     groups, work.groups = work.groups, []
     for edges, edge_grads, weights in groups:
         grads = torch.autograd.grad(edges, weights, edge_grads, allow_unused=True)
         _accumulate(weights, grads)
+    if store is not None:
+        store.flush()

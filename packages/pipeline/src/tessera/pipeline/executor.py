@@ -64,6 +64,11 @@ from tessera.pipeline.payload import (
 from tessera.pipeline.recording import RunRecord
 from tessera.pipeline.stage import PipelineStage
 from tessera.pipeline.timeline import TimelineEvent
+from tessera.pipeline.weight_grad_fusion import (
+    FuseLinearWeightGrad,
+    WeightGradStore,
+    stage_allows_fusion,
+)
 
 if TYPE_CHECKING:
     from tessera.pipeline.schedule import Schedule
@@ -83,6 +88,7 @@ class _Held:
     grad_meta: PayloadMeta | None  # metadata of the gradient message RECV_B gets
     storages: dict[int, int] = field(default_factory=dict)  # saved storages: ptr -> bytes
     work: WeightGradWork | None = None
+    store: WeightGradStore | None = None  # the forward's fused linear layers
 
 
 @dataclass
@@ -132,6 +138,8 @@ class PipelineExecutor:
             what every rank has alike).
         fixed_meta: the one-tensor metadata from ``tensor_shape`` (no exchange at all).
         keep_outputs: keep the last stage's outputs (detached) to return them.
+        fuse_weight_grad: compute the weight gradients of linear layers straight into
+            ``.grad`` (or keep them for W), :mod:`tessera.pipeline.weight_grad_fusion`.
         record_timeline: record a :class:`TimelineEvent` per action.
         track_memory: count the bytes saved for backward (a saved-tensor hook on F).
         clock_start: ``time.perf_counter()`` value the timeline is relative to.
@@ -154,6 +162,7 @@ class PipelineExecutor:
         exchange_meta: bool = True,
         fixed_meta: PayloadMeta | None = None,
         keep_outputs: bool = True,
+        fuse_weight_grad: bool = True,
         record_timeline: bool = False,
         track_memory: bool = False,
         clock_start: float | None = None,
@@ -173,6 +182,7 @@ class PipelineExecutor:
         self.exchange = exchange_meta and fixed_meta is None
         self.fixed = fixed_meta
         self.keep_outputs = keep_outputs
+        self.fuse = [fuse_weight_grad and stage_allows_fusion(stage) for stage in self.stages]
         self.record = record_timeline
         self.track_memory = track_memory
         self.t0 = time.perf_counter() if clock_start is None else clock_start
@@ -246,10 +256,11 @@ class PipelineExecutor:
         else:
             self._weight(action.microbatch, action.chunk)
 
-    def _memory_hooks(self) -> tuple[AbstractContextManager[Any], dict[int, int]]:
+    def _memory_hooks(self) -> tuple[AbstractContextManager[Any], dict[int, int], Any]:
+        """The saved-tensor hooks that count F's saved bytes, the count, and the pack function."""
         saved: dict[int, int] = {}
         if not self.track_memory:
-            return nullcontext(), saved
+            return nullcontext(), saved, None
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
@@ -263,7 +274,7 @@ class PipelineExecutor:
         def unpack(tensor: torch.Tensor) -> torch.Tensor:
             return tensor
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack), saved
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack), saved, pack
 
     def _forward(self, m: int, c: int) -> None:
         vs = self._virtual(c)
@@ -277,9 +288,11 @@ class PipelineExecutor:
                 raise RuntimeError(
                     f"pipeline rank {self.rank}: F{m}:{c} runs before its input arrived"
                 ) from None
-        hooks, saved = self._memory_hooks()
+        hooks, saved, pack = self._memory_hooks()
         grad_mode = torch.enable_grad() if self.training else torch.no_grad()
-        with grad_mode, hooks:
+        store = WeightGradStore() if self.training and self.fuse[c] else None
+        fusion = FuseLinearWeightGrad(store, pack) if store is not None else nullcontext()
+        with grad_mode, hooks, fusion:
             out = self.stages[c](payload)
             loss = None
             if vs == self.last and self.loss_fn is not None:
@@ -295,7 +308,7 @@ class PipelineExecutor:
                 self.results.outputs.append(_detach(out))
             if self.training:
                 assert loss is not None
-                self._hold(m, c, _Held([loss], in_leaves, None, saved))
+                self._hold(m, c, _Held([loss], in_leaves, None, saved, store=store))
             return
         flat, spec = flatten_payload(out, where=f"the output of virtual stage {vs}")
         if self.fixed is not None:
@@ -318,7 +331,7 @@ class PipelineExecutor:
             self._send_f[(m, c)] = (detached, meta)
         if self.training:
             roots = [t for t, g in zip(flat, mask, strict=True) if g]
-            self._hold(m, c, _Held(roots, in_leaves, meta.gradient_meta(), saved))
+            self._hold(m, c, _Held(roots, in_leaves, meta.gradient_meta(), saved, store=store))
 
     def _check_fixed(self, flat: list[torch.Tensor], spec: Any, vs: int) -> None:
         fixed = self.fixed
@@ -366,7 +379,7 @@ class PipelineExecutor:
                     f"pipeline rank {self.rank}: B{m}:{c} runs before its output gradient arrived"
                 ) from None
         if self.split:
-            in_grads, held.work = backward_input(held.roots, grads, held.inputs)
+            in_grads, held.work = backward_input(held.roots, grads, held.inputs, held.store)
             held.roots = []
         else:
             in_grads = full_backward(held.roots, grads, held.inputs)
@@ -594,6 +607,7 @@ def run_schedule(
         exchange_meta=exchange,
         fixed_meta=fixed,
         keep_outputs=return_output_label and holds_last,
+        fuse_weight_grad=schedule.fuse_weight_grad,
         record_timeline=record_timeline,
         track_memory=track_memory,
     )

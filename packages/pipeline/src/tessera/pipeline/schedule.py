@@ -57,6 +57,12 @@ class Schedule(abc.ABC):
             (default: ``torch.get_default_dtype()``); settable.
         last_run: what the last :meth:`forward_backward_step` measured on this rank
             (:class:`tessera.pipeline.RunRecord`), None before the first.
+        fuse_weight_grad: compute the weight gradients of the stages' linear layers straight
+            into ``.grad`` (one ``addmm_`` per microbatch instead of a matmul plus an addition;
+            under zero bubble, kept for W): Megatron-LM's gradient accumulation fusion, see
+            :mod:`tessera.pipeline.weight_grad_fusion`. True by default; settable. Set it to
+            False when something must see each microbatch's weight gradient through autograd
+            (a hook added after the forward, for example).
     """
 
     splits_backward: ClassVar[bool] = False
@@ -80,6 +86,7 @@ class Schedule(abc.ABC):
         # executor: built once, not on every step.
         self._plans: dict[tuple[int, int, bool, int, int], _Plan] = {}
         self.tensor_dtype: torch.dtype | None = None
+        self.fuse_weight_grad = True
         self.last_run: RunRecord | None = None
         # Metadata agreed on a first step, by (stage ids, input signature, forward_only, p).
         self._link_meta: dict[tuple[Any, ...], dict[tuple[str, int], PayloadMeta]] = {}

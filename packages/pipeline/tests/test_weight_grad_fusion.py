@@ -1,0 +1,264 @@
+"""Linear layers whose weight gradient goes straight into .grad (or to zero bubble's W).
+
+Every case is compared with plain autograd on a copy of the same module and inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as tdist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tessera.pipeline import (
+    GPipeSchedule,
+    InterleavedPipelineSchedule,
+    PipelineSchedule,
+    ZeroBubbleSchedule,
+    backward_input,
+    backward_weight,
+    select_stage_layers,
+)
+from tessera.pipeline.weight_grad_fusion import (
+    FuseLinearWeightGrad,
+    StoreMode,
+    WeightGradStore,
+    is_fused_linear_node,
+    stage_allows_fusion,
+)
+
+TOL = dict(atol=1e-6, rtol=1e-5)
+
+
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 5, bias=False), nn.Linear(5, 3))
+
+
+def _assert_same_grads(a: nn.Module, b: nn.Module) -> None:
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert pb.grad is not None, name
+        torch.testing.assert_close(pb.grad, pa.grad, **TOL, msg=name)
+
+
+@pytest.mark.parametrize("shape", [(5, 4), (2, 3, 4), (4,)], ids=["2d", "3d", "1d"])
+def test_fused_accumulation_equals_autograd_over_several_backwards(shape):
+    ref, fused = _mlp(), _mlp()
+    torch.manual_seed(1)
+    xs = [torch.randn(*shape) for _ in range(3)]
+    gs = [torch.randn(*shape[:-1], 3) for _ in range(3)]
+    for x, g in zip(xs, gs, strict=True):  # three microbatches accumulate
+        xr, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ref(xr).backward(g)
+        store = WeightGradStore()
+        with FuseLinearWeightGrad(store):
+            out = fused(xf)
+        assert store.fused == 3 and is_fused_linear_node(out.grad_fn)
+        out.backward(g)
+        torch.testing.assert_close(xf.grad, xr.grad, **TOL)
+    _assert_same_grads(ref, fused)
+
+
+def test_input_without_grad_only_weight_gradients():
+    ref, fused = _mlp(), _mlp()
+    x, g = torch.randn(5, 4), torch.randn(5, 3)
+    ref(x).backward(g)
+    with FuseLinearWeightGrad(WeightGradStore()):
+        out = fused(x)
+    out.backward(g)
+    _assert_same_grads(ref, fused)
+
+
+def test_defer_keeps_the_weight_gradient_for_flush_and_skip_drops_it():
+    ref, fused = _mlp(), _mlp()
+    x, g = torch.randn(5, 4), torch.randn(5, 3)
+    ref(x).backward(g)
+    store = WeightGradStore()
+    with FuseLinearWeightGrad(store):
+        out = fused(x)
+    store.mode = StoreMode.DEFER
+    out.backward(g)
+    assert all(p.grad is None for p in fused.parameters())
+    store.flush()
+    _assert_same_grads(ref, fused)
+    store = WeightGradStore()
+    with FuseLinearWeightGrad(store):
+        out = fused(x)
+    store.mode = StoreMode.SKIP
+    out.backward(g)
+    _assert_same_grads(ref, fused)  # unchanged: the skipped gradient was not added
+
+
+def _hooked(model: nn.Module) -> list[int]:
+    calls: list[int] = []
+    model[0].weight.register_hook(lambda grad: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "case", ["no_grad", "frozen", "hook", "post_accumulate_hook", "autocast", "checkpoint"]
+)
+def test_ineligible_calls_run_plain_linear(case):
+    ref, fused = _mlp(), _mlp()
+    x, g = torch.randn(5, 4), torch.randn(5, 3)
+    store = WeightGradStore()
+    if case == "no_grad":
+        with torch.no_grad(), FuseLinearWeightGrad(store):
+            fused(x)
+        assert store.fused == 0
+        return
+    calls: list[int] = []
+    if case == "frozen":
+        for model in (ref, fused):
+            for p in model.parameters():
+                p.requires_grad_(False)
+            model[3].requires_grad_(True)
+    if case == "hook":
+        calls = _hooked(fused)
+        _hooked(ref)
+    if case == "post_accumulate_hook":
+        fused[0].weight.register_post_accumulate_grad_hook(lambda p: calls.append(1))
+    with FuseLinearWeightGrad(store):
+        if case == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = fused(x)
+        elif case == "checkpoint":  # non-reentrant: recomputes outside the mode
+            out = checkpoint(fused, x, use_reentrant=False)
+        else:
+            out = fused(x)
+    if case == "autocast":
+        assert store.fused == 0
+        return
+    if case == "frozen":
+        assert store.fused == 1  # only the trainable last layer
+    elif case in ("hook", "post_accumulate_hook"):
+        assert store.fused == 2  # the hooked first layer stays on autograd
+    else:
+        assert store.fused == 0
+    out.backward(g)
+    ref_out = ref(x)
+    ref_out.backward(g)
+    for (name, pa), pb in zip(ref.named_parameters(), fused.parameters(), strict=True):
+        if pa.grad is None:
+            assert pb.grad is None, name
+        else:
+            torch.testing.assert_close(pb.grad, pa.grad, **TOL, msg=name)
+    if case in ("hook", "post_accumulate_hook"):
+        assert calls == [1]
+
+
+def test_reentrant_checkpoint_recomputes_in_backward_and_stays_exact():
+    ref, fused = _mlp(), _mlp()
+    x, g = torch.randn(5, 4, requires_grad=True), torch.randn(5, 3)
+    ref(x).backward(g)
+    ref_x_grad = x.grad.clone()
+    x.grad = None
+    store = WeightGradStore()
+    with FuseLinearWeightGrad(store):
+        out = checkpoint(fused, x, use_reentrant=True)
+    out.backward(g)
+    assert store.fused == 0  # the forward ran under no_grad
+    _assert_same_grads(ref, fused)
+    torch.testing.assert_close(x.grad, ref_x_grad, **TOL)
+
+
+# --------------------------------------------------------------------------- split backward
+
+
+class _OffInputPath(nn.Module):
+    """A linear layer applied to a learned constant: not reachable from the stage's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(4, 3)
+        self.bias_proj = nn.Linear(2, 3)
+        self.const = nn.Parameter(torch.randn(1, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) + self.bias_proj(self.const)
+
+
+def _mixed() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 3))
+
+
+@pytest.mark.parametrize(
+    ("factory", "with_input", "split"),
+    [
+        (_mlp, True, True),  # fused layers only: W is the store's flush
+        (_mixed, True, True),  # fused layers and a LayerNorm's split node
+        (_OffInputPath, True, False),  # falls back: W runs one full backward
+        (_mlp, False, False),  # first stage: everything in W
+    ],
+    ids=["fused_only", "mixed", "off_input_path", "first_stage"],
+)
+def test_split_backward_with_fused_layers(factory, with_input, split):
+    ref, fused = factory(), factory()
+    torch.manual_seed(3)
+    x, g = torch.randn(5, 4), torch.randn(5, 3)
+    xr = x.clone().requires_grad_(with_input)
+    ref(xr).backward(g)
+    xf = x.clone().requires_grad_(with_input)
+    store = WeightGradStore()
+    with FuseLinearWeightGrad(store):
+        out = fused(xf)
+    assert store.fused >= 2
+    input_grads, work = backward_input([out], [g], [xf] if with_input else [], store)
+    assert work.split is split
+    assert all(p.grad is None for p in fused.parameters())  # B touched no weight
+    if with_input:
+        torch.testing.assert_close(input_grads[0], xr.grad, **TOL)
+    backward_weight(work)
+    _assert_same_grads(ref, fused)
+
+
+# --------------------------------------------------------------------------- executor
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: GPipeSchedule(4),
+        lambda: PipelineSchedule(4),
+        lambda: ZeroBubbleSchedule(4),
+        lambda: InterleavedPipelineSchedule(4, 2),
+    ],
+    ids=["gpipe", "1f1b", "zero_bubble", "interleaved"],
+)
+def test_schedules_with_and_without_fusion_match_the_reference(make):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 6),
+        nn.Linear(6, 2),
+    )  # fmt: skip
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    ref = copy.deepcopy(model)
+    ((ref(x) - y) ** 2).mean().backward()
+    for fuse in (True, False):
+        trained = copy.deepcopy(model)
+        schedule = make()
+        schedule.fuse_weight_grad = fuse
+        stages = select_stage_layers(trained, 0, 1, schedule.num_chunks, method="uniform")
+        stage = stages[0] if schedule.num_chunks == 1 else stages
+        schedule.forward_backward_step(
+            stage, iter([(x, y)]), lambda o, t: ((o - t) ** 2).mean(), return_output_label=False
+        )
+        _assert_same_grads(ref, trained)
+
+
+def _ddp_is_never_fused() -> tuple[bool, bool]:
+    model = _mlp()
+    wrapped = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    return stage_allows_fusion(model), stage_allows_fusion(wrapped)
+
+
+def test_ddp_wrapped_stage_is_not_fused(dist: Any) -> None:
+    for plain, wrapped in dist.run(_ddp_is_never_fused, world_size=2, timeout=60):
+        assert plain and not wrapped
+    assert tdist.is_available()
