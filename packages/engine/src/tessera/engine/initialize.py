@@ -59,6 +59,7 @@ from .gradient_handlers import (
 )
 from .loss_scaler import DynamicLossScaler
 from .schedule import NonPipelineSchedule, StepSchedule
+from .scheduler_binding import rebind_lr_scheduler
 from .zero import rebuild_optimizer, shard_with_fsdp2, zero_redundancy_optimizer
 
 __all__ = ["ENGINE_CONFIG_KEYS", "initialize", "sync_replicated_parameters"]
@@ -239,11 +240,13 @@ def initialize(
         model: This rank's model (a pipeline stage or its chunks, tensor-parallel layers...).
         optimizer: Its optimizer. Under ZeRO a new optimizer of the same class and param-group
             settings replaces it (read ``engine.optimizer``); its state is not carried over.
+            ``lr_scheduler``, if it was built on ``optimizer``, is moved onto the new one.
         criterion: ``criterion(output, label) -> loss``.
         train_dataloader: Returned unchanged (build it with ``get_dataloader``).
         test_dataloader: Returned unchanged.
         lr_scheduler: Returned wrapped in ``AccumulatedLRScheduler`` under gradient
-            accumulation (it must then be stepped once per micro-step).
+            accumulation (it must then be stepped once per micro-step); under ZeRO it drives
+            the optimizer that replaced ``optimizer``.
         config: The configuration (default: the launcher's, ``context.full_config``).
         context: The ParallelContext (default: the current one; none: a single process).
 
@@ -257,6 +260,7 @@ def initialize(
     cfg: Mapping[str, Any] = (
         config if config is not None else (ctx.full_config if ctx is not None else {})
     )
+    user_optimizer = optimizer
     dtype, scaler = _read_precision(cfg)
     zero_stage, offload = _read_zero(cfg)
     accumulation = _read_int(cfg, "gradient_accumulation", 1)
@@ -342,6 +346,8 @@ def initialize(
         context=ctx,
     )
     engine.debug = debug
+    if lr_scheduler is not None and optimizer is not user_optimizer:
+        rebind_lr_scheduler(lr_scheduler, user_optimizer, optimizer)
     if lr_scheduler is not None and accumulation > 1:
         lr_scheduler = AccumulatedLRScheduler(lr_scheduler, accumulation)
     return engine, train_dataloader, test_dataloader, lr_scheduler
