@@ -18,6 +18,7 @@ from torch import nn
 
 from tessera.context import ParallelMode, create_context
 from tessera.pipeline import (
+    ActionKind,
     GPipeSchedule,
     InterleavedPipelineSchedule,
     PipelineSchedule,
@@ -118,10 +119,18 @@ def _every_schedule(p: int) -> dict[str, Any]:
                     case["output"] = (out - copy.deepcopy(model)(x)).abs().max().item()
                 else:
                     case["others_none"] = (out, label, loss) == (None, None, None)
-                # Second step, same shapes: metadata comes from the cache, grads accumulate.
+                # Second step, same shapes: metadata comes from the cache, grads accumulate,
+                # and the receives are posted ahead of their batches (gloo).
+                comm = schedule._comm_for(ctx)
+                case["prefetched_first"] = comm.prefetched
                 schedule.forward_backward_step(stage, iter([(x, y)]), mse, context=ctx)
                 assert schedule.last_run is not None
                 case["exchanged_second"] = schedule.last_run.exchanged_metadata
+                case["prefetched_second"] = comm.prefetched - case["prefetched_first"]
+                case["receives"] = sum(
+                    a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)
+                    for a in schedule.actions(rank, p)
+                )
                 case["grad_twice"] = grad_diff(stage, ref_grads, scale=2.0)
                 simulated = simulate(schedule, p).peak_activations[rank]
                 case["simulated_peak"] = simulated
@@ -140,6 +149,9 @@ def test_every_schedule_matches_the_unsplit_model(dist: Any, p: int) -> None:
             assert case["grad"] <= ATOL * 10, (rank, key, case)
             assert case["grad_twice"] <= ATOL * 20, (rank, key, case)
             assert case["exchanged_first"] is True and case["exchanged_second"] is False
+            # every receive of the second step was posted ahead, none of the first
+            assert case["prefetched_first"] == 0, (rank, key)
+            assert case["prefetched_second"] == case["receives"] > 0, (rank, key)
             # The executor holds exactly what the simulator's memory model says.
             assert case["peak_activations"] == case["simulated_peak"], (rank, key, case)
             if rank == p - 1:

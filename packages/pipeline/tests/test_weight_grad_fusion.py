@@ -26,6 +26,7 @@ from tessera.pipeline import (
 from tessera.pipeline.weight_grad_fusion import (
     FuseLinearWeightGrad,
     StoreMode,
+    WeightGradBatcher,
     WeightGradStore,
     is_fused_linear_node,
     stage_allows_fusion,
@@ -164,6 +165,40 @@ def test_reentrant_checkpoint_recomputes_in_backward_and_stays_exact():
     assert store.fused == 0  # the forward ran under no_grad
     _assert_same_grads(ref, fused)
     torch.testing.assert_close(x.grad, ref_x_grad, **TOL)
+
+
+def test_batcher_keeps_rows_within_budget_and_flushes_them_in_one_addition():
+    torch.manual_seed(0)
+    ref, fused = nn.Linear(64, 32), nn.Linear(64, 32)
+    fused.load_state_dict(ref.state_dict())
+    batcher = WeightGradBatcher(budget=0.25)  # 0.25 * 8 KiB weight = 2 KiB = 5 rows of (64+32)*4 B
+    flushed_after = []
+    for step in range(7):
+        x, g = torch.randn(1, 64), torch.randn(1, 32)
+        ref(x).backward(g)
+        store = WeightGradStore(batcher)
+        with FuseLinearWeightGrad(store):
+            out = fused(x)
+        out.backward(g)
+        if fused.weight.grad is not None and not flushed_after:
+            flushed_after.append(step)
+    assert flushed_after == [5]  # the sixth row went over the budget
+    batcher.flush()
+    _assert_same_grads(ref, fused)
+
+
+def test_executor_batches_weight_gradients_of_wide_layers_with_few_rows():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 8))
+    x, y = torch.randn(8, 48), torch.randn(8, 8)  # 8 microbatches of one row
+    ref = copy.deepcopy(model)
+    ((ref(x) - y) ** 2).mean().backward()
+    schedule = PipelineSchedule(8)
+    stage = select_stage_layers(model, 0, 1, method="uniform")[0]
+    schedule.forward_backward_step(
+        stage, iter([(x, y)]), lambda o, t: ((o - t) ** 2).mean(), return_output_label=False
+    )
+    _assert_same_grads(ref, model)
 
 
 # --------------------------------------------------------------------------- split backward

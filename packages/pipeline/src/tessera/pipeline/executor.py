@@ -28,6 +28,7 @@ metadata carries the mask, so the sender does not wait for one and the receiver 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ from tessera.pipeline.stage import PipelineStage
 from tessera.pipeline.timeline import TimelineEvent
 from tessera.pipeline.weight_grad_fusion import (
     FuseLinearWeightGrad,
+    WeightGradBatcher,
     WeightGradStore,
     stage_allows_fusion,
 )
@@ -183,6 +185,8 @@ class PipelineExecutor:
         self.fixed = fixed_meta
         self.keep_outputs = keep_outputs
         self.fuse = [fuse_weight_grad and stage_allows_fusion(stage) for stage in self.stages]
+        # Weight gradients the schedule does not place (no W) are batched over microbatches.
+        self._batcher = WeightGradBatcher() if any(self.fuse) else None
         self.record = record_timeline
         self.track_memory = track_memory
         self.t0 = time.perf_counter() if clock_start is None else clock_start
@@ -221,6 +225,7 @@ class PipelineExecutor:
         """
         self._data, self._labels = list(inputs), list(labels)
         steps = self._steps if self._steps is not None else split_steps(self.actions)
+        self._plan_prefetch(steps)
         for step in steps:
             start = time.perf_counter() if self.record else 0.0
             if step[0].kind.is_compute:
@@ -233,6 +238,8 @@ class PipelineExecutor:
                     self.events.append(
                         TimelineEvent(start - self.t0, end - self.t0, self.rank, action)
                     )
+        if self._batcher is not None:
+            self._batcher.flush()  # weight gradients kept over microbatches
         if self.comm is not None:
             self.comm.flush()  # sends still in flight
         leftover = [key for key, held in self._held.items() if held is not None]
@@ -290,7 +297,7 @@ class PipelineExecutor:
                 ) from None
         hooks, saved, pack = self._memory_hooks()
         grad_mode = torch.enable_grad() if self.training else torch.no_grad()
-        store = WeightGradStore() if self.training and self.fuse[c] else None
+        store = WeightGradStore(self._batcher) if self.training and self.fuse[c] else None
         fusion = FuseLinearWeightGrad(store, pack) if store is not None else nullcontext()
         with grad_mode, hooks, fusion:
             out = self.stages[c](payload)
@@ -413,6 +420,8 @@ class PipelineExecutor:
                 tensors, meta = self._send_f.pop(key)
                 meta, announce = self._agreed_output_meta(action, meta)
                 transfer = Transfer("send", peer, tensors, meta, announce=announce)
+            elif action in self._prefetched:
+                transfer = self._prefetched.pop(action)
             elif kind is ActionKind.RECV_F:
                 expected = self.fixed or self.link_meta.get(("in", action.chunk))
                 transfer = Transfer("recv", peer, meta=expected)
@@ -434,6 +443,8 @@ class PipelineExecutor:
             transfers.append((action, transfer))
         self.comm.communicate([t for _, t in transfers], exchange_meta=self.exchange)
         for action, transfer in transfers:
+            if (action.kind, action.chunk) in self._queues:
+                self._prefetch_next((action.kind, action.chunk))
             key = (action.microbatch, action.chunk)
             if action.kind is ActionKind.RECV_F:
                 got = transfer.received_meta
@@ -451,6 +462,54 @@ class PipelineExecutor:
                     self._in_meta[key] = got
             elif action.kind is ActionKind.RECV_B:
                 self._recv_b[key] = transfer.received
+
+    # -- receives posted ahead ---------------------------------------------------------------
+
+    def _plan_prefetch(self, steps: Sequence[tuple[Action, ...]]) -> None:
+        """Queue every receive by stream and post the first of each (gloo, known shapes).
+
+        A stream is one link and direction, ``(RECV_F | RECV_B, chunk)``. Each keeps one
+        receive posted ahead: when one is waited for, the next of its stream is posted
+        (:meth:`PipelineComm.prefetch` says why). One extra buffer per stream; waits stay where
+        the action list puts them, so the lists stay deadlock-free. Steps that exchange shapes
+        post every receive in its batch.
+        """
+        self._queues: dict[tuple[ActionKind, int], deque[Action]] = {}
+        self._prefetched: dict[Action, Transfer] = {}
+        if self.comm is None or not self.comm.can_prefetch or self.exchange:
+            return
+        for step in steps:
+            for action in step:
+                if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                    self._queues.setdefault((action.kind, action.chunk), deque()).append(action)
+        for stream in list(self._queues):
+            self._prefetch_next(stream)
+
+    def _prefetch_next(self, stream: tuple[ActionKind, int]) -> None:
+        queue = self._queues.get(stream)
+        if not queue:
+            return
+        action = queue.popleft()
+        kind, chunk = stream
+        if kind is ActionKind.RECV_F:
+            meta = self.fixed or self.link_meta.get(("in", chunk))
+        else:
+            out = self.fixed or self.link_meta.get(("out", chunk))
+            meta = None if out is None else out.gradient_meta()
+        if meta is None:  # shapes unknown here: this stream's receives go in their batches
+            del self._queues[stream]
+            return
+        transfer = self._receive(action, meta)
+        assert self.comm is not None
+        self.comm.prefetch(transfer)
+        self._prefetched[action] = transfer
+
+    def _receive(self, action: Action, meta: PayloadMeta | None) -> Transfer:
+        transfer = Transfer("recv", peer_rank(action, self.rank, self.p), meta=meta)
+        transfer.tag = message_tag(action, self.rank, self.p)
+        transfer.link = link_of(action, self.rank, self.p)
+        transfer.microbatch = action.microbatch
+        return transfer
 
     def _agreed_output_meta(self, action: Action, meta: PayloadMeta) -> tuple[PayloadMeta, bool]:
         """F's output metadata as agreed with the receiver, and whether to announce it.

@@ -197,6 +197,9 @@ class Transfer:
             whose metadata this one shares (a later microbatch on the same link).
         received: filled by :meth:`PipelineComm.communicate` for a receive.
         received_meta: the metadata the receive used (read or expected).
+        posted: the works of a receive posted ahead by :meth:`PipelineComm.prefetch`
+            (``received`` already holds its buffers); :meth:`PipelineComm.communicate` only
+            waits for them.
     """
 
     op: Literal["send", "recv"]
@@ -210,6 +213,7 @@ class Transfer:
     meta_from: Transfer | None = None
     received: list[torch.Tensor] = field(default_factory=list)
     received_meta: PayloadMeta | None = None
+    posted: list[Any] = field(default_factory=list)
 
 
 def link_of(action: Action, pipeline_rank: int, num_stages: int) -> int:
@@ -284,6 +288,43 @@ class PipelineComm:
             )
         )
         self._in_flight: deque[list[Any]] = deque()  # per batch, its send works not yet waited
+        #: Receives posted ahead of their batch so far (:meth:`prefetch`).
+        self.prefetched = 0
+
+    @property
+    def can_prefetch(self) -> bool:
+        """Whether receives may be posted ahead of their batch (:meth:`prefetch`).
+
+        Only where messages match by tag (gloo, addressed straight on the group): every
+        stream then keeps its own order, whatever is posted in between. NCCL matches the
+        messages between two ranks in posting order, across tags, so there a receive must be
+        posted where the action list puts it.
+        """
+        return self._direct
+
+    def prefetch(self, transfer: Transfer) -> None:
+        """Post a receive now; the batch that holds it later only waits for it.
+
+        gloo moves a message only once its receive is posted (the receiver tells the sender
+        it is ready, then the sender writes): a receive posted when its batch comes puts that
+        round trip, two thread wake-ups on each side, on the critical path of every message.
+        Posted early, the data lands in the background while this rank computes.
+
+        Raises:
+            ValueError: the receive has no metadata, or prefetching is not possible here.
+        """
+        if not self.can_prefetch:
+            raise ValueError(f"receives cannot be posted ahead on a {self.backend} group")
+        if transfer.op != "recv" or transfer.meta is None:
+            raise ValueError("only a receive with known metadata can be posted ahead")
+        transfer.received_meta = transfer.meta
+        transfer.received = [
+            torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in transfer.meta.tensors
+        ]
+        transfer.posted = [
+            self.group.recv([buffer], transfer.peer, transfer.tag) for buffer in transfer.received
+        ]
+        self.prefetched += 1
 
     def global_rank(self, pipeline_rank: int) -> int:
         """The global rank of pipeline rank ``pipeline_rank`` (what ``P2POp`` takes)."""
@@ -329,6 +370,7 @@ class PipelineComm:
             return
         sends: list[tuple[int, int, torch.Tensor]] = []  # (group rank, tag, tensor)
         recvs: list[tuple[int, int, torch.Tensor]] = []
+        posted: list[Any] = []  # works of receives posted ahead (prefetch)
         for transfer in transfers:
             if not 0 <= transfer.peer < self.size:
                 raise ValueError(f"pipeline rank {transfer.peer} is outside [0, {self.size})")
@@ -338,6 +380,10 @@ class PipelineComm:
                     (transfer.peer, transfer.tag, t if t.is_contiguous() else t.contiguous())
                     for t in transfer.tensors
                 )
+                continue
+            if transfer.posted:
+                posted += transfer.posted
+                transfer.posted = []
                 continue
             meta = transfer.meta
             if meta is None:
@@ -353,9 +399,10 @@ class PipelineComm:
         if self._direct:
             group = self.group
             sent = [group.send([t], peer, tag) for peer, tag, t in sends]
-            for work in [group.recv([b], peer, tag) for peer, tag, b in recvs]:
+            for work in posted + [group.recv([b], peer, tag) for peer, tag, b in recvs]:
                 work.wait()
         else:
+            assert not posted, "receives are only posted ahead on the direct gloo path"
             ops = [
                 dist.P2POp(dist.isend, t, self.global_ranks[peer], self.group, tag)
                 for peer, tag, t in sends

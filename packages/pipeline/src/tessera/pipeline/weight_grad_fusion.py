@@ -11,6 +11,15 @@ autograd's accumulation and 13 ms with the weight gradient written into ``.grad`
 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", which
 fuses the weight-gradient GEMM with the accumulation into the main gradient).
 
+Batching across microbatches. The ``addmm_`` still reads and writes all of ``.grad`` once per
+microbatch. Unless the schedule asks for the weight gradient at a given time (zero bubble's W),
+nobody reads ``.grad`` before the step ends, so :class:`WeightGradBatcher` keeps each layer's
+``(x, g)`` rows and adds them with one ``addmm_`` over the concatenated rows when they would
+exceed a quarter of the weight's own bytes, and at the end of the step. Few rows per
+microbatch (where the pass over ``.grad`` dominates) batch many microbatches; large
+microbatches flush at once, as before. The same 8 microbatches: 6.5 ms instead of 8.9 ms for
+forward, input gradient and weight gradient together.
+
 The same place holds zero bubble's *weight-gradient store* (Qi et al. 2023, "Zero Bubble
 Pipeline Parallelism", section 2 and their implementation): in B a fused layer computes only the
 input gradient and keeps ``(x, g)``; W does the ``addmm_`` later.
@@ -45,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 __all__ = [
     "FuseLinearWeightGrad",
     "StoreMode",
+    "WeightGradBatcher",
     "WeightGradStore",
     "is_fused_linear_node",
     "stage_allows_fusion",
@@ -59,16 +69,72 @@ class StoreMode(enum.Enum):
     SKIP = "skip"  # drop it: a later full backward computes it
 
 
+#: Rows of (x, g) a layer may keep in a :class:`WeightGradBatcher`, in bytes, as a fraction of
+#: the weight's bytes.
+BATCH_BUDGET = 0.25
+
+
+class WeightGradBatcher:
+    """Weight-gradient rows of several microbatches, added to ``.grad`` in one ``addmm_``.
+
+    One per step of the executor; :meth:`flush` must run before the step returns.
+
+    Args:
+        budget: a layer's kept rows may use at most this fraction of its weight's bytes.
+    """
+
+    def __init__(self, budget: float = BATCH_BUDGET) -> None:
+        self.budget = budget
+        # id(weight) -> (weight, bias, xs [n, in], gs [n, out]); and the bytes those rows use
+        self._rows: dict[
+            int, tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]
+        ] = {}
+        self._bytes: dict[int, int] = {}
+
+    def add(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, g: torch.Tensor
+    ) -> None:
+        """Keep one layer call's rows (x: [n, in], g: [n, out]); add them when over budget."""
+        key = id(weight)
+        entry = self._rows.get(key)
+        if entry is None or entry[1] is not bias:
+            if entry is not None:
+                self._flush_one(key)
+            entry = self._rows.setdefault(key, (weight, bias, [], []))
+        entry[2].append(x)
+        entry[3].append(g)
+        kept = self._bytes.get(key, 0) + x.nbytes + g.nbytes
+        self._bytes[key] = kept
+        if kept > self.budget * weight.nbytes:
+            self._flush_one(key)
+
+    def flush(self) -> None:
+        """Add every kept row to ``.grad`` (the end of a step)."""
+        for key in list(self._rows):
+            self._flush_one(key)
+
+    def _flush_one(self, key: int) -> None:
+        weight, bias, xs, gs = self._rows.pop(key)
+        self._bytes.pop(key, None)
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)  # [sum n, in]
+        g = gs[0] if len(gs) == 1 else torch.cat(gs)  # [sum n, out]
+        _accumulate(weight, bias, x, g)
+
+
 class WeightGradStore:
     """The fused linear layers of one (microbatch, chunk) and their pending weight gradients.
+
+    Args:
+        batcher: where ACCUMULATE sends the weight gradients (None: straight to ``.grad``).
 
     Attributes:
         mode: what the next backward through these layers does with the weight gradients.
         fused: how many ``F.linear`` calls of the forward were fused.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, batcher: WeightGradBatcher | None = None) -> None:
         self.mode = StoreMode.ACCUMULATE
+        self.batcher = batcher
         self.fused = 0
         # (weight, bias, x [n, in], g [n, out]) per deferred layer call
         self._pending: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]]
@@ -83,7 +149,10 @@ class WeightGradStore:
     ) -> None:
         """Handle one layer call's weight gradient according to :attr:`mode`."""
         if self.mode is StoreMode.ACCUMULATE:
-            _accumulate(weight, bias, inputs, grad_output)
+            if self.batcher is not None:
+                self.batcher.add(weight, bias, inputs, grad_output)
+            else:
+                _accumulate(weight, bias, inputs, grad_output)
         elif self.mode is StoreMode.DEFER:
             self._pending.append((weight, bias, inputs, grad_output))
 
