@@ -297,3 +297,22 @@ def test_ddp_wrapped_stage_is_not_fused(dist: Any) -> None:
     for plain, wrapped in dist.run(_ddp_is_never_fused, world_size=2, timeout=60):
         assert plain and not wrapped
     assert tdist.is_available()
+
+
+def test_compiled_stages_are_not_fused_and_kept_rows_do_not_pin_larger_storages():
+    model = _mlp()
+    assert stage_allows_fusion(model)
+    assert not stage_allows_fusion(torch.compile(model))  # wrapped
+    inner = _mlp()
+    inner[2].compile()  # compiled in place
+    assert not stage_allows_fusion(inner)
+    batcher = WeightGradBatcher(budget=1.0)
+    layer = nn.Linear(64, 32)
+    big, g = torch.randn(100, 64), torch.randn(2, 32)
+    batcher.add(layer.weight, layer.bias, big[:2], g)
+    (kept,) = batcher._rows[id(layer.weight)][2]
+    assert kept.untyped_storage().nbytes() == kept.nbytes  # a copy, not a view of `big`
+    assert layer.weight.grad is None
+    batcher.flush()
+    torch.testing.assert_close(layer.weight.grad, g.t() @ big[:2])
+    torch.testing.assert_close(layer.bias.grad, g.sum(0))

@@ -101,6 +101,7 @@ class WeightGradBatcher:
             if entry is not None:
                 self._flush_one(key)
             entry = self._rows.setdefault(key, (weight, bias, [], []))
+        x, g = _compact(x), _compact(g)
         entry[2].append(x)
         entry[3].append(g)
         kept = self._bytes.get(key, 0) + x.nbytes + g.nbytes
@@ -119,6 +120,11 @@ class WeightGradBatcher:
         x = xs[0] if len(xs) == 1 else torch.cat(xs)  # [sum n, in]
         g = gs[0] if len(gs) == 1 else torch.cat(gs)  # [sum n, out]
         _accumulate(weight, bias, x, g)
+
+
+def _compact(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` itself, or a copy when it views a larger storage (kept, that would stay alive)."""
+    return rows if rows.untyped_storage().nbytes() <= rows.nbytes else rows.clone()
 
 
 class WeightGradStore:
@@ -285,12 +291,18 @@ class FuseLinearWeightGrad(TorchFunctionMode):
 
 
 def stage_allows_fusion(stage: nn.Module) -> bool:
-    """Whether a stage may fuse: not DDP-wrapped and holding no FSDP module.
+    """Whether a stage may fuse: not DDP-wrapped, not compiled, and holding no FSDP module.
 
     DDP reduces gradients from hooks on autograd's accumulation and FSDP reads ``.grad`` in its
     post-backward; a weight gradient written outside autograd (or deferred to W) bypasses both.
     """
     if isinstance(stage, nn.parallel.DistributedDataParallel):
+        return False
+    # A compiled module would trace the mode; leave compiled code to autograd's own path.
+    if any(
+        type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None)
+        for m in stage.modules()
+    ):
         return False
     import torch.distributed.fsdp as fsdp
 
