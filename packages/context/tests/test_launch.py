@@ -115,7 +115,8 @@ def _launch_too_many() -> str:
             world_size=3,  # but only 2 processes exist
             host="127.0.0.1",
             port=int(os.environ["MASTER_PORT"]),
-            timeout=3,
+            timeout=600,  # collectives; the rendezvous has its own, short limit
+            rendezvous_timeout=3,
         )
     except RuntimeError as exc:
         return str(exc)
@@ -126,6 +127,7 @@ def test_world_size_larger_than_the_processes_is_reported(dist: Any) -> None:
     for message in dist.run(_launch_too_many, world_size=2, init_process_group=False, timeout=60):
         assert "only 2 of world size 3 processes joined" in message
         assert "missing ranks [2]" in message
+        assert "within 3 s" in message  # rendezvous_timeout, not the collective timeout
 
 
 def test_rank_outside_the_world_is_an_error_before_any_network() -> None:
@@ -214,3 +216,32 @@ def test_torchrun_launch(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rank 0 of 2 sum 3" in done.stdout
     assert "rank 1 of 2 sum 3" in done.stdout
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("cuda", "expected"), [(True, "cuda:0"), (False, None)])
+def test_nccl_binds_the_communicator_to_the_rank_device(
+    monkeypatch: pytest.MonkeyPatch, cuda: bool, expected: str | None
+) -> None:
+    """Under NCCL init_process_group gets device_id (eager communicator); never under gloo."""
+    seen: dict[str, Any] = {}
+
+    def fake_init(backend: str, **kwargs: Any) -> None:
+        seen.update(kwargs, backend=backend)
+        raise _Stop
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(_Stop):
+        launch({}, rank=0, world_size=1, host="127.0.0.1", port=port, timeout=30)
+    assert seen["backend"] == ("nccl" if cuda else "gloo")
+    device = seen["device_id"]
+    assert (str(device) if device is not None else None) == expected

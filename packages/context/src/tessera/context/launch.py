@@ -134,6 +134,7 @@ def launch(
     seed: int = 1024,
     timeout: float | timedelta | None = None,
     heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
+    rendezvous_timeout: float | timedelta | None = None,
 ) -> ParallelContext:
     """Initialize torch.distributed, build the context, seed, and make the context current.
 
@@ -147,11 +148,15 @@ def launch(
         local_rank: Index of this process on its node (picks ``cuda:<local_rank>``); default
             ``rank % torch.cuda.device_count()``.
         seed: Base seed (see ``ParallelContext.reseed``).
-        timeout: Seconds or timedelta for the rendezvous and every collective (default
-            30 minutes). A rank waiting on a failed peer raises ``RankFailedError`` at the
-            latest when its collective times out (see ``ParallelContext.guard``).
+        timeout: Seconds or timedelta for every collective, and for the rendezvous unless
+            ``rendezvous_timeout`` is given (default 30 minutes). A rank waiting on a failed
+            peer raises ``RankFailedError`` at the latest when its collective times out (see
+            ``ParallelContext.guard``).
         heartbeat_interval: Seconds between heartbeats in the rendezvous store, which let
             the other ranks name a rank that died without raising; None or 0 turns them off.
+        rendezvous_timeout: Seconds or timedelta the rendezvous waits for every rank (default
+            ``timeout``): processes may start far apart, while collectives can then run under
+            a short ``timeout``.
 
     Raises:
         ConfigError: invalid configuration (before any network traffic).
@@ -171,6 +176,7 @@ def launch(
         agent_store=False,
         attempt="0",
         heartbeat_interval=heartbeat_interval,
+        rendezvous_timeout=rendezvous_timeout,
     )
 
 
@@ -188,6 +194,7 @@ def _launch(
     agent_store: bool,
     attempt: str,
     heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
+    rendezvous_timeout: float | timedelta | None = None,
 ) -> ParallelContext:
     full = load_config(config)
     parallel = ParallelConfig.from_dict(full.get("parallel"), world_size)
@@ -200,6 +207,9 @@ def _launch(
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     _check_not_launched()
     td = as_timedelta(timeout)
+    # Processes of a big job start minutes apart, while a collective should fail in seconds
+    # when a peer is gone: the two waits have their own limits.
+    rendezvous_td = td if rendezvous_timeout is None else as_timedelta(rendezvous_timeout)
     _check_heartbeat_interval(heartbeat_interval)
 
     if backend is None:
@@ -214,12 +224,23 @@ def _launch(
     else:
         device = torch.device("cpu")
 
-    joined = _rendezvous(host, port, rank, world_size, td, agent_store=agent_store, attempt=attempt)
+    joined = _rendezvous(
+        host, port, rank, world_size, rendezvous_td, agent_store=agent_store, attempt=attempt
+    )
     # torchrun's agent store outlives a failed attempt: the keys of the dead processes (their
     # gloo/NCCL addresses) are still there when the restarted ones meet. A prefix per restart
     # attempt keeps each attempt's process-group keys and failure board apart.
     store: Store = PrefixStore(f"tessera/attempt_{attempt}", joined) if agent_store else joined
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
+    # With device_id NCCL binds the communicator to this rank's GPU at once (no guessing of the
+    # device at the first collective) and lets new_group split it instead of a new rendezvous.
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=td,
+        device_id=device if device.type == "cuda" else None,
+    )
     try:
         context = create_context(
             parallel,
@@ -259,6 +280,7 @@ def launch_from_torch(
     seed: int = 1024,
     timeout: float | timedelta | None = None,
     heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
+    rendezvous_timeout: float | timedelta | None = None,
 ) -> ParallelContext:
     """Launch from torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT."""
     name = "launch_from_torch"
@@ -276,6 +298,7 @@ def launch_from_torch(
         seed=seed,
         timeout=timeout,
         heartbeat_interval=heartbeat_interval,
+        rendezvous_timeout=rendezvous_timeout,
         # torchrun's agent already hosts a store on MASTER_PORT: every rank is a client of it,
         # and keys are kept apart per restart.
         agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
@@ -291,6 +314,7 @@ def launch_from_slurm(
     seed: int = 1024,
     timeout: float | timedelta | None = None,
     heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
+    rendezvous_timeout: float | timedelta | None = None,
 ) -> ParallelContext:
     """Launch from srun's environment: SLURM_PROCID, SLURM_NPROCS, SLURM_LOCALID."""
     size_var = "SLURM_NPROCS" if "SLURM_NPROCS" in os.environ else "SLURM_NTASKS"
@@ -304,6 +328,7 @@ def launch_from_slurm(
         seed=seed,
         timeout=timeout,
         heartbeat_interval=heartbeat_interval,
+        rendezvous_timeout=rendezvous_timeout,
     )
 
 
@@ -315,6 +340,7 @@ def launch_from_openmpi(
     seed: int = 1024,
     timeout: float | timedelta | None = None,
     heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
+    rendezvous_timeout: float | timedelta | None = None,
 ) -> ParallelContext:
     """Launch from mpirun's environment: OMPI_COMM_WORLD_RANK/_SIZE/_LOCAL_RANK."""
     return _launch_from_env(
@@ -327,6 +353,7 @@ def launch_from_openmpi(
         seed=seed,
         timeout=timeout,
         heartbeat_interval=heartbeat_interval,
+        rendezvous_timeout=rendezvous_timeout,
     )
 
 
