@@ -18,6 +18,7 @@ from tessera.engine import (
     initialize,
     mark_pipeline_shared,
 )
+from tessera.pipeline import build_pipeline_model
 
 M = ParallelMode
 
@@ -184,31 +185,204 @@ def test_pipeline_shared_handler_ties_first_and_last_stage(dist: Any, clip: floa
             assert r["n_dups"] == 1
 
 
-def _pipeline_schedule_selection() -> str:
-    ctx = create_context(dict(parallel=dict(pipeline=2)), timeout=60)
+def _schedule_model() -> nn.Sequential:
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _schedule_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(31)
+    return torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)  # [8, 4], [8]
+
+
+def _pipeline_schedule_selection(micro: int, chunks: int) -> dict[str, Any]:
+    ctx = create_context(dict(parallel=dict(pipeline=2)), timeout=60)  # dp2 x pp2 on 4 ranks
     try:
-        stage = nn.Linear(2, 2)
-        opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+        d, p = ctx.get_local_rank(M.DATA), ctx.get_local_rank(M.PIPELINE)
+        stage = build_pipeline_model(
+            _schedule_model(), num_chunks=chunks, method="uniform", context=ctx
+        )
+        stages = [stage] if isinstance(stage, nn.Module) else list(stage)
+        params = [q for s in stages for q in s.parameters()]
+        opt = torch.optim.SGD(params, lr=0.1)
         try:
-            initialize(stage, opt, config={}, context=ctx)
+            initialize(stage, opt, nn.CrossEntropyLoss(), config={}, context=ctx)
         except ConfigError as exc:
             assert "NUM_MICRO_BATCHES" in str(exc)
         else:
             raise AssertionError("a pipeline without NUM_MICRO_BATCHES must raise ConfigError")
-        try:
-            engine, *_ = initialize(stage, opt, config={"NUM_MICRO_BATCHES": 2}, context=ctx)
-        except NotImplementedError as exc:
-            return f"no executor: {exc}"
-        return type(engine.schedule).__name__
+        config: dict[str, Any] = {"NUM_MICRO_BATCHES": micro}
+        if chunks > 1:
+            config["NUM_CHUNKS"] = chunks
+        engine, *_ = initialize(stage, opt, nn.CrossEntropyLoss(), config=config, context=ctx)
+        schedule: Any = engine.schedule
+        ran_before = schedule.last_run
+        x, y = _schedule_data()
+        xs, ys = x[4 * d : 4 * d + 4], y[4 * d : 4 * d + 4]  # each data rank its own half
+        engine.zero_grad()
+        _, _, loss = engine.execute_schedule(iter([(xs, ys)]))
+        assert engine.step()
+        run = schedule.last_run
+        return {
+            "schedule": type(schedule).__name__,
+            "num_microbatches": schedule.num_microbatches,
+            "num_chunks": schedule.num_chunks,
+            "ran_before": ran_before is not None,
+            "run_rank": None if run is None else run.pipeline_rank,
+            "pipeline_rank": p,
+            "data_rank": d,
+            "loss": None if loss is None else loss.item(),
+            "layers": {
+                idx: [q.detach().clone() for q in s[i].parameters()]
+                for s in stages
+                for i, idx in enumerate(s.layer_indices)
+            },
+        }
     finally:
         ctx.destroy()
 
 
-def test_pipeline_schedule_selected_from_config(dist: Any) -> None:
-    import tessera.pipeline as pl
+@pytest.mark.parametrize(
+    ("micro", "chunks", "expected"),
+    [(2, 1, "PipelineSchedule"), (4, 2, "InterleavedPipelineSchedule")],
+    ids=["1f1b", "interleaved"],
+)
+def test_pipeline_schedule_selected_from_config(
+    dist: Any, micro: int, chunks: int, expected: str
+) -> None:
+    results = dist.run(
+        _pipeline_schedule_selection, world_size=4, args=(micro, chunks), timeout=120
+    )
+    ref = _schedule_model()
+    x, y = _schedule_data()
+    with torch.no_grad():
+        # the loss each data rank's last stage must report: the mean over its own half
+        shard_losses = [
+            nn.CrossEntropyLoss()(ref(x[4 * d : 4 * d + 4]), y[4 * d : 4 * d + 4]) for d in range(2)
+        ]
+    assert not torch.isclose(shard_losses[0], shard_losses[1])  # the halves really differ
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    nn.CrossEntropyLoss()(ref(x), y).backward()
+    opt.step()
+    seen: set[int] = set()
+    for r in results:
+        assert r["schedule"] == expected
+        assert r["num_microbatches"] == micro
+        assert r["num_chunks"] == chunks
+        # the step ran through the pipeline executor on every rank, not some other path
+        assert r["ran_before"] is False
+        assert r["run_rank"] == r["pipeline_rank"]
+        if r["pipeline_rank"] == 1:
+            assert r["loss"] == pytest.approx(shard_losses[r["data_rank"]].item(), rel=1e-5)
+        else:
+            assert r["loss"] is None
+        for idx, got_params in r["layers"].items():
+            seen.add(idx)
+            for got, want in zip(got_params, ref[idx].parameters(), strict=True):
+                torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    assert seen == set(range(len(ref)))
 
-    results = dist.run(_pipeline_schedule_selection, world_size=4, timeout=120)
-    if callable(getattr(pl.PipelineSchedule, "forward_backward_step", None)):
-        assert results == ["PipelineSchedule"] * 4
-    else:
-        assert all(r.startswith("no executor: PipelineSchedule") for r in results)
+
+# ------------------------------------------------------------ a parameter unused on one rank
+
+
+class _Branchy(nn.Module):
+    """``side`` (in the middle of the parameter order) joins the forward only when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.side = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))  # [b, 4]
+        if use_side:
+            h = h + torch.tanh(self.side(h))
+        out: torch.Tensor = self.head(h)  # [b, 2]
+        return out
+
+
+def _branchy_model() -> _Branchy:
+    torch.manual_seed(11)
+    return _Branchy()
+
+
+def _branchy_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + step)
+    return torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)  # [4, 3], [4, 2]
+
+
+def _uses_side(step: int, data_rank: int) -> bool:
+    """Step 0: data rank 1 leaves ``side`` out; step 1: data rank 0 does."""
+    return data_rank != 1 - step % 2
+
+
+#: 64 bytes: 16 float32 per bucket, so the zero-filled gradient sits between other buckets.
+_TINY_BUCKET_MB = 64 / 2**20
+
+
+def _unused_on_one_rank() -> dict[str, Any]:
+    ctx = create_context(dict(parallel={}), timeout=60)  # dp2
+    try:
+        d = ctx.get_local_rank(M.DATA)
+        model = _branchy_model()
+        config = {
+            "gradient_handlers": [
+                {"type": "DataParallelGradientHandler", "bucket_size_mb": _TINY_BUCKET_MB}
+            ]
+        }
+        engine, *_ = initialize(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            nn.MSELoss(),
+            config=config,
+            context=ctx,
+        )
+        (handler,) = engine.gradient_handlers
+        assert isinstance(handler, DataParallelGradientHandler)
+        missing: list[bool] = []
+        grads: list[list[torch.Tensor]] = []
+        for step in range(2):
+            x, t = _branchy_data(step)
+            xs, ts = x[2 * d : 2 * d + 2], t[2 * d : 2 * d + 2]  # each data rank its own half
+            engine.zero_grad()
+            engine.backward(engine.criterion(engine(xs, _uses_side(step, d)), ts))
+            missing.append(model.side.weight.grad is None)
+            assert engine.step()
+            grads.append([p.grad.detach().clone() for p in model.parameters()])  # type: ignore[union-attr]
+        return {
+            "missing": missing,
+            "grads": grads,
+            "params": [p.detach().clone() for p in model.parameters()],
+        }
+    finally:
+        ctx.destroy()
+
+
+def test_data_parallel_handler_zero_fills_a_gradient_missing_on_one_rank(dist: Any) -> None:
+    # a skipped (not zero-filled) gradient would give the ranks different bucket layouts: the
+    # coalesced all-reduce would fail or hang (the timeout) instead of matching up
+    results = dist.run(_unused_on_one_rank, world_size=2, timeout=60)
+    assert results[0]["missing"] == [False, True]
+    assert results[1]["missing"] == [True, False]
+    ref = _branchy_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_grads = []
+    for step in range(2):
+        x, t = _branchy_data(step)
+        opt.zero_grad()
+        # the mean of the two ranks' gradients, the missing one counted as zeros
+        losses = [
+            nn.MSELoss()(ref(x[2 * d : 2 * d + 2], _uses_side(step, d)), t[2 * d : 2 * d + 2])
+            for d in range(2)
+        ]
+        torch.autograd.backward(torch.stack(losses).mean())
+        ref_grads.append([p.grad.detach().clone() for p in ref.parameters()])  # type: ignore[union-attr]
+        opt.step()
+    for r in results:
+        for step in range(2):
+            for got, want in zip(r["grads"][step], ref_grads[step], strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for got, want in zip(r["params"], ref.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
