@@ -314,8 +314,8 @@ def _branchy_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _uses_side(step: int, data_rank: int) -> bool:
-    """Step 0: data rank 1 leaves ``side`` out; step 1: data rank 0 does."""
-    return data_rank != 1 - step % 2
+    """Step 0: data rank 1 leaves ``side`` out; step 1: data rank 0 does; step 2: both do."""
+    return step < 2 and data_rank != 1 - step % 2
 
 
 #: 64 bytes: 16 float32 per bucket, so the zero-filled gradient sits between other buckets.
@@ -343,14 +343,14 @@ def _unused_on_one_rank() -> dict[str, Any]:
         assert isinstance(handler, DataParallelGradientHandler)
         missing: list[bool] = []
         grads: list[list[torch.Tensor]] = []
-        for step in range(2):
+        for step in range(3):
             x, t = _branchy_data(step)
             xs, ts = x[2 * d : 2 * d + 2], t[2 * d : 2 * d + 2]  # each data rank its own half
             engine.zero_grad()
             engine.backward(engine.criterion(engine(xs, _uses_side(step, d)), ts))
             missing.append(model.side.weight.grad is None)
             assert engine.step()
-            grads.append([p.grad.detach().clone() for p in model.parameters()])  # type: ignore[union-attr]
+            grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
         return {
             "missing": missing,
             "grads": grads,
@@ -360,16 +360,16 @@ def _unused_on_one_rank() -> dict[str, Any]:
         ctx.destroy()
 
 
-def test_data_parallel_handler_zero_fills_a_gradient_missing_on_one_rank(dist: Any) -> None:
+def test_data_parallel_handler_with_a_gradient_missing_on_one_or_every_rank(dist: Any) -> None:
     # a skipped (not zero-filled) gradient would give the ranks different bucket layouts: the
     # coalesced all-reduce would fail or hang (the timeout) instead of matching up
     results = dist.run(_unused_on_one_rank, world_size=2, timeout=60)
-    assert results[0]["missing"] == [False, True]
-    assert results[1]["missing"] == [True, False]
+    assert results[0]["missing"] == [False, True, True]
+    assert results[1]["missing"] == [True, False, True]
     ref = _branchy_model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     ref_grads = []
-    for step in range(2):
+    for step in range(3):
         x, t = _branchy_data(step)
         opt.zero_grad()
         # the mean of the two ranks' gradients, the missing one counted as zeros
@@ -378,11 +378,17 @@ def test_data_parallel_handler_zero_fills_a_gradient_missing_on_one_rank(dist: A
             for d in range(2)
         ]
         torch.autograd.backward(torch.stack(losses).mean())
-        ref_grads.append([p.grad.detach().clone() for p in ref.parameters()])  # type: ignore[union-attr]
+        ref_grads.append([None if p.grad is None else p.grad.clone() for p in ref.parameters()])
         opt.step()
+    # step 2: no rank used `side`: its gradient stays None, as in plain PyTorch, so momentum
+    # does not move it (zeros would)
+    assert ref_grads[2][2] is None and ref_grads[2][3] is None
     for r in results:
-        for step in range(2):
+        for step in range(3):
             for got, want in zip(r["grads"][step], ref_grads[step], strict=True):
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+                if want is None:
+                    assert got is None
+                else:
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         for got, want in zip(r["params"], ref.parameters(), strict=True):
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)

@@ -70,18 +70,41 @@ class BaseGradientHandler(ABC):
         return []
 
 
-def dense_grads(params: Iterator[nn.Parameter]) -> list[torch.Tensor]:
-    """The gradients of ``params`` that require grad, a missing one filled with zeros.
+class DenseGrads:
+    """The gradients of ``params`` for a coalesced reduction, and which ones were missing.
 
-    Zeros instead of skipping keep the bucket layout identical on every rank even when a
-    parameter was unused on one of them, so the coalesced collectives match up.
+    A parameter unused on this rank gets zeros: skipping it would change the bucket layout on
+    this rank only, and the coalesced collectives would no longer match. A usage vector (1 where
+    this rank had a gradient) is reduced in the same buckets, at no extra collective; after the
+    reduction :meth:`drop_unused` gives back ``None`` to the parameters no rank used, as DDP
+    leaves them, so the optimizer skips them (no momentum, no weight decay) like plain PyTorch.
     DTensor parameters (FSDP2) are left out: FSDP reduces them itself.
     """
-    grads: list[torch.Tensor] = []
-    for p in params:
-        if not p.requires_grad or hasattr(p, "device_mesh"):
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
-    return grads
+
+    def __init__(self, params: Iterator[nn.Parameter]) -> None:
+        self.params: list[nn.Parameter] = []
+        self.grads: list[torch.Tensor] = []
+        used: list[bool] = []
+        for p in params:
+            if not p.requires_grad or hasattr(p, "device_mesh"):
+                continue
+            used.append(p.grad is not None)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self.params.append(p)
+            self.grads.append(p.grad)
+        device = self.grads[0].device if self.grads else torch.device("cpu")
+        self.usage = torch.tensor(used, dtype=torch.float32, device=device)  # [n params]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """What to reduce: the gradients, then the usage vector."""
+        return [*self.grads, self.usage] if self.grads else []
+
+    def drop_unused(self) -> None:
+        """After the reduction: ``grad = None`` where no rank had a gradient."""
+        if not self.grads or bool(self.usage.all()):
+            return
+        for p, used in zip(self.params, self.usage.tolist(), strict=True):
+            if used == 0:
+                p.grad = None

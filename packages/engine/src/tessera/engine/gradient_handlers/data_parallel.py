@@ -14,7 +14,7 @@ from tessera.context import ParallelContext, ParallelMode
 
 from ..buckets import DEFAULT_BUCKET_BYTES, all_reduce_coalesced
 from ..context_lookup import group_if_parallel
-from .base import BaseGradientHandler, ModelLike, dense_grads
+from .base import BaseGradientHandler, DenseGrads, ModelLike
 
 __all__ = ["DataParallelGradientHandler"]
 
@@ -45,6 +45,6 @@ class DataParallelGradientHandler(BaseGradientHandler):
         if group is None or self._context is None:
             return
         size = self._context.get_world_size(ParallelMode.DATA)
-        all_reduce_coalesced(
-            dense_grads(self.parameters()), group, divisor=size, bucket_bytes=self._bucket_bytes
-        )
+        dense = DenseGrads(self.parameters())
+        all_reduce_coalesced(dense.tensors, group, divisor=size, bucket_bytes=self._bucket_bytes)
+        dense.drop_unused()

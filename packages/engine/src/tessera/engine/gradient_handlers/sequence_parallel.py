@@ -24,7 +24,7 @@ from tessera.context import ParallelContext, ParallelMode
 
 from ..buckets import DEFAULT_BUCKET_BYTES, all_reduce_coalesced
 from ..context_lookup import group_if_parallel
-from .base import BaseGradientHandler, ModelLike, dense_grads
+from .base import BaseGradientHandler, DenseGrads, ModelLike
 
 __all__ = ["SequenceParallelGradientHandler"]
 
@@ -71,9 +71,8 @@ class SequenceParallelGradientHandler(BaseGradientHandler):
         group = group_if_parallel(ctx, ParallelMode.SEQUENCE_DP)
         mode = ParallelMode.SEQUENCE_DP if self.average == "sequence_dp" else ParallelMode.DATA
         divisor = ctx.get_world_size(mode) if ctx.is_initialized(mode) else 1
+        dense = DenseGrads(self.parameters())
         all_reduce_coalesced(
-            dense_grads(self.parameters()),
-            group,
-            divisor=float(divisor),
-            bucket_bytes=self._bucket_bytes,
+            dense.tensors, group, divisor=float(divisor), bucket_bytes=self._bucket_bytes
         )
+        dense.drop_unused()
