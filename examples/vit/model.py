@@ -15,9 +15,10 @@ Where each mode's data lives:
 * 2D, 2.5D, 3D: ``split_batch`` gives each rank its rows of the images, ``PatchEmbedding``
   returns the mode's activation layout, the ``Classifier`` batch-split logits, and
   ``CrossEntropyLoss`` / ``Accuracy`` the value of the whole batch on every rank;
-* sequence: every rank embeds all patches (a cheap token-wise op) and keeps its chunk of the
-  16 tokens; blocks use ring self-attention; the head all-gathers the normalized tokens, so the
-  logits and the loss are the whole batch's on every rank (see ``ViTHead``).
+* sequence: ``SequencePatchEmbedding(..., class_token=False)`` embeds only this rank's chunk
+  of the 16 patch tokens from the whole images; blocks use ring self-attention; the head
+  all-gathers the normalized tokens, so the logits and the loss are the whole batch's on every
+  rank (see ``ViTHead``).
 """
 
 from __future__ import annotations
@@ -41,10 +42,9 @@ from tessera.layers import (
     Dropout,
     LayerNorm,
     PatchEmbedding,
+    SequencePatchEmbedding,
     SerialAccuracy,
-    SerialPatchEmbedding,
     gather_along_dim,
-    mark_sequence_replicated,
     normal,
     split_batch,
 )
@@ -70,23 +70,16 @@ class ViTStem(nn.Module):
         pos = normal(std=pos_std)
         self.sequence = tensor_mode() == "sequence"
         if self.sequence:
-            # token-wise and tiny: every rank embeds all patches, keeps its own chunk below
-            ctx = current_context()
-            assert ctx is not None
-            self.patch_embed: nn.Module = mark_sequence_replicated(
-                SerialPatchEmbedding(
-                    img_size, patch_size, in_chans, hidden, position_embed_initializer=pos
-                ),
-                ctx,
+            # this rank's chunk of the patch tokens only (no class token: mean pooling); its
+            # parameters' gradients are partial, summed over SEQUENCE by the engine's handler
+            self.patch_embed: nn.Module = SequencePatchEmbedding(
+                img_size,
+                patch_size,
+                in_chans,
+                hidden,
+                position_embed_initializer=pos,
+                class_token=False,
             )
-            self.rank = ctx.get_local_rank(ParallelMode.SEQUENCE)
-            self.world = ctx.get_world_size(ParallelMode.SEQUENCE)
-            patches = (img_size // patch_size) ** 2
-            if patches % self.world:
-                raise ValueError(
-                    f"{patches} patch tokens do not split over {self.world} sequence ranks "
-                    f"({patches} % {self.world} = {patches % self.world})"
-                )
         else:
             self.patch_embed = PatchEmbedding(
                 img_size, patch_size, in_chans, hidden, position_embed_initializer=pos
@@ -95,11 +88,7 @@ class ViTStem(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.sequence:
-            tokens = self.patch_embed(images)[:, 1:]  # [b, N, h]
-            # a plain slice: each rank's gradient covers its own tokens only (partial, summed
-            # over SEQUENCE by the engine's sequence-parallel gradient handler)
-            c = tokens.shape[1] // self.world
-            tokens = tokens[:, self.rank * c : (self.rank + 1) * c]  # [b, N/n, h]
+            tokens = self.patch_embed(images)  # [b, N/n, h]: this rank's patch tokens
         else:
             tokens = self.patch_embed(split_batch(images))[:, 1:]  # [b', N, h']
         out: torch.Tensor = self.drop(tokens)

@@ -1,12 +1,13 @@
 """Mode dispatch: plain torch without tensor parallelism, 1D classes under '1d' (2D/2.5D in
-test_layers_2d.py), a clear error for modes without layers, size errors before any collective."""
+test_layers_2d.py), every layer in every mode, a clear error for a mode without a layer, size
+errors before any collective."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
-from tp_reference import with_context
+from tp_reference import TOL, BiasAdded, randomize, with_context
 
 from tessera.context import ParallelContext, create_context
 from tessera.layers import (
@@ -23,8 +24,10 @@ from tessera.layers import (
     Linear2p5D,
     ModeNotImplementedError,
     PatchEmbedding,
+    SequencePatchEmbedding,
     SerialAccuracy,
     SerialClassifier,
+    SerialLinear,
     SerialPatchEmbedding,
     gather_activation,
     split_activation,
@@ -35,7 +38,7 @@ FACTORIES = {
     "Linear": lambda c: Linear(8, 8, parallel="col", context=c),
     "LayerNorm": lambda c: LayerNorm(8, context=c),
     "Embedding": lambda c: Embedding(16, 8, context=c),
-    "PatchEmbedding": lambda c: PatchEmbedding(4, 2, 3, 8, context=c),
+    "PatchEmbedding": lambda c: PatchEmbedding(6, 2, 3, 8, context=c),  # 9 + 1 tokens
     "Classifier": lambda c: Classifier(8, 16, context=c),
     "Dropout": lambda c: Dropout(0.1, context=c),
     "CrossEntropyLoss": lambda c: CrossEntropyLoss(context=c),
@@ -58,6 +61,32 @@ def test_without_context_everything_is_plain_torch() -> None:
     assert torch.equal(linear.weight, torch.ones(6, 4))
 
 
+def test_skip_bias_add_without_context_is_torch_linear_split_in_two() -> None:
+    """``Linear(..., skip_bias_add=True)`` without a context: ``(x W^T, bias)``; the caller's
+    ``y + bias`` has ``nn.Linear``'s values and gradients, the bias's included."""
+    linear = Linear(8, 6, skip_bias_add=True)
+    assert type(linear) is SerialLinear and isinstance(linear, nn.Linear)
+    ref, par = BiasAdded(nn.Linear(8, 6)), BiasAdded(linear)
+    randomize(ref, 1)
+    par.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(2))
+    x_ref, x_par = x.clone().requires_grad_(), x.clone().requires_grad_()
+    w = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(3))
+    y_ref, y_par = ref(x_ref), par(x_par)
+    (y_ref * w).sum().backward()
+    (y_par * w).sum().backward()
+    torch.testing.assert_close(y_par, y_ref, **TOL)
+    assert x_ref.grad is not None and x_par.grad is not None
+    torch.testing.assert_close(x_par.grad, x_ref.grad, **TOL)
+    for (name, p), q in zip(par.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+    y, bias = linear(x)
+    assert bias is linear.bias
+    torch.testing.assert_close(y, x @ linear.weight.detach().t(), **TOL)  # no bias added
+    assert Linear(8, 6, bias=False, skip_bias_add=True)(x)[1] is None
+
+
 def test_every_layer_is_registered() -> None:
     for name in [
         *IMPLEMENTATIONS,
@@ -70,6 +99,8 @@ def test_every_layer_is_registered() -> None:
         "LayerNorm1D",
         "Dropout1D",
         "PatchEmbedding1D",
+        "SequencePatchEmbedding",
+        "SerialLinear",
         *(
             prefix + name + suffix
             for suffix in ("2D", "2p5D")
@@ -87,21 +118,25 @@ def test_every_layer_is_registered() -> None:
     assert LAYERS.get("Linear2D") is Linear2D and LAYERS.get("Linear2p5D") is Linear2p5D
 
 
-def _unimplemented(mode: str, size: int, missing: tuple[str, ...]) -> list[str]:
-    """The layers in ``missing`` raise under ``mode``; every other one builds."""
-    tensor = dict(size=size, mode=mode)
+def _sequence_mode() -> str:
+    """Under 'sequence' (2 ranks x 2 data ranks) every layer builds; a mode without an entry
+    in the table raises ModeNotImplementedError (shown by taking 'sequence''s entry out)."""
+    tensor = dict(size=2, mode="sequence")
     ctx = create_context(dict(parallel=dict(tensor=tensor)), timeout=60.0)
     try:
-        messages = []
         for layer, factory in FACTORIES.items():
-            if layer not in missing:
-                assert factory(ctx) is not None, layer
-                continue
+            assert factory(ctx) is not None, layer
+        assert type(FACTORIES["PatchEmbedding"](ctx)) is SequencePatchEmbedding
+        row = IMPLEMENTATIONS["PatchEmbedding"]
+        builder = row.pop("sequence")
+        try:
             with pytest.raises(ModeNotImplementedError) as info:
-                factory(ctx)
-            assert info.value.layer == layer and info.value.mode == mode
-            messages.append(str(info.value))
-        return messages
+                FACTORIES["PatchEmbedding"](ctx)
+        finally:
+            row["sequence"] = builder
+        assert info.value.layer == "PatchEmbedding" and info.value.mode == "sequence"
+        assert type(FACTORIES["PatchEmbedding"](ctx)) is SequencePatchEmbedding
+        return str(info.value)
     finally:
         ctx.destroy()
 
@@ -128,16 +163,19 @@ def _errors_sp(ctx: ParallelContext) -> None:
     assert split_activation(torch.zeros(2, 8, 8), ctx).shape == (2, 2, 8)
 
 
-def _all() -> list[str]:
-    # every mode has its layers; a ViT patch embedding under 'sequence' is the one gap
-    messages = _unimplemented("sequence", 4, ("PatchEmbedding",))
+def _all() -> str:
+    message = _sequence_mode()
     with_context(4, _errors_1d)
     with_context(4, _errors_sp, sp=True)
-    return messages
+    return message
+
+
+def test_every_mode_has_every_layer() -> None:
+    for layer, row in IMPLEMENTATIONS.items():
+        assert sorted(row) == ["1d", "2.5d", "2d", "3d", "sequence"], layer
 
 
 def test_modes_without_layers_raise_and_sizes_are_checked(dist) -> None:
-    messages = dist.run(_all, world_size=4, timeout=120.0)[0]
-    assert len(messages) == 1
-    assert "no PatchEmbedding for tensor mode 'sequence'" in messages[0]
-    assert "'1d', '2.5d', '2d', '3d'" in messages[0]
+    message = dist.run(_all, world_size=4, timeout=120.0)[0]
+    assert "no PatchEmbedding for tensor mode 'sequence'" in message
+    assert "'1d', '2.5d', '2d', '3d'" in message

@@ -47,9 +47,18 @@ def _bad_inputs(mode: str) -> dict[str, str]:
         }
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out["linear autocast"] = _message(lambda: linear(x))
-        if mode != "1d":
-            wrong = torch.randn(*x.shape[:-1], x.shape[-1] + 1)
-            out["linear width"] = _message(lambda: linear(wrong))
+        wrong = torch.randn(*x.shape[:-1], x.shape[-1] + 1)
+        out["linear width"] = _message(lambda: linear(wrong))
+        out["wrong shape"] = str(list(wrong.shape))
+        if mode == "1d":  # what a row-parallel layer, and the heads, expect
+            row = L.Linear(8, 8, parallel="row", context=ctx)
+            whole = L.Linear(8, 8, parallel="row", parallel_input=False, context=ctx)
+            out["row full"] = _message(lambda: row(x))  # the whole input where a split is due
+            out["row ok"] = _message(lambda: row(x[..., :4]))
+            out["row whole"] = _message(lambda: whole(x[..., :4]))
+            for vocab in (False, True):
+                head = L.Classifier(8, 6 if not vocab else 4, vocab_parallel=vocab, context=ctx)
+                out[f"head {vocab}"] = _message(lambda h=head: h(wrong))  # type: ignore[misc]
         return out
     finally:
         ctx.destroy()
@@ -75,5 +84,31 @@ def test_wrong_inputs_name_the_layer_and_what_was_expected(dist: Any, mode: str)
     assert "must hold integer indices (int64 or int32)" in got["embedding float"]
     for key in ("linear float64", "linear meta", "norm float16", "embedding float"):
         assert got[key].split(":")[0].strip(), key  # starts with the layer's class name
-    if mode != "1d":
-        assert "expected the local block to have size" in got["linear width"]
+    width = got["linear width"]  # the layer, the expected size and its arithmetic, the shape
+    wrong = f"got shape {got['wrong shape']}"
+    if mode == "1d":
+        assert width == (
+            "Linear1DCol(8, 8): expected the input's last dim to be in_features = 8 (a "
+            f"column-parallel input holds every feature), {wrong}"
+        )
+        assert got["row ok"] == "no error"
+        assert got["row full"] == (
+            "Linear1DRow(8, 8): expected the input's last dim to be in_features 8 / tensor size "
+            "2 = 4 (a row-parallel input is split along its features, e.g. the output of a "
+            "column-parallel layer; pass parallel_input=False to give the whole input), got "
+            f"shape {shape}"
+        )
+        assert got["row whole"].startswith(
+            "Linear1DRow(8, 8): expected the input's last dim to be in_features = 8 "
+            "(parallel_input=False: the whole input), got shape"
+        )
+        assert got["head False"].startswith("Classifier1D(8, 6): expected the input's last dim")
+        assert got["head True"].startswith("VocabParallelClassifier1D(8, 4): expected the input")
+        assert all(wrong in got[f"head {v}"] for v in (False, True))
+    else:
+        name = "Linear2D" if mode == "2d" else "Linear3D"
+        assert width.startswith(
+            f"{name}(8, 8): expected the input's last dim to be in_features 8 / q 2 = 4 (the "
+            f"local block of a {mode} activation"
+        )
+        assert width.endswith(wrong)

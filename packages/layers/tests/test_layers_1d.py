@@ -5,13 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from tp_reference import TOL, check_against_reference, chunk, randomize, with_context
+from tp_reference import (
+    TOL,
+    BiasAdded,
+    check_against_reference,
+    check_returned_bias,
+    chunk,
+    randomize,
+    with_context,
+)
 
 from tessera.context import ParallelContext
 from tessera.layers import (
     Classifier1D,
     Embedding1D,
     LayerNorm1D,
+    Linear,
     Linear1DCol,
     Linear1DRow,
     PatchEmbedding1D,
@@ -135,6 +144,35 @@ def _skip_bias_add(ctx: ParallelContext) -> None:
     torch.testing.assert_close(y + bias, ref(x16), **TOL)
 
 
+def _dispatch_skip_bias_add(ctx: ParallelContext) -> int:
+    """The dispatching ``Linear(..., skip_bias_add=True)``: the caller's ``y + bias`` has the
+    values and every gradient (the bias's included) of ``nn.Linear``, with and without
+    sequence parallelism; the returned bias is the block the bias's ShardInfo describes."""
+    sp = bool(ctx.config.tensor_args.get("sequence_parallel", False))
+    x, _, _ = _inputs(4)
+    x16 = torch.randn(B, S, 16, generator=torch.Generator().manual_seed(9))
+    seq = 1 if sp else None  # the sequence split of the activations between blocks
+    cases: list[tuple[str, int, int, dict[str, object], torch.Tensor, int | None, int | None]] = [
+        ("col", H, 16, {"parallel": "col"}, x, seq, -1),
+        ("col gather", H, 16, {"parallel": "col", "gather_output": True}, x, seq, None),
+        ("row", 16, H, {"parallel": "row"}, x16, -1, seq),
+    ]
+    for i, (name, n_in, n_out, kwargs, inp, in_split, out_split) in enumerate(cases):
+        ref, par = (
+            BiasAdded(nn.Linear(n_in, n_out)),
+            BiasAdded(Linear(n_in, n_out, skip_bias_add=True, context=ctx, **kwargs)),  # type: ignore[arg-type]
+        )
+        name = f"Linear({name}, skip_bias_add, sp={sp})"
+        check_against_reference(
+            name, ref, par, inp, ctx, in_split=in_split, out_split=out_split, seed=50 + i
+        )
+        # col: the local block [out/p] (whole if gathered); row: the replicated bias [out]
+        whole = kwargs != {"parallel": "col"}
+        bias = check_returned_bias(par.inner, ref.inner, chunk(inp, in_split, ctx), whole=whole)  # type: ignore[arg-type]
+        assert bias.shape == ((n_out,) if whole else (n_out // ctx.tensor_size,)), name
+    return len(cases)
+
+
 def _layers_sequence_parallel(ctx: ParallelContext) -> int:
     x, ids, img = _inputs(3)
     tp = ctx.tensor_size
@@ -220,8 +258,10 @@ def _layers_sequence_parallel(ctx: ParallelContext) -> int:
 def _all_layer_checks(tp: int) -> dict[str, int]:
     plain = with_context(tp, _layers_plain)
     with_context(tp, _skip_bias_add)
+    skip = with_context(tp, _dispatch_skip_bias_add)
+    skip += with_context(tp, _dispatch_skip_bias_add, sp=True)
     sp = with_context(tp, _layers_sequence_parallel, sp=True)
-    return {"plain": plain, "sequence_parallel": sp}
+    return {"plain": plain, "sequence_parallel": sp, "skip_bias_add": skip}
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -229,4 +269,5 @@ def test_every_1d_layer_matches_torch(dist, tp: int) -> None:
     results = dist.run(_all_layer_checks, world_size=tp, args=(tp,), timeout=120.0)
     assert results[0]["plain"] == 13
     assert results[0]["sequence_parallel"] == (8 if tp == 2 else 7)
+    assert results[0]["skip_bias_add"] == 6
     assert all(r == results[0] for r in results)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from blocks import Block
 from mesh_reference import CONFIGS, block, check_mesh, mesh, with_mesh
 from torch import nn
-from tp_reference import TOL, randomize
+from tp_reference import TOL, BiasAdded, check_returned_bias, randomize
 
 import tessera.layers as L
 from tessera.context import ParallelContext, ParallelMode, get_shard_info, set_context
@@ -174,6 +174,19 @@ def _layers(ctx: ParallelContext) -> int:
     y, bias = par(block(x, ctx, "act"))
     torch.testing.assert_close(y + bias, block(ref(x), ctx, "act"), **TOL)
     return len(checks)
+
+
+def _dispatch_skip_bias_add(ctx: ParallelContext) -> None:
+    """The dispatching ``Linear(..., skip_bias_add=True)``: the caller's ``y + bias`` has
+    ``nn.Linear``'s values and every gradient; the returned bias is the local block ``[out/q]``
+    (block ``j``) that the bias's ShardInfo describes, its gradient summed over the batch group."""
+    x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(11))
+    linear = Linear(H, 12, skip_bias_add=True, context=ctx)
+    assert type(linear) is _cls("Linear", ctx)
+    ref, par = BiasAdded(nn.Linear(H, 12)), BiasAdded(linear)
+    check_mesh("Linear(skip_bias_add)", ref, par, x, ctx, seed=45)
+    bias = check_returned_bias(linear, ref.inner, block(x, ctx, "act"))  # type: ignore[arg-type]
+    assert bias.shape == (12 // mesh(ctx).q,)
 
 
 class ListingOne(nn.Module):
@@ -372,8 +385,19 @@ def _errors(ctx: ParallelContext) -> None:
     with pytest.raises(ValueError, match=r"gather_output"):
         Linear(8, 8, gather_output=True, context=ctx)
     linear = Linear(8, 8, context=ctx)
-    with pytest.raises(ValueError, match=r"expected the local block to have size 4 in dim -1"):
+    with pytest.raises(
+        ValueError,
+        match=rf"Linear{suffix}\(8, 8\): expected the input's last dim to be in_features 8 / q 2 "
+        rf"= 4 \(the local block of a {m.kind} activation, q=2, depth={m.depth}: split the input "
+        r"with split_activation\), got shape \[1, 2, 8\]",
+    ):
         linear(torch.zeros(1, 2, 8))  # a full activation where a block was expected
+    norm = LayerNorm(8, context=ctx)
+    with pytest.raises(ValueError, match=r"\(8\): .* normalized_shape 8 / q 2 = 4"):
+        norm(torch.zeros(1, 2, 8))
+    head = Classifier(8, 6, context=ctx)
+    with pytest.raises(ValueError, match=rf"Classifier{suffix}\(8, 6\): .* in_features 8 / q 2"):
+        head(torch.zeros(1, 2, 8))
 
 
 def _all(config: str) -> dict[str, Any]:
@@ -381,6 +405,7 @@ def _all(config: str) -> dict[str, Any]:
         _mesh_coordinates(ctx)
         _summa(ctx)
         layers = _layers(ctx)
+        _dispatch_skip_bias_add(ctx)
         _listing_one(ctx)
         names = _block(ctx)
         _loss_and_accuracy(ctx)

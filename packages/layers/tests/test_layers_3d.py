@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from blocks import Block
 from torch import nn
-from tp_reference import TOL, first, randomize
+from tp_reference import TOL, BiasAdded, check_returned_bias, first, randomize
 
 from tessera.context import ParallelContext, ParallelMode, create_context, get_shard_info
 from tessera.layers import (
@@ -197,6 +197,22 @@ def _layers(ctx: ParallelContext) -> int:
     y, bias = par_linear(block(x, ctx, "y"))
     torch.testing.assert_close(y + bias, block(ref_linear(x), ctx, "z"), **TOL)
     return len(checks)
+
+
+def _dispatch_skip_bias_add(ctx: ParallelContext) -> int:
+    """The dispatching ``Linear(..., skip_bias_add=True)`` in both layouts: the caller's
+    ``y + bias`` has ``nn.Linear``'s values and every gradient; the returned bias is the local
+    block ``[out/q]`` of the output's hidden axis that the bias's ShardInfo describes."""
+    x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(12))
+    for n, (parallel, layout, out) in enumerate((("col", "y", "z"), ("row", "z", "y"))):
+        linear = Linear(H, 12, parallel=parallel, skip_bias_add=True, context=ctx)  # type: ignore[arg-type]
+        assert type(linear) is Linear3D and linear.input_layout == layout
+        ref, par = BiasAdded(nn.Linear(H, 12)), BiasAdded(linear)
+        name = f"Linear({parallel}, skip_bias_add)"
+        check(name, ref, par, x, ctx, in_layout=layout, out_layout=out, seed=45 + n)
+        bias = check_returned_bias(linear, ref.inner, block(x, ctx, layout))  # type: ignore[arg-type]
+        assert bias.shape == (12 // 2,), name
+    return 2
 
 
 class MLP(nn.Module):
@@ -402,14 +418,25 @@ def _errors(ctx: ParallelContext) -> None:
     with pytest.raises(ValueError, match=r"gather_output"):
         Linear(8, 8, parallel="col", gather_output=True, context=ctx)
     linear = Linear(8, 8, parallel="col", context=ctx)
-    with pytest.raises(ValueError, match=r"expected the local block to have size 4 in dim -1"):
+    with pytest.raises(
+        ValueError,
+        match=r"Linear3D\(8, 8\): expected the input's last dim to be in_features 8 / q 2 = 4 "
+        r"\(the local block of a 3d activation, q=2: split the input with split_activation / "
+        r"split_batch\), got shape \[1, 2, 8\]",
+    ):
         linear(torch.zeros(1, 2, 8))  # a full activation where a block was expected
+    head = Classifier(8, 12, vocab_parallel=True, context=ctx)
+    with pytest.raises(
+        ValueError, match=r"VocabParallelClassifier3D\(8, 12\): .* in_features 8 / q"
+    ):
+        head(torch.zeros(1, 2, 8))
 
 
 def _all() -> dict[str, Any]:
     ctx = create_context(dict(parallel=dict(tensor=dict(size=8, mode="3d"))), timeout=120.0)
     try:
         layers = _layers(ctx)
+        layers += _dispatch_skip_bias_add(ctx)
         names = _blocks(ctx)
         _two_models(ctx)
         _loss_and_accuracy(ctx)
@@ -424,7 +451,7 @@ def _all() -> dict[str, Any]:
 
 def test_3d_layers_match_torch(dist) -> None:
     results = dist.run(_all, world_size=8, timeout=600.0)
-    assert all(r["layers"] == 11 for r in results)
+    assert all(r["layers"] == 13 for r in results)
     assert results[0]["block"] == [
         "LayerNorm3D",
         "Linear3D",

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from tp_reference import TOL, randomize
+from tp_reference import TOL, BiasAdded, check_returned_bias, randomize
 
 from tessera.context import ParallelContext, ParallelMode, create_context, get_shard_info
 from tessera.layers import (
@@ -27,15 +27,18 @@ from tessera.layers import (
     Embedding,
     LayerNorm,
     Linear,
-    ModeNotImplementedError,
     PatchEmbedding,
     RingSelfAttention,
     SequenceAccuracy,
     SequenceDropout,
+    SequencePatchEmbedding,
+    SerialLinear,
+    SerialPatchEmbedding,
     gather_activation,
     gather_full_state_dict,
     group_info,
     load_full_state_dict,
+    normal,
     ring_av,
     ring_of,
     ring_qk,
@@ -108,20 +111,32 @@ def summed(t: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
 
 
 def check_sequence(
-    name: str, ref: nn.Module, par: nn.Module, x: torch.Tensor, ctx: ParallelContext, seed: int
+    name: str,
+    ref: nn.Module,
+    par: nn.Module,
+    x: torch.Tensor,
+    ctx: ParallelContext,
+    seed: int,
+    *,
+    split_input: bool = True,
 ) -> None:
-    """Output, input gradient (local chunks) and summed parameter gradients against torch."""
+    """Output, input gradient and summed parameter gradients against torch.
+
+    The input is this rank's chunk of ``x`` (``split_input``) or the whole of it (images:
+    replicated, so its gradient must be the whole one); the output is this rank's chunk.
+    """
     randomize(ref, seed)
     load_full_state_dict(par, ref.state_dict())
     x_ref = x.clone().requires_grad_()
-    x_par = split_activation(x, ctx).detach().requires_grad_()
+    x_par = (split_activation(x, ctx) if split_input else x.clone()).detach().requires_grad_()
     y_ref, y_par = ref(x_ref), par(x_par)
     w = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(seed + 1))
     (y_ref * w).sum().backward()
     (y_par * chunk(w, ctx)).sum().backward()
     torch.testing.assert_close(y_par, chunk(y_ref.detach(), ctx), **TOL, msg=f"{name} out")
     assert x_ref.grad is not None and x_par.grad is not None
-    torch.testing.assert_close(x_par.grad, chunk(x_ref.grad, ctx), **TOL, msg=f"{name} dx")
+    dx_ref = chunk(x_ref.grad, ctx) if split_input else x_ref.grad
+    torch.testing.assert_close(x_par.grad, dx_ref, **TOL, msg=f"{name} dx")
     ref_params = dict(ref.named_parameters())
     names = []
     for pname, p in par.named_parameters():
@@ -194,6 +209,74 @@ def _block(ctx: ParallelContext) -> list[str]:
     return [type(c).__name__ for c in par.children()]
 
 
+class PatchTokens(SerialPatchEmbedding):
+    """The reference of ``class_token=False``: torch's patch embedding without the class token."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)[:, 1:]  # [b, N_p, E]
+
+
+def _patch_embedding(ctx: ParallelContext) -> int:
+    """Each rank embeds its chunk of the tokens: outputs, the whole images' gradient and the
+    parameter gradients summed over SEQUENCE (the class token's, on ranks without it, zero)."""
+    n = ctx.tensor_size
+    g = torch.Generator().manual_seed(7)
+    cases: list[tuple[str, nn.Module, nn.Module, torch.Tensor]] = [
+        # 36 patches: 18 per rank (whole patch rows) on 2, 9 (rows cut in half) on 4
+        (
+            "patches 12/2",
+            PatchTokens(12, 2, 3, 8),
+            SequencePatchEmbedding(12, 2, 3, 8, class_token=False, context=ctx),
+            torch.randn(B, 3, 12, 12, generator=g),
+        ),
+        # 4 patches of 3x3: 2 per rank on 2, 1 on 4
+        (
+            "patches 6/3",
+            PatchTokens(6, 3, 2, 4),
+            SequencePatchEmbedding(6, 3, 2, 4, class_token=False, context=ctx),
+            torch.randn(B, 2, 6, 6, generator=g),
+        ),
+    ]
+    if n == 2:  # 9 patches + the class token = 10 tokens: [cls, p0..p3] and [p4..p8]
+        par = PatchEmbedding(6, 2, 3, 8, context=ctx)
+        assert type(par) is SequencePatchEmbedding
+        img = torch.randn(B, 3, 6, 6, generator=g)
+        cases.append(("class token 6/2", SerialPatchEmbedding(6, 2, 3, 8), par, img))
+    for i, (name, ref, par, img) in enumerate(cases):
+        check_sequence(f"{name} (N={n})", ref, par, img, ctx, seed=60 + i, split_input=False)
+        # every rank has every gradient, so the handler's all-reduce matches across ranks
+        cls_grad = par.get_parameter("cls_token").grad
+        assert cls_grad is not None
+        has_cls = (
+            not isinstance(ref, PatchTokens) and ctx.get_local_rank(ParallelMode.SEQUENCE) == 0
+        )
+        assert bool(cls_grad.abs().sum() > 0) == has_cls, name
+    # initialized as torch's model from the same RNG state
+    torch.manual_seed(3)
+    ref_init = SerialPatchEmbedding(12, 2, 3, 8, position_embed_initializer=normal(std=0.02))
+    torch.manual_seed(3)
+    par_init = SequencePatchEmbedding(
+        12, 2, 3, 8, position_embed_initializer=normal(std=0.02), class_token=False, context=ctx
+    )
+    for key, value in ref_init.state_dict().items():
+        assert torch.equal(par_init.state_dict()[key], value), key
+    return len(cases)
+
+
+def _skip_bias_add(ctx: ParallelContext) -> None:
+    """``Linear(..., skip_bias_add=True)``: the caller's ``y + bias`` is ``nn.Linear``'s, with
+    every gradient (summed over SEQUENCE); the bias is the parameter itself, whole."""
+    x = torch.randn(B, S, 16, generator=torch.Generator().manual_seed(8))
+    linear = Linear(16, 12, skip_bias_add=True, context=ctx)
+    assert type(linear) is SerialLinear
+    ref, par = BiasAdded(nn.Linear(16, 12)), BiasAdded(linear)
+    check_sequence("Linear(skip_bias_add)", ref, par, x, ctx, seed=70)
+    bias = check_returned_bias(linear, ref.inner, split_activation(x, ctx))  # type: ignore[arg-type]
+    assert bias is linear.bias
+    no_bias = Linear(16, 12, bias=False, skip_bias_add=True, context=ctx)
+    assert no_bias(x)[1] is None
+
+
 def _losses_and_activations(ctx: ParallelContext) -> None:
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(B, S, 6, generator=g)
@@ -249,8 +332,21 @@ def _errors(ctx: ParallelContext) -> None:
         RingSelfAttention(8, 2, impl="flash", context=ctx)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"vocab_parallel=True.*whole vocabulary"):
         Embedding(16, 4, vocab_parallel=True, context=ctx)
-    with pytest.raises(ModeNotImplementedError, match=r"PatchEmbedding for tensor mode 'sequence'"):
+    # 4 patches + the class token: 5 tokens split over neither 2 nor 4 ranks
+    with pytest.raises(
+        ValueError,
+        match=rf"SequencePatchEmbedding: the sequence of 5 tokens \(4 patches \+ 1 class token, "
+        rf"a 4x4 image in 2x2 patches\) does not split over the {n} ranks of SEQUENCE "
+        rf"\(5 % {n} = {5 % n}\); build it with class_token=False",
+    ):
         PatchEmbedding(4, 2, 3, 8, context=ctx)
+    with pytest.raises(ValueError, match=r"the sequence of 9 tokens \(patches"):
+        SequencePatchEmbedding(6, 2, 3, 8, class_token=False, context=ctx)
+    patches = SequencePatchEmbedding(4, 2, 3, 8, class_token=False, context=ctx)
+    with pytest.raises(
+        ValueError, match=r"expected the whole images \[b, 3, 4, 4\].*\[2, 3, 4, 2\]"
+    ):
+        patches(torch.zeros(2, 3, 4, 2))  # e.g. an image split like an activation
     with pytest.raises(ValueError, match=r"expected the local chunk \[b, s/N, 8\]"):
         RingSelfAttention(8, 2, context=ctx)(torch.zeros(2, 4, 6))
 
@@ -261,9 +357,11 @@ def _all(size: int) -> dict[str, Any]:
         _ring_products(ctx)
         cases = _attention(ctx)
         names = _block(ctx)
+        patches = _patch_embedding(ctx)
+        _skip_bias_add(ctx)
         _losses_and_activations(ctx)
         _errors(ctx)
-        return {"cases": cases, "block": names}
+        return {"cases": cases, "block": names, "patch_embedding": patches}
     finally:
         ctx.destroy()
 
@@ -272,6 +370,7 @@ def _all(size: int) -> dict[str, Any]:
 def test_sequence_parallel_matches_torch(dist, size: int) -> None:
     results = dist.run(_all, world_size=size, args=(size,), timeout=300.0)
     assert all(r["cases"] == 6 for r in results)
+    assert all(r["patch_embedding"] == (3 if size == 2 else 2) for r in results)
     assert results[0]["block"] == [
         "LayerNorm",
         "RingSelfAttention",
@@ -292,6 +391,8 @@ def _wrong_mode() -> str:
     try:
         with pytest.raises(ValueError, match=r"needs a context with tensor mode 'sequence'"):
             RingSelfAttention(8, 2, context=ctx)
+        with pytest.raises(ValueError, match=r"SequencePatchEmbedding needs a context with tensor"):
+            SequencePatchEmbedding(4, 2, 3, 8, class_token=False, context=ctx)
         return "ok"
     finally:
         ctx.destroy()

@@ -54,6 +54,42 @@ def first(y: Any) -> torch.Tensor:
     return y[0] if isinstance(y, tuple) else y
 
 
+class BiasAdded(nn.Module):
+    """The caller of a ``skip_bias_add=True`` layer: ``y, bias = inner(x)``, returns ``y + bias``.
+
+    Wrapping the torch reference too (whose ``inner`` returns ``y`` with the bias added) keeps
+    the parameter names equal (``inner.weight``, ``inner.bias``), so the reference checks
+    compare ``y + bias`` and every gradient, the bias's included, with ``nn.Linear``'s.
+    """
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x)
+        if not isinstance(out, tuple):
+            return out
+        y, bias = out
+        assert bias is not None and bias.shape == y.shape[-1:], "bias must match y's last dim"
+        return y + bias
+
+
+def check_returned_bias(
+    linear: nn.Module, ref: nn.Linear, x: torch.Tensor, *, whole: bool = False
+) -> torch.Tensor:
+    """``linear(x)``'s bias is the block of ``ref.bias`` that ``linear.bias``'s ShardInfo
+    describes (``whole``: all of it, e.g. gathered with ``gather_output``); returns it."""
+    _, bias = linear(x)
+    info = get_shard_info(linear.bias)
+    full = ref.bias.detach()
+    expected = full if whole or info is None else full[info.slices]
+    if not whole and info is not None:
+        assert tuple(bias.shape) == info.local_shape, (list(bias.shape), info)
+    torch.testing.assert_close(bias, expected, rtol=0, atol=0)
+    return bias
+
+
 def check_against_reference(
     name: str,
     ref: nn.Module,

@@ -93,6 +93,7 @@ from tessera.layers.norm_3d import LayerNorm3D
 from tessera.layers.patch_embedding_1d import PatchEmbedding1D
 from tessera.layers.patch_embedding_2d import PatchEmbedding2D, PatchEmbedding2p5D
 from tessera.layers.patch_embedding_3d import PatchEmbedding3D
+from tessera.layers.patch_embedding_sequence import SequencePatchEmbedding
 from tessera.layers.ring_attention import AttentionImpl, RingSelfAttention
 from tessera.layers.ring_ops import Ring, ring_av, ring_of, ring_qk
 from tessera.layers.sequence import (
@@ -101,7 +102,12 @@ from tessera.layers.sequence import (
     mark_sequence_replicated,
     split_sequence_activation,
 )
-from tessera.layers.serial import SerialAccuracy, SerialClassifier, SerialPatchEmbedding
+from tessera.layers.serial import (
+    SerialAccuracy,
+    SerialClassifier,
+    SerialLinear,
+    SerialPatchEmbedding,
+)
 from tessera.layers.shards import new_parameter, shard_info
 from tessera.layers.state_dict import gather_full_state_dict, load_full_state_dict
 from tessera.layers.summa import summa_ab, summa_abt, summa_atb
@@ -179,6 +185,7 @@ __all__ = [
     # sequence parallelism (Li et al. 2021; DeepSpeed-Ulysses)
     "RingSelfAttention",
     "AttentionImpl",
+    "SequencePatchEmbedding",
     "SequenceDropout",
     "SequenceAccuracy",
     "ShardedDropout",
@@ -191,6 +198,7 @@ __all__ = [
     "gather_sequence_activation",
     # plain layers torch lacks
     "SerialClassifier",
+    "SerialLinear",
     "SerialPatchEmbedding",
     "SerialAccuracy",
     # functional loss and metric

@@ -20,6 +20,7 @@ from .collectives import check_divisible
 from .comm import copy_to_group, gather_along_dim, reduce_from_group, split_along_dim
 from .dense import check_shared_weight, dense_bias, dense_weight
 from .initializers import Initializer
+from .input_checks import check_input_dim
 
 __all__ = ["Classifier1D", "VocabParallelClassifier1D", "check_shared_weight"]
 
@@ -75,8 +76,20 @@ class Classifier1D(Module1D):
             dtype=dtype,
         )  # [C]
 
+    @property
+    def signature(self) -> str:
+        """``Classifier1D(in_features, num_classes)``, naming the head in error messages."""
+        return f"{type(self).__name__}({self.in_features}, {self.num_classes})"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
+        check_input_dim(
+            x,
+            self.in_features,
+            self.signature,
+            "in_features",
+            hint=" (the head splits the features itself)",
+        )
         group = self.tp.group
         if self.sequence_parallel:
             x = gather_along_dim(x, self.SEQUENCE_DIM, group)  # [b, s, in]
@@ -140,8 +153,20 @@ class VocabParallelClassifier1D(Module1D):
             dtype=dtype,
         )  # [C/p]
 
+    @property
+    def signature(self) -> str:
+        """``VocabParallelClassifier1D(in_features, num_classes)``, for error messages."""
+        return f"{type(self).__name__}({self.in_features}, {self.num_classes})"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
+        check_input_dim(
+            x,
+            self.in_features,
+            self.signature,
+            "in_features",
+            hint=" (a vocab-parallel head's input holds every feature)",
+        )
         group = self.tp.group
         if self.sequence_parallel:
             x = gather_along_dim(x, self.SEQUENCE_DIM, group, partial_grad=True)  # [b, s, in]

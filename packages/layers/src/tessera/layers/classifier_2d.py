@@ -74,7 +74,7 @@ class MeshVocabParallelClassifier(GridHead, MeshModule):
         """See the class docstring for shapes."""
         mesh = self.mesh
         local_in = self.in_features // mesh.q
-        mesh.check_local(x, -1, local_in, f"{self.owner} input")
+        mesh.check_local(x, -1, local_in, self.signature, name="in_features")
         weight = mesh.over_depth(self.weight)  # [C/q, in/q]: W[C_i, in_j]
         logits = summa_abt(x.reshape(-1, local_in), weight, mesh.row, mesh.col)  # [m, C/q]
         return self.add_bias(logits.view(*x.shape[:-1], logits.shape[-1]))

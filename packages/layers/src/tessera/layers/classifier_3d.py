@@ -74,7 +74,7 @@ class VocabParallelClassifier3D(GridHead, CubeModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
         cube = self.cube
-        cube.check_local(x, -1, self.in_features // cube.q, f"{self.owner} input")
+        cube.check_local(x, -1, self.in_features // cube.q, self.signature, name="in_features")
         full = gather_along_dim(x, -1, cube.input.group, partial_grad=True)  # [b/q^2, .., h]
         weight = self.gather_table(self.weight, 0)  # [C/q, h]: class block y
         return self.add_bias(torch.matmul(full, weight.t()))  # [b/q^2, ..., C/q]

@@ -36,6 +36,7 @@ from .collectives import all_gather_along, check_divisible, reduce_scatter_along
 from .comm import apply_function, copy_to_group, gather_along_dim, split_along_dim
 from .context_access import GroupInfo, group_info
 from .grid import GridModule
+from .input_checks import check_block_dim
 
 __all__ = [
     "LAYOUTS_3D",
@@ -122,14 +123,17 @@ class Cube:
         param = copy_to_group(param, self.output.group)
         return gather_along_dim(param, dim, self.weight.group, partial_grad=True)
 
-    def check_local(self, x: torch.Tensor, dim: int, expected: int, what: str) -> None:
-        """``ValueError`` (before any collective) unless ``x.shape[dim] == expected``."""
-        if x.dim() == 0 or x.shape[dim] != expected:
-            raise ValueError(
-                f"{what}: expected the local block to have size {expected} in dim {dim}, got "
-                f"shape {list(x.shape)} (3d with q={self.q}: did you split the input with "
-                "split_activation / split_batch?)"
-            )
+    def check_local(
+        self, x: torch.Tensor, dim: int, expected: int, what: str, *, name: str = "size"
+    ) -> None:
+        """``ValueError`` (before any collective) unless ``x.shape[dim] == expected``.
+
+        ``expected`` is the local block ``full / q`` of a dim split over one cube axis; the
+        message names ``what`` (the layer), ``name`` (what ``full`` is, e.g. ``in_features``)
+        and the arithmetic (:func:`~tessera.layers.input_checks.check_block_dim`).
+        """
+        block = f"a 3d activation, q={self.q}: split the input with split_activation / split_batch"
+        check_block_dim(x, dim, expected, what, name, self.q, block)
 
 
 def cube_of(context: ParallelContext) -> Cube:

@@ -4,8 +4,8 @@
 plain torch without tensor parallelism (no context, or ``tensor_mode is None``), the mode's
 class otherwise, looked up in ``IMPLEMENTATIONS[layer][mode]``. A mode without an entry raises
 :class:`ModeNotImplementedError`: never a silent fallback to an unparallel layer. The 2D and
-2.5D builders live in ``dispatch_2d.py`` (one builder per layer serves both); part 3 adds '3d'
-and 'sequence'.
+2.5D builders live in ``dispatch_2d.py`` (one builder per layer serves both), the '3d' and
+'sequence' ones in ``dispatch_3d.py``. Every layer has an implementation in every mode.
 
 They are factories (functions with class-like names): the object returned *is* the torch or
 tessera module, so parameter names are exactly those of the plain torch model.
@@ -39,7 +39,7 @@ from .linear_1d import Linear1DCol, Linear1DRow
 from .mesh import MESH_MODES
 from .norm_1d import LayerNorm1D
 from .patch_embedding_1d import PatchEmbedding1D
-from .serial import SerialAccuracy, SerialClassifier, SerialPatchEmbedding
+from .serial import SerialAccuracy, SerialClassifier, SerialLinear, SerialPatchEmbedding
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -134,6 +134,7 @@ def Linear(
     gather_output: bool = False,
     parallel_input: bool = True,
     sequence_parallel: bool | None = None,
+    skip_bias_add: bool = False,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     weight_initializer: Initializer | None = None,
@@ -141,6 +142,25 @@ def Linear(
     context: ParallelContext | None = None,
 ) -> nn.Module:
     """``torch.nn.Linear`` for the context's tensor mode (weight ``[out, in]`` in full form).
+
+    With ``skip_bias_add=True`` the module returns ``(y, bias)`` and leaves the add to the
+    caller (Megatron-LM fuses it into the GeLU or dropout that follows), in every mode. ``bias``
+    is always what must be added to ``y``'s last dim (``bias.shape == y.shape[-1:]``; ``None``
+    with ``bias=False``), and ``y + bias`` has the values and gradients of the layer without
+    ``skip_bias_add``:
+
+    - no tensor parallelism: :class:`SerialLinear` (an ``nn.Linear``), the bias parameter;
+    - ``'sequence'``: the same, marked replicated with partial gradients like every
+      parameter of that mode;
+    - ``'1d'``, ``parallel="col"``: the local block ``[out/p]`` (the block of the output's
+      features this rank holds, described by ``module.bias``'s ``ShardInfo``), or the whole
+      bias all-gathered with ``gather_output=True``; ``parallel="row"``: the whole
+      (replicated) bias, routed so its gradient is summed over the 1D group under sequence
+      parallelism;
+    - ``'2d'`` / ``'2.5d'`` / ``'3d'``: the local block ``[out/q]`` matching the output's
+      hidden block (``module.bias``'s ``ShardInfo``: split over the hidden axis, replicated
+      over the batch group), routed through ``copy_to_group`` over the batch group so that
+      its gradient, summed over the batch blocks that add it, is complete in ``.grad``.
 
     Args:
         in_features: As torch's.
@@ -152,6 +172,7 @@ def Linear(
         gather_output: 1D column only: all-gather the output.
         parallel_input: 1D row only: the input is already split (default).
         sequence_parallel: 1D only; default the config's ``tensor.sequence_parallel``.
+        skip_bias_add: Return ``(y, bias)`` without adding the bias (see above).
         dtype: Of the parameters.
         device: Of the parameters.
         weight_initializer: Fills the full weight (default torch's init).
@@ -168,6 +189,7 @@ def Linear(
         gather_output=gather_output,
         parallel_input=parallel_input,
         sequence_parallel=sequence_parallel,
+        skip_bias_add=skip_bias_add,
         dtype=dtype,
         device=device,
         weight_initializer=weight_initializer,
@@ -175,7 +197,8 @@ def Linear(
     )
     if module is not None:
         return module
-    linear = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+    cls = SerialLinear if skip_bias_add else nn.Linear
+    linear = cls(in_features, out_features, bias, device=device, dtype=dtype)
     _reinit(linear.weight, weight_initializer, in_features, out_features)
     _reinit(linear.bias, bias_initializer, in_features, out_features)
     return linear
@@ -304,7 +327,14 @@ def PatchEmbedding(
     position_embed_initializer: Initializer | None = None,
     context: ParallelContext | None = None,
 ) -> nn.Module:
-    """ViT patch embedding for the context's tensor mode (see :class:`SerialPatchEmbedding`)."""
+    """ViT patch embedding for the context's tensor mode (see :class:`SerialPatchEmbedding`).
+
+    Input: the images, whole (no tensor parallelism, 1D, ``'sequence'``) or ``split_batch``
+    (2D, 2.5D, 3D); output ``[b, N_p + 1, E]`` in the mode's activation layout. Under
+    ``'sequence'`` it is :class:`SequencePatchEmbedding`: chunk ``r`` of the ``N_p + 1``
+    tokens, which must split over the SEQUENCE ranks (``ValueError`` otherwise; build
+    ``SequencePatchEmbedding(..., class_token=False)`` for a sequence of the patches only).
+    """
     kwargs: dict[str, Any] = dict(
         img_size=img_size,
         patch_size=patch_size,

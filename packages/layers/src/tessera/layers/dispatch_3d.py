@@ -11,9 +11,11 @@ embeddings, heads and losses work on layout ``"y"``.
 Sequence: everything but attention is token-wise, so the builders return the plain torch
 modules (``nn.Linear``, ``nn.LayerNorm``, ``nn.Embedding``, ``SerialClassifier``,
 ``nn.CrossEntropyLoss``) working on the local sub-sequence, with every parameter marked
-replicated over SEQUENCE with partial gradients (``mark_sequence_replicated``). The loss is
-the mean over the rank's own tokens, which is what the engine's sequence-parallel gradient
-handler (``average="sequence_dp"``) expects. Attention is :class:`RingSelfAttention`.
+replicated over SEQUENCE with partial gradients (``mark_sequence_replicated``). The patch
+embedding is :class:`SequencePatchEmbedding`, which embeds only the rank's chunk of the
+tokens (class token and patches) from the whole images. The loss is the mean over the rank's
+own tokens, which is what the engine's sequence-parallel gradient handler
+(``average="sequence_dp"``) expects. Attention is :class:`RingSelfAttention`.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from .dispatch_2d import GRID_BUILDERS
 from .dropout_3d import SequenceDropout
 from .initializers import Initializer
 from .linear_3d import Linear3D
+from .patch_embedding_sequence import SequencePatchEmbedding
 from .sequence import SequenceAccuracy, mark_sequence_replicated
-from .serial import SerialClassifier
+from .serial import SerialClassifier, SerialLinear
 from .tables import zero_row
 
 __all__ = ["BUILDERS_3D", "SEQUENCE_BUILDERS"]
@@ -127,6 +130,7 @@ def _linear_sequence(
     gather_output: bool,
     parallel_input: bool,
     sequence_parallel: bool | None,
+    skip_bias_add: bool,
     dtype: torch.dtype | None,
     device: torch.device | str | None,
     weight_initializer: Initializer | None,
@@ -140,7 +144,8 @@ def _linear_sequence(
         gather_output=gather_output,
         parallel_input=parallel_input,
     )
-    linear = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+    cls = SerialLinear if skip_bias_add else nn.Linear
+    linear = cls(in_features, out_features, bias, device=device, dtype=dtype)
     _reinit(linear.weight, weight_initializer, in_features, out_features)
     _reinit(linear.bias, bias_initializer, in_features, out_features)
     return mark_sequence_replicated(linear, ctx)
@@ -185,6 +190,13 @@ def _embedding_sequence(
     return mark_sequence_replicated(embedding, ctx)
 
 
+def _patch_embedding_sequence(
+    ctx: ParallelContext, *, sequence_parallel: bool | None, **kwargs: Any
+) -> nn.Module:
+    _no_1d_options("PatchEmbedding", ctx, sequence_parallel=sequence_parallel)
+    return SequencePatchEmbedding(context=ctx, **kwargs)
+
+
 def _classifier_sequence(
     ctx: ParallelContext, *, vocab_parallel: bool, sequence_parallel: bool | None, **kwargs: Any
 ) -> nn.Module:
@@ -212,12 +224,12 @@ def _accuracy_sequence(ctx: ParallelContext, *, vocab_parallel: bool) -> nn.Modu
     return SequenceAccuracy(context=ctx)
 
 
-#: dispatching layer -> builder for tensor mode 'sequence' (no PatchEmbedding: a ViT's
-#: patches are not split along a sequence here, so it raises ModeNotImplementedError).
+#: dispatching layer -> builder for tensor mode 'sequence'.
 SEQUENCE_BUILDERS: dict[str, Builder] = {
     "Linear": _linear_sequence,
     "LayerNorm": _layer_norm_sequence,
     "Embedding": _embedding_sequence,
+    "PatchEmbedding": _patch_embedding_sequence,
     "Classifier": _classifier_sequence,
     "Dropout": _dropout_sequence,
     "CrossEntropyLoss": _cross_entropy_sequence,

@@ -51,8 +51,13 @@ class Grid(Protocol):
         """The modes a table is replicated over (its gradient is summed over them)."""
         ...
 
-    def check_local(self, x: torch.Tensor, dim: int, expected: int, what: str) -> None:
-        """``ValueError`` (before any collective) unless ``x.shape[dim] == expected``."""
+    def check_local(
+        self, x: torch.Tensor, dim: int, expected: int, what: str, *, name: str = "size"
+    ) -> None:
+        """``ValueError`` (before any collective) unless ``x.shape[dim] == expected``.
+
+        ``expected = full / q``; ``what`` names the layer, ``name`` what ``full`` is.
+        """
         ...
 
     def gather_table(self, param: torch.Tensor, dim: int) -> torch.Tensor:

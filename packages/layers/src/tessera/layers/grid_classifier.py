@@ -82,6 +82,11 @@ class GridHead(GridModule):
             dtype=dtype,
         )
 
+    @property
+    def signature(self) -> str:
+        """``Class(in_features, num_classes)``, naming the head in error messages."""
+        return f"{self.owner}({self.in_features}, {self.num_classes})"
+
     def check_features(self) -> None:
         """Raise ``ValueError`` for sizes the split cannot take (beyond the weight's own)."""
 
@@ -121,7 +126,7 @@ class GridClassifier(GridHead):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
         grid = self.grid
-        grid.check_local(x, -1, self.in_features // grid.q, f"{self.owner} input")
+        grid.check_local(x, -1, self.in_features // grid.q, self.signature, name="in_features")
         weight = grid.gather_table(self.weight, 1)  # [C, in/q]: the hidden axis's block
         partial = torch.matmul(x, weight.t())  # [b/B, ..., C], partial over hidden blocks
         return self.add_bias(reduce_from_group(partial, grid.hidden_axis.group))

@@ -27,12 +27,32 @@ from .comm import (
 )
 from .dense import dense_bias, dense_weight
 from .initializers import Initializer
+from .input_checks import check_input_dim
 
 __all__ = ["Linear1DCol", "Linear1DRow", "LinearOutput"]
 
 #: A linear layer returns ``y``, or ``(y, bias)`` with ``skip_bias_add=True`` (the caller fuses
 #: the bias add into what follows, Megatron-style).
 LinearOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _check_row_input(
+    x: torch.Tensor, in_features: int, world_size: int, parallel_input: bool, owner: str
+) -> None:
+    """The last dim of a row-parallel input: ``in/p`` if already split, else ``in``."""
+    if parallel_input:
+        check_input_dim(
+            x,
+            in_features // world_size,
+            owner,
+            f"in_features {in_features} / tensor size {world_size}",
+            hint=" (a row-parallel input is split along its features, e.g. the output of a "
+            "column-parallel layer; pass parallel_input=False to give the whole input)",
+        )
+    else:
+        check_input_dim(
+            x, in_features, owner, "in_features", hint=" (parallel_input=False: the whole input)"
+        )
 
 
 class Linear1DCol(Module1D):
@@ -93,8 +113,20 @@ class Linear1DCol(Module1D):
             dtype=dtype,
         )  # [out/p]
 
+    @property
+    def signature(self) -> str:
+        """``Linear1DCol(in_features, out_features)``, naming the layer in error messages."""
+        return f"{type(self).__name__}({self.in_features}, {self.out_features})"
+
     def forward(self, x: torch.Tensor) -> LinearOutput:
         """See the class docstring for shapes."""
+        check_input_dim(
+            x,
+            self.in_features,
+            self.signature,
+            "in_features",
+            hint=" (a column-parallel input holds every feature)",
+        )
         group = self.tp.group
         if self.sequence_parallel:
             x = gather_along_dim(x, self.SEQUENCE_DIM, group, partial_grad=True)  # [b, s, in]
@@ -180,8 +212,16 @@ class Linear1DRow(Module1D):
             dtype=dtype,
         )  # [out]
 
+    @property
+    def signature(self) -> str:
+        """``Linear1DRow(in_features, out_features)``, naming the layer in error messages."""
+        return f"{type(self).__name__}({self.in_features}, {self.out_features})"
+
     def forward(self, x: torch.Tensor) -> LinearOutput:
         """See the class docstring for shapes."""
+        _check_row_input(
+            x, self.in_features, self.tp.world_size, self.parallel_input, self.signature
+        )
         group = self.tp.group
         if not self.parallel_input:
             x = split_along_dim(x, -1, group)  # [.., in/p]

@@ -84,11 +84,16 @@ class MeshLinear(MeshModule):
             dtype=dtype,
         )  # [out/q]: b[out_j]
 
+    @property
+    def signature(self) -> str:
+        """``Class(in_features, out_features)``, naming the layer in error messages."""
+        return f"{type(self).__name__}({self.in_features}, {self.out_features})"
+
     def forward(self, x: torch.Tensor) -> LinearOutput:
         """See the class docstring for shapes."""
         mesh = self.mesh
         local_in = self.in_features // mesh.q
-        mesh.check_local(x, -1, local_in, f"{self.owner}({self.in_features}, ...) input")
+        mesh.check_local(x, -1, local_in, self.signature, name="in_features")
         lead = x.shape[:-1]
         weight = mesh.over_depth(self.weight).t()  # [in/q, out/q]: block (i, j) of W^T
         y = summa_ab(x.reshape(-1, local_in), weight, mesh.row, mesh.col)  # [m, out/q]

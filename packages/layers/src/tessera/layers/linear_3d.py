@@ -92,11 +92,16 @@ class Linear3D(CubeModule):
         """The layout of the output: the other one."""
         return other_layout(self.input_layout)
 
+    @property
+    def signature(self) -> str:
+        """``Class(in_features, out_features)``, naming the layer in error messages."""
+        return f"{type(self).__name__}({self.in_features}, {self.out_features})"
+
     def forward(self, x: torch.Tensor) -> LinearOutput:
         """See the class docstring for shapes."""
         cube = self.cube
         local_in = self.in_features // cube.q
-        cube.check_local(x, -1, local_in, f"{self.owner}({self.in_features}, ...) input")
+        cube.check_local(x, -1, local_in, self.signature, name="in_features")
         y = cube_linear(x, self.weight, cube, self.input_layout)  # [b/q^2, ..., out/q]
         bias = (
             None

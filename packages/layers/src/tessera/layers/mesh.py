@@ -33,6 +33,7 @@ from .collectives import check_divisible
 from .comm import copy_to_group, gather_along_dim, split_along_dim
 from .context_access import GroupInfo, group_info
 from .grid import GridModule
+from .input_checks import check_block_dim
 
 __all__ = [
     "MESH_MODES",
@@ -128,14 +129,20 @@ class Mesh:
         """Route a parameter used by every batch block (a bias): sum its gradient over them."""
         return copy_to_group(param, self.batch.group)
 
-    def check_local(self, x: torch.Tensor, dim: int, expected: int, what: str) -> None:
-        """``ValueError`` (before any collective) unless ``x.shape[dim] == expected``."""
-        if x.dim() == 0 or x.shape[dim] != expected:
-            raise ValueError(
-                f"{what}: expected the local block to have size {expected} in dim {dim}, got "
-                f"shape {list(x.shape)} (with q={self.q}, depth={self.depth}: did you split "
-                "the input with split_activation?)"
-            )
+    def check_local(
+        self, x: torch.Tensor, dim: int, expected: int, what: str, *, name: str = "size"
+    ) -> None:
+        """``ValueError`` (before any collective) unless ``x.shape[dim] == expected``.
+
+        ``expected`` is the local block ``full / q`` of a dim split over the mesh; the message
+        names ``what`` (the layer), ``name`` (what ``full`` is, e.g. ``in_features``) and the
+        arithmetic (:func:`~tessera.layers.input_checks.check_block_dim`).
+        """
+        block = (
+            f"a {self.kind} activation, q={self.q}, depth={self.depth}: split the input with "
+            "split_activation"
+        )
+        check_block_dim(x, dim, expected, what, name, self.q, block)
 
 
 def mesh_of(context: ParallelContext, kind: str) -> Mesh:

@@ -157,7 +157,9 @@ class GroupLayerNorm(GridModule):
         Every batch block uses the parameters, so their gradients are summed over ``batch``.
         """
         grid = self.grid
-        grid.check_local(x, -1, self.hidden // grid.q, f"{self.owner}({self.hidden}) input")
+        grid.check_local(
+            x, -1, self.hidden // grid.q, f"{self.owner}({self.hidden})", name="normalized_shape"
+        )
         weight = None if self.weight is None else copy_to_group(self.weight, batch.group)
         bias = None if self.bias is None else copy_to_group(self.bias, batch.group)
         return layer_norm_over_group(x, weight, bias, self.hidden, self.eps, split)

@@ -12,7 +12,13 @@ from torch import nn
 
 from .initializers import Initializer, fan_in_uniform, kaiming_uniform, zeros
 
-__all__ = ["SerialAccuracy", "SerialClassifier", "SerialPatchEmbedding", "init_parameter"]
+__all__ = [
+    "SerialAccuracy",
+    "SerialClassifier",
+    "SerialLinear",
+    "SerialPatchEmbedding",
+    "init_parameter",
+]
 
 
 def init_parameter(
@@ -28,6 +34,21 @@ def init_parameter(
     with torch.no_grad():
         initializer(t, fan_in, fan_out)
     return nn.Parameter(t)
+
+
+class SerialLinear(nn.Linear):
+    """``torch.nn.Linear`` that returns ``(x W^T, bias)`` without adding the bias.
+
+    What the dispatching ``Linear(..., skip_bias_add=True)`` builds without tensor
+    parallelism (and, marked, under tensor mode ``'sequence'``), so the caller can fuse the
+    bias add into what follows (Megatron-style) in every mode. Same parameters, names and
+    initialization as ``nn.Linear``; the bias is the parameter itself (``None`` without), so
+    its gradient is whatever the caller's use of it gives.
+    """
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # type: ignore[override]
+        """``x`` ``[.., in]`` -> ``([.., out], bias [out])``."""
+        return F.linear(x, self.weight), self.bias
 
 
 class SerialClassifier(nn.Module):
