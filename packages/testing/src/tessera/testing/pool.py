@@ -306,16 +306,23 @@ class WorkerPool:
                     os.kill(proc.pid, signal.SIGUSR1)
                     asked.append(rank)
         stacks: dict[int, str] = {}
+        seen: dict[int, str] = {}  # the last read of each dump still being written
         end = time.monotonic() + _STACK_DUMP_WAIT_S
         while asked and time.monotonic() < end:
             for rank in list(asked):
                 with contextlib.suppress(OSError):
                     with open(self._dump_paths[rank]) as handle:
                         text = handle.read()
-                    if text.strip():
+                    # faulthandler writes the innermost frame first and the worker loop last:
+                    # the dump is complete once the loop's frames are in, or it stopped growing.
+                    if text.strip() and (_WORKER_FILE in text or seen.get(rank) == text):
                         stacks[rank] = _user_frames(text)
                         asked.remove(rank)
+                    seen[rank] = text
             time.sleep(0.05)
+        for rank in asked:  # out of time: what was written so far
+            if seen.get(rank, "").strip():
+                stacks[rank] = _user_frames(seen[rank])
         return stacks
 
     # ----------------------------------------------------------------- shutdown
