@@ -201,6 +201,10 @@ class PipelineExecutor:
         self._send_b: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._recv_b: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._held: dict[tuple[int, int], _Held] = {}
+        # receives posted ahead: per stream (RECV_F | RECV_B, chunk) the ones still to post,
+        # and the posted ones by action (_plan_prefetch)
+        self._queues: dict[tuple[ActionKind, int], deque[Action]] = {}
+        self._prefetched: dict[Action, Transfer] = {}
         self.results = _Results()
         self.events: list[TimelineEvent] = []
         self.peak_live = 0
@@ -474,8 +478,8 @@ class PipelineExecutor:
         the action list puts them, so the lists stay deadlock-free. Steps that exchange shapes
         post every receive in its batch.
         """
-        self._queues: dict[tuple[ActionKind, int], deque[Action]] = {}
-        self._prefetched: dict[Action, Transfer] = {}
+        self._queues.clear()
+        self._prefetched.clear()
         if self.comm is None or not self.comm.can_prefetch or self.exchange:
             return
         for step in steps:
