@@ -18,6 +18,7 @@ from torch import nn
 
 from tessera.context import ParallelMode, create_context
 from tessera.pipeline import (
+    Action,
     ActionKind,
     GPipeSchedule,
     InterleavedPipelineSchedule,
@@ -28,6 +29,7 @@ from tessera.pipeline import (
     gather_timeline,
     plot_timeline,
     simulate,
+    split_steps,
 )
 
 ATOL = 1e-6  # fp32; gradients here are O(0.1..1)
@@ -423,3 +425,84 @@ def test_forward_only_tensor_shape_errors_timeline_memory(dist: Any, p: int, tmp
         assert gpipe_live == 8 and ofob_live == p - rank
         assert ofob_bytes < gpipe_bytes or gpipe_bytes == 0  # stages without saved tensors
     assert (tmp_path / "measured.png").stat().st_size > 0
+
+
+# --------------------------------------------------------------------------- receives posted
+# ahead in a user's schedule; zero bubble with a tied fused weight
+
+
+class GPipeThenOneFOneB(Schedule):
+    """Rank 0 runs every forward first (GPipe), the others 1F1B.
+
+    Made deadlock-free, the last rank's list then receives two activations in one batch
+    (``RECV_F1 RECV_F2``): two receives of one stream, of which only the first was posted ahead.
+    """
+
+    def compute_actions(self, pipeline_rank: int, num_stages: int) -> list[Action]:
+        m = self.num_microbatches
+        if pipeline_rank == 0:
+            return [Action(ActionKind.F, i) for i in range(m)] + [
+                Action(ActionKind.B, i) for i in range(m)
+            ]
+        return [Action(kind, i) for i in range(m) for kind in (ActionKind.F, ActionKind.B)]
+
+
+class TiedAbove(nn.Module):
+    """A linear layer whose weight a matmul uses again above it (on the input path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) @ self.lin.weight
+
+
+def _user_schedule_and_tied(p: int) -> dict[str, Any]:
+    ctx = create_context(dict(parallel=dict(pipeline=p)), timeout=30)
+    rank = ctx.get_local_rank(ParallelMode.PIPELINE)
+    report: dict[str, Any] = {}
+    try:
+        x, y = make_data(batch=8)
+        model = make_mlp()
+        _, _, ref_grads = reference(model, x, y, mse)
+        for shape in (None, (2, 8)):
+            schedule = GPipeThenOneFOneB(4, tensor_shape=shape)
+            stage = build_pipeline_model(copy.deepcopy(model), 1, method="uniform", context=ctx)
+            same_stream = any(
+                len(receives) != len(set(receives))
+                for step in split_steps(schedule.actions(rank, p))
+                for receives in [[(a.kind, a.chunk) for a in step if not a.kind.is_compute]]
+            )
+            for _ in range(2):  # without tensor_shape, the second step posts receives ahead
+                schedule.forward_backward_step(stage, iter([(x, y)]), mse, context=ctx)
+            report[f"user/{shape}"] = (grad_diff(stage, ref_grads, scale=2.0), same_stream)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            # uniform over 2 ranks: [Linear, Tanh] | [TiedAbove, Linear], a stage with inputs
+            tied = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), TiedAbove(), nn.Linear(8, 3))
+        _, _, ref_grads = reference(tied, x, y, mse)
+        stage = build_pipeline_model(tied, 1, method="uniform", context=ctx)
+        report["tied_here"] = any(isinstance(m, TiedAbove) for m in stage.modules())
+        ZeroBubbleSchedule(4).forward_backward_step(stage, iter([(x, y)]), mse, context=ctx)
+        report["zero_bubble_tied"] = grad_diff(stage, ref_grads)
+    finally:
+        ctx.destroy()
+    return report
+
+
+def test_user_schedule_with_two_receives_of_a_stream_in_one_batch(dist: Any) -> None:
+    # Before the fix the stream's next receive was posted again after the batch: it took the
+    # following microbatch's message and the last receive waited for a message never sent.
+    # Zero bubble: W started at the matmul ran the fused layer again and kept its rows twice.
+    results = dist.run(_user_schedule_and_tied, world_size=2, args=(2,), timeout=180)
+    for rank, report in enumerate(results):
+        for key, value in report.items():
+            if key.startswith("user/"):
+                diff, same_stream = value
+                assert diff <= ATOL * 20, (rank, key, diff)
+                assert same_stream == (rank == 1), (rank, key)
+            elif key == "tied_here":
+                assert value == (rank == 1)
+            else:
+                assert value <= ATOL * 10, (rank, key, value)

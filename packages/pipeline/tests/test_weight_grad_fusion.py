@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as tdist
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -287,15 +288,17 @@ def test_schedules_with_and_without_fusion_match_the_reference(make):
         _assert_same_grads(ref, trained)
 
 
-def _ddp_is_never_fused() -> tuple[bool, bool]:
+def _ddp_is_never_fused() -> tuple[bool, bool, bool]:
     model = _mlp()
     wrapped = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-    return stage_allows_fusion(model), stage_allows_fusion(wrapped)
+    # a DDP submodule: its reducer hooks the accumulation nodes, which the leaf check cannot see
+    nested = nn.Sequential(nn.parallel.DistributedDataParallel(nn.Linear(4, 4)), nn.Tanh())
+    return stage_allows_fusion(model), stage_allows_fusion(wrapped), stage_allows_fusion(nested)
 
 
 def test_ddp_wrapped_stage_is_not_fused(dist: Any) -> None:
-    for plain, wrapped in dist.run(_ddp_is_never_fused, world_size=2, timeout=60):
-        assert plain and not wrapped
+    for plain, wrapped, nested in dist.run(_ddp_is_never_fused, world_size=2, timeout=60):
+        assert plain and not wrapped and not nested
     assert tdist.is_available()
 
 
@@ -316,3 +319,198 @@ def test_compiled_stages_are_not_fused_and_kept_rows_do_not_pin_larger_storages(
     batcher.flush()
     torch.testing.assert_close(layer.weight.grad, g.t() @ big[:2])
     torch.testing.assert_close(layer.bias.grad, g.sum(0))
+
+
+# --------------------------------------------------------------------------- review regressions
+
+
+class _TiedBelow(nn.Module):
+    """The layer's weight is used again by a matmul above the layer (on the input path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) @ self.lin.weight
+
+
+class _TiedBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.lin.bias
+
+
+class _TiedBeside(nn.Module):
+    """The weight's other use is on a branch that does not go through the fused layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.tanh(x) @ self.lin.weight
+
+
+@pytest.mark.parametrize(
+    ("factory", "split"),
+    [(_TiedBelow, False), (_TiedBias, False), (_TiedBeside, True)],
+    ids=["weight_above", "bias_above", "weight_beside"],
+)
+def test_split_backward_with_a_fused_weight_tied_to_another_op(factory, split):
+    # W started at the matmul would run the fused layer again (it has an edge to the weight)
+    # and keep its rows twice: such a stage falls back to the full backward in W.
+    ref, fused = factory(), factory()
+    for mb in range(2):
+        torch.manual_seed(10 + mb)
+        x, g = torch.randn(3, 4), torch.randn(3, 4)
+        xr = x.clone().requires_grad_()
+        ref(xr).backward(g)
+        xf = x.clone().requires_grad_()
+        store = WeightGradStore()
+        with FuseLinearWeightGrad(store):
+            out = fused(xf)
+        assert store.fused == 1
+        input_grads, work = backward_input([out], [g], [xf], store)
+        assert work.split is split
+        torch.testing.assert_close(input_grads[0], xr.grad, **TOL)
+        backward_weight(work)
+    _assert_same_grads(ref, fused)
+
+
+class _GradientPenalty(nn.Module):
+    """Calls torch.autograd.grad inside its forward (w.r.t. its input, building a graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if x.requires_grad else x.clone().requires_grad_()
+        h = self.lin(x)
+        (gx,) = torch.autograd.grad(h.pow(2).sum(), x, create_graph=True)
+        return self.out(h + gx)
+
+
+class _InnerStep(nn.Module):
+    """One inner gradient step on its own weight inside the forward (MAML-like)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = self.lin(x).pow(2).sum()
+        (gw,) = torch.autograd.grad(inner, self.lin.weight, create_graph=True)
+        return F.linear(x, self.lin.weight - 0.1 * gw, self.lin.bias)
+
+
+@pytest.mark.parametrize("factory", [_GradientPenalty, _InnerStep], ids=["penalty", "inner"])
+def test_a_backward_inside_the_forward_gets_plain_autograd_semantics(factory):
+    # Neither the inner call's weight gradient is added to .grad, nor is it missing from what
+    # the inner call asks for.
+    model = factory()
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    ref = copy.deepcopy(model)
+    ((ref(x) - y) ** 2).mean().backward()
+    schedule = GPipeSchedule(1)
+    schedule.forward_backward_step(
+        model, iter([(x, y)]), lambda o, t: ((o - t) ** 2).mean(), return_output_label=False
+    )
+    _assert_same_grads(ref, model)
+    store = WeightGradStore()
+    with FuseLinearWeightGrad(store):
+        model(x)
+    assert store.fused >= 1 and store.mode is StoreMode.ACCUMULATE  # restored after the forward
+
+
+class _ScalarBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(3, 4))
+        self.bias = nn.Parameter(torch.randn(1))  # broadcast over the 3 outputs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _complex_linear() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(4, 3).to(torch.cfloat)
+
+
+@pytest.mark.parametrize("factory", [_ScalarBias, _complex_linear], ids=["bias", "complex"])
+def test_broadcast_bias_and_complex_weights_are_left_to_autograd(factory):
+    ref, fused = factory(), factory()
+    dtype = next(ref.parameters()).dtype
+    x = torch.randn(5, 4, dtype=dtype)
+    ref(x).abs().pow(2).sum().backward()
+    store = WeightGradStore()
+    with FuseLinearWeightGrad(store):
+        out = fused(x)
+    assert store.fused == 0
+    out.abs().pow(2).sum().backward()
+    _assert_same_grads(ref, fused)
+
+
+class _DropsGradient(torch.autograd.Function):
+    """Passes two tensors on and sends no gradient (None, not zeros) to the second."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return a * 1, b * 1
+
+    @staticmethod
+    def backward(ctx: Any, ga: torch.Tensor, gb: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ga, None
+
+
+def test_a_layer_no_gradient_reaches_keeps_grad_none():
+    torch.manual_seed(0)
+    used, unused = nn.Linear(4, 3), nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    store = WeightGradStore()
+    with FuseLinearWeightGrad(store):
+        a, b = _DropsGradient.apply(used(x), unused(x))
+        out = a + b
+    assert store.fused == 2
+    out.sum().backward()
+    assert used.weight.grad is not None
+    assert unused.weight.grad is None and unused.bias.grad is None  # as autograd leaves them
+
+
+def test_split_backward_gives_a_parameter_output_and_a_sparse_gradient_their_grads():
+    class Passes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.randn(4))
+            self.token = nn.Parameter(torch.randn(3, 4))  # handed on to the next stage as is
+            self.emb = nn.Embedding(5, 4, sparse=True)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x * self.scale * self.emb(torch.tensor([0, 1, 1])), self.token
+
+    torch.manual_seed(0)
+    ref = Passes()
+    split = copy.deepcopy(ref)
+    for _ in range(2):
+        x, g1, g2 = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
+        a, b = ref(x.clone().requires_grad_())
+        torch.autograd.backward([a, b], [g1, g2])
+        xs = x.clone().requires_grad_()
+        outs = list(split(xs))
+        _, work = backward_input(outs, [g1, g2], [xs])
+        backward_weight(work)
+    for (name, pa), pb in zip(ref.named_parameters(), split.parameters(), strict=True):
+        assert pb.grad is not None, name
+        torch.testing.assert_close(pb.grad.to_dense(), pa.grad.to_dense(), **TOL, msg=name)

@@ -23,7 +23,9 @@ their weight edges carry no gradient. In B they compute the input gradient and k
 the microbatch's store (mode DEFER); W adds ``g^T x`` to ``.grad``. When the stage falls back to
 the unsplit form, B drops their weight gradient (SKIP) and W runs one full backward that adds it
 (ACCUMULATE). A fused layer off the input path (its input does not depend on the stage's inputs)
-is not reached by B, so it also makes the stage fall back.
+is not reached by B, so it also makes the stage fall back. So does a fused weight (or bias) that
+another op uses too, above the fused layer on the input path (``lin(x) @ lin.weight``): the
+fused node still has an edge to it, so W started at that op would run the fused layer again.
 
 Numerics: B and W run the same kernels as one ``backward()`` on the same tensors, so the split
 gives the unsplit gradients.
@@ -147,25 +149,35 @@ def backward_input(
     leaf_bit: dict[Any, int] = {}
     on_input: dict[Any, bool] = {}
     reach: dict[Any, int] = {}  # bitmask of weight leaves reachable from the node
+    for node in order:
+        if _is_leaf_node(node) and id(node.variable) not in input_ids:
+            leaf_bit[node] = len(leaves)
+            leaves.append(node.variable)
     for node in order:  # children before parents
         if _is_leaf_node(node):
-            variable = node.variable
-            is_input = id(variable) in input_ids
-            on_input[node] = is_input
-            if is_input:
-                reach[node] = 0
-            else:
-                leaf_bit[node] = len(leaves)
-                reach[node] = 1 << len(leaves)
-                leaves.append(variable)
+            on_input[node] = node not in leaf_bit
+            reach[node] = 1 << leaf_bit[node] if node in leaf_bit else 0
             continue
         kids = children[node]
         on_input[node] = any(on_input[k] for k in kids)
         mask = 0
         for k in kids:
             mask |= reach[k]
+        if is_fused_linear_node(node):
+            # Its weight and bias edges carry no gradient, but the engine still runs the node
+            # when a W call asks for that weight (tied to a non-fused use): count them, so that
+            # a split node above this one on the input path makes the stage fall back.
+            for child, _ in node.next_functions[1:]:
+                if child in leaf_bit:
+                    mask |= 1 << leaf_bit[child]
         reach[node] = mask
     plain_outputs = any(o.grad_fn is None for o in outs)
+    # An output that is itself a weight (a parameter passed on as it is) gets its gradient in W.
+    known = {id(t) for t in leaves}
+    for o in outs:
+        if o.grad_fn is None and id(o) not in input_ids and id(o) not in known:
+            known.add(id(o))
+            leaves.append(o)
     fused_off_input = any(is_fused_linear_node(n) and not on_input[n] for n in order)
     if not inputs or plain_outputs or fused_off_input or not (leaves or store):
         return _unsplit(outs, gs, inputs, leaves, store)
@@ -292,7 +304,10 @@ def _accumulate(leaves: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
             if grad is None:
                 continue
             if leaf.grad is None:
-                leaf.grad = torch.empty_like(leaf).copy_(grad)
+                # a sparse gradient (nn.Embedding(sparse=True)) stays sparse, as autograd keeps it
+                leaf.grad = grad.clone() if grad.is_sparse else torch.empty_like(leaf).copy_(grad)
+            elif leaf.grad.is_sparse and not grad.is_sparse:
+                leaf.grad = grad + leaf.grad  # dense
             else:
                 leaf.grad.add_(grad)
 

@@ -11,7 +11,8 @@ Per (microbatch, chunk), what is held and when it is released:
 
 - F keeps the stage's input leaves and the outputs that get a gradient (their autograd graph);
   on the last virtual stage the loss ``loss_fn(output, label) / num_microbatches``;
-- B (unsplit) runs the full backward, weights accumulating into ``.grad``, and releases them;
+- B (unsplit) runs the full backward, weights accumulating into ``.grad`` (fused linear layers'
+  rows may wait in the step's :class:`WeightGradBatcher` until the step ends), and releases them;
 - B (split) computes only the input gradient (:func:`tessera.pipeline.backward_input`), keeps
   what W needs; W accumulates the weight gradients and releases everything.
 
@@ -416,6 +417,7 @@ class PipelineExecutor:
         assert self.comm is not None
         transfers: list[tuple[Action, Transfer]] = []
         first_in: dict[int, Transfer] = {}  # exchange: chunk -> this batch's announced receive
+        refill: list[tuple[ActionKind, int]] = []  # streams whose posted receive is used here
         for action in batch:
             key = (action.microbatch, action.chunk)
             peer = peer_rank(action, self.rank, self.p)
@@ -426,6 +428,11 @@ class PipelineExecutor:
                 transfer = Transfer("send", peer, tensors, meta, announce=announce)
             elif action in self._prefetched:
                 transfer = self._prefetched.pop(action)
+                refill.append((kind, action.chunk))
+            elif self._unqueue(action):
+                # Not posted ahead (a later receive of a stream whose earlier one is in this
+                # batch too): posted here, after that one, and never again.
+                transfer = self._receive(action, self._receive_meta(kind, action.chunk))
             elif kind is ActionKind.RECV_F:
                 expected = self.fixed or self.link_meta.get(("in", action.chunk))
                 transfer = Transfer("recv", peer, meta=expected)
@@ -446,9 +453,9 @@ class PipelineExecutor:
             transfer.microbatch = action.microbatch
             transfers.append((action, transfer))
         self.comm.communicate([t for _, t in transfers], exchange_meta=self.exchange)
+        for stream in refill:
+            self._prefetch_next(stream)
         for action, transfer in transfers:
-            if (action.kind, action.chunk) in self._queues:
-                self._prefetch_next((action.kind, action.chunk))
             key = (action.microbatch, action.chunk)
             if action.kind is ActionKind.RECV_F:
                 got = transfer.received_meta
@@ -489,17 +496,28 @@ class PipelineExecutor:
         for stream in list(self._queues):
             self._prefetch_next(stream)
 
+    def _receive_meta(self, kind: ActionKind, chunk: int) -> PayloadMeta | None:
+        """The known metadata of a stream's receives (None: not known on this step)."""
+        if kind is ActionKind.RECV_F:
+            return self.fixed or self.link_meta.get(("in", chunk))
+        out = self.fixed or self.link_meta.get(("out", chunk))
+        return None if out is None else out.gradient_meta()
+
+    def _unqueue(self, action: Action) -> bool:
+        """Take a receive that was not posted ahead out of its stream's queue, if it is there."""
+        queue = self._queues.get((action.kind, action.chunk))
+        if queue is None or action not in queue:
+            return False
+        queue.remove(action)
+        return True
+
     def _prefetch_next(self, stream: tuple[ActionKind, int]) -> None:
         queue = self._queues.get(stream)
         if not queue:
             return
         action = queue.popleft()
         kind, chunk = stream
-        if kind is ActionKind.RECV_F:
-            meta = self.fixed or self.link_meta.get(("in", chunk))
-        else:
-            out = self.fixed or self.link_meta.get(("out", chunk))
-            meta = None if out is None else out.gradient_meta()
+        meta = self._receive_meta(kind, chunk)
         if meta is None:  # shapes unknown here: this stream's receives go in their batches
             del self._queues[stream]
             return

@@ -23,8 +23,9 @@ each link this step is preceded by a metadata message over the context's CPU (gl
 which the receiver reads (blocking, in one thread) before posting that receive
 (:meth:`PipelineComm._communicate_with_meta`); later microbatches reuse it, gradients need none
 (their shapes are those of the activations they answer). Later steps post each batch at once
-with the cached shapes. No helper threads, no collectives: the order of every message is fixed
-by the action lists alone.
+with the cached shapes (on gloo, the executor posts each stream's next receive ahead of its
+batch, :meth:`PipelineComm.prefetch`). No helper threads, no collectives: the order of every
+message is fixed by the action lists alone.
 
 Order. NCCL matches point-to-point messages between two ranks in the order they are posted,
 whatever their tag. The executor therefore relies on the action lists posting, for every pair
@@ -350,11 +351,12 @@ class PipelineComm:
 
         Without metadata: every send and receive is posted at once (one
         ``batch_isend_irecv``, or the same ops straight on a gloo group) and the receives are
-        waited on. Sends complete in the background: the last ``send_depth`` batches' sends
-        stay in flight and older ones are waited on here; :meth:`flush` waits for all (the
-        executor calls it at the end of every step). Waiting for a send later than its batch
-        never adds a dependency, so the action lists, deadlock-free when every send waits for
-        its receive within its batch, stay deadlock-free.
+        waited on; a receive already posted by :meth:`prefetch` is only waited on. Sends
+        complete in the background: the last ``send_depth`` batches' sends stay in flight and
+        older ones are waited on here; :meth:`flush` waits for all (the executor calls it at
+        the end of every step). Waiting for a send later than its batch never adds a
+        dependency, so the action lists, deadlock-free when every send waits for its receive
+        within its batch, stay deadlock-free.
 
         With metadata (both ends agree on ``exchange_meta``; the executor decides it
         identically on all ranks), see :meth:`_communicate_with_meta`. Receives land in

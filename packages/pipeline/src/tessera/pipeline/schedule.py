@@ -58,11 +58,11 @@ class Schedule(abc.ABC):
         last_run: what the last :meth:`forward_backward_step` measured on this rank
             (:class:`tessera.pipeline.RunRecord`), None before the first.
         fuse_weight_grad: compute the weight gradients of the stages' linear layers straight
-            into ``.grad`` (one ``addmm_`` per microbatch instead of a matmul plus an addition;
-            under zero bubble, kept for W): Megatron-LM's gradient accumulation fusion, see
-            :mod:`tessera.pipeline.weight_grad_fusion`. True by default; settable. Set it to
-            False when something must see each microbatch's weight gradient through autograd
-            (a hook added after the forward, for example).
+            into ``.grad`` (an ``addmm_`` instead of a matmul plus an addition, over the rows of
+            several microbatches at once; under zero bubble, kept for W): Megatron-LM's gradient
+            accumulation fusion, see :mod:`tessera.pipeline.weight_grad_fusion`. True by
+            default; settable. Set it to False when something must see each microbatch's weight
+            gradient through autograd (a hook added after the forward, for example).
     """
 
     splits_backward: ClassVar[bool] = False

@@ -32,11 +32,21 @@ store's mode decides what happens to it: added to ``.grad`` now (an unsplit back
 W (zero bubble's B), or dropped (a B whose W recomputes the whole backward).
 
 Eligible: grad mode on, no autocast, plain tensors (no tensor subclass such as DTensor), a leaf
-weight that requires grad and has no hooks (nor the bias), matching dtypes, and no saved-tensor
-hooks but the executor's own (non-reentrant activation checkpointing recomputes the forward in
-backward, outside this mode, and would see different saved tensors). Anything else runs
-``F.linear`` unchanged. Stages wrapped in ``DistributedDataParallel`` or holding FSDP modules are
-never fused: both rely on autograd's accumulation hooks (:func:`stage_allows_fusion`).
+real floating-point weight that requires grad and has no hooks (nor the bias, which must be
+``[out]``: a broadcast bias is reduced by autograd's own backward), matching dtypes, and no
+saved-tensor hooks but the executor's own (non-reentrant activation checkpointing recomputes the
+forward in backward, outside this mode, and would see different saved tensors). Anything else runs
+``F.linear`` unchanged. Stages holding a ``DistributedDataParallel`` or FSDP module (the stage
+itself or any submodule) are never fused: both rely on autograd's accumulation hooks
+(:func:`stage_allows_fusion`). Hooks put straight on a parameter's accumulation node
+(``p.view_as(p).grad_fn.next_functions[0][0].register_hook``) cannot be seen from Python: with
+such hooks, turn fusion off (``schedule.fuse_weight_grad = False``).
+
+A backward that runs while the forward is still going (a gradient penalty or an inner step that
+calls ``torch.autograd.grad`` inside the stage) is not the executor's: there the store is in
+mode AUTOGRAD and the weight gradient is returned to autograd like ``F.linear``'s own, so it is
+neither added to ``.grad`` nor lost when that call asks for it. A layer no gradient reaches
+(its output gradient is undefined, not zero) leaves ``.grad`` untouched, as autograd does.
 
 Numerics: ``.grad + g^T x`` in one kernel instead of two; the same sum, rounded once less.
 """
@@ -67,6 +77,7 @@ class StoreMode(enum.Enum):
     ACCUMULATE = "accumulate"  # add it to .grad now
     DEFER = "defer"  # keep (x, g) for W
     SKIP = "skip"  # drop it: a later full backward computes it
+    AUTOGRAD = "autograd"  # return it to autograd (a backward inside the forward)
 
 
 #: Rows of (x, g) a layer may keep in a :class:`WeightGradBatcher`, in bytes, as a fraction of
@@ -201,20 +212,24 @@ class _FusedLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.bias = bias
         ctx.store = store
+        # An output no gradient reaches comes as None, not zeros: .grad stays as autograd leaves it.
+        ctx.set_materialize_grads(False)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(
-        ctx: Any, grad_output: torch.Tensor
-    ) -> tuple[torch.Tensor | None, None, None, None]:
+        ctx: Any, grad_output: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        if grad_output is None:
+            return None, None, None, None
         x, weight = ctx.saved_tensors  # x: [..., in], weight: [out, in]
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
-        ctx.store.take(
-            weight,
-            ctx.bias,
-            x.reshape(-1, x.shape[-1]),  # [n, in]
-            grad_output.reshape(-1, grad_output.shape[-1]),  # [n, out]
-        )
+        x_rows = x.reshape(-1, x.shape[-1])  # [n, in]
+        g_rows = grad_output.reshape(-1, grad_output.shape[-1])  # [n, out]
+        if ctx.store.mode is StoreMode.AUTOGRAD:
+            grad_bias = g_rows.sum(dim=0) if ctx.bias is not None else None  # [out]
+            return grad_input, g_rows.t().mm(x_rows), grad_bias, None
+        ctx.store.take(weight, ctx.bias, x_rows, g_rows)
         return grad_input, None, None, None
 
 
@@ -252,6 +267,20 @@ class FuseLinearWeightGrad(TorchFunctionMode):
         super().__init__()
         self.store = store
         self.allowed_pack = allowed_pack
+        self._modes: list[StoreMode] = []
+
+    def __enter__(self) -> FuseLinearWeightGrad:
+        # While the forward runs, a backward through its layers is the stage's own (an inner
+        # torch.autograd.grad): plain autograd semantics. The mode in force before comes back
+        # on exit, for the executor's backward.
+        self._modes.append(self.store.mode)
+        self.store.mode = StoreMode.AUTOGRAD
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        super().__exit__(exc_type, exc_val, exc_tb)  # type: ignore[no-untyped-call]
+        self.store.mode = self._modes.pop()
 
     def __torch_function__(
         self,
@@ -276,10 +305,10 @@ class FuseLinearWeightGrad(TorchFunctionMode):
             return None
         if bias is not None and not _plain_leaf(bias):
             return None
-        if weight.dim() != 2 or input.dtype != weight.dtype:
-            return None
-        if bias is not None and bias.dtype != weight.dtype:
-            return None
+        if weight.dim() != 2 or input.dtype != weight.dtype or not weight.is_floating_point():
+            return None  # complex weights: the gradients are conjugated, leave them to autograd
+        if bias is not None and (bias.dtype != weight.dtype or bias.shape != weight.shape[:1]):
+            return None  # a broadcast bias: autograd reduces its gradient to its shape
         if torch.is_autocast_enabled(input.device.type):
             return None
         pack = _top_saved_tensor_pack()
@@ -291,12 +320,16 @@ class FuseLinearWeightGrad(TorchFunctionMode):
 
 
 def stage_allows_fusion(stage: nn.Module) -> bool:
-    """Whether a stage may fuse: not DDP-wrapped, not compiled, and holding no FSDP module.
+    """Whether a stage may fuse: not compiled, and holding no DDP or FSDP module (at any depth).
 
     DDP reduces gradients from hooks on autograd's accumulation and FSDP reads ``.grad`` in its
-    post-backward; a weight gradient written outside autograd (or deferred to W) bypasses both.
+    post-backward; a weight gradient written outside autograd (or deferred to W, or batched to
+    the end of the step) bypasses both. A DDP-wrapped submodule counts as much as a wrapped
+    stage: its reducer's hooks sit on the parameters' accumulation nodes, where
+    :func:`_plain_leaf` cannot see them.
     """
-    if isinstance(stage, nn.parallel.DistributedDataParallel):
+    ddp = nn.parallel.DistributedDataParallel
+    if any(isinstance(m, ddp) for m in stage.modules()):
         return False
     # A compiled module would trace the mode; leave compiled code to autograd's own path.
     if any(
