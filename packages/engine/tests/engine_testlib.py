@@ -4,6 +4,7 @@ tessera-layers; Megatron-style column/row split, Shoeybi et al. 2019)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -139,3 +140,14 @@ def assemble(results: list[Locals]) -> dict[str, torch.Tensor]:
     for key, mask in covered.items():
         assert bool(mask.all()), f"{key} is not fully covered by the ranks' blocks"
     return full
+
+
+class LogCapture(logging.Handler):
+    """Keeps every message a logger emits (attach with ``logger.addHandler``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

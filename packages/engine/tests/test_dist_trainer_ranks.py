@@ -4,13 +4,12 @@ chosen rank only, and test accuracy is the accuracy of the whole test set."""
 from __future__ import annotations
 
 import io
-import logging
 import sys
 from typing import Any
 
 import pytest
 import torch
-from engine_testlib import make_data, make_model, sgd
+from engine_testlib import LogCapture, make_data, make_model, sgd
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -26,19 +25,10 @@ from tessera.engine import (
 )
 
 
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _fit_and_capture() -> dict[str, Any]:
     ctx = create_context(dict(parallel={}), timeout=60)
     logger = get_dist_logger("tessera-trainer-ranks")
-    cap = _Capture()
+    cap = LogCapture()
     logger.logger.addHandler(cap)
     stderr = sys.stderr
     try:

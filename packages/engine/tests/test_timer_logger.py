@@ -1,9 +1,9 @@
 from __future__ import annotations
 
-import logging
 import time
 
 import pytest
+from engine_testlib import LogCapture
 
 from tessera.engine import MultiTimer, Timer, get_dist_logger
 
@@ -43,19 +43,10 @@ def test_multitimer_named_and_disabled() -> None:
     assert off.names() == []
 
 
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_dist_logger_writes_on_chosen_ranks_only() -> None:
     logger = get_dist_logger("tessera-test-logger")
     assert get_dist_logger("tessera-test-logger") is logger
-    cap = _Capture()
+    cap = LogCapture()
     logger.logger.addHandler(cap)
     logger.info("default ranks")  # this process is rank 0: written
     logger.info("other rank", ranks=[1])  # not this rank: dropped

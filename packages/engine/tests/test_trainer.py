@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as tdist
-from engine_testlib import make_data, make_model, sgd
+from engine_testlib import LogCapture, make_data, make_model, sgd
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -65,15 +64,6 @@ def _loaders() -> tuple[Any, Any]:
     return get_dataloader(ds, batch_size=4), get_dataloader(ds, batch_size=8)
 
 
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_fit_with_hooks_progress_and_log(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -82,7 +72,7 @@ def test_fit_with_hooks_progress_and_log(
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     engine = Engine(model, opt, nn.CrossEntropyLoss())
     logger = get_dist_logger("tessera-trainer-test")
-    cap = _Capture()
+    cap = LogCapture()
     logger.logger.addHandler(cap)
     log_file = tmp_path / "metrics.jsonl"
     trainer = Trainer(engine, logger=logger, metrics_log=log_file)
