@@ -40,7 +40,12 @@ from tessera.context.launch import (
 )
 from tessera.context.layouts import Group, Groups, coordinates, global_rank
 from tessera.context.modes import ModeLike, ParallelMode
-from tessera.context.seeds import derive_seed, set_seed
+from tessera.context.seeds import (
+    derive_seed,
+    get_host_rng_state,
+    set_host_rng_state,
+    set_seed,
+)
 from tessera.context.shard import ShardInfo, get_shard_info, set_shard_info
 from tessera.registry import ConfigError
 
@@ -86,6 +91,8 @@ __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL",
     "is_communication_error",
     # seeds
+    "get_host_rng_state",
+    "set_host_rng_state",
     "set_seed",
     "derive_seed",
     # shard descriptions

@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_STREAM", "RngStreams", "derive_seed", "set_seed"]
+__all__ = [
+    "DEFAULT_STREAM",
+    "RngStreams",
+    "derive_seed",
+    "get_host_rng_state",
+    "set_host_rng_state",
+    "set_seed",
+]
 
 #: The name of the stream that is live outside every ``with ctx.seed(...)`` block.
 DEFAULT_STREAM = "__default__"
@@ -32,6 +39,48 @@ def _numpy() -> Any | None:
         return importlib.import_module("numpy")
     except ImportError:
         return None
+
+
+def get_host_rng_state() -> dict[str, Any]:
+    """Python's ``random`` and numpy's (if installed) global states, as plain data.
+
+    Tensors, ints, floats and strings only, so a checkpoint holding them loads with
+    ``weights_only=True``; :func:`set_host_rng_state` restores them.
+    """
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss": gauss}
+    }
+    np = _numpy()
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    return state
+
+
+def set_host_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`get_host_rng_state` returned (a missing entry is left alone)."""
+    py = state.get("python")
+    if py is not None:
+        random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    np_state = state.get("numpy")
+    np = _numpy()
+    if np_state is not None and np is not None:
+        np.random.set_state(
+            (
+                np_state["kind"],
+                np_state["keys"].numpy().astype("uint32"),
+                np_state["pos"],
+                np_state["has_gauss"],
+                np_state["cached_gaussian"],
+            )
+        )
 
 
 def set_seed(seed: int) -> None:
@@ -131,40 +180,11 @@ class RngStreams:
         """
         streams = {name: dict(state) for name, state in self._saved.items()}
         streams[self.active] = self._capture()
-        version, internal, gauss = random.getstate()
-        result: dict[str, Any] = {
-            "streams": streams,
-            "python": {"version": version, "state": list(internal), "gauss": gauss},
-        }
-        np = _numpy()
-        if np is not None:
-            kind, keys, pos, has_gauss, cached = np.random.get_state()
-            result["numpy"] = {
-                "kind": str(kind),
-                "keys": torch.from_numpy(keys.astype("int64")),
-                "pos": int(pos),
-                "has_gauss": int(has_gauss),
-                "cached_gaussian": float(cached),
-            }
-        return result
+        return {"streams": streams, **get_host_rng_state()}
 
     def set_state(self, state: Mapping[str, Any]) -> None:
         """Restore what ``get_state`` returned (streams absent from it restart from their seed)."""
         streams: Mapping[str, Mapping[str, torch.Tensor]] = state["streams"]
         self._saved = {name: dict(s) for name, s in streams.items() if name != self.active}
         self._load(streams[self.active] if self.active in streams else self._fresh(self.active))
-        py = state.get("python")
-        if py is not None:
-            random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
-        np_state = state.get("numpy")
-        np = _numpy()
-        if np_state is not None and np is not None:
-            np.random.set_state(
-                (
-                    np_state["kind"],
-                    np_state["keys"].numpy().astype("uint32"),
-                    np_state["pos"],
-                    np_state["has_gauss"],
-                    np_state["cached_gaussian"],
-                )
-            )
+        set_host_rng_state(state)

@@ -11,46 +11,23 @@ and numpy's. All of it is tensors, ints, floats and strings, so it loads with
 
 from __future__ import annotations
 
-import importlib
-import random
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from tessera.context import ParallelContext
+from tessera.context import ParallelContext, get_host_rng_state, set_host_rng_state
 
 __all__ = ["capture_rng", "restore_rng"]
-
-
-def _numpy() -> Any | None:
-    try:
-        return importlib.import_module("numpy")
-    except ImportError:
-        return None
 
 
 def capture_rng(context: ParallelContext | None) -> dict[str, Any]:
     """This rank's RNG states."""
     if context is not None:
         return {"context": context.get_rng_state()}
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": {"version": version, "state": list(internal), "gauss": gauss},
-    }
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), **get_host_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
-    np = _numpy()
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {
-            "kind": str(kind),
-            "keys": torch.from_numpy(keys.astype("int64")),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        }
     return state
 
 
@@ -62,19 +39,6 @@ def restore_rng(state: Mapping[str, Any], context: ParallelContext | None) -> No
         context.set_rng_state(state["context"])
         return
     torch.set_rng_state(state["torch"])
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    set_host_rng_state(state)
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    np_state = state.get("numpy")
-    np = _numpy()
-    if np_state is not None and np is not None:
-        np.random.set_state(
-            (
-                np_state["kind"],
-                np_state["keys"].numpy().astype("uint32"),
-                np_state["pos"],
-                np_state["has_gauss"],
-                np_state["cached_gaussian"],
-            )
-        )
