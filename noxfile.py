@@ -64,7 +64,7 @@ def _has_code(name: str) -> bool:
     return (ROOT / "packages" / name / "src" / "tessera" / name / "__init__.py").exists()
 
 
-TEST_EXTRAS = {"pipeline": "plot", "engine": "tensorboard"}
+TEST_EXTRAS = {"pipeline": "plot", "engine": "tensorboard", "layers": "transformers"}
 
 
 def _install_torch(session: nox.Session) -> None:
@@ -206,7 +206,7 @@ def docs(session: nox.Session) -> None:
     """Runs every ```python block of docs/*.md (docs/test_docs.py), so the guide cannot rot."""
     _install_torch(session)
     session.install(*TEST_TOOLS, "matplotlib")
-    session.install(*(_path(p) for p in PACKAGES))
+    session.install(*(_path(p) + ("[transformers]" if p == "layers" else "") for p in PACKAGES))
     session.run(
         "python",
         "-m",

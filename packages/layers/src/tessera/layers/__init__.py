@@ -29,6 +29,13 @@ from tessera.layers.comm import (
     split_along_dim,
 )
 from tessera.layers.context_access import GroupInfo, group_info
+from tessera.layers.conversion import (
+    BUILTIN_PLANS,
+    ROLES,
+    Plan,
+    causal_lm_loss,
+    parallelize,
+)
 from tessera.layers.cross_entropy import (
     VocabParallelCrossEntropyLoss1D,
     vocab_parallel_cross_entropy,
@@ -57,6 +64,7 @@ from tessera.layers.embedding_2d import (
 )
 from tessera.layers.embedding_3d import Embedding3D, VocabParallelEmbedding3D
 from tessera.layers.errors import ModeNotImplementedError
+from tessera.layers.full_form import FullForm, get_full_form, set_full_form
 from tessera.layers.initializers import (
     Initializer,
     fan_in_uniform,
@@ -113,6 +121,15 @@ from tessera.layers.state_dict import gather_full_state_dict, load_full_state_di
 from tessera.layers.summa import summa_ab, summa_abt, summa_atb
 
 __all__ = [
+    # models someone else wrote
+    "parallelize",
+    "Plan",
+    "ROLES",
+    "BUILTIN_PLANS",
+    "causal_lm_loss",
+    "FullForm",
+    "get_full_form",
+    "set_full_form",
     # mode-dispatching layers
     "Linear",
     "LayerNorm",

@@ -5,6 +5,13 @@ parameters and how they multiply, not in how the parameters are made: torch's ``
 initialization by default (Kaiming-uniform weight, ``U(-1/sqrt(in), 1/sqrt(in))`` bias, both
 from the *full* fan-in), and a classifier weight may instead be shared with (tied to) the
 matching embedding's table, which must then hold exactly the block this layer would hold.
+
+A *fused* layer computes several outputs of one input in one matmul (an attention's q, k and
+v): its ``out`` features are ``fused`` equal parts, and each part is split over the ranks on
+its own, so a rank holds the same heads of q, k and v. Its weight is kept as
+``[fused, out/fused, in]`` (bias ``[fused, out/fused]``), so that ``ShardInfo`` describes the
+rank's blocks exactly and the full form is the same for every layout;
+:func:`flat_weight` / :func:`flat_bias` give the ``[out_local, in_local]`` matrix.
 """
 
 from __future__ import annotations
@@ -20,7 +27,41 @@ from .base import ParallelModule
 from .initializers import Initializer, fan_in_uniform, kaiming_uniform
 from .shards import shard_info
 
-__all__ = ["check_shared_weight", "dense_bias", "dense_weight"]
+__all__ = [
+    "check_fused",
+    "check_shared_weight",
+    "dense_bias",
+    "dense_weight",
+    "flat_bias",
+    "flat_weight",
+    "fused_splits",
+]
+
+
+def check_fused(out_features: int, fused: int, owner: str) -> None:
+    """``out_features`` must be ``fused`` equal parts."""
+    if fused < 1 or out_features % fused != 0:
+        raise ValueError(
+            f"{owner}: out_features {out_features} is not {fused} equal fused parts "
+            f"({out_features} % {fused} = {out_features % max(fused, 1)})"
+        )
+
+
+def fused_splits(
+    splits: Mapping[int, Sequence[ModeLike]], fused: int
+) -> dict[int, Sequence[ModeLike]]:
+    """``splits`` of the ``[out, in]`` form moved to ``[fused, out/fused, in]``."""
+    return {dim + (1 if fused > 1 else 0): modes for dim, modes in splits.items()}
+
+
+def flat_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The local ``[out_local, in_local]`` matrix of a (possibly fused) weight."""
+    return weight if weight.dim() == 2 else weight.reshape(-1, weight.shape[-1])
+
+
+def flat_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The local ``[out_local]`` vector of a (possibly fused) bias."""
+    return bias if bias is None or bias.dim() == 1 else bias.reshape(-1)
 
 
 def check_shared_weight(weight: nn.Parameter, expected: ShardInfo, owner: str) -> None:
@@ -48,14 +89,21 @@ def dense_weight(
     replicated: Sequence[ModeLike] = (),
     dtype: torch.dtype | None,
     shared: nn.Parameter | None = None,
+    fused: int = 1,
 ) -> nn.Parameter:
     """``module``'s ``weight`` ``[out, in]``: ``shared`` (checked block by block) or a new one.
 
     A new weight is registered on ``module`` and filled by ``initializer`` (default
-    Kaiming-uniform, torch's); the caller assigns the result to ``module.weight``.
+    Kaiming-uniform, torch's); the caller assigns the result to ``module.weight``. With
+    ``fused > 1`` it is ``[fused, out/fused, in]`` and ``splits`` (given for ``[out, in]``)
+    apply to the last two dims.
     """
     owner = type(module).__name__
-    shape = (out_features, in_features)
+    check_fused(out_features, fused, owner)
+    shape: tuple[int, ...] = (out_features, in_features)
+    if fused > 1:
+        shape = (fused, out_features // fused, in_features)
+        splits = fused_splits(splits, fused)
     if shared is not None:
         expected = shard_info(module.context, shape, splits, replicated, owner=f"{owner}.weight")
         check_shared_weight(shared, expected, owner)
@@ -82,13 +130,21 @@ def dense_bias(
     splits: Mapping[int, Sequence[ModeLike]] | None = None,
     replicated: Sequence[ModeLike] = (),
     dtype: torch.dtype | None,
+    fused: int = 1,
 ) -> nn.Parameter | None:
-    """``module``'s ``bias`` ``[out]`` (torch's fan-in uniform by default), ``None`` without."""
+    """``module``'s ``bias`` ``[out]`` (torch's fan-in uniform by default), ``None`` without.
+
+    ``[fused, out/fused]`` with ``fused > 1`` (``splits`` given for ``[out]``).
+    """
     if not bias:
         return None
+    shape: tuple[int, ...] = (out_features,)
+    if fused > 1:
+        shape = (fused, out_features // fused)
+        splits = fused_splits(splits or {}, fused)
     return module.make_parameter(
         "bias",
-        (out_features,),
+        shape,
         initializer or fan_in_uniform(),
         fan_in=in_features,
         fan_out=out_features,

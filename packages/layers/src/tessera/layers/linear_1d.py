@@ -25,7 +25,7 @@ from .comm import (
     reduce_scatter_along_dim,
     split_along_dim,
 )
-from .dense import dense_bias, dense_weight
+from .dense import dense_bias, dense_weight, flat_bias, flat_weight
 from .initializers import Initializer
 from .input_checks import check_input_dim
 
@@ -71,6 +71,10 @@ class Linear1DCol(Module1D):
         weight_initializer: Fills the full ``[out, in]`` weight (torch's default).
         bias_initializer: Fills the full ``[out]`` bias (torch's default).
         sequence_parallel: The input is split along dim 1 (sequence); gathered here.
+        fused: The output is this many equal parts (an attention's q, k, v: 3), each split
+            over the ranks on its own, so rank ``r`` computes block ``r`` of every part: its
+            output is ``[.., out/p]`` = ``[part_0 block r, part_1 block r, ...]``. The weight is
+            then kept as ``[fused, out/(fused p), in]`` (see :mod:`tessera.layers.dense`).
         device: Parameter device (default the context's).
         context: The ParallelContext (default the current one).
     """
@@ -87,13 +91,20 @@ class Linear1DCol(Module1D):
         bias_initializer: Initializer | None = None,
         *,
         sequence_parallel: bool = False,
+        fused: int = 1,
         device: torch.device | str | None = None,
         context: ParallelContext | None = None,
     ) -> None:
         super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
-        check_divisible(out_features, self.tp.world_size, "Linear1DCol out_features")
+        check_divisible(out_features, self.tp.world_size * fused, "Linear1DCol out_features")
+        if fused > 1 and gather_output:
+            raise ValueError(
+                f"Linear1DCol({in_features}, {out_features}, fused={fused}): gather_output would "
+                "interleave the fused parts rank by rank; gather each part after splitting them"
+            )
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.fused = fused
         split = {0: (self.split_mode,)}
         self.weight = dense_weight(
             self,
@@ -102,7 +113,8 @@ class Linear1DCol(Module1D):
             weight_initializer,
             splits=split,
             dtype=dtype,
-        )  # [out/p, in]
+            fused=fused,
+        )  # [out/p, in] ([fused, out/(fused p), in] when fused)
         self.bias = dense_bias(
             self,
             out_features,
@@ -111,7 +123,8 @@ class Linear1DCol(Module1D):
             bias_initializer,
             splits=split,
             dtype=dtype,
-        )  # [out/p]
+            fused=fused,
+        )  # [out/p] ([fused, out/(fused p)] when fused)
 
     @property
     def signature(self) -> str:
@@ -132,14 +145,15 @@ class Linear1DCol(Module1D):
             x = gather_along_dim(x, self.SEQUENCE_DIM, group, partial_grad=True)  # [b, s, in]
         else:
             x = copy_to_group(x, group)  # f
-        bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)  # [.., out/p]
+        local_bias = flat_bias(self.bias)
+        bias = None if self.skip_bias_add else local_bias
+        y = F.linear(x, flat_weight(self.weight), bias)  # [.., out/p]
         if self.gather_output:
             y = gather_along_dim(y, -1, group)  # [.., out]
             if self.skip_bias_add and self.bias is not None:
                 return y, gather_along_dim(self.bias, 0, group)
         if self.skip_bias_add:
-            return y, self.bias
+            return y, local_bias
         return y
 
     def extra_repr(self) -> str:
@@ -147,6 +161,7 @@ class Linear1DCol(Module1D):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+            + (f"fused={self.fused}, " if self.fused > 1 else "")
             + super().extra_repr()
         )
 

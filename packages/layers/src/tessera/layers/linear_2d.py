@@ -18,7 +18,7 @@ import torch
 
 from tessera.context import ParallelContext
 
-from .dense import dense_bias, dense_weight
+from .dense import dense_bias, dense_weight, flat_bias, flat_weight
 from .initializers import Initializer
 from .linear_1d import LinearOutput
 from .mesh import MeshModule
@@ -43,6 +43,9 @@ class MeshLinear(MeshModule):
         dtype: Parameter dtype.
         weight_initializer: Fills the full ``[out, in]`` weight (torch's default).
         bias_initializer: Fills the full ``[out]`` bias (torch's default).
+        fused: The output is this many equal parts (q, k, v), each split over the mesh row on
+            its own (see :class:`~tessera.layers.Linear1DCol`); weight ``[fused,
+            out/(fused q), in/q]``.
         device: Parameter device (default the context's).
         context: The ParallelContext (default the current one).
     """
@@ -57,13 +60,14 @@ class MeshLinear(MeshModule):
         weight_initializer: Initializer | None = None,
         bias_initializer: Initializer | None = None,
         *,
+        fused: int = 1,
         device: torch.device | str | None = None,
         context: ParallelContext | None = None,
     ) -> None:
         super().__init__(context, device)
         mesh = self.mesh
         self.in_features, self.out_features = in_features, out_features
-        self.skip_bias_add = skip_bias_add
+        self.skip_bias_add, self.fused = skip_bias_add, fused
         self.weight = dense_weight(
             self,
             out_features,
@@ -72,6 +76,7 @@ class MeshLinear(MeshModule):
             splits={0: (mesh.row.mode,), 1: (mesh.col.mode,)},
             replicated=mesh.depth_modes,
             dtype=dtype,
+            fused=fused,
         )  # [out/q, in/q]: W[out_j, in_i]
         self.bias = dense_bias(
             self,
@@ -82,6 +87,7 @@ class MeshLinear(MeshModule):
             splits={0: (mesh.row.mode,)},
             replicated=(mesh.col.mode, *mesh.depth_modes),
             dtype=dtype,
+            fused=fused,
         )  # [out/q]: b[out_j]
 
     @property
@@ -95,10 +101,11 @@ class MeshLinear(MeshModule):
         local_in = self.in_features // mesh.q
         mesh.check_local(x, -1, local_in, self.signature, name="in_features")
         lead = x.shape[:-1]
-        weight = mesh.over_depth(self.weight).t()  # [in/q, out/q]: block (i, j) of W^T
+        weight = flat_weight(mesh.over_depth(self.weight)).t()  # [in/q, out/q]: (i, j) of W^T
         y = summa_ab(x.reshape(-1, local_in), weight, mesh.row, mesh.col)  # [m, out/q]
         y = y.view(*lead, y.shape[-1])  # [b/(dq), ..., out/q]
-        bias = None if self.bias is None else mesh.over_batch(self.bias)
+        local_bias = flat_bias(self.bias)
+        bias = None if local_bias is None else mesh.over_batch(local_bias)
         if self.skip_bias_add:
             return y, bias
         return y if bias is None else y + bias

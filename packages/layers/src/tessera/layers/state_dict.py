@@ -4,6 +4,9 @@ Nothing here knows a layer class or a tensor mode: a parameter's ShardInfo says 
 block sits in the full tensor, so loading slices the full tensor, and gathering collects every
 tensor rank's blocks (one all-gather per dtype) and writes each at its offsets. 2D, 2.5D and
 3D layers get both for free as long as they attach a ShardInfo to what they split.
+A parameter that ``parallelize`` converted from another form (a transposed ``Conv1D``, fused
+q/k/v) carries a :class:`~tessera.layers.full_form.FullForm`: both functions speak the
+original model's form, so its state dict goes in and comes out unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from tessera.context import ParallelContext, ParallelMode, ShardInfo, get_shard_
 from .base import ParallelModule
 from .collectives import all_gather_along
 from .context_access import resolve_context
+from .full_form import get_full_form
 
 __all__ = ["gather_full_state_dict", "load_full_state_dict"]
 
@@ -54,6 +58,12 @@ def load_full_state_dict(
         full = state_dict[name]
         info = get_shard_info(target)
         expected = info.global_shape if info is not None else tuple(target.shape)
+        form = get_full_form(target)
+        if form is not None:
+            try:
+                full = form.from_original(full, expected)
+            except ValueError as err:
+                raise ValueError(f"load_full_state_dict: {name!r}: {err}") from None
         if tuple(full.shape) != expected:
             raise ValueError(
                 f"load_full_state_dict: {name!r} has shape {list(full.shape)}, the module "
@@ -95,6 +105,18 @@ def gather_full_state_dict(
             cover it (a parameter split over a mode outside the TENSOR group).
     """
     own = module.state_dict(keep_vars=True)
+    result = _gather_tessera_form(module, own, context)
+    for name, t in own.items():
+        form = get_full_form(t)
+        if form is not None:
+            result[name] = form.to_original(result[name])
+    return result
+
+
+def _gather_tessera_form(
+    module: nn.Module, own: dict[str, torch.Tensor], context: ParallelContext | None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of ``own`` in tessera's full form (one all-gather per dtype)."""
     result = {name: t.detach().clone() for name, t in own.items()}
     # Tied parameters appear under several names: gather each tensor once.
     sharded: dict[int, tuple[list[str], torch.Tensor, ShardInfo]] = {}

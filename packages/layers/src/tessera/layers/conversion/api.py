@@ -1,0 +1,95 @@
+"""``parallelize``: put the current tensor mode on a model someone else wrote.
+
+torchtitan keeps ``model.py`` free of parallelism and applies it from ``parallelize.py``;
+torch's ``parallelize_module`` does the same for 1D. ``parallelize`` does it for tessera's
+modes: it swaps the plain modules a :class:`~tessera.layers.conversion.plan.Plan` names for
+the mode's layers, cut from the modules' own weights, and installs the boundary hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+from tessera.context import ParallelContext, get_shard_info
+
+from ..context_access import current_or_none, sequence_parallel_default, tensor_mode
+from ..errors import ModeNotImplementedError
+from .boundary import install_boundary
+from .converters import Converter
+from .plan import Plan, match_plan, plan_for
+
+__all__ = ["PARALLELIZED_ATTR", "SUPPORTED_MODES", "parallelize"]
+
+#: The tensor modes ``parallelize`` converts models to.
+SUPPORTED_MODES = ("1d", "2d", "2.5d")
+#: Set on a parallelized model: the tensor mode it was converted to.
+PARALLELIZED_ATTR = "_tessera_parallelized"
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def parallelize(
+    model: nn.Module,
+    plan: Plan | Mapping[str, str] | None = None,
+    *,
+    context: ParallelContext | None = None,
+) -> nn.Module:
+    """Convert ``model`` in place to the context's tensor mode; returns it.
+
+    Every shard is cut from the module's existing weights: ``gather_full_state_dict(model)``
+    afterwards equals the ``state_dict()`` before, in the original names and forms, and tied
+    weights stay tied. Without tensor parallelism the model is returned unchanged.
+
+    Args:
+        model: A plain torch model (``nn.Linear``, ``nn.LayerNorm``, ``nn.Embedding``,
+            transformers' ``Conv1D``).
+        plan: ``{module-name pattern: role}`` (a ``"features"`` plan: the model takes and
+            returns full activations), a :class:`Plan`, or ``None`` for the plan tessera ships
+            for the model's class (transformers' GPT-2).
+        context: The ParallelContext (default the current one).
+
+    Raises:
+        ModeNotImplementedError: the tensor mode is not one of :data:`SUPPORTED_MODES`.
+        ValueError: a pattern matches nothing, a size does not divide, the plan leaves every
+            parameter whole, or the model was parallelized already.
+        TypeError: a module cannot take the role its pattern gives it.
+    """
+    ctx = current_or_none(context)
+    mode = tensor_mode(ctx)
+    if ctx is None or mode is None:
+        return model
+    done = getattr(model, PARALLELIZED_ATTR, None)
+    if done is not None:
+        raise ValueError(f"parallelize: {type(model).__name__} is already parallelized ({done})")
+    if mode not in SUPPORTED_MODES:
+        raise ModeNotImplementedError("parallelize", mode, SUPPORTED_MODES)
+    chosen = plan_for(model, plan)
+    roles = match_plan(model, chosen, mode)
+    sequence_parallel = mode == "1d" and sequence_parallel_default(ctx)
+    if sequence_parallel and chosen.boundary == "tokens" and chosen.sequence_span is None:
+        raise ValueError(
+            f"parallelize: tensor.sequence_parallel is on, but the {chosen.name} names no "
+            "sequence_span (the blocks whose activations are split along the sequence)"
+        )
+    converter = Converter(ctx, mode, sequence_parallel)
+    for name, role in roles.items():
+        old = model.get_submodule(name)
+        new = converter.convert(name, old, role)
+        if new is not old:
+            _replace(model, name, new)
+    if not any(
+        (info := get_shard_info(p)) is not None and info.is_sharded for p in model.parameters()
+    ):
+        raise ValueError(
+            f"parallelize under tensor mode {mode!r}: the {chosen.name} splits no parameter of "
+            f"{type(model).__name__}; name its linear layers ('col'/'row') or embeddings"
+        )
+    install_boundary(model, chosen, ctx, mode, sequence_parallel)
+    setattr(model, PARALLELIZED_ATTR, mode)
+    return model

@@ -1,0 +1,312 @@
+"""Swap one plain module for the current mode's layer of its role, with the module's weights.
+
+Each converter builds the tessera layer without drawing weights (a no-op initializer), then
+loads its shard from the plain module's ``state_dict`` through :func:`load_full_state_dict`,
+so the shard is cut from the existing values, never re-initialized. Where the plain module
+holds a parameter in another form than tessera's (transformers' ``Conv1D`` stores
+``[in, out]``; a fused q/k/v projection is kept as ``[3, out/3, in]``), the parameter gets a
+:class:`~tessera.layers.full_form.FullForm`, so full state dicts still speak the original
+form.
+
+Modes: ``"1d"`` (Megatron-LM, Shoeybi et al. 2019, with sequence parallelism by Korthikanti et
+al. 2022) and the 2D/2.5D mesh (Xu et al. 2021; Wang et al. 2021).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tessera.context import ParallelContext, ParallelMode
+
+from ..classifier_1d import VocabParallelClassifier1D
+from ..classifier_2d import Classifier2D, Classifier2p5D
+from ..embedding_1d import VocabParallelEmbedding1D
+from ..embedding_2d import Embedding2D, Embedding2p5D
+from ..full_form import FullForm, set_full_form
+from ..linear_1d import Linear1DCol, Linear1DRow
+from ..linear_2d import Linear2D, Linear2p5D
+from ..mesh import mesh_of
+from ..norm_1d import LayerNorm1D
+from ..norm_2d import LayerNorm2D, LayerNorm2p5D
+from ..state_dict import load_full_state_dict
+
+__all__ = ["Converter", "LinearShape", "linear_shape"]
+
+#: Attributes of an attention module that count heads or their total width.
+HEAD_ATTRIBUTES = (
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "split_size",
+    "embed_dim",
+    "all_head_size",
+)
+
+
+def _no_init(tensor: torch.Tensor, fan_in: int, fan_out: int) -> None:
+    """Leave the tensor as allocated: the converter loads the plain module's values next."""
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """A linear layer's sizes, whatever class holds it.
+
+    Attributes:
+        in_features: Inputs.
+        out_features: Outputs.
+        bias: Whether it has a bias.
+        transposed: The weight is stored ``[in, out]`` (transformers' ``Conv1D``).
+    """
+
+    in_features: int
+    out_features: int
+    bias: bool
+    transposed: bool
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """Transformers' ``Conv1D`` (recognized by shape, so transformers need not be installed)."""
+    return (
+        type(module).__name__ == "Conv1D"
+        and hasattr(module, "nf")
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+    )
+
+
+def linear_shape(name: str, module: nn.Module, role: str) -> LinearShape:
+    """The sizes of ``module``, an ``nn.Linear`` or a ``Conv1D``.
+
+    Raises:
+        TypeError: the module is neither.
+    """
+    if isinstance(module, nn.Linear):
+        return LinearShape(module.in_features, module.out_features, module.bias is not None, False)
+    if _is_conv1d(module):
+        in_features, out_features = _tensor(module, "weight").shape
+        return LinearShape(in_features, out_features, module.bias is not None, True)
+    raise TypeError(
+        f"parallelize: {name!r} ({type(module).__name__}) has role {role!r}, which takes an "
+        "nn.Linear or a transformers Conv1D"
+    )
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    value = getattr(module, name)
+    assert isinstance(value, torch.Tensor), f"{type(module).__name__}.{name} is not a tensor"
+    return value
+
+
+def _adopt(new: nn.Module, old: nn.Module, forms: dict[str, FullForm]) -> nn.Module:
+    """Give ``new`` the values of ``old`` (through ``forms``) and its training state."""
+    for pname, form in forms.items():
+        set_full_form(getattr(new, pname), form)
+    load_full_state_dict(new, old.state_dict())
+    frozen = {n for n, p in old.named_parameters() if not p.requires_grad}
+    for pname, p in new.named_parameters():
+        p.requires_grad_(pname not in frozen)
+    new.train(old.training)
+    return new
+
+
+class Converter:
+    """Builds the mode's layer for each role (see :mod:`tessera.layers.conversion.plan`).
+
+    Args:
+        context: The ParallelContext.
+        mode: ``"1d"``, ``"2d"`` or ``"2.5d"``.
+        sequence_parallel: 1D only: layers take and return sequence-split activations.
+    """
+
+    def __init__(self, context: ParallelContext, mode: str, sequence_parallel: bool) -> None:
+        self.context, self.mode, self.sequence_parallel = context, mode, sequence_parallel
+        #: ``id(plain parameter) -> tessera parameter``, for heads tied to an embedding.
+        self.replaced: dict[int, nn.Parameter] = {}
+
+    @property
+    def share(self) -> int:
+        """How many ranks split a hidden dim (and so the heads): p in 1D, q on the mesh."""
+        if self.mode == "1d":
+            return self.context.get_world_size(ParallelMode.PARALLEL_1D)
+        return mesh_of(self.context, self.mode).q
+
+    def convert(self, name: str, module: nn.Module, role: str) -> nn.Module:
+        """The module to put in place of ``module`` (``module`` itself if it stays)."""
+        if role in ("col", "qkv", "row"):
+            return self.linear(name, module, role)
+        if role == "attention":
+            return self.attention(name, module)
+        if role in ("embedding", "position_embedding"):
+            return self.embedding(name, module, role)
+        if role == "norm":
+            return self.norm(name, module)
+        return self.head(name, module)
+
+    def linear(self, name: str, module: nn.Module, role: str) -> nn.Module:
+        """``col`` / ``qkv`` / ``row``: the mode's linear layer."""
+        shape = linear_shape(name, module, role)
+        fused = 3 if role == "qkv" else 1
+        weight = _tensor(module, "weight")
+        dims = (shape.in_features, shape.out_features, shape.bias)
+        device = weight.device
+        new: nn.Module
+        if self.mode == "1d" and role == "row":
+            new = Linear1DRow(
+                *dims,
+                dtype=weight.dtype,
+                weight_initializer=_no_init,
+                bias_initializer=_no_init,
+                sequence_parallel=self.sequence_parallel,
+                device=device,
+                context=self.context,
+            )
+        elif self.mode == "1d":
+            new = Linear1DCol(
+                *dims,
+                dtype=weight.dtype,
+                weight_initializer=_no_init,
+                bias_initializer=_no_init,
+                sequence_parallel=self.sequence_parallel,
+                fused=fused,
+                device=device,
+                context=self.context,
+            )
+        else:
+            cls = Linear2D if self.mode == "2d" else Linear2p5D
+            new = cls(
+                *dims,
+                dtype=weight.dtype,
+                weight_initializer=_no_init,
+                bias_initializer=_no_init,
+                fused=fused,
+                device=device,
+                context=self.context,
+            )
+        forms: dict[str, FullForm] = {}
+        if shape.transposed or fused > 1:
+            forms["weight"] = FullForm(tuple(weight.shape), transposed=shape.transposed)
+        if shape.bias and fused > 1:
+            forms["bias"] = FullForm((shape.out_features,))
+        return _adopt(new, module, forms)
+
+    def attention(self, name: str, module: nn.Module) -> nn.Module:
+        """``attention``: head counts and widths become this rank's share (in place).
+
+        Raises:
+            ValueError: a count is not divisible by the number of ranks splitting the heads.
+        """
+        share = self.share
+        found = {
+            a: getattr(module, a)
+            for a in HEAD_ATTRIBUTES
+            if isinstance(getattr(module, a, None), int)
+        }
+        if not found:
+            raise TypeError(
+                f"parallelize: attention module {name!r} ({type(module).__name__}) has none of "
+                f"the head attributes {', '.join(HEAD_ATTRIBUTES)}"
+            )
+        for attr, value in found.items():
+            if value % share != 0:
+                raise ValueError(
+                    f"parallelize: {name}.{attr} = {value} is not divisible by the {share} "
+                    f"ranks that split the heads under tensor mode {self.mode!r} "
+                    f"({value} % {share} = {value % share}); each rank needs whole heads"
+                )
+        for attr, value in found.items():
+            setattr(module, attr, value // share)
+        return module
+
+    def embedding(self, name: str, module: nn.Module, role: str) -> nn.Module:
+        """``embedding`` / ``position_embedding``: the mode's embedding table."""
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(
+                f"parallelize: {name!r} ({type(module).__name__}) has role {role!r}, which "
+                "takes an nn.Embedding"
+            )
+        if module.max_norm is not None or module.sparse:
+            raise ValueError(
+                f"parallelize: {name!r} uses max_norm or sparse gradients, which tessera's "
+                "embeddings do not support"
+            )
+        if self.mode == "1d" and role == "position_embedding":
+            return module  # small; replicated like the activations it adds to
+        classes: dict[str, type[nn.Module]] = {
+            "1d": VocabParallelEmbedding1D,
+            "2d": Embedding2D,
+            "2.5d": Embedding2p5D,
+        }
+        new = classes[self.mode](
+            module.num_embeddings,
+            module.embedding_dim,
+            module.padding_idx,
+            module.weight.dtype,
+            _no_init,
+            device=module.weight.device,
+            context=self.context,
+        )
+        _adopt(new, module, {})
+        assert isinstance(new.weight, nn.Parameter)
+        self.replaced[id(module.weight)] = new.weight
+        return new
+
+    def norm(self, name: str, module: nn.Module) -> nn.Module:
+        """``norm``: a LayerNorm over the hidden dim in the mode's layout."""
+        if not isinstance(module, nn.LayerNorm):
+            raise TypeError(
+                f"parallelize: {name!r} ({type(module).__name__}) has role 'norm', which takes "
+                "an nn.LayerNorm"
+            )
+        if self.mode == "1d" and not self.sequence_parallel:
+            return module  # replicated activations: the plain LayerNorm is already right
+        weight = module.weight if module.weight is not None else torch.empty(0)
+        args = (
+            module.normalized_shape,
+            module.eps,
+            module.elementwise_affine,
+            module.bias is not None,
+            weight.dtype,
+        )
+        new: nn.Module
+        if self.mode == "1d":
+            new = LayerNorm1D(
+                *args, sequence_parallel=True, device=weight.device, context=self.context
+            )
+        else:
+            cls = LayerNorm2D if self.mode == "2d" else LayerNorm2p5D
+            new = cls(*args, device=weight.device, context=self.context)
+        return _adopt(new, module, {})
+
+    def head(self, name: str, module: nn.Module) -> nn.Module:
+        """``head``: vocabulary logits, tied to the converted embedding when it was."""
+        if not isinstance(module, nn.Linear):
+            raise TypeError(
+                f"parallelize: {name!r} ({type(module).__name__}) has role 'head', which takes "
+                "an nn.Linear"
+            )
+        tied = self.replaced.get(id(module.weight))
+        dims = (module.in_features, module.out_features, tied, module.bias is not None)
+        device = module.weight.device
+        new: nn.Module
+        if self.mode == "1d":
+            new = VocabParallelClassifier1D(
+                *dims,
+                dtype=module.weight.dtype,
+                weight_initializer=_no_init,
+                bias_initializer=_no_init,
+                device=device,
+                context=self.context,
+            )
+        else:
+            cls = Classifier2D if self.mode == "2d" else Classifier2p5D
+            new = cls(
+                *dims,
+                dtype=module.weight.dtype,
+                weight_initializer=_no_init,
+                bias_initializer=_no_init,
+                device=device,
+                context=self.context,
+            )
+        return _adopt(new, module, {})

@@ -1,0 +1,178 @@
+"""Plans: which module of a model someone else wrote plays which role under tensor parallelism.
+
+A plan maps module-name patterns (``fnmatch`` syntax over the names of
+``model.named_modules()``, ``*`` matching across dots) to roles. ``parallelize`` swaps every
+matched module for the current mode's layer of that role, cutting its shards from the
+module's own weights. The roles are what Megatron-LM (Shoeybi et al. 2019) and the 2D/2.5D
+papers need to know of a transformer; every activation layout follows from them:
+
+``"col"``
+    A linear layer (``nn.Linear`` or transformers' ``Conv1D``) whose outputs are split: the
+    first layer of an MLP, a query, key or value projection.
+``"qkv"``
+    A ``"col"`` layer whose output is q, k and v side by side (GPT-2's ``c_attn``): each of
+    the three is split on its own, so a rank holds the same heads of all three.
+``"row"``
+    A linear layer whose inputs are split: the second layer of an MLP, an attention output.
+``"embedding"``
+    The token embedding (its table is split; a head tied to it stays tied).
+``"position_embedding"``
+    A learned position embedding, added to every row of the batch.
+``"norm"``
+    A LayerNorm over the hidden dim.
+``"head"``
+    The output projection to the vocabulary (tied to the ``"embedding"`` when it shares its
+    weight, as GPT-2's ``lm_head``).
+``"attention"``
+    An attention module whose head counts (``num_heads``, ``split_size``, ...) become this
+    rank's share.
+
+A :class:`Plan` adds what happens at the model's boundary: ``"tokens"`` (the input is token ids,
+split by batch where the mode splits the batch; the embedding makes the layout) or
+``"features"`` (the input is a full activation ``[b, ..., h]``, split into the mode's layout
+and the output gathered back), and, for 1D sequence parallelism, the span of modules whose
+activations are split along the sequence (Korthikanti et al. 2022).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch import nn
+
+__all__ = ["BUILTIN_PLANS", "ROLES", "Plan", "Role", "match_plan", "plan_for"]
+
+Role = Literal["col", "qkv", "row", "embedding", "position_embedding", "norm", "head", "attention"]
+#: Every role a plan may name.
+ROLES: tuple[str, ...] = (
+    "col",
+    "qkv",
+    "row",
+    "embedding",
+    "position_embedding",
+    "norm",
+    "head",
+    "attention",
+)
+Boundary = Literal["tokens", "features"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Roles of a model's modules under tensor parallelism, and its boundary.
+
+    Attributes:
+        rules: ``{pattern: role}``; every pattern must match at least one module.
+        boundary: ``"tokens"`` or ``"features"`` (see the module docstring).
+        sequence_span: 1D sequence parallelism only: ``(first, last)`` module names; the input
+            of ``first`` is split along the sequence (dim 1) and the output of ``last``
+            gathered, so everything in between (norms, residual adds) sees ``[b, s/p, h]``.
+            ``None``: the plan cannot take sequence parallelism.
+        causal_lm: The model would compute a language-model loss inside its forward when
+            given ``labels``; that loss assumes whole logits, so ``labels`` become an error
+            that points to :func:`~tessera.layers.causal_lm_loss`.
+    """
+
+    rules: Mapping[str, str]
+    boundary: Boundary = "features"
+    sequence_span: tuple[str, str] | None = None
+    causal_lm: bool = False
+    name: str = field(default="user plan")
+
+    def __post_init__(self) -> None:
+        for pattern, role in self.rules.items():
+            if role not in ROLES:
+                close = fnmatch.filter(ROLES, f"{role[:2]}*")
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(
+                    f"plan rule {pattern!r}: unknown role {role!r}{hint}; roles are "
+                    f"{', '.join(ROLES)}"
+                )
+        if self.boundary not in ("tokens", "features"):
+            raise ValueError(f"plan boundary must be 'tokens' or 'features', got {self.boundary!r}")
+
+
+def _gpt2(prefix: str, causal_lm: bool) -> Plan:
+    block = f"{prefix}h.*"
+    rules = {
+        f"{prefix}wte": "embedding",
+        f"{prefix}wpe": "position_embedding",
+        f"{block}.ln_1": "norm",
+        f"{block}.ln_2": "norm",
+        f"{block}.attn": "attention",
+        f"{block}.attn.c_attn": "qkv",
+        f"{block}.attn.c_proj": "row",
+        f"{block}.mlp.c_fc": "col",
+        f"{block}.mlp.c_proj": "row",
+        f"{prefix}ln_f": "norm",
+    }
+    if causal_lm:
+        rules["lm_head"] = "head"
+    return Plan(
+        rules,
+        boundary="tokens",
+        sequence_span=(f"{prefix}h.0", f"{prefix}ln_f"),
+        causal_lm=causal_lm,
+        name="GPT-2" + (" LM" if causal_lm else ""),
+    )
+
+
+#: Plans shipped with tessera, by model class name (transformers' classes).
+BUILTIN_PLANS: dict[str, Plan] = {
+    "GPT2LMHeadModel": _gpt2("transformer.", causal_lm=True),
+    "GPT2Model": _gpt2("", causal_lm=False),
+}
+
+
+def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
+    """The plan to use: the given one (a dict becomes a ``"features"`` plan) or the model's.
+
+    Raises:
+        ValueError: no plan is given and tessera ships none for the model's class.
+    """
+    if isinstance(plan, Plan):
+        return plan
+    if plan is not None:
+        return Plan(dict(plan))
+    for cls in type(model).__mro__:
+        if cls.__name__ in BUILTIN_PLANS:
+            return BUILTIN_PLANS[cls.__name__]
+    raise ValueError(
+        f"parallelize: tessera ships no plan for {type(model).__name__} (plans for "
+        f"{', '.join(sorted(BUILTIN_PLANS))}); pass plan={{'module.name.pattern': 'col', ...}} "
+        f"with roles {', '.join(ROLES)}"
+    )
+
+
+def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
+    """``{module name: role}`` for every module a rule matches.
+
+    Raises:
+        ValueError: a pattern matches no module, or a module matches two patterns.
+    """
+    names = [name for name, _ in model.named_modules() if name]
+    roles: dict[str, str] = {}
+    by: dict[str, str] = {}
+    unmatched: list[str] = []
+    for pattern, role in plan.rules.items():
+        hits = fnmatch.filter(names, pattern)
+        if not hits:
+            unmatched.append(pattern)
+        for name in hits:
+            if name in roles:
+                raise ValueError(
+                    f"parallelize: module {name!r} matches both {by[name]!r} "
+                    f"({roles[name]}) and {pattern!r} ({role}) of the {plan.name}"
+                )
+            roles[name], by[name] = role, pattern
+    if unmatched:
+        raise ValueError(
+            f"parallelize under tensor mode {mode!r}: the {plan.name} patterns {unmatched} "
+            f"match no module of {type(model).__name__} (its modules include "
+            f"{names[:8]}{' ...' if len(names) > 8 else ''})"
+        )
+    order = {name: i for i, name in enumerate(names)}
+    return dict(sorted(roles.items(), key=lambda item: order[item[0]]))

@@ -1,0 +1,68 @@
+"""``FullForm``: how a parameter's full form maps back to the tensor its original model held.
+
+tessera keeps every parameter in a form that ``ShardInfo`` can describe and that is the same
+for every layout: torch's ``[out, in]`` for a linear weight, ``[fused, out/fused, in]`` for a
+fused one (q, k and v in one matmul). A model written by someone else may hold the same
+numbers differently: transformers' GPT-2 ``Conv1D`` stores ``[in, out]`` with q, k and v side
+by side. ``parallelize`` records the original form on each parameter it converts, so
+``gather_full_state_dict`` returns tensors that load into the original class exactly and
+``load_full_state_dict`` takes the original model's state dict as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FULL_FORM_ATTR", "FullForm", "get_full_form", "set_full_form"]
+
+#: The attribute under which ``set_full_form`` stores the description on a parameter.
+FULL_FORM_ATTR = "_tessera_full_form"
+
+
+@dataclass(frozen=True)
+class FullForm:
+    """The original model's form of a parameter whose tessera full form differs.
+
+    Attributes:
+        original_shape: The shape the original module held (e.g. ``[in, 3 h]`` for a GPT-2
+            ``Conv1D``).
+        transposed: The original is the transpose of the tessera form flattened to two dims
+            (``Conv1D`` stores ``[in, out]`` where tessera holds ``[out, in]``).
+    """
+
+    original_shape: tuple[int, ...]
+    transposed: bool = False
+
+    def to_original(self, full: torch.Tensor) -> torch.Tensor:
+        """The tessera full tensor in the original form (a new contiguous tensor)."""
+        if self.transposed:
+            rows, cols = self.original_shape
+            return full.reshape(cols, rows).t().contiguous()
+        return full.reshape(self.original_shape).clone()
+
+    def from_original(self, original: torch.Tensor, full_shape: tuple[int, ...]) -> torch.Tensor:
+        """The original tensor in tessera's full form ``full_shape``.
+
+        Raises:
+            ValueError: ``original`` does not have :attr:`original_shape`.
+        """
+        if tuple(original.shape) != self.original_shape:
+            raise ValueError(
+                f"expected the original shape {list(self.original_shape)}, got "
+                f"{list(original.shape)}"
+            )
+        t = original.t() if self.transposed else original
+        return t.reshape(full_shape)
+
+
+def set_full_form(param: torch.Tensor, form: FullForm) -> None:
+    """Record ``form`` on ``param`` (read by the full state dict functions)."""
+    setattr(param, FULL_FORM_ATTR, form)
+
+
+def get_full_form(param: torch.Tensor) -> FullForm | None:
+    """The :class:`FullForm` recorded on ``param``, or ``None`` (the forms agree)."""
+    form = getattr(param, FULL_FORM_ATTR, None)
+    return form if isinstance(form, FullForm) else None

@@ -1,0 +1,48 @@
+"""Tiny transformers models shared by every parallelize test (one config for every mode).
+
+Built from configs with fixed seeds (same full weights on every rank), random weights, nothing
+downloaded. Dropout is 0 so the parallel and the single-process runs compute the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+#: One GPT-2 for every mode: hidden 16 (divisible by q*q = 4 on a 2x2 mesh), 4 heads
+#: (divisible by 1D sizes 2 and 4 and by q = 2), vocabulary 32.
+GPT2_CONFIG: dict[str, Any] = dict(
+    vocab_size=32,
+    n_positions=16,
+    n_embd=16,
+    n_layer=2,
+    n_head=4,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+)
+#: A batch every layout divides: 4 rows (2.5D: depth 2 x q 2), 8 tokens (1D sequence: 2 or 4).
+BATCH, SEQ = 4, 8
+
+
+def gpt2_lm(seed: int = 0, **overrides: Any) -> nn.Module:
+    """``GPT2LMHeadModel`` from :data:`GPT2_CONFIG`, its weights drawn from ``seed``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(**{**GPT2_CONFIG, **overrides}))
+    # transformers' init leaves biases and LayerNorm parameters at 0 / 1: give every tensor
+    # distinct values, so a wrong block or a wrong gradient cannot hide behind a constant.
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 1)
+        for _, p in sorted(model.named_parameters()):
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def token_ids(seed: int = 7) -> torch.Tensor:
+    """``[BATCH, SEQ]`` token ids (the same on every rank: the whole batch)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, GPT2_CONFIG["vocab_size"], (BATCH, SEQ), generator=g)
