@@ -37,6 +37,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "1d-4": dict(size=4, mode="1d"),
     "2d": dict(size=4, mode="2d"),
     "2.5d": dict(size=8, mode="2.5d", depth=2),
+    "3d": dict(size=8, mode="3d"),
 }
 
 
@@ -163,6 +164,11 @@ def _errors() -> list[str]:
         )
         expect(
             ValueError,
+            r"'1' is a 'row' layer with no 'col'",
+            lambda: parallelize(copy.deepcopy(block), {"1": "row", "3": "col"}, context=ctx),
+        )
+        expect(
+            ValueError,
             "splits no parameter",
             lambda: parallelize(copy.deepcopy(block), {"0": "norm"}, context=ctx),
         )
@@ -204,7 +210,7 @@ def _errors() -> list[str]:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 8
+    assert len(results[0]) == 9
 
 
 def test_a_plan_with_an_unknown_role_is_refused() -> None:

@@ -35,6 +35,7 @@ from tessera.context import ParallelContext, ParallelMode
 from .collectives import all_gather_along, check_divisible, reduce_scatter_along
 from .comm import apply_function, copy_to_group, gather_along_dim, split_along_dim
 from .context_access import GroupInfo, group_info
+from .dense import flat_weight
 from .grid import GridModule
 from .input_checks import check_block_dim
 
@@ -229,10 +230,11 @@ class _CubeLinear(torch.autograd.Function):
         ctx.groups = (hidden, across, weight_axis)
         ctx.save_for_backward(x, weight)
         x_all = all_gather_along(x.detach(), 0, across.group, across.world_size)  # [b/q, .., in/q]
+        # A fused weight [fused, out/(fused q^2), in/q] is gathered part by part (dim -2).
         w_all = all_gather_along(
-            weight.detach(), 0, weight_axis.group, weight_axis.world_size
+            weight.detach(), -2, weight_axis.group, weight_axis.world_size
         )  # [out/q, in/q]
-        partial = torch.matmul(x_all, w_all.t())  # [b/q, .., out/q], partial over in blocks
+        partial = torch.matmul(x_all, flat_weight(w_all).t())  # [b/q, .., out/q], partial sums
         return reduce_scatter_along(partial, 0, hidden.group, hidden.world_size)  # [b/q^2, ..]
 
     @staticmethod
@@ -243,16 +245,16 @@ class _CubeLinear(torch.autograd.Function):
         hidden, across, weight_axis = ctx.groups
         grad = grad.contiguous()
         g_all = all_gather_along(grad, 0, hidden.group, hidden.world_size)  # [b/q, .., out/q]
-        w_all = all_gather_along(weight, 0, weight_axis.group, weight_axis.world_size)
+        w_all = all_gather_along(weight, -2, weight_axis.group, weight_axis.world_size)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            dx_all = torch.matmul(g_all, w_all)  # [b/q, .., in/q], partial over out blocks
+            dx_all = torch.matmul(g_all, flat_weight(w_all))  # [b/q, .., in/q], partial sums
             grad_x = reduce_scatter_along(dx_all, 0, across.group, across.world_size)
         if ctx.needs_input_grad[1]:
             x_all = all_gather_along(x, 0, across.group, across.world_size)  # [b/q, .., in/q]
             dw_all = g_all.reshape(-1, g_all.shape[-1]).t() @ x_all.reshape(-1, x.shape[-1])
             grad_w = reduce_scatter_along(
-                dw_all, 0, weight_axis.group, weight_axis.world_size
+                dw_all.view(w_all.shape), -2, weight_axis.group, weight_axis.world_size
             )  # [out/q^2, in/q]
         return grad_x, grad_w, None, None, None
 

@@ -20,7 +20,7 @@ from tessera.context import ParallelContext
 
 from .comm import copy_to_group
 from .cube import CubeModule, Layout3D, check_layout, cube_linear, other_layout
-from .dense import dense_bias, dense_weight
+from .dense import dense_bias, dense_weight, flat_bias
 from .initializers import Initializer
 from .linear_1d import LinearOutput
 
@@ -44,6 +44,9 @@ class Linear3D(CubeModule):
         bias_initializer: Fills the full ``[out]`` bias (torch's default).
         input_layout: ``"y"`` (default: the layout between blocks, e.g. a first MLP layer or
             qkv) or ``"z"`` (the output of a ``"y"`` layer, e.g. a second MLP layer or proj).
+        fused: The output is this many equal parts (q, k, v), each split over the cube on its
+            own (see :class:`~tessera.layers.Linear1DCol`); weight ``[fused, out/(fused q^2),
+            in/q]``.
         device: Parameter device (default the context's).
         context: The ParallelContext (default the current one).
     """
@@ -59,6 +62,7 @@ class Linear3D(CubeModule):
         bias_initializer: Initializer | None = None,
         *,
         input_layout: Layout3D = "y",
+        fused: int = 1,
         device: torch.device | str | None = None,
         context: ParallelContext | None = None,
     ) -> None:
@@ -66,7 +70,7 @@ class Linear3D(CubeModule):
         self.input_layout: Layout3D = check_layout(input_layout, self.owner)
         cube = self.cube
         self.in_features, self.out_features = in_features, out_features
-        self.skip_bias_add = skip_bias_add
+        self.skip_bias_add, self.fused = skip_bias_add, fused
         hidden, across = cube.hidden(self.input_layout), cube.across(self.input_layout)
         self.weight = dense_weight(
             self,
@@ -75,6 +79,7 @@ class Linear3D(CubeModule):
             weight_initializer,
             splits={0: (across.mode, cube.weight.mode), 1: (hidden.mode,)},
             dtype=dtype,
+            fused=fused,
         )  # [out/q^2, in/q]
         self.bias = dense_bias(
             self,
@@ -85,6 +90,7 @@ class Linear3D(CubeModule):
             splits={0: (across.mode,)},
             replicated=(hidden.mode, cube.weight.mode),
             dtype=dtype,
+            fused=fused,
         )  # [out/q]
 
     @property
@@ -103,10 +109,11 @@ class Linear3D(CubeModule):
         local_in = self.in_features // cube.q
         cube.check_local(x, -1, local_in, self.signature, name="in_features")
         y = cube_linear(x, self.weight, cube, self.input_layout)  # [b/q^2, ..., out/q]
+        local_bias = flat_bias(self.bias)
         bias = (
             None
-            if self.bias is None
-            else copy_to_group(self.bias, cube.batch(self.output_layout).group)
+            if local_bias is None
+            else copy_to_group(local_bias, cube.batch(self.output_layout).group)
         )
         if self.skip_bias_add:
             return y, bias

@@ -23,7 +23,7 @@ from .plan import Plan, match_plan, plan_for
 __all__ = ["PARALLELIZED_ATTR", "SUPPORTED_MODES", "parallelize"]
 
 #: The tensor modes ``parallelize`` converts models to.
-SUPPORTED_MODES = ("1d", "2d", "2.5d")
+SUPPORTED_MODES = ("1d", "2d", "2.5d", "3d")
 #: Set on a parallelized model: the tensor mode it was converted to.
 PARALLELIZED_ATTR = "_tessera_parallelized"
 

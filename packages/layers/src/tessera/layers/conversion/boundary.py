@@ -33,6 +33,7 @@ from ..context_access import current_or_none, tensor_mode
 from ..cross_entropy import vocab_parallel_cross_entropy
 from ..errors import ModeNotImplementedError
 from ..loss_2d import CrossEntropyLoss2D, CrossEntropyLoss2p5D
+from ..loss_3d import CrossEntropyLoss3D
 from .plan import Plan
 
 __all__ = ["causal_lm_loss", "install_boundary"]
@@ -144,7 +145,8 @@ def causal_lm_loss(
 
     Args:
         logits: The model's logits: ``[b, s, V]`` without tensor parallelism, ``[b, s, V/p]``
-            (split by vocabulary) in 1D, ``[b/(depth q), s, V]`` in 2D/2.5D.
+            (split by vocabulary) in 1D, ``[b/(depth q), s, V]`` in 2D/2.5D, ``[b/q^2, s, V]``
+            in 3D.
         input_ids: The whole batch of token ids ``[b, s]``, as given to the model.
         ignore_index: Targets that count for nothing.
         context: The ParallelContext (default the current one).
@@ -156,7 +158,7 @@ def causal_lm_loss(
     ctx = current_or_none(context)
     mode = tensor_mode(ctx)
     targets = input_ids
-    if ctx is not None and mode in ("2d", "2.5d"):
+    if ctx is not None and mode in ("2d", "2.5d", "3d"):
         targets = split_batch(input_ids, ctx)
     if tuple(logits.shape[:2]) != tuple(targets.shape):
         raise ValueError(
@@ -176,7 +178,8 @@ def causal_lm_loss(
             ignore_index=ignore_index,
             reduction="mean",
         )
-    if mode in ("2d", "2.5d"):
-        cls = CrossEntropyLoss2D if mode == "2d" else CrossEntropyLoss2p5D
-        return cls(ignore_index=ignore_index, context=ctx)(shifted, targets)  # type: ignore[no-any-return]
-    raise ModeNotImplementedError("causal_lm_loss", mode, ("1d", "2d", "2.5d"))
+    losses = {"2d": CrossEntropyLoss2D, "2.5d": CrossEntropyLoss2p5D, "3d": CrossEntropyLoss3D}
+    if mode in losses:
+        loss: torch.Tensor = losses[mode](ignore_index=ignore_index, context=ctx)(shifted, targets)
+        return loss
+    raise ModeNotImplementedError("causal_lm_loss", mode, ("1d", *losses))

@@ -15,6 +15,7 @@ al. 2022) and the 2D/2.5D mesh (Xu et al. 2021; Wang et al. 2021).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 from torch import nn
@@ -23,14 +24,20 @@ from tessera.context import ParallelContext, ParallelMode
 
 from ..classifier_1d import VocabParallelClassifier1D
 from ..classifier_2d import Classifier2D, Classifier2p5D
+from ..classifier_3d import Classifier3D
+from ..cube import Layout3D, cube_of
 from ..embedding_1d import VocabParallelEmbedding1D
 from ..embedding_2d import Embedding2D, Embedding2p5D
+from ..embedding_3d import Embedding3D
 from ..full_form import FullForm, set_full_form
+from ..initializers import Initializer
 from ..linear_1d import Linear1DCol, Linear1DRow
 from ..linear_2d import Linear2D, Linear2p5D
+from ..linear_3d import Linear3D
 from ..mesh import mesh_of
 from ..norm_1d import LayerNorm1D
 from ..norm_2d import LayerNorm2D, LayerNorm2p5D
+from ..norm_3d import LayerNorm3D
 from ..state_dict import load_full_state_dict
 
 __all__ = ["Converter", "LinearShape", "linear_shape"]
@@ -44,6 +51,14 @@ HEAD_ATTRIBUTES = (
     "embed_dim",
     "all_head_size",
 )
+
+
+class _Made(TypedDict):
+    dtype: torch.dtype
+    weight_initializer: Initializer
+    bias_initializer: Initializer
+    device: torch.device
+    context: ParallelContext
 
 
 def _no_init(tensor: torch.Tensor, fan_in: int, fan_out: int) -> None:
@@ -130,6 +145,8 @@ class Converter:
         """How many ranks split a hidden dim (and so the heads): p in 1D, q on the mesh."""
         if self.mode == "1d":
             return self.context.get_world_size(ParallelMode.PARALLEL_1D)
+        if self.mode == "3d":
+            return cube_of(self.context).q
         return mesh_of(self.context, self.mode).q
 
     def convert(self, name: str, module: nn.Module, role: str) -> nn.Module:
@@ -144,46 +161,38 @@ class Converter:
             return self.norm(name, module)
         return self.head(name, module)
 
+    def _made_like(self, weight: torch.Tensor) -> _Made:
+        """Keywords every converted linear layer and head is built with."""
+        return _Made(
+            dtype=weight.dtype,
+            weight_initializer=_no_init,
+            bias_initializer=_no_init,
+            device=weight.device,
+            context=self.context,
+        )
+
     def linear(self, name: str, module: nn.Module, role: str) -> nn.Module:
-        """``col`` / ``qkv`` / ``row``: the mode's linear layer."""
+        """``col`` / ``qkv`` / ``row``: the mode's linear layer.
+
+        Under 3D a ``col`` layer takes layout ``"y"`` (between blocks) and returns ``"z"``; a
+        ``row`` layer takes ``"z"`` back to ``"y"`` (Bian et al. 2021).
+        """
         shape = linear_shape(name, module, role)
         fused = 3 if role == "qkv" else 1
         weight = _tensor(module, "weight")
         dims = (shape.in_features, shape.out_features, shape.bias)
-        device = weight.device
+        made = self._made_like(weight)
         new: nn.Module
         if self.mode == "1d" and role == "row":
-            new = Linear1DRow(
-                *dims,
-                dtype=weight.dtype,
-                weight_initializer=_no_init,
-                bias_initializer=_no_init,
-                sequence_parallel=self.sequence_parallel,
-                device=device,
-                context=self.context,
-            )
+            new = Linear1DRow(*dims, sequence_parallel=self.sequence_parallel, **made)
         elif self.mode == "1d":
-            new = Linear1DCol(
-                *dims,
-                dtype=weight.dtype,
-                weight_initializer=_no_init,
-                bias_initializer=_no_init,
-                sequence_parallel=self.sequence_parallel,
-                fused=fused,
-                device=device,
-                context=self.context,
-            )
+            new = Linear1DCol(*dims, sequence_parallel=self.sequence_parallel, fused=fused, **made)
+        elif self.mode == "3d":
+            layout: Layout3D = "z" if role == "row" else "y"
+            new = Linear3D(*dims, input_layout=layout, fused=fused, **made)
         else:
             cls = Linear2D if self.mode == "2d" else Linear2p5D
-            new = cls(
-                *dims,
-                dtype=weight.dtype,
-                weight_initializer=_no_init,
-                bias_initializer=_no_init,
-                fused=fused,
-                device=device,
-                context=self.context,
-            )
+            new = cls(*dims, fused=fused, **made)
         forms: dict[str, FullForm] = {}
         if shape.transposed or fused > 1:
             forms["weight"] = FullForm(tuple(weight.shape), transposed=shape.transposed)
@@ -237,6 +246,7 @@ class Converter:
             "1d": VocabParallelEmbedding1D,
             "2d": Embedding2D,
             "2.5d": Embedding2p5D,
+            "3d": Embedding3D,
         }
         new = classes[self.mode](
             module.num_embeddings,
@@ -274,6 +284,8 @@ class Converter:
             new = LayerNorm1D(
                 *args, sequence_parallel=True, device=weight.device, context=self.context
             )
+        elif self.mode == "3d":
+            new = LayerNorm3D(*args, layout="y", device=weight.device, context=self.context)
         else:
             cls = LayerNorm2D if self.mode == "2d" else LayerNorm2p5D
             new = cls(*args, device=weight.device, context=self.context)
@@ -288,25 +300,11 @@ class Converter:
             )
         tied = self.replaced.get(id(module.weight))
         dims = (module.in_features, module.out_features, tied, module.bias is not None)
-        device = module.weight.device
-        new: nn.Module
-        if self.mode == "1d":
-            new = VocabParallelClassifier1D(
-                *dims,
-                dtype=module.weight.dtype,
-                weight_initializer=_no_init,
-                bias_initializer=_no_init,
-                device=device,
-                context=self.context,
-            )
-        else:
-            cls = Classifier2D if self.mode == "2d" else Classifier2p5D
-            new = cls(
-                *dims,
-                dtype=module.weight.dtype,
-                weight_initializer=_no_init,
-                bias_initializer=_no_init,
-                device=device,
-                context=self.context,
-            )
+        made = self._made_like(module.weight)
+        heads: dict[str, type[VocabParallelClassifier1D | Classifier2D | Classifier2p5D]] = {
+            "1d": VocabParallelClassifier1D,
+            "2d": Classifier2D,
+            "2.5d": Classifier2p5D,
+        }
+        new = Classifier3D(*dims, **made) if self.mode == "3d" else heads[self.mode](*dims, **made)
         return _adopt(new, module, {})

@@ -175,4 +175,30 @@ def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
             f"{names[:8]}{' ...' if len(names) > 8 else ''})"
         )
     order = {name: i for i, name in enumerate(names)}
-    return dict(sorted(roles.items(), key=lambda item: order[item[0]]))
+    ordered = dict(sorted(roles.items(), key=lambda item: order[item[0]]))
+    _check_pairs(ordered, plan, mode)
+    return ordered
+
+
+def _check_pairs(roles: Mapping[str, str], plan: Plan, mode: str) -> None:
+    """Every ``row`` layer follows a ``col``/``qkv`` layer (in the modules' order).
+
+    A row layer takes what a column layer left split: under 1D the features, under 3D layout
+    ``"z"``. Without one before it the input is in the wrong layout, which 3D could not even
+    see (its two layouts have the same shapes).
+
+    Raises:
+        ValueError: a ``row`` layer has no ``col``/``qkv`` layer since the previous ``row``.
+    """
+    open_col = False
+    for name, role in roles.items():
+        if role in ("col", "qkv"):
+            open_col = True
+        elif role == "row":
+            if not open_col:
+                raise ValueError(
+                    f"parallelize under tensor mode {mode!r}: {name!r} is a 'row' layer with no "
+                    f"'col' or 'qkv' layer before it (since the previous 'row') in the "
+                    f"{plan.name}; a row layer takes the split output of a column layer"
+                )
+            open_col = False
