@@ -104,19 +104,64 @@ def _gpt2_matches_reference(tensor: dict[str, Any]) -> dict[str, Any]:
                 p.zero_()
         load_full_state_dict(model, original)
         _assert_same_state(gather_full_state_dict(model, context=ctx), original)
-        return {"loss": round(float(loss), 5), "mlp": _mlp_matches_reference(ctx)}
+        return {"loss": round(float(loss.detach()), 5), "mlp": _mlp_matches_reference(ctx)}
     finally:
         ctx.destroy()
 
 
-def _mlp_matches_reference(ctx: ParallelContext) -> int:
-    """A plain torch block with a user's dict plan: full input in, full output out."""
+def _plain_block(*layers: nn.Module) -> nn.Sequential:
     torch.manual_seed(3)
-    ref = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    ref = nn.Sequential(*layers)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(torch.randn(p.shape) * 0.1)
-    model = parallelize(copy.deepcopy(ref), {"0": "norm", "1": "col", "3": "row"}, context=ctx)
+    return ref
+
+
+def _mlp_matches_reference(ctx: ParallelContext) -> int:
+    """Plain torch blocks with a user's dict plan: full input in, full output out.
+
+    The first is a pre-norm MLP; the second the paper's Listing 1 (Linear -> LayerNorm ->
+    Linear), whose LayerNorm takes the column layer's output.
+    """
+    mlp = _plain_block(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    checked = _block_matches_reference(ctx, mlp, {"0": "norm", "1": "col", "3": "row"})
+    listing_1 = _plain_block(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 16))
+    checked += _block_matches_reference(ctx, listing_1, {"0": "col", "1": "norm", "2": "row"})
+    return checked + _dispatching_listing_1(ctx)
+
+
+def _dispatching_listing_1(ctx: ParallelContext) -> int:
+    """Listing 1 written with the dispatching layers, no layout argument but the 3D one."""
+    from tessera.layers import LayerNorm, Linear, gather_activation, split_activation
+
+    ref = _plain_block(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 16))
+    model = nn.Sequential(
+        Linear(16, 32, parallel="col", context=ctx),
+        LayerNorm(32, parallel_input=True, context=ctx),
+        Linear(32, 16, parallel="row", context=ctx),
+    )
+    load_full_state_dict(model, ref.state_dict())
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(4))
+    w = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(5))
+    y_ref = ref(x)
+    y = gather_activation(model(split_activation(x, ctx)), ctx)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    (y_ref * w).sum().backward()
+    (y * w).sum().backward()
+    grads = _full_grads(model, ctx)
+    for name, p in ref.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    if ctx.config.tensor_mode == "3d":  # the same shapes in both layouts: the mark tells
+        unmarked = nn.Sequential(model[0], LayerNorm(32, context=ctx))
+        with pytest.raises(ValueError, match=r"input is in layout 'z'.*parallel_input=True"):
+            unmarked(split_activation(x, ctx))
+    return len(grads)
+
+
+def _block_matches_reference(ctx: ParallelContext, ref: nn.Module, plan: dict[str, str]) -> int:
+    model = parallelize(copy.deepcopy(ref), plan, context=ctx)
     x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(4))
     x_ref, x_par = x.clone().requires_grad_(), x.clone().requires_grad_()
     w = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(5))
@@ -139,7 +184,7 @@ def test_gpt2_and_a_plain_block_equal_single_process(dist, layout: str) -> None:
     results = dist.run(
         _gpt2_matches_reference, world_size=tensor["size"], args=(tensor,), timeout=180.0
     )
-    assert results[0]["mlp"] == 6
+    assert results[0]["mlp"] == 18
     assert all(r == results[0] for r in results)
 
 

@@ -44,8 +44,10 @@ __all__ = [
     "Cube",
     "CubeModule",
     "Layout3D",
+    "check_marked_layout",
     "cube_linear",
     "cube_of",
+    "mark_layout",
     "gather_cube_activation",
     "split_cube_activation",
     "split_cube_batch",
@@ -164,6 +166,38 @@ def check_layout(layout: str, owner: str) -> Layout3D:
     if layout == "z":
         return "z"
     raise ValueError(f"{owner}: a 3d layout is 'y' or 'z' (the hidden dim's axis), got {layout!r}")
+
+
+#: The attribute under which a 3D layer's output records its layout.
+LAYOUT_ATTR = "_tessera_layout_3d"
+
+
+def mark_layout(x: torch.Tensor, layout: Layout3D) -> torch.Tensor:
+    """Record on ``x`` (a 3D layer's output) that it is in ``layout``; returns ``x``.
+
+    Both layouts have the same local shape, so a layer fed the other one would compute
+    garbage silently. The mark lets the next 3D layer check what it is given; it lives on this
+    tensor only (an elementwise op in between returns an unmarked tensor, which is not checked).
+    """
+    setattr(x, LAYOUT_ATTR, layout)
+    return x
+
+
+def check_marked_layout(x: torch.Tensor, expected: Layout3D, owner: str, fix: str) -> None:
+    """``ValueError`` if ``x`` carries a layout mark other than ``expected``.
+
+    Args:
+        x: The input of a 3D layer.
+        expected: The layout the layer takes.
+        owner: The layer, for the message.
+        fix: What to change, for the message.
+    """
+    got = getattr(x, LAYOUT_ATTR, None)
+    if got is not None and got != expected:
+        raise ValueError(
+            f"{owner} takes 3d layout {expected!r}, but its input is in layout {got!r} (the "
+            f"output of a layer that switched the layout); {fix}"
+        )
 
 
 def other_layout(layout: Layout3D) -> Layout3D:

@@ -208,8 +208,9 @@ def Linear(
 
 
 def _layer_norm_1d(
-    ctx: ParallelContext, *, sequence_parallel: bool | None, **kwargs: Any
+    ctx: ParallelContext, *, sequence_parallel: bool | None, parallel_input: bool, **kwargs: Any
 ) -> nn.Module:
+    del parallel_input  # LayerNorm1D tells a split input by its shape
     return LayerNorm1D(sequence_parallel=_sp(ctx, sequence_parallel), context=ctx, **kwargs)
 
 
@@ -219,12 +220,33 @@ def LayerNorm(
     elementwise_affine: bool = True,
     bias: bool = True,
     *,
+    parallel_input: bool = False,
     sequence_parallel: bool | None = None,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     context: ParallelContext | None = None,
 ) -> nn.Module:
-    """``torch.nn.LayerNorm`` for the context's tensor mode (same parameters in full form)."""
+    """``torch.nn.LayerNorm`` for the context's tensor mode (same parameters in full form).
+
+    Between a ``parallel="col"`` and a ``parallel="row"`` ``Linear`` (the paper's Listing 1:
+    Linear -> LayerNorm -> Linear) the input is the column layer's output: under 1D its
+    features are split (told by its shape, normalized over the 1D group); under 3D it is in
+    layout ``"z"``, which has the same shape as the layout between blocks, so say
+    ``parallel_input=True`` there (a 3D LayerNorm given the column layer's output directly
+    without it raises). 2D and 2.5D keep one layout and need nothing.
+
+    Args:
+        normalized_shape: As torch's.
+        eps: As torch's.
+        elementwise_affine: As torch's.
+        bias: As torch's.
+        parallel_input: The input is a ``parallel="col"`` Linear's output (3D: layout
+            ``"z"``).
+        sequence_parallel: 1D only; default the config's ``tensor.sequence_parallel``.
+        dtype: Of the parameters.
+        device: Of the parameters.
+        context: The ParallelContext; default the current one (none: plain torch).
+    """
     module = _build(
         "LayerNorm",
         context,
@@ -232,6 +254,7 @@ def LayerNorm(
         eps=eps,
         elementwise_affine=elementwise_affine,
         bias=bias,
+        parallel_input=parallel_input,
         sequence_parallel=sequence_parallel,
         dtype=dtype,
         device=device,

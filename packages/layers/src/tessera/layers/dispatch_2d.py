@@ -139,9 +139,11 @@ def _linear(
 
 
 def _layer_norm(
-    ctx: ParallelContext, *, sequence_parallel: bool | None, **kwargs: Any
+    ctx: ParallelContext, *, sequence_parallel: bool | None, parallel_input: bool, **kwargs: Any
 ) -> nn.Module:
     _no_sequence_parallel("LayerNorm", ctx, sequence_parallel)
+    if ctx.config.tensor_mode == "3d":  # the column layer's output is in layout "z"
+        kwargs["layout"] = "z" if parallel_input else "y"
     return _cls("LayerNorm", ctx)(context=ctx, **kwargs)
 
 

@@ -158,10 +158,12 @@ def _layer_norm_sequence(
     eps: float,
     elementwise_affine: bool,
     bias: bool,
+    parallel_input: bool,
     sequence_parallel: bool | None,
     dtype: torch.dtype | None,
     device: torch.device | str | None,
 ) -> nn.Module:
+    del parallel_input  # every sequence layer is token-wise: one layout
     _no_1d_options("LayerNorm", ctx, sequence_parallel=sequence_parallel)
     norm = nn.LayerNorm(
         normalized_shape, eps, elementwise_affine, bias=bias, device=device, dtype=dtype

@@ -19,7 +19,15 @@ import torch
 from tessera.context import ParallelContext
 
 from .comm import copy_to_group
-from .cube import CubeModule, Layout3D, check_layout, cube_linear, other_layout
+from .cube import (
+    CubeModule,
+    Layout3D,
+    check_layout,
+    check_marked_layout,
+    cube_linear,
+    mark_layout,
+    other_layout,
+)
 from .dense import dense_bias, dense_weight, flat_bias
 from .initializers import Initializer
 from .linear_1d import LinearOutput
@@ -108,6 +116,13 @@ class Linear3D(CubeModule):
         cube = self.cube
         local_in = self.in_features // cube.q
         cube.check_local(x, -1, local_in, self.signature, name="in_features")
+        check_marked_layout(
+            x,
+            self.input_layout,
+            self.signature,
+            "a layer after a parallel='col' Linear takes layout 'z' (parallel='row', "
+            "input_layout='z')",
+        )
         y = cube_linear(x, self.weight, cube, self.input_layout)  # [b/q^2, ..., out/q]
         local_bias = flat_bias(self.bias)
         bias = (
@@ -116,8 +131,8 @@ class Linear3D(CubeModule):
             else copy_to_group(local_bias, cube.batch(self.output_layout).group)
         )
         if self.skip_bias_add:
-            return y, bias
-        return y if bias is None else y + bias
+            return mark_layout(y, self.output_layout), bias
+        return mark_layout(y if bias is None else y + bias, self.output_layout)
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""

@@ -18,6 +18,8 @@ from tessera.context import ParallelContext
 from .base import Module1D
 from .comm import copy_to_group
 from .initializers import ones, zeros
+from .input_checks import check_input_dim
+from .norm_2d import layer_norm_over_group
 
 __all__ = ["LayerNorm1D"]
 
@@ -25,7 +27,10 @@ __all__ = ["LayerNorm1D"]
 class LayerNorm1D(Module1D):
     """LayerNorm over the last dims, parameters replicated over the 1D group.
 
-    Parameters ``weight``/``bias`` ``[*normalized_shape]``, as torch's.
+    Parameters ``weight``/``bias`` ``[*normalized_shape]``, as torch's. The input is
+    ``[.., h]`` replicated (``[b, s/p, h]`` with sequence parallelism) or, between a column- and
+    a row-parallel layer, the column layer's split output ``[.., h/p]``: the shape says which,
+    and the second is normalized over the 1D group.
 
     Args:
         normalized_shape: As torch's LayerNorm.
@@ -77,11 +82,36 @@ class LayerNorm1D(Module1D):
         """See the class docstring for shapes."""
         weight: torch.Tensor | None = self.weight
         bias: torch.Tensor | None = self.bias
+        if len(self.normalized_shape) == 1 and x.shape[-1:] != self.normalized_shape:
+            return self._split_features(x)
         if self.sequence_parallel:
             group = self.tp.group
             weight = None if weight is None else copy_to_group(weight, group)
             bias = None if bias is None else copy_to_group(bias, group)
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+    def _split_features(self, x: torch.Tensor) -> torch.Tensor:
+        """LayerNorm of a column-parallel layer's output ``[.., h/p]`` (Listing 1's middle).
+
+        The mean and variance are sums over the 1D group (:func:`layer_norm_over_group`); the
+        replicated ``[h]`` parameters are routed through ``copy_to_group`` and this rank's
+        block taken, so each rank's gradient fills its block and the backward's all-reduce
+        leaves the whole gradient on every rank.
+        """
+        h, world = self.normalized_shape[0], self.tp.world_size
+        check_input_dim(
+            x,
+            h // world if h % world == 0 else h,
+            f"LayerNorm1D({h})",
+            f"normalized_shape {h}, or {h} / tensor size {world} for the split output of a "
+            "column-parallel layer",
+        )
+        local = h // world
+        block = slice(self.tp.rank * local, (self.tp.rank + 1) * local)
+        group = self.tp.group
+        weight = None if self.weight is None else copy_to_group(self.weight, group)[block]
+        bias = None if self.bias is None else copy_to_group(self.bias, group)[block]
+        return layer_norm_over_group(x, weight, bias, h, self.eps, self.tp)  # [.., h/p]
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""

@@ -13,7 +13,7 @@ import torch
 
 from tessera.context import ParallelContext
 
-from .cube import CubeModule, Layout3D, check_layout
+from .cube import CubeModule, Layout3D, check_layout, check_marked_layout, mark_layout
 from .norm_2d import GroupLayerNorm
 
 __all__ = ["LayerNorm3D"]
@@ -65,7 +65,15 @@ class LayerNorm3D(GroupLayerNorm, CubeModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
         cube = self.cube
-        return self.normalize(x, cube.hidden(self.layout), cube.batch(self.layout))
+        check_marked_layout(
+            x,
+            self.layout,
+            f"{self.owner}({self.hidden}, layout={self.layout!r})",
+            "a LayerNorm after a parallel='col' Linear is built with "
+            "LayerNorm(..., parallel_input=True) (LayerNorm3D(..., layout='z'))",
+        )
+        y = self.normalize(x, cube.hidden(self.layout), cube.batch(self.layout))
+        return mark_layout(y, self.layout)
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""

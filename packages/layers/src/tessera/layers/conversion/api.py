@@ -18,7 +18,7 @@ from ..context_access import current_or_none, sequence_parallel_default, tensor_
 from ..errors import ModeNotImplementedError
 from .boundary import install_boundary
 from .converters import Converter
-from .plan import Plan, match_plan, plan_for
+from .plan import Plan, inner_norms, match_plan, plan_for
 
 __all__ = ["PARALLELIZED_ATTR", "SUPPORTED_MODES", "parallelize"]
 
@@ -77,7 +77,7 @@ def parallelize(
             f"parallelize: tensor.sequence_parallel is on, but the {chosen.name} names no "
             "sequence_span (the blocks whose activations are split along the sequence)"
         )
-    converter = Converter(ctx, mode, sequence_parallel)
+    converter = Converter(ctx, mode, sequence_parallel, inner_norms(roles))
     for name, role in roles.items():
         old = model.get_submodule(name)
         new = converter.convert(name, old, role)

@@ -133,10 +133,19 @@ class Converter:
         context: The ParallelContext.
         mode: ``"1d"``, ``"2d"`` or ``"2.5d"``.
         sequence_parallel: 1D only: layers take and return sequence-split activations.
+        inner_norms: The norms between a column layer and its row layer (they take the
+            column layer's output).
     """
 
-    def __init__(self, context: ParallelContext, mode: str, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        context: ParallelContext,
+        mode: str,
+        sequence_parallel: bool,
+        inner_norms: set[str] | None = None,
+    ) -> None:
         self.context, self.mode, self.sequence_parallel = context, mode, sequence_parallel
+        self.inner_norms = inner_norms or set()
         #: ``id(plain parameter) -> tessera parameter``, for heads tied to an embedding.
         self.replaced: dict[int, nn.Parameter] = {}
 
@@ -269,7 +278,8 @@ class Converter:
                 f"parallelize: {name!r} ({type(module).__name__}) has role 'norm', which takes "
                 "an nn.LayerNorm"
             )
-        if self.mode == "1d" and not self.sequence_parallel:
+        inner = name in self.inner_norms
+        if self.mode == "1d" and not self.sequence_parallel and not inner:
             return module  # replicated activations: the plain LayerNorm is already right
         weight = module.weight if module.weight is not None else torch.empty(0)
         args = (
@@ -280,12 +290,14 @@ class Converter:
             weight.dtype,
         )
         new: nn.Module
-        if self.mode == "1d":
+        if self.mode == "1d":  # an inner norm sees the whole sequence (the column gathered it)
+            sp = self.sequence_parallel and not inner
             new = LayerNorm1D(
-                *args, sequence_parallel=True, device=weight.device, context=self.context
+                *args, sequence_parallel=sp, device=weight.device, context=self.context
             )
         elif self.mode == "3d":
-            new = LayerNorm3D(*args, layout="y", device=weight.device, context=self.context)
+            layout: Layout3D = "z" if inner else "y"
+            new = LayerNorm3D(*args, layout=layout, device=weight.device, context=self.context)
         else:
             cls = LayerNorm2D if self.mode == "2d" else LayerNorm2p5D
             new = cls(*args, device=weight.device, context=self.context)

@@ -43,7 +43,7 @@ from typing import Literal
 
 from torch import nn
 
-__all__ = ["BUILTIN_PLANS", "ROLES", "Plan", "Role", "match_plan", "plan_for"]
+__all__ = ["BUILTIN_PLANS", "ROLES", "Plan", "Role", "inner_norms", "match_plan", "plan_for"]
 
 Role = Literal["col", "qkv", "row", "embedding", "position_embedding", "norm", "head", "attention"]
 #: Every role a plan may name.
@@ -178,6 +178,22 @@ def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
     ordered = dict(sorted(roles.items(), key=lambda item: order[item[0]]))
     _check_pairs(ordered, plan, mode)
     return ordered
+
+
+def inner_norms(roles: Mapping[str, str]) -> set[str]:
+    """The ``norm`` modules between a ``col``/``qkv`` layer and its ``row`` layer.
+
+    They normalize a column layer's output (the paper's Listing 1: Linear -> LayerNorm ->
+    Linear): split features under 1D, layout ``"z"`` under 3D.
+    """
+    inner: set[str] = set()
+    open_col = False
+    for name, role in roles.items():
+        if role in ("col", "qkv", "row"):
+            open_col = role != "row"
+        elif role == "norm" and open_col:
+            inner.add(name)
+    return inner
 
 
 def _check_pairs(roles: Mapping[str, str], plan: Plan, mode: str) -> None:
