@@ -167,7 +167,10 @@ def bench(session: nox.Session) -> None:
     """Runs every benchmark under benchmarks/; each prints tessera next to its peer as ratios."""
     _install_torch(session)
     session.install("numpy")
-    session.install(*(_path(p) for p in PACKAGES if _has_code(p)))
+    # tessera-layers with its transformers extra: bench_parallelize converts a GPT-2.
+    session.install(
+        *(_path(p) + ("[transformers]" if p == "layers" else "") for p in PACKAGES if _has_code(p))
+    )
     scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
     if not scripts:
         session.log("benchmarks/ holds no benchmark yet")

@@ -23,6 +23,19 @@ GPT2_CONFIG: dict[str, Any] = dict(
     embd_pdrop=0.0,
     attn_pdrop=0.0,
 )
+#: One Llama for every mode: grouped-query attention (8 heads, 4 key/value heads: divisible by
+#: the 1D sizes 2 and 4 and by q = 2), hidden 32 (divisible by q*q = 4), RMSNorm, rotary
+#: positions, an untied head.
+LLAMA_CONFIG: dict[str, Any] = dict(
+    vocab_size=32,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=16,
+    tie_word_embeddings=False,
+)
 #: A batch every layout divides: 4 rows (2.5D: depth 2 x q 2), 8 tokens (1D sequence: 2 or 4).
 BATCH, SEQ = 4, 8
 
@@ -32,9 +45,20 @@ def gpt2_lm(seed: int = 0, **overrides: Any) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(**{**GPT2_CONFIG, **overrides}))
-    # transformers' init leaves biases and LayerNorm parameters at 0 / 1: give every tensor
-    # distinct values, so a wrong block or a wrong gradient cannot hide behind a constant.
+    return _distinct(GPT2LMHeadModel(GPT2Config(**{**GPT2_CONFIG, **overrides})), seed)
+
+
+def llama_lm(seed: int = 0, **overrides: Any) -> nn.Module:
+    """``LlamaForCausalLM`` from :data:`LLAMA_CONFIG`, its weights drawn from ``seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return _distinct(LlamaForCausalLM(LlamaConfig(**{**LLAMA_CONFIG, **overrides})), seed)
+
+
+def _distinct(model: nn.Module, seed: int) -> nn.Module:
+    """transformers' init leaves biases and norm weights at 0 / 1: give every tensor distinct
+    values, so a wrong block or a wrong gradient cannot hide behind a constant."""
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed + 1)
         for _, p in sorted(model.named_parameters()):

@@ -13,12 +13,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_models import GPT2_CONFIG, gpt2_lm, token_ids
+from hf_models import gpt2_lm, llama_lm, token_ids
 from torch import nn
 
-from tessera.context import ParallelContext, create_context
+from tessera.context import ParallelContext, ParallelMode, create_context
 from tessera.layers import (
-    ModeNotImplementedError,
     causal_lm_loss,
     gather_full_state_dict,
     load_full_state_dict,
@@ -38,6 +37,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "2d": dict(size=4, mode="2d"),
     "2.5d": dict(size=8, mode="2.5d", depth=2),
     "3d": dict(size=8, mode="3d"),
+    "sequence-ring": dict(size=2, mode="sequence"),
+    "sequence-all-to-all": dict(size=4, mode="sequence"),
 }
 
 
@@ -45,8 +46,22 @@ def _context(tensor: dict[str, Any]) -> ParallelContext:
     return create_context(dict(parallel=dict(tensor=tensor)), timeout=60.0)
 
 
-def _full_grads(model: nn.Module, ctx: ParallelContext) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient in the original model's names and forms."""
+def _full_grads(
+    model: nn.Module, ctx: ParallelContext, *, mean_loss: bool = False
+) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient in the original model's names and forms.
+
+    Under 'sequence' each rank's gradient is partial: summed over SEQUENCE here, as the
+    engine's handler does (divided by N when each rank's loss carries N times its share,
+    ``causal_lm_loss``'s convention).
+    """
+    if ctx.config.tensor_mode == "sequence":
+        world = ctx.get_world_size(ParallelMode.SEQUENCE)
+        for p in model.parameters():
+            assert p.grad is not None
+            torch.distributed.all_reduce(p.grad, group=ctx.get_group(ParallelMode.SEQUENCE))
+            if mean_loss:
+                p.grad /= world
     saved = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -66,47 +81,58 @@ def _assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
         assert torch.equal(got[name], tensor), f"{name} differs after parallelize"
 
 
-def _gpt2_matches_reference(tensor: dict[str, Any]) -> dict[str, Any]:
+def _models_match_reference(tensor: dict[str, Any]) -> dict[str, Any]:
     ctx = _context(tensor)
     try:
-        ref = gpt2_lm()
-        model = parallelize(copy.deepcopy(ref), context=ctx)
-        original = ref.state_dict()
-        _assert_same_state(gather_full_state_dict(model, context=ctx), original)
-        assert model.lm_head.weight is model.transformer.wte.weight, "the head is no longer tied"
-
-        ids = token_ids()
-        ref_logits = ref(ids).logits
-        ref_loss = F.cross_entropy(
-            ref_logits[:, :-1].reshape(-1, GPT2_CONFIG["vocab_size"]), ids[:, 1:].reshape(-1)
-        )
-        ref_loss.backward()
-        logits = model(ids).logits
-        loss = causal_lm_loss(logits, ids, context=ctx)
-        loss.backward()
-        torch.testing.assert_close(loss, ref_loss, **TOL)
-        if tensor["mode"] == "1d":  # [b, s, V/p]: this rank's classes
-            rank, world = ctx.get_local_rank("parallel_1d"), tensor["size"]
-            expected = ref_logits.detach().chunk(world, -1)[rank]
-        else:  # [b/(depth q), s, V]: this rank's rows
-            expected = split_batch(ref_logits.detach(), ctx)
-        torch.testing.assert_close(logits, expected, **TOL)
-
-        grads = _full_grads(model, ctx)
-        for name, p in ref.named_parameters(remove_duplicate=False):
-            assert p.grad is not None
-            torch.testing.assert_close(
-                grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n} grad: {m}"
-            )
-        # The original state dict loads back as it is (Conv1D orientation, fused q/k/v).
-        with torch.no_grad():
-            for p in model.parameters():
-                p.zero_()
-        load_full_state_dict(model, original)
-        _assert_same_state(gather_full_state_dict(model, context=ctx), original)
-        return {"loss": round(float(loss.detach()), 5), "mlp": _mlp_matches_reference(ctx)}
+        losses = {name: _lm_matches_reference(build(), ctx) for name, build in LMS.items()}
+        return {**losses, "blocks": _mlp_matches_reference(ctx)}
     finally:
         ctx.destroy()
+
+
+def _lm_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float:
+    """A transformers language model, parallelized, against itself on one process."""
+    mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
+    impl = "all_to_all" if mode == "sequence" and size == 4 else "ring"
+    model = parallelize(copy.deepcopy(ref), sequence_attention=impl, context=ctx)
+    original = ref.state_dict()
+    _assert_same_state(gather_full_state_dict(model, context=ctx), original)
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = ref.get_output_embeddings().weight is ref.get_input_embeddings().weight
+    assert (head.weight is embedding.weight) == tied, "tying changed"
+
+    ids = token_ids()
+    ref_logits = ref(ids).logits
+    vocab = ref_logits.shape[-1]
+    ref_loss = F.cross_entropy(ref_logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+    ref_loss.backward()
+    logits = model(ids).logits
+    loss = causal_lm_loss(logits, ids, context=ctx)
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    if mode == "1d":  # [b, s, V/p]: this rank's classes
+        expected = ref_logits.detach().chunk(size, -1)[ctx.get_local_rank(ParallelMode.TENSOR)]
+    elif mode == "sequence":  # [b, s/N, V]: this rank's tokens
+        expected = ref_logits.detach().chunk(size, 1)[ctx.get_local_rank(ParallelMode.TENSOR)]
+    else:  # [b/B, s, V]: this rank's rows
+        expected = split_batch(ref_logits.detach(), ctx)
+    torch.testing.assert_close(logits, expected, **TOL)
+
+    grads = _full_grads(model, ctx, mean_loss=True)
+    for name, p in ref.named_parameters(remove_duplicate=False):
+        assert p.grad is not None
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    # The original state dict loads back as it is (Conv1D orientation, fused q/k/v).
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    load_full_state_dict(model, original)
+    _assert_same_state(gather_full_state_dict(model, context=ctx), original)
+    return round(float(loss.detach()), 5)
+
+
+#: The transformers models every layout runs, built alike on every rank.
+LMS = {"gpt2": gpt2_lm, "llama": llama_lm}
 
 
 def _plain_block(*layers: nn.Module) -> nn.Sequential:
@@ -179,12 +205,12 @@ def _block_matches_reference(ctx: ParallelContext, ref: nn.Module, plan: dict[st
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_gpt2_and_a_plain_block_equal_single_process(dist, layout: str) -> None:
+def test_transformers_models_and_plain_blocks_equal_single_process(dist, layout: str) -> None:
     tensor = LAYOUTS[layout]
     results = dist.run(
-        _gpt2_matches_reference, world_size=tensor["size"], args=(tensor,), timeout=180.0
+        _models_match_reference, world_size=tensor["size"], args=(tensor,), timeout=240.0
     )
-    assert results[0]["mlp"] == 18
+    assert results[0]["blocks"] == 18
     assert all(r == results[0] for r in results)
 
 
@@ -244,10 +270,21 @@ def _errors() -> list[str]:
     seq = _context(dict(size=2, mode="sequence"))
     try:
         expect(
-            ModeNotImplementedError,
-            "no parallelize for tensor mode 'sequence'",
-            lambda: parallelize(gpt2_lm(), context=seq),
+            ValueError,
+            r"3 heads, which all-to-all attention cannot split over the 2 sequence ranks",
+            lambda: parallelize(
+                gpt2_lm(n_embd=18, n_head=3), sequence_attention="all_to_all", context=seq
+            ),
         )
+        expect(
+            TypeError,
+            "no transformers config",
+            lambda: parallelize(copy.deepcopy(block), {"1": "attention"}, context=seq),
+        )
+        lm = parallelize(gpt2_lm(), context=seq)
+        padded = torch.ones_like(ids)
+        padded[0, -2:] = 0
+        expect(ValueError, "padding masks", lambda: lm(ids, attention_mask=padded))
     finally:
         seq.destroy()
     return caught
@@ -255,7 +292,7 @@ def _errors() -> list[str]:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 9
+    assert len(results[0]) == 11
 
 
 def test_a_plan_with_an_unknown_role_is_refused() -> None:

@@ -95,9 +95,15 @@ from tessera.layers.loss_3d import (
     VocabParallelCrossEntropyLoss3D,
 )
 from tessera.layers.mesh import Mesh, MeshModule, mesh_of
-from tessera.layers.norm_1d import LayerNorm1D
-from tessera.layers.norm_2d import LayerNorm2D, LayerNorm2p5D, layer_norm_over_group
-from tessera.layers.norm_3d import LayerNorm3D
+from tessera.layers.norm_1d import LayerNorm1D, RMSNorm1D
+from tessera.layers.norm_2d import (
+    LayerNorm2D,
+    LayerNorm2p5D,
+    RMSNorm2D,
+    RMSNorm2p5D,
+    layer_norm_over_group,
+)
+from tessera.layers.norm_3d import LayerNorm3D, RMSNorm3D
 from tessera.layers.patch_embedding_1d import PatchEmbedding1D
 from tessera.layers.patch_embedding_2d import PatchEmbedding2D, PatchEmbedding2p5D
 from tessera.layers.patch_embedding_3d import PatchEmbedding3D
@@ -150,6 +156,7 @@ __all__ = [
     "Classifier1D",
     "VocabParallelClassifier1D",
     "LayerNorm1D",
+    "RMSNorm1D",
     "Dropout1D",
     "PatchEmbedding1D",
     "VocabParallelCrossEntropyLoss1D",
@@ -157,6 +164,7 @@ __all__ = [
     # 2D (SUMMA, Xu et al. 2021)
     "Linear2D",
     "LayerNorm2D",
+    "RMSNorm2D",
     "Embedding2D",
     "VocabParallelEmbedding2D",
     "PatchEmbedding2D",
@@ -170,6 +178,7 @@ __all__ = [
     # 2.5D (Tesseract, Wang et al. 2021)
     "Linear2p5D",
     "LayerNorm2p5D",
+    "RMSNorm2p5D",
     "Embedding2p5D",
     "VocabParallelEmbedding2p5D",
     "PatchEmbedding2p5D",
@@ -183,6 +192,7 @@ __all__ = [
     # 3D (Bian et al. 2021)
     "Linear3D",
     "LayerNorm3D",
+    "RMSNorm3D",
     "Embedding3D",
     "VocabParallelEmbedding3D",
     "PatchEmbedding3D",

@@ -19,9 +19,9 @@ from .base import Module1D
 from .comm import copy_to_group
 from .initializers import ones, zeros
 from .input_checks import check_input_dim
-from .norm_2d import layer_norm_over_group
+from .norm_2d import check_norm_bias, layer_norm_over_group
 
-__all__ = ["LayerNorm1D"]
+__all__ = ["LayerNorm1D", "RMSNorm1D"]
 
 
 class LayerNorm1D(Module1D):
@@ -43,12 +43,15 @@ class LayerNorm1D(Module1D):
         context: The ParallelContext (default the current one).
     """
 
+    #: Normalize by the root mean square only (RMSNorm, Zhang and Sennrich 2019).
+    RMS = False
+
     def __init__(
         self,
         normalized_shape: int | tuple[int, ...],
         eps: float = 1e-5,
         elementwise_affine: bool = True,
-        bias: bool = True,
+        bias: bool | None = None,
         dtype: torch.dtype | None = None,
         *,
         sequence_parallel: bool = False,
@@ -56,6 +59,7 @@ class LayerNorm1D(Module1D):
         context: ParallelContext | None = None,
     ) -> None:
         super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
+        bias = check_norm_bias(bias, self.RMS, type(self).__name__)
         shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
         self.normalized_shape: tuple[int, ...] = tuple(shape)
         self.eps = eps
@@ -88,6 +92,8 @@ class LayerNorm1D(Module1D):
             group = self.tp.group
             weight = None if weight is None else copy_to_group(weight, group)
             bias = None if bias is None else copy_to_group(bias, group)
+        if self.RMS:
+            return F.rms_norm(x, self.normalized_shape, weight, self.eps)
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
     def _split_features(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,8 +117,17 @@ class LayerNorm1D(Module1D):
         group = self.tp.group
         weight = None if self.weight is None else copy_to_group(self.weight, group)[block]
         bias = None if self.bias is None else copy_to_group(self.bias, group)[block]
-        return layer_norm_over_group(x, weight, bias, h, self.eps, self.tp)  # [.., h/p]
+        return layer_norm_over_group(x, weight, bias, h, self.eps, self.tp, rms=self.RMS)
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""
         return f"{self.normalized_shape}, eps={self.eps}, " + super().extra_repr()
+
+
+class RMSNorm1D(LayerNorm1D):
+    """1D RMSNorm (Zhang and Sennrich 2019, as Llama's): :class:`LayerNorm1D` without centering.
+
+    Parameter ``weight`` ``[*normalized_shape]`` only (no bias).
+    """
+
+    RMS = True

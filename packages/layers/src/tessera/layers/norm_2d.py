@@ -30,6 +30,9 @@ __all__ = [
     "LayerNorm2D",
     "LayerNorm2p5D",
     "MeshLayerNorm",
+    "RMSNorm2D",
+    "RMSNorm2p5D",
+    "check_norm_bias",
     "layer_norm_over_group",
 ]
 
@@ -43,7 +46,11 @@ def _row_sum(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
 
 
 class _LayerNormOverGroup(torch.autograd.Function):
-    """LayerNorm of rows whose last dim is split over a group, affine fused (saves x-hat)."""
+    """LayerNorm (or RMSNorm) of rows whose last dim is split over a group (saves x-hat).
+
+    RMSNorm (Zhang and Sennrich 2019) is the same without centering: ``x_hat = x * rstd``
+    with ``rstd = 1 / sqrt(mean(x^2) + eps)``, and its backward lacks the mean-of-``g`` term.
+    """
 
     @staticmethod
     def forward(
@@ -54,14 +61,14 @@ class _LayerNormOverGroup(torch.autograd.Function):
         hidden: int,
         eps: float,
         group: GroupInfo,
+        rms: bool,
     ) -> torch.Tensor:
         x = x.detach()
-        mean = _row_sum(x, group) / hidden  # [.., 1]
-        centered = x - mean  # [.., h/q]
+        centered = x.clone() if rms else x - _row_sum(x, group) / hidden  # [.., h/q]
         var = _row_sum(centered * centered, group) / hidden  # [.., 1], biased as torch's
         rstd = torch.rsqrt(var + eps)
         x_hat = centered.mul_(rstd)
-        ctx.hidden, ctx.group = hidden, group
+        ctx.hidden, ctx.group, ctx.rms = hidden, group, rms
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x_hat, rstd, weight)
         y = x_hat if weight is None else x_hat * weight
@@ -70,7 +77,7 @@ class _LayerNormOverGroup(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: Any, grad: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None, None, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
         x_hat, rstd, weight = ctx.saved_tensors
         lead = tuple(range(grad.dim() - 1))
         grad_weight = (grad * x_hat).sum(dim=lead) if weight is not None else None
@@ -80,8 +87,9 @@ class _LayerNormOverGroup(torch.autograd.Function):
         if ctx.group.world_size > 1:
             dist.all_reduce(sums, group=ctx.group.group)  # one all-reduce for both: [.., 2]
         means = sums / ctx.hidden
-        grad_x = (g - means[..., :1] - x_hat * means[..., 1:]) * rstd
-        return grad_x, grad_weight, grad_bias, None, None, None
+        centered_g = g if ctx.rms else g - means[..., :1]
+        grad_x = (centered_g - x_hat * means[..., 1:]) * rstd
+        return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
 def layer_norm_over_group(
@@ -91,8 +99,10 @@ def layer_norm_over_group(
     hidden: int,
     eps: float,
     group: GroupInfo,
+    *,
+    rms: bool = False,
 ) -> torch.Tensor:
-    """``F.layer_norm`` over the last dim of ``hidden`` values split over ``group``.
+    """``F.layer_norm`` (``F.rms_norm`` with ``rms``) over ``hidden`` values split over ``group``.
 
     Args:
         x: ``[.., hidden / group size]``, this rank's slice of every row.
@@ -101,8 +111,22 @@ def layer_norm_over_group(
         hidden: The full size of the normalized dim.
         eps: Added to the variance.
         group: The ranks holding the other slices, in order.
+        rms: Normalize by the root mean square only (no centering, ``bias`` is ``None``).
     """
-    return apply_function(_LayerNormOverGroup, x, weight, bias, hidden, eps, group)
+    return apply_function(_LayerNormOverGroup, x, weight, bias, hidden, eps, group, rms)
+
+
+def check_norm_bias(bias: bool | None, rms: bool, owner: str) -> bool:
+    """Whether a norm learns a bias: by default a LayerNorm does and an RMSNorm does not.
+
+    Raises:
+        ValueError: an RMSNorm asked for a bias.
+    """
+    if bias is None:
+        return not rms
+    if bias and rms:
+        raise ValueError(f"{owner} is an RMSNorm, which has no bias; pass bias=False or None")
+    return bias
 
 
 class GroupLayerNorm(GridModule):
@@ -111,20 +135,28 @@ class GroupLayerNorm(GridModule):
     Holds ``normalized_shape``, ``hidden``, ``eps`` and the affine ``weight``/``bias``
     ``[h/q]``; the mode's class says which group splits the hidden dim (the ``split``) and
     which groups replicate the parameters, and passes its batch group to :meth:`normalize`.
+    ``RMS = True`` makes it an RMSNorm (no centering, no bias), as the ``RMSNorm*`` classes.
     """
+
+    #: Normalize by the root mean square only (RMSNorm, Zhang and Sennrich 2019).
+    RMS = False
 
     def init_norm(
         self,
         normalized_shape: int | tuple[int, ...],
         eps: float,
         elementwise_affine: bool,
-        bias: bool,
+        bias: bool | None,
         dtype: torch.dtype | None,
         q: int,
         split: GroupInfo,
         replicated: tuple[str, ...],
     ) -> None:
-        """Check ``normalized_shape`` (``h`` divisible by ``q``) and make the parameters."""
+        """Check ``normalized_shape`` (``h`` divisible by ``q``) and make the parameters.
+
+        ``bias=None`` means a bias for a LayerNorm and none for an RMSNorm.
+        """
+        bias = check_norm_bias(bias, self.RMS, self.owner)
         shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
         if len(shape) != 1:
             raise ValueError(
@@ -162,7 +194,7 @@ class GroupLayerNorm(GridModule):
         )
         weight = None if self.weight is None else copy_to_group(self.weight, batch.group)
         bias = None if self.bias is None else copy_to_group(self.bias, batch.group)
-        return layer_norm_over_group(x, weight, bias, self.hidden, self.eps, split)
+        return layer_norm_over_group(x, weight, bias, self.hidden, self.eps, split, rms=self.RMS)
 
 
 class MeshLayerNorm(GroupLayerNorm, MeshModule):
@@ -175,7 +207,7 @@ class MeshLayerNorm(GroupLayerNorm, MeshModule):
         normalized_shape: ``h`` (or ``(h,)``): 2D/2.5D normalize over the hidden dim only.
         eps: As torch's LayerNorm.
         elementwise_affine: Learn weight (and bias).
-        bias: Learn a bias (with ``elementwise_affine``).
+        bias: Learn a bias (with ``elementwise_affine``); default yes, none for an RMSNorm.
         dtype: Parameter dtype.
         device: Parameter device (default the context's).
         context: The ParallelContext (default the current one).
@@ -186,7 +218,7 @@ class MeshLayerNorm(GroupLayerNorm, MeshModule):
         normalized_shape: int | tuple[int, ...],
         eps: float = 1e-5,
         elementwise_affine: bool = True,
-        bias: bool = True,
+        bias: bool | None = None,
         dtype: torch.dtype | None = None,
         *,
         device: torch.device | str | None = None,
@@ -224,3 +256,15 @@ class LayerNorm2p5D(MeshLayerNorm):
     """2.5D LayerNorm (Tesseract, Wang et al. 2021); see :class:`MeshLayerNorm`."""
 
     MESH = "2.5d"
+
+
+class RMSNorm2D(LayerNorm2D):
+    """2D RMSNorm (Zhang and Sennrich 2019, as Llama's): :class:`LayerNorm2D` without centering."""
+
+    RMS = True
+
+
+class RMSNorm2p5D(LayerNorm2p5D):
+    """2.5D RMSNorm: :class:`LayerNorm2p5D` without centering or bias."""
+
+    RMS = True

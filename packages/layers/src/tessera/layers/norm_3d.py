@@ -16,7 +16,7 @@ from tessera.context import ParallelContext
 from .cube import CubeModule, Layout3D, check_layout, check_marked_layout, mark_layout
 from .norm_2d import GroupLayerNorm
 
-__all__ = ["LayerNorm3D"]
+__all__ = ["LayerNorm3D", "RMSNorm3D"]
 
 
 class LayerNorm3D(GroupLayerNorm, CubeModule):
@@ -29,7 +29,7 @@ class LayerNorm3D(GroupLayerNorm, CubeModule):
         normalized_shape: ``h`` (or ``(h,)``): only the hidden dim is normalized.
         eps: As torch's LayerNorm.
         elementwise_affine: Learn weight (and bias).
-        bias: Learn a bias (with ``elementwise_affine``).
+        bias: Learn a bias (with ``elementwise_affine``); default yes, none for an RMSNorm.
         dtype: Parameter dtype.
         layout: The input's layout, ``"y"`` (between blocks, the default) or ``"z"``.
         device: Parameter device (default the context's).
@@ -41,7 +41,7 @@ class LayerNorm3D(GroupLayerNorm, CubeModule):
         normalized_shape: int | tuple[int, ...],
         eps: float = 1e-5,
         elementwise_affine: bool = True,
-        bias: bool = True,
+        bias: bool | None = None,
         dtype: torch.dtype | None = None,
         *,
         layout: Layout3D = "y",
@@ -81,3 +81,9 @@ class LayerNorm3D(GroupLayerNorm, CubeModule):
             f"{self.normalized_shape}, eps={self.eps}, layout={self.layout!r}, "
             + super().extra_repr()
         )
+
+
+class RMSNorm3D(LayerNorm3D):
+    """3D RMSNorm (Zhang and Sennrich 2019): :class:`LayerNorm3D` without centering or bias."""
+
+    RMS = True

@@ -38,7 +38,7 @@ from .context_access import GroupInfo, group_info
 from .ring_ops import ring_av, ring_of, ring_qk
 from .sequence import mark_sequence_replicated
 
-__all__ = ["AttentionImpl", "RingSelfAttention"]
+__all__ = ["AttentionImpl", "RingSelfAttention", "attend_over_sequence", "sequence_group"]
 
 AttentionImpl = Literal["ring", "all_to_all"]
 _IMPLS: tuple[AttentionImpl, ...] = ("ring", "all_to_all")
@@ -52,6 +52,63 @@ def sequence_group(context: ParallelContext, owner: str) -> GroupInfo:
             f"mode='sequence')), but its tensor mode is {context.config.tensor_mode!r}"
         )
     return group_info(context, ParallelMode.SEQUENCE)
+
+
+def attend_over_sequence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    impl: AttentionImpl,
+    sequence: GroupInfo,
+    causal: bool,
+    scale: float,
+    dropout: float = 0.0,
+    context: ParallelContext | None = None,
+) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence split across ``sequence``.
+
+    Args:
+        q: ``[b, heads, c, d]`` this rank's chunk of the queries (chunk ``r`` on rank ``r``).
+        k: ``[b, heads, c, d]`` this rank's keys.
+        v: ``[b, heads, c, d]`` this rank's values.
+        impl: ``"ring"`` or ``"all_to_all"`` (see the module docstring).
+        sequence: The SEQUENCE group.
+        causal: Query ``r c + i`` sees only keys ``<= r c + i`` (global positions).
+        scale: Multiplies the scores (``1 / sqrt(d)`` usually).
+        dropout: Dropout probability on the attention weights (training only).
+        context: Supplies the TENSOR seed for dropout (needed when ``dropout > 0``).
+
+    Returns:
+        ``[b, heads, c, d]``.
+    """
+    if impl == "ring":
+        ring = ring_of(sequence)
+        c = q.shape[-2]
+        scores = ring_qk(q * scale, k, ring)  # [b, n, c, s]
+        if causal:
+            start = sequence.rank * c
+            rows = torch.arange(start, start + c, device=q.device).unsqueeze(-1)  # [c, 1]
+            cols = torch.arange(scores.shape[-1], device=q.device)  # [s]
+            scores = scores.masked_fill(cols > rows, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        if dropout > 0.0:
+            assert context is not None, "dropout needs the context's TENSOR seed"
+            with context.seed(ParallelMode.TENSOR):
+                probs = F.dropout(probs, dropout, True)
+        return ring_av(probs, v, ring)  # [b, n, c, d]
+    group = sequence.group
+    # [b, heads, c, d] -> [b, heads/N, s, d]: scatter heads, gather the sequence
+    q, k, v = (all_to_all(t, 1, 2, group) for t in (q, k, v))
+    if dropout > 0.0:
+        assert context is not None, "dropout needs the context's TENSOR seed"
+        with context.seed(ParallelMode.TENSOR):
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, is_causal=causal, scale=scale
+            )
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    return all_to_all(out, 2, 1, group)  # [b, heads, c, d]
 
 
 class RingSelfAttention(ParallelModule):
@@ -109,7 +166,6 @@ class RingSelfAttention(ParallelModule):
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.head_dim = hidden_size // num_heads
         self.dropout, self.causal, self.impl = dropout, causal, impl
-        self.ring = ring_of(self.sequence)
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias, device=self.device, dtype=dtype)
         self.proj = nn.Linear(hidden_size, hidden_size, bias, device=self.device, dtype=dtype)
         mark_sequence_replicated(self, self.context)
@@ -124,39 +180,19 @@ class RingSelfAttention(ParallelModule):
         b, c, _ = x.shape
         qkv = self.qkv(x).view(b, c, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [b, heads, c, d]
-        attend = self._ring if self.impl == "ring" else self._all_to_all
-        out = attend(q, k, v)  # [b, heads, c, d]
+        out = attend_over_sequence(
+            q,
+            k,
+            v,
+            impl=self.impl,
+            sequence=self.sequence,
+            causal=self.causal,
+            scale=1.0 / math.sqrt(self.head_dim),
+            dropout=self.dropout if self.training else 0.0,
+            context=self.context,
+        )  # [b, heads, c, d]
         y: torch.Tensor = self.proj(out.transpose(1, 2).reshape(b, c, self.hidden_size))
         return y
-
-    def _dropout(self, probs: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.dropout == 0.0:
-            return probs
-        with self.context.seed(ParallelMode.TENSOR):
-            return F.dropout(probs, self.dropout, True)
-
-    def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        c = q.shape[-2]
-        scores = ring_qk(q * (1.0 / math.sqrt(self.head_dim)), k, self.ring)  # [b, n, c, s]
-        if self.causal:
-            start = self.sequence.rank * c
-            rows = torch.arange(start, start + c, device=q.device).unsqueeze(-1)  # [c, 1]
-            cols = torch.arange(scores.shape[-1], device=q.device)  # [s]
-            scores = scores.masked_fill(cols > rows, float("-inf"))
-        probs = self._dropout(scores.softmax(dim=-1))
-        return ring_av(probs, v, self.ring)  # [b, n, c, d]
-
-    def _all_to_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        group = self.sequence.group
-        # [b, heads, c, d] -> [b, heads/N, s, d]: scatter heads, gather the sequence
-        q, k, v = (all_to_all(t, 1, 2, group) for t in (q, k, v))
-        p = self.dropout if self.training else 0.0
-        if p > 0.0:
-            with self.context.seed(ParallelMode.TENSOR):
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        return all_to_all(out, 2, 1, group)  # [b, heads, c, d]
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""

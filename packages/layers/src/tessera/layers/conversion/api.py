@@ -16,14 +16,16 @@ from tessera.context import ParallelContext, get_shard_info
 
 from ..context_access import current_or_none, sequence_parallel_default, tensor_mode
 from ..errors import ModeNotImplementedError
+from ..ring_attention import AttentionImpl
 from .boundary import install_boundary
 from .converters import Converter
 from .plan import Plan, inner_norms, match_plan, plan_for
+from .sequence import install_sequence_attention
 
 __all__ = ["PARALLELIZED_ATTR", "SUPPORTED_MODES", "parallelize"]
 
 #: The tensor modes ``parallelize`` converts models to.
-SUPPORTED_MODES = ("1d", "2d", "2.5d", "3d")
+SUPPORTED_MODES = ("1d", "2d", "2.5d", "3d", "sequence")
 #: Set on a parallelized model: the tensor mode it was converted to.
 PARALLELIZED_ATTR = "_tessera_parallelized"
 
@@ -38,6 +40,7 @@ def parallelize(
     model: nn.Module,
     plan: Plan | Mapping[str, str] | None = None,
     *,
+    sequence_attention: AttentionImpl = "ring",
     context: ParallelContext | None = None,
 ) -> nn.Module:
     """Convert ``model`` in place to the context's tensor mode; returns it.
@@ -52,6 +55,8 @@ def parallelize(
         plan: ``{module-name pattern: role}`` (a ``"features"`` plan: the model takes and
             returns full activations), a :class:`Plan`, or ``None`` for the plan tessera ships
             for the model's class (transformers' GPT-2).
+        sequence_attention: Under tensor mode ``'sequence'``: ``"ring"`` (ring self-attention,
+            Li et al. 2021) or ``"all_to_all"`` (DeepSpeed-Ulysses, heads divisible by N).
         context: The ParallelContext (default the current one).
 
     Raises:
@@ -77,7 +82,13 @@ def parallelize(
             f"parallelize: tensor.sequence_parallel is on, but the {chosen.name} names no "
             "sequence_span (the blocks whose activations are split along the sequence)"
         )
-    converter = Converter(ctx, mode, sequence_parallel, inner_norms(roles))
+    attention = tuple(name for name, role in roles.items() if role == "attention")
+    if mode == "sequence":  # token-wise modules stay; attention goes around the ring
+        install_sequence_attention(model, attention, ctx, sequence_attention)
+        install_boundary(model, chosen, ctx, mode, sequence_parallel=False)
+        setattr(model, PARALLELIZED_ATTR, mode)
+        return model
+    converter = Converter(ctx, mode, sequence_parallel, inner_norms(roles), attention)
     for name, role in roles.items():
         old = model.get_submodule(name)
         new = converter.convert(name, old, role)
@@ -90,6 +101,6 @@ def parallelize(
             f"parallelize under tensor mode {mode!r}: the {chosen.name} splits no parameter of "
             f"{type(model).__name__}; name its linear layers ('col'/'row') or embeddings"
         )
-    install_boundary(model, chosen, ctx, mode, sequence_parallel)
+    install_boundary(model, chosen, ctx, mode, sequence_parallel, attention)
     setattr(model, PARALLELIZED_ATTR, mode)
     return model

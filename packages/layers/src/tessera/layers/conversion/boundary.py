@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -34,6 +35,7 @@ from ..cross_entropy import vocab_parallel_cross_entropy
 from ..errors import ModeNotImplementedError
 from ..loss_2d import CrossEntropyLoss2D, CrossEntropyLoss2p5D
 from ..loss_3d import CrossEntropyLoss3D
+from ..sequence import split_sequence_activation
 from .plan import Plan
 
 __all__ = ["causal_lm_loss", "install_boundary"]
@@ -50,10 +52,44 @@ def _split_rows(name: str, value: Any, context: ParallelContext) -> Any:
     return split_batch(value, context)
 
 
+def _sequence_inputs(
+    args: tuple[Any, ...], kwargs: dict[str, Any], context: ParallelContext, owner: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Tensor mode 'sequence': this rank's chunk of every token, with global positions."""
+    ids = args[0] if args else kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"{owner} under tensor mode 'sequence' takes input_ids [b, s]")
+    mask = kwargs.pop("attention_mask", None)
+    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
+        raise ValueError(
+            f"{owner} under tensor mode 'sequence': padding masks are not supported yet "
+            "(attention_mask has zeros); pass sequences without padding"
+        )
+    if kwargs.get("position_ids") is None:  # positions of the whole sequence, then split
+        kwargs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    for key in (*BATCH_KWARGS, "position_ids"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            kwargs[key] = split_sequence_activation(kwargs[key], context)
+    args = tuple(
+        split_sequence_activation(a, context) if i == 0 and isinstance(a, torch.Tensor) else a
+        for i, a in enumerate(args)
+    )
+    return args, kwargs
+
+
 def install_boundary(
-    model: nn.Module, plan: Plan, context: ParallelContext, mode: str, sequence_parallel: bool
+    model: nn.Module,
+    plan: Plan,
+    context: ParallelContext,
+    mode: str,
+    sequence_parallel: bool,
+    attention: tuple[str, ...] = (),
 ) -> None:
-    """Register the boundary hooks of ``plan`` on ``model`` (see the module docstring)."""
+    """Register the boundary hooks of ``plan`` on ``model`` (see the module docstring).
+
+    ``attention``: under 1D sequence parallelism these modules get their input gathered
+    whole (see :func:`_install_sequence_span`).
+    """
     splits_batch = mode != "1d"
 
     def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -70,6 +106,8 @@ def install_boundary(
                     "first positional argument"
                 )
             return (split_activation(args[0], context), *args[1:]), kwargs
+        if mode == "sequence":
+            return _sequence_inputs(args, kwargs, context, type(module).__name__)
         if not splits_batch:
             return None
         if kwargs.get("inputs_embeds") is not None:
@@ -95,39 +133,62 @@ def install_boundary(
 
         model.register_forward_hook(after)
     if sequence_parallel and plan.sequence_span is not None:
-        _install_sequence_span(model, plan.sequence_span, context)
+        _install_sequence_span(model, plan.sequence_span, attention, context)
+
+
+def _hidden_states(
+    args: tuple[Any, ...], kwargs: dict[str, Any], owner: str
+) -> tuple[torch.Tensor, Any]:
+    """The ``[batch, seq, hidden]`` input of a block, and how to put a new one in its place."""
+    key = "hidden_states"
+    x = args[0] if args else kwargs.get(key)
+    if not isinstance(x, torch.Tensor) or x.dim() < 3:
+        raise ValueError(
+            f"sequence parallelism: {owner!r} must take [batch, seq, hidden] as its first "
+            f"argument, got {type(x).__name__}"
+        )
+
+    def replace(new: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args:
+            return (new, *args[1:]), kwargs
+        return args, {**kwargs, key: new}
+
+    return x, replace
 
 
 def _install_sequence_span(
-    model: nn.Module, span: tuple[str, str], context: ParallelContext
+    model: nn.Module, span: tuple[str, str], attention: tuple[str, ...], context: ParallelContext
 ) -> None:
-    """Split the sequence at the input of ``span[0]``, gather it at the output of ``span[1]``."""
+    """Split the sequence at the input of ``span[0]``, gather it at the output of ``span[1]``.
+
+    An attention module inside the span gets its input gathered whole: transformers' attention
+    reshapes q, k and v by its *input's* length (Llama's ``hidden_states.shape[:-1]``), so it
+    must see the whole sequence, not only the column layers inside it. The gather's backward
+    keeps this rank's chunk of the gradient, which the column layers' ``copy_to_group``
+    already summed (Korthikanti et al. 2022 do the same gather inside the column layer).
+    """
     group = context.get_group(ParallelMode.PARALLEL_1D)
     world = context.get_world_size(ParallelMode.PARALLEL_1D)
     first, last = (model.get_submodule(name) for name in span)
 
     def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        key = "hidden_states"
-        x = args[0] if args else kwargs.get(key)
-        if not isinstance(x, torch.Tensor) or x.dim() < 3:
-            raise ValueError(
-                f"sequence parallelism: {span[0]!r} must take [batch, seq, hidden] as its first "
-                f"argument, got {type(x).__name__}"
-            )
+        x, replace = _hidden_states(args, kwargs, span[0])
         check_divisible(
             x.shape[1], world, f"sequence parallelism: dim 1 (sequence) of {list(x.shape)}"
         )
-        local = split_along_dim(x, 1, group)  # [b, s/p, h]
-        if args:
-            return (local, *args[1:]), kwargs
-        kwargs[key] = local
-        return args, kwargs
+        return replace(split_along_dim(x, 1, group))  # [b, s/p, h]
 
     def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         return gather_along_dim(output, 1, group)  # [b, s, h]
 
+    def whole(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x, replace = _hidden_states(args, kwargs, type(module).__name__)
+        return replace(gather_along_dim(x, 1, group))  # [b, s, h]
+
     first.register_forward_pre_hook(enter, with_kwargs=True)
     last.register_forward_hook(leave)
+    for name in attention:
+        model.get_submodule(name).register_forward_pre_hook(whole, with_kwargs=True)
 
 
 def causal_lm_loss(
@@ -157,6 +218,8 @@ def causal_lm_loss(
     """
     ctx = current_or_none(context)
     mode = tensor_mode(ctx)
+    if ctx is not None and mode == "sequence":
+        return _sequence_causal_lm_loss(logits, input_ids, ignore_index, ctx)
     targets = input_ids
     if ctx is not None and mode in ("2d", "2.5d", "3d"):
         targets = split_batch(input_ids, ctx)
@@ -182,4 +245,35 @@ def causal_lm_loss(
     if mode in losses:
         loss: torch.Tensor = losses[mode](ignore_index=ignore_index, context=ctx)(shifted, targets)
         return loss
-    raise ModeNotImplementedError("causal_lm_loss", mode, ("1d", *losses))
+    raise ModeNotImplementedError("causal_lm_loss", mode, ("1d", *losses, "sequence"))
+
+
+def _sequence_causal_lm_loss(
+    logits: torch.Tensor, input_ids: torch.Tensor, ignore_index: int, context: ParallelContext
+) -> torch.Tensor:
+    """The whole batch's mean next-token loss, from this rank's chunk of the sequence.
+
+    The targets are shifted over the whole sequence before splitting (the last token of a
+    chunk predicts the first of the next). The value returned is the global mean on every rank;
+    its gradient is ``N`` times this rank's share of it, the convention of the engine's
+    sequence-parallel handler (``average="sequence_dp"`` divides the summed gradients by N).
+    """
+    group = context.get_group(ParallelMode.SEQUENCE)
+    world = context.get_world_size(ParallelMode.SEQUENCE)
+    pad = torch.full_like(input_ids[:, :1], ignore_index)
+    targets = split_sequence_activation(torch.cat([input_ids[:, 1:], pad], 1), context)
+    if tuple(logits.shape[:2]) != tuple(targets.shape):
+        raise ValueError(
+            f"causal_lm_loss under tensor mode 'sequence': logits {list(logits.shape)} do not "
+            f"match this rank's chunk {list(targets.shape)} of the ids (pass the whole batch)"
+        )
+    local_sum = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
+    totals = torch.stack([local_sum.detach(), (targets != ignore_index).sum().to(local_sum)])
+    dist.all_reduce(totals, group=group)
+    share = local_sum * world / totals[1]  # gradient: N x this rank's part of the mean
+    return share + (totals[0] / totals[1] - share).detach()  # value: the global mean

@@ -15,7 +15,7 @@ al. 2022) and the 2D/2.5D mesh (Xu et al. 2021; Wang et al. 2021).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
@@ -35,9 +35,9 @@ from ..linear_1d import Linear1DCol, Linear1DRow
 from ..linear_2d import Linear2D, Linear2p5D
 from ..linear_3d import Linear3D
 from ..mesh import mesh_of
-from ..norm_1d import LayerNorm1D
-from ..norm_2d import LayerNorm2D, LayerNorm2p5D
-from ..norm_3d import LayerNorm3D
+from ..norm_1d import LayerNorm1D, RMSNorm1D
+from ..norm_2d import LayerNorm2D, LayerNorm2p5D, RMSNorm2D, RMSNorm2p5D
+from ..norm_3d import LayerNorm3D, RMSNorm3D
 from ..state_dict import load_full_state_dict
 
 __all__ = ["Converter", "LinearShape", "linear_shape"]
@@ -53,12 +53,79 @@ HEAD_ATTRIBUTES = (
 )
 
 
+#: transformers' RMSNorm classes that compute ``weight * x / rms(x)`` exactly (Gemma's, which
+#: scales by ``1 + weight``, is not among them).
+RMS_NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+
+#: ``kind -> mode -> class`` of the norms ``parallelize`` builds.
+NORMS: dict[str, dict[str, Any]] = {
+    "layer": {
+        "1d": LayerNorm1D,
+        "2d": LayerNorm2D,
+        "2.5d": LayerNorm2p5D,
+        "3d": LayerNorm3D,
+    },
+    "rms": {"1d": RMSNorm1D, "2d": RMSNorm2D, "2.5d": RMSNorm2p5D, "3d": RMSNorm3D},
+}
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """A norm's sizes, whatever class holds it."""
+
+    kind: str  # "layer" or "rms"
+    shape: tuple[int, ...]
+    eps: float
+    affine: bool
+    bias: bool
+
+
+def norm_spec(name: str, module: nn.Module) -> NormSpec:
+    """The sizes of ``module``: ``nn.LayerNorm``, ``nn.RMSNorm`` or a known transformers RMSNorm.
+
+    Raises:
+        TypeError: any other module.
+    """
+    if isinstance(module, nn.LayerNorm):
+        return NormSpec(
+            "layer",
+            tuple(module.normalized_shape),
+            module.eps,
+            module.elementwise_affine,
+            module.bias is not None,
+        )
+    if isinstance(module, nn.RMSNorm):
+        weight = module.weight
+        dtype = weight.dtype if weight is not None else torch.get_default_dtype()
+        eps = module.eps if module.eps is not None else torch.finfo(dtype).eps
+        return NormSpec(
+            "rms", tuple(module.normalized_shape), eps, module.elementwise_affine, False
+        )
+    if type(module).__name__ in RMS_NORM_CLASSES:
+        shape = tuple(_tensor(module, "weight").shape)
+        epsilon = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        assert isinstance(epsilon, float), f"{type(module).__name__} has no epsilon"
+        return NormSpec("rms", shape, epsilon, True, False)
+    raise TypeError(
+        f"parallelize: {name!r} ({type(module).__name__}) has role 'norm', which takes an "
+        f"nn.LayerNorm, an nn.RMSNorm or one of transformers' {', '.join(RMS_NORM_CLASSES)}"
+    )
+
+
 class _Made(TypedDict):
     dtype: torch.dtype
     weight_initializer: Initializer
     bias_initializer: Initializer
     device: torch.device
     context: ParallelContext
+
+
+#: Head counts of a transformers config (checked, never changed: every layer shares it).
+CONFIG_HEAD_ATTRIBUTES = ("num_attention_heads", "num_key_value_heads")
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _no_init(tensor: torch.Tensor, fan_in: int, fan_out: int) -> None:
@@ -135,6 +202,9 @@ class Converter:
         sequence_parallel: 1D only: layers take and return sequence-split activations.
         inner_norms: The norms between a column layer and its row layer (they take the
             column layer's output).
+        attention: The attention modules. Under sequence parallelism their input is gathered
+            whole by the boundary (the module reshapes by its input's length), so the column
+            layers inside them take whole sequences.
     """
 
     def __init__(
@@ -143,9 +213,11 @@ class Converter:
         mode: str,
         sequence_parallel: bool,
         inner_norms: set[str] | None = None,
+        attention: tuple[str, ...] = (),
     ) -> None:
         self.context, self.mode, self.sequence_parallel = context, mode, sequence_parallel
         self.inner_norms = inner_norms or set()
+        self.attention_modules = attention
         #: ``id(plain parameter) -> tessera parameter``, for heads tied to an embedding.
         self.replaced: dict[int, nn.Parameter] = {}
 
@@ -195,7 +267,9 @@ class Converter:
         if self.mode == "1d" and role == "row":
             new = Linear1DRow(*dims, sequence_parallel=self.sequence_parallel, **made)
         elif self.mode == "1d":
-            new = Linear1DCol(*dims, sequence_parallel=self.sequence_parallel, fused=fused, **made)
+            in_attention = any(name.startswith(f"{a}.") for a in self.attention_modules)
+            sp = self.sequence_parallel and not in_attention
+            new = Linear1DCol(*dims, sequence_parallel=sp, fused=fused, **made)
         elif self.mode == "3d":
             layout: Layout3D = "z" if role == "row" else "y"
             new = Linear3D(*dims, input_layout=layout, fused=fused, **made)
@@ -212,28 +286,37 @@ class Converter:
     def attention(self, name: str, module: nn.Module) -> nn.Module:
         """``attention``: head counts and widths become this rank's share (in place).
 
+        Counts the module holds (``num_heads``, ``split_size``, ...) are divided; counts its
+        transformers config holds (grouped-query attention's ``num_key_value_heads``) are only
+        checked, for modules that reshape with ``-1`` heads (Llama's).
+
         Raises:
             ValueError: a count is not divisible by the number of ranks splitting the heads.
         """
         share = self.share
         found = {
-            a: getattr(module, a)
-            for a in HEAD_ATTRIBUTES
-            if isinstance(getattr(module, a, None), int)
+            a: getattr(module, a) for a in HEAD_ATTRIBUTES if _is_count(getattr(module, a, None))
         }
-        if not found:
+        config = getattr(module, "config", None)
+        from_config = {
+            f"config.{a}": getattr(config, a)
+            for a in CONFIG_HEAD_ATTRIBUTES
+            if _is_count(getattr(config, a, None))
+        }
+        if not found and not from_config:
             raise TypeError(
                 f"parallelize: attention module {name!r} ({type(module).__name__}) has none of "
-                f"the head attributes {', '.join(HEAD_ATTRIBUTES)}"
+                f"the head attributes {', '.join(HEAD_ATTRIBUTES)} and no config with "
+                f"{', '.join(CONFIG_HEAD_ATTRIBUTES)}: its heads cannot be checked"
             )
-        for attr, value in found.items():
+        for attr, value in {**found, **from_config}.items():
             if value % share != 0:
                 raise ValueError(
                     f"parallelize: {name}.{attr} = {value} is not divisible by the {share} "
                     f"ranks that split the heads under tensor mode {self.mode!r} "
                     f"({value} % {share} = {value % share}); each rank needs whole heads"
                 )
-        for attr, value in found.items():
+        for attr, value in found.items():  # the module's own counts; the config is shared
             setattr(module, attr, value // share)
         return module
 
@@ -272,35 +355,25 @@ class Converter:
         return new
 
     def norm(self, name: str, module: nn.Module) -> nn.Module:
-        """``norm``: a LayerNorm over the hidden dim in the mode's layout."""
-        if not isinstance(module, nn.LayerNorm):
-            raise TypeError(
-                f"parallelize: {name!r} ({type(module).__name__}) has role 'norm', which takes "
-                "an nn.LayerNorm"
-            )
+        """``norm``: a LayerNorm or RMSNorm over the hidden dim in the mode's layout."""
+        spec = norm_spec(name, module)
         inner = name in self.inner_norms
         if self.mode == "1d" and not self.sequence_parallel and not inner:
-            return module  # replicated activations: the plain LayerNorm is already right
-        weight = module.weight if module.weight is not None else torch.empty(0)
-        args = (
-            module.normalized_shape,
-            module.eps,
-            module.elementwise_affine,
-            module.bias is not None,
-            weight.dtype,
-        )
+            return module  # replicated activations: the plain norm is already right
+        weight = _tensor(module, "weight") if spec.affine else torch.empty(0)
+        args = (spec.shape, spec.eps, spec.affine, spec.bias, weight.dtype)
+        family = NORMS[spec.kind]
         new: nn.Module
         if self.mode == "1d":  # an inner norm sees the whole sequence (the column gathered it)
             sp = self.sequence_parallel and not inner
-            new = LayerNorm1D(
+            new = family["1d"](
                 *args, sequence_parallel=sp, device=weight.device, context=self.context
             )
         elif self.mode == "3d":
             layout: Layout3D = "z" if inner else "y"
-            new = LayerNorm3D(*args, layout=layout, device=weight.device, context=self.context)
+            new = family["3d"](*args, layout=layout, device=weight.device, context=self.context)
         else:
-            cls = LayerNorm2D if self.mode == "2d" else LayerNorm2p5D
-            new = cls(*args, device=weight.device, context=self.context)
+            new = family[self.mode](*args, device=weight.device, context=self.context)
         return _adopt(new, module, {})
 
     def head(self, name: str, module: nn.Module) -> nn.Module:

@@ -120,10 +120,39 @@ def _gpt2(prefix: str, causal_lm: bool) -> Plan:
     )
 
 
+def _llama(prefix: str, causal_lm: bool) -> Plan:
+    block = f"{prefix}layers.*"
+    rules = {
+        f"{prefix}embed_tokens": "embedding",
+        f"{block}.input_layernorm": "norm",
+        f"{block}.self_attn": "attention",
+        f"{block}.self_attn.q_proj": "col",
+        f"{block}.self_attn.k_proj": "col",
+        f"{block}.self_attn.v_proj": "col",
+        f"{block}.self_attn.o_proj": "row",
+        f"{block}.post_attention_layernorm": "norm",
+        f"{block}.mlp.gate_proj": "col",
+        f"{block}.mlp.up_proj": "col",
+        f"{block}.mlp.down_proj": "row",
+        f"{prefix}norm": "norm",
+    }
+    if causal_lm:
+        rules["lm_head"] = "head"
+    return Plan(
+        rules,
+        boundary="tokens",
+        sequence_span=(f"{prefix}layers.0", f"{prefix}norm"),
+        causal_lm=causal_lm,
+        name="Llama" + (" LM" if causal_lm else ""),
+    )
+
+
 #: Plans shipped with tessera, by model class name (transformers' classes).
 BUILTIN_PLANS: dict[str, Plan] = {
     "GPT2LMHeadModel": _gpt2("transformer.", causal_lm=True),
     "GPT2Model": _gpt2("", causal_lm=False),
+    "LlamaForCausalLM": _llama("model.", causal_lm=True),
+    "LlamaModel": _llama("", causal_lm=False),
 }
 
 

@@ -1,0 +1,147 @@
+"""Sequence parallelism for a model someone else wrote: its attention goes around the ring.
+
+Under ``tensor=dict(size=N, mode="sequence")`` (Li et al. 2021, "Sequence Parallelism: Long
+Sequence Training from System Perspective") every rank keeps all of the weights and a chunk
+``s/N`` of every sequence. Everything but attention is token-wise, so a model's linear layers,
+norms, embeddings and head stay the plain modules; only attention must see the whole sequence.
+transformers routes attention through a registry (``AttentionInterface``): ``parallelize``
+registers :func:`sequence_attention` under :data:`ATTENTION_NAME`, points the model's config at
+it and gives each attention module the group and the algorithm (ring, or DeepSpeed-Ulysses'
+all-to-all), so the model's own code computes q, k, v and the output projection.
+
+Every parameter is marked replicated over SEQUENCE with partial gradients (each rank saw only
+its tokens); the engine's sequence-parallel gradient handler sums them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera.context import ParallelContext
+
+from ..context_access import GroupInfo
+from ..ring_attention import AttentionImpl, attend_over_sequence, sequence_group
+from ..sequence import mark_sequence_replicated
+
+__all__ = [
+    "ATTENTION_NAME",
+    "SEQUENCE_ATTRIBUTE",
+    "install_sequence_attention",
+    "sequence_attention",
+]
+
+#: The name under which tessera's attention is registered with transformers.
+ATTENTION_NAME = "tessera_sequence"
+#: The attribute of an attention module holding its :class:`SequenceAttention`.
+SEQUENCE_ATTRIBUTE = "_tessera_sequence_attention"
+IMPLS: tuple[AttentionImpl, ...] = ("ring", "all_to_all")
+
+
+@dataclass(frozen=True)
+class SequenceAttention:
+    """What one attention module needs to attend over the split sequence."""
+
+    impl: AttentionImpl
+    sequence: GroupInfo
+    context: ParallelContext
+
+
+def sequence_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Transformers' attention-function signature, over the sequence split across ranks.
+
+    Args:
+        module: The attention module (its ``is_causal`` says whether to mask the future).
+        query: ``[b, heads, s/N, d]`` (this rank's tokens).
+        key: ``[b, heads, s/N, d]``.
+        value: ``[b, heads, s/N, d]``.
+        attention_mask: Must be ``None``: the boundary refuses padding masks, and the causal
+            mask is applied here from global positions.
+        scaling: The score scale (default ``1 / sqrt(d)``).
+        dropout: Dropout probability on the attention weights.
+        **kwargs: Ignored (position ids and cache flags transformers passes along).
+
+    Returns:
+        ``([b, s/N, heads, d], None)``: transformers' layout, no attention weights.
+    """
+    spec = getattr(module, SEQUENCE_ATTRIBUTE, None)
+    if not isinstance(spec, SequenceAttention):
+        raise RuntimeError(
+            f"{type(module).__name__} uses attention {ATTENTION_NAME!r} but was not converted "
+            "by tessera.layers.parallelize under tensor mode 'sequence'"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            f"{type(module).__name__} under tensor mode 'sequence' got an attention mask of "
+            f"shape {list(attention_mask.shape)}; only causal or unmasked attention is "
+            "supported (no padding masks)"
+        )
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: each kv head serves a group
+        group = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    out = attend_over_sequence(
+        query,
+        key,
+        value,
+        impl=spec.impl,
+        sequence=spec.sequence,
+        causal=bool(getattr(module, "is_causal", False)),
+        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        dropout=dropout,
+        context=spec.context,
+    )  # [b, heads, s/N, d]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def install_sequence_attention(
+    model: nn.Module, attention: Iterable[str], context: ParallelContext, impl: AttentionImpl
+) -> None:
+    """Mark every parameter, and route the named attention modules through the ring.
+
+    Raises:
+        ValueError: ``impl`` is unknown, or all-to-all cannot split a module's heads.
+        TypeError: the model is not a transformers model (no config to point at tessera's
+            attention) but the plan names attention modules.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"parallelize: sequence_attention must be one of {IMPLS}, got {impl!r}")
+    sequence = sequence_group(context, "parallelize")
+    names = list(attention)
+    if names:
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "_attn_implementation"):
+            raise TypeError(
+                f"parallelize under tensor mode 'sequence' swaps the attention of transformers "
+                f"models; {type(model).__name__} has no transformers config. Use "
+                "tessera.layers.RingSelfAttention in your own model"
+            )
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTENTION_NAME, sequence_attention)
+        spec = SequenceAttention(impl, sequence, context)
+        for name in names:
+            module = model.get_submodule(name)
+            heads = getattr(module, "num_heads", getattr(config, "num_attention_heads", None))
+            n = sequence.world_size
+            if impl == "all_to_all" and isinstance(heads, int) and heads % n != 0:
+                raise ValueError(
+                    f"parallelize: {name} has {heads} heads, which all-to-all attention cannot "
+                    f"split over the {n} sequence ranks ({heads} % {n} = {heads % n}); use "
+                    "sequence_attention='ring'"
+                )
+            setattr(module, SEQUENCE_ATTRIBUTE, spec)
+        config._attn_implementation = ATTENTION_NAME
+    mark_sequence_replicated(model, context)
