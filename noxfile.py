@@ -223,12 +223,14 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def integration(session: nox.Session) -> None:
-    """tests_integration/: the ViT under torchrun as two nodes and through an elastic restart.
+    """tests_integration/: torchrun jobs (multi-node, elastic restart, a transformers Llama).
 
-    Each test starts real torchrun jobs (4 CPU workers) with a wall-clock limit, and compares
-    their final losses with one uninterrupted single-invocation run.
+    The ViT as two nodes and through an elastic restart; a transformers Llama converted by
+    ``parallelize`` under 2D and sequence parallelism. Each test starts real torchrun jobs
+    (CPU workers) with a wall-clock limit, and compares their losses with one uninterrupted
+    single-invocation run.
     """
-    _install_examples(session, "pytest>=7")
+    _install_examples(session, "pytest>=7", "transformers")
     session.run(
         "python",
         "-m",

@@ -22,6 +22,8 @@ GPT2_CONFIG: dict[str, Any] = dict(
     resid_pdrop=0.0,
     embd_pdrop=0.0,
     attn_pdrop=0.0,
+    bos_token_id=None,
+    eos_token_id=None,
 )
 #: One Llama for every mode: grouped-query attention (8 heads, 4 key/value heads: divisible by
 #: the 1D sizes 2 and 4 and by q = 2), hidden 32 (divisible by q*q = 4), RMSNorm, rotary
@@ -35,6 +37,19 @@ LLAMA_CONFIG: dict[str, Any] = dict(
     num_key_value_heads=4,
     max_position_embeddings=16,
     tie_word_embeddings=False,
+)
+#: One BERT for every mode (post-LN encoder, token types, a masked-LM head tied to the
+#: word embeddings), sized like the GPT-2.
+BERT_CONFIG: dict[str, Any] = dict(
+    vocab_size=32,
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=32,
+    max_position_embeddings=16,
+    type_vocab_size=2,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
 )
 #: A batch every layout divides: 4 rows (2.5D: depth 2 x q 2), 8 tokens (1D sequence: 2 or 4).
 BATCH, SEQ = 4, 8
@@ -56,6 +71,14 @@ def llama_lm(seed: int = 0, **overrides: Any) -> nn.Module:
     return _distinct(LlamaForCausalLM(LlamaConfig(**{**LLAMA_CONFIG, **overrides})), seed)
 
 
+def bert_mlm(seed: int = 0, **overrides: Any) -> nn.Module:
+    """``BertForMaskedLM`` from :data:`BERT_CONFIG`, its weights drawn from ``seed``."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    return _distinct(BertForMaskedLM(BertConfig(**{**BERT_CONFIG, **overrides})), seed)
+
+
 def _distinct(model: nn.Module, seed: int) -> nn.Module:
     """transformers' init leaves biases and norm weights at 0 / 1: give every tensor distinct
     values, so a wrong block or a wrong gradient cannot hide behind a constant."""
@@ -70,3 +93,15 @@ def token_ids(seed: int = 7) -> torch.Tensor:
     """``[BATCH, SEQ]`` token ids (the same on every rank: the whole batch)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, GPT2_CONFIG["vocab_size"], (BATCH, SEQ), generator=g)
+
+
+def masked_labels(ids: torch.Tensor, seed: int = 8) -> torch.Tensor:
+    """BERT's labels for ``ids``: the token at about half the positions, -100 elsewhere."""
+    keep = torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) < 0.5
+    return torch.where(keep, ids, torch.full_like(ids, -100))
+
+
+def token_types(seed: int = 9) -> torch.Tensor:
+    """``[BATCH, SEQ]`` token type ids (0 or 1)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, (BATCH, SEQ), generator=g)

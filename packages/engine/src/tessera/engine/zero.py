@@ -32,7 +32,7 @@ from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode, ShardInfo, get_shard_info, set_shard_info
 
-__all__ = ["rebuild_optimizer", "shard_with_fsdp2", "zero_redundancy_optimizer"]
+__all__ = ["fsdp_units", "rebuild_optimizer", "shard_with_fsdp2", "zero_redundancy_optimizer"]
 
 
 def _group_settings(group: dict[str, Any]) -> dict[str, Any]:
@@ -89,9 +89,9 @@ def shard_with_fsdp2(
 ) -> nn.Module:
     """Shard ``model`` in place over DATA with FSDP2.
 
-    Each direct child that holds parameters,
-    then the root (so a child's parameters are gathered only around its own compute). The
-    ShardInfo of a tensor-parallel parameter is moved to the DTensor parameter that replaces it.
+    The units of :func:`fsdp_units` (each repeated block), then the root, so a block's
+    parameters are gathered only around its own compute. The ShardInfo of a tensor-parallel
+    parameter is moved to the DTensor parameter that replaces it.
 
     Args:
         model: The module (moved to ``context.device`` already).
@@ -120,12 +120,45 @@ def shard_with_fsdp2(
     )
     reshard = stage == 3
     infos = _shard_infos(model)
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
+    for unit in fsdp_units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
     _reattach_shard_infos(model, infos)
     return model
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards on their own before the root, deepest first.
+
+    The wrap policy of a transformer: every repeated block (each child of an ``nn.ModuleList``,
+    GPT-2's ``h.0``, Llama's ``layers.0``), or each direct child of a model without one. A unit
+    whose parameters are also used outside it (a head tied to the token embedding) is left to
+    the root: FSDP2 needs each parameter managed by one unit, and the root covers every user.
+    """
+    named = list(model.named_modules())
+    blocks = [
+        (f"{name}.{i}" if name else str(i), block)
+        for name, module in named
+        if isinstance(module, nn.ModuleList)
+        for i, block in enumerate(module)
+    ]
+    candidates = blocks or [(name, child) for name, child in model.named_children()]
+    users: dict[int, list[str]] = {}  # parameter -> the modules that hold it directly
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            users.setdefault(id(param), []).append(name)
+    units: list[tuple[int, nn.Module]] = []
+    depth = {name: name.count(".") for name, _ in named}
+    for prefix, unit in candidates:
+        params = list(unit.parameters())
+        inside = all(
+            user == prefix or user.startswith(f"{prefix}.")
+            for param in params
+            for user in users[id(param)]
+        )
+        if params and inside:
+            units.append((depth.get(prefix, 0), unit))
+    return [unit for _, unit in sorted(units, key=lambda item: -item[0])]
 
 
 def _shard_infos(model: nn.Module) -> dict[str, ShardInfo]:

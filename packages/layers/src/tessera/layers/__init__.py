@@ -35,6 +35,7 @@ from tessera.layers.conversion import (
     Plan,
     causal_lm_loss,
     parallelize,
+    token_loss,
 )
 from tessera.layers.cross_entropy import (
     VocabParallelCrossEntropyLoss1D,
@@ -133,6 +134,7 @@ __all__ = [
     "ROLES",
     "BUILTIN_PLANS",
     "causal_lm_loss",
+    "token_loss",
     "FullForm",
     "get_full_form",
     "set_full_form",

@@ -19,7 +19,7 @@ from ..errors import ModeNotImplementedError
 from ..ring_attention import AttentionImpl
 from .boundary import install_boundary
 from .converters import Converter
-from .plan import Plan, inner_norms, match_plan, plan_for
+from .plan import Plan, inner_norms, match_plan, plan_for, span_members
 from .sequence import install_sequence_attention
 
 __all__ = ["PARALLELIZED_ATTR", "SUPPORTED_MODES", "parallelize"]
@@ -34,6 +34,18 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, new)
+
+
+def _retie(model: nn.Module, replaced: dict[int, nn.Parameter]) -> None:
+    """Point every other holder of a converted parameter at its replacement.
+
+    A parameter tied to a converted one (BERT's ``cls.predictions.bias`` is its decoder's
+    bias) would otherwise stay the plain tensor, and the tie would silently break.
+    """
+    for module in model.modules():
+        for pname, param in list(module._parameters.items()):
+            if param is not None and id(param) in replaced:
+                module._parameters[pname] = replaced[id(param)]
 
 
 def parallelize(
@@ -88,12 +100,26 @@ def parallelize(
         install_boundary(model, chosen, ctx, mode, sequence_parallel=False)
         setattr(model, PARALLELIZED_ATTR, mode)
         return model
-    converter = Converter(ctx, mode, sequence_parallel, inner_norms(roles), attention)
+    span = (
+        span_members(model, chosen.sequence_span)
+        if sequence_parallel and chosen.sequence_span is not None
+        else {name for name, _ in model.named_modules()}  # a features plan: all of it
+    )
+    converter = Converter(ctx, mode, sequence_parallel, inner_norms(roles), attention, span)
+    replaced: dict[int, nn.Parameter] = {}
+    kept: list[nn.Module] = []  # the plain modules stay alive, so no id() is reused
     for name, role in roles.items():
         old = model.get_submodule(name)
+        before = dict(old.named_parameters(remove_duplicate=False))
         new = converter.convert(name, old, role)
         if new is not old:
             _replace(model, name, new)
+            kept.append(old)
+            after = dict(new.named_parameters(remove_duplicate=False))
+            for pname, param in before.items():
+                if pname in after and after[pname] is not param:
+                    replaced[id(param)] = after[pname]
+    _retie(model, replaced)
     if not any(
         (info := get_shard_info(p)) is not None and info.is_sharded for p in model.parameters()
     ):

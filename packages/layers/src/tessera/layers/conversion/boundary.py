@@ -38,7 +38,7 @@ from ..loss_3d import CrossEntropyLoss3D
 from ..sequence import split_sequence_activation
 from .plan import Plan
 
-__all__ = ["causal_lm_loss", "install_boundary"]
+__all__ = ["causal_lm_loss", "install_boundary", "token_loss"]
 
 #: Keyword inputs of transformers' models that hold one row per sample.
 BATCH_KWARGS = ("input_ids", "attention_mask", "token_type_ids")
@@ -97,7 +97,8 @@ def install_boundary(
             raise ValueError(
                 f"{type(module).__name__} parallelized under tensor mode {mode!r}: its own loss "
                 "(labels=...) assumes whole logits; call it without labels and use "
-                "tessera.layers.causal_lm_loss(output.logits, input_ids)"
+                "tessera.layers.causal_lm_loss(output.logits, input_ids) (token_loss(logits, "
+                "labels) for a masked LM)"
             )
         if plan.boundary == "features":
             if not args or not isinstance(args[0], torch.Tensor):
@@ -179,7 +180,18 @@ def _install_sequence_span(
         return replace(split_along_dim(x, 1, group))  # [b, s/p, h]
 
     def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        return gather_along_dim(output, 1, group)  # [b, s, h]
+        if isinstance(output, torch.Tensor):
+            return gather_along_dim(output, 1, group)  # [b, s, h]
+        if isinstance(getattr(output, "last_hidden_state", None), torch.Tensor):
+            output.last_hidden_state = gather_along_dim(output.last_hidden_state, 1, group)
+            return output
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (gather_along_dim(output[0], 1, group), *output[1:])
+        raise ValueError(
+            f"sequence parallelism: {span[1]!r} returned {type(output).__name__}; the end of a "
+            "sequence_span must return the hidden states (or a tuple or model output holding "
+            "them first)"
+        )
 
     def whole(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         x, replace = _hidden_states(args, kwargs, type(module).__name__)
@@ -201,72 +213,89 @@ def causal_lm_loss(
     """Next-token cross-entropy of a parallelized language model, from its split logits.
 
     The targets are ``input_ids`` shifted by one (as transformers' causal LM loss), shifted
-    *before* any split so no target crosses a block boundary; the loss is the mean over every
-    predicted token of the whole batch, the same on every tensor rank.
+    *before* any split, so the last token of a block predicts the first of the next; the last
+    position predicts nothing. See :func:`token_loss`.
 
     Args:
-        logits: The model's logits: ``[b, s, V]`` without tensor parallelism, ``[b, s, V/p]``
-            (split by vocabulary) in 1D, ``[b/(depth q), s, V]`` in 2D/2.5D, ``[b/q^2, s, V]``
-            in 3D.
+        logits: The model's logits (see :func:`token_loss`).
         input_ids: The whole batch of token ids ``[b, s]``, as given to the model.
+        ignore_index: Targets that count for nothing.
+        context: The ParallelContext (default the current one).
+    """
+    pad = torch.full_like(input_ids[:, :1], ignore_index)
+    targets = torch.cat([input_ids[:, 1:], pad], 1)  # [b, s]: position i predicts token i+1
+    return token_loss(logits, targets, ignore_index=ignore_index, context=context)
+
+
+def token_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    context: ParallelContext | None = None,
+) -> torch.Tensor:
+    """Mean cross-entropy over every non-ignored target of the whole batch, from split logits.
+
+    For a masked language model (BERT's labels: ``ignore_index`` where nothing is predicted)
+    and, through :func:`causal_lm_loss`, a causal one. The targets are split here as the mode
+    split the logits; the value is the same on every tensor rank.
+
+    Args:
+        logits: ``[b, s, V]`` without tensor parallelism, ``[b, s, V/p]`` (split by
+            vocabulary) in 1D, ``[b/(depth q), s, V]`` in 2D/2.5D, ``[b/q^2, s, V]`` in 3D,
+            ``[b, s/N, V]`` under ``'sequence'``.
+        targets: ``[b, s]`` the whole batch's target ids, aligned with the logits.
         ignore_index: Targets that count for nothing.
         context: The ParallelContext (default the current one).
 
     Raises:
-        ValueError: ``logits`` and ``input_ids`` disagree in batch or sequence length.
-        ModeNotImplementedError: the mode has no parallelized language models yet.
+        ValueError: ``logits`` and the rank's targets disagree in batch or sequence length.
+        ModeNotImplementedError: the mode has no parallelized language models.
     """
     ctx = current_or_none(context)
     mode = tensor_mode(ctx)
+    local = targets
     if ctx is not None and mode == "sequence":
-        return _sequence_causal_lm_loss(logits, input_ids, ignore_index, ctx)
-    targets = input_ids
-    if ctx is not None and mode in ("2d", "2.5d", "3d"):
-        targets = split_batch(input_ids, ctx)
-    if tuple(logits.shape[:2]) != tuple(targets.shape):
+        local = split_sequence_activation(targets, ctx)
+    elif ctx is not None and mode in ("2d", "2.5d", "3d"):
+        local = split_batch(targets, ctx)
+    if tuple(logits.shape[:2]) != tuple(local.shape):
         raise ValueError(
-            f"causal_lm_loss under tensor mode {mode!r}: logits {list(logits.shape)} do not "
-            f"match the ids {list(targets.shape)} of this rank (pass the whole batch of ids)"
+            f"token loss under tensor mode {mode!r}: logits {list(logits.shape)} do not match "
+            f"this rank's targets {list(local.shape)} (pass the whole batch's targets)"
         )
-    shifted, targets = logits[:, :-1], targets[:, 1:]  # [b', s-1, V'], [b', s-1]
     if ctx is None or mode is None:
         return F.cross_entropy(
-            shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1), ignore_index=ignore_index
+            logits.reshape(-1, logits.shape[-1]), local.reshape(-1), ignore_index=ignore_index
         )
     if mode == "1d":
         return vocab_parallel_cross_entropy(
-            shifted,
-            targets,
+            logits,
+            local,
             ctx.get_group(ParallelMode.PARALLEL_1D),
             ignore_index=ignore_index,
             reduction="mean",
         )
+    if mode == "sequence":
+        return _sequence_token_loss(logits, local, ignore_index, ctx)
     losses = {"2d": CrossEntropyLoss2D, "2.5d": CrossEntropyLoss2p5D, "3d": CrossEntropyLoss3D}
     if mode in losses:
-        loss: torch.Tensor = losses[mode](ignore_index=ignore_index, context=ctx)(shifted, targets)
+        loss: torch.Tensor = losses[mode](ignore_index=ignore_index, context=ctx)(logits, local)
         return loss
-    raise ModeNotImplementedError("causal_lm_loss", mode, ("1d", *losses, "sequence"))
+    raise ModeNotImplementedError("token_loss", mode, ("1d", *losses, "sequence"))
 
 
-def _sequence_causal_lm_loss(
-    logits: torch.Tensor, input_ids: torch.Tensor, ignore_index: int, context: ParallelContext
+def _sequence_token_loss(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, context: ParallelContext
 ) -> torch.Tensor:
-    """The whole batch's mean next-token loss, from this rank's chunk of the sequence.
+    """The whole batch's mean token loss, from this rank's chunk of the sequence.
 
-    The targets are shifted over the whole sequence before splitting (the last token of a
-    chunk predicts the first of the next). The value returned is the global mean on every rank;
-    its gradient is ``N`` times this rank's share of it, the convention of the engine's
-    sequence-parallel handler (``average="sequence_dp"`` divides the summed gradients by N).
+    The value returned is the global mean on every rank; its gradient is ``N`` times this
+    rank's share of it, the convention of the engine's sequence-parallel handler
+    (``average="sequence_dp"`` divides the summed gradients by N).
     """
     group = context.get_group(ParallelMode.SEQUENCE)
     world = context.get_world_size(ParallelMode.SEQUENCE)
-    pad = torch.full_like(input_ids[:, :1], ignore_index)
-    targets = split_sequence_activation(torch.cat([input_ids[:, 1:], pad], 1), context)
-    if tuple(logits.shape[:2]) != tuple(targets.shape):
-        raise ValueError(
-            f"causal_lm_loss under tensor mode 'sequence': logits {list(logits.shape)} do not "
-            f"match this rank's chunk {list(targets.shape)} of the ids (pass the whole batch)"
-        )
     local_sum = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]),
         targets.reshape(-1),

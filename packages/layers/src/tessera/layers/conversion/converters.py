@@ -205,6 +205,8 @@ class Converter:
         attention: The attention modules. Under sequence parallelism their input is gathered
             whole by the boundary (the module reshapes by its input's length), so the column
             layers inside them take whole sequences.
+        sequence_span: Under 1D sequence parallelism, the modules whose activations are split
+            along the sequence (see :func:`~tessera.layers.conversion.plan.span_members`).
     """
 
     def __init__(
@@ -214,8 +216,10 @@ class Converter:
         sequence_parallel: bool,
         inner_norms: set[str] | None = None,
         attention: tuple[str, ...] = (),
+        sequence_span: set[str] | None = None,
     ) -> None:
         self.context, self.mode, self.sequence_parallel = context, mode, sequence_parallel
+        self.sequence_span = sequence_span or set()
         self.inner_norms = inner_norms or set()
         self.attention_modules = attention
         #: ``id(plain parameter) -> tessera parameter``, for heads tied to an embedding.
@@ -234,6 +238,8 @@ class Converter:
         """The module to put in place of ``module`` (``module`` itself if it stays)."""
         if role in ("col", "qkv", "row"):
             return self.linear(name, module, role)
+        if role == "dense":
+            return self.dense(name, module)
         if role == "attention":
             return self.attention(name, module)
         if role in ("embedding", "position_embedding"):
@@ -264,12 +270,14 @@ class Converter:
         dims = (shape.in_features, shape.out_features, shape.bias)
         made = self._made_like(weight)
         new: nn.Module
+        in_span = self.sequence_parallel and name in self.sequence_span
         if self.mode == "1d" and role == "row":
-            new = Linear1DRow(*dims, sequence_parallel=self.sequence_parallel, **made)
+            new = Linear1DRow(*dims, sequence_parallel=in_span, **made)
         elif self.mode == "1d":
             in_attention = any(name.startswith(f"{a}.") for a in self.attention_modules)
-            sp = self.sequence_parallel and not in_attention
-            new = Linear1DCol(*dims, sequence_parallel=sp, fused=fused, **made)
+            new = Linear1DCol(
+                *dims, sequence_parallel=in_span and not in_attention, fused=fused, **made
+            )
         elif self.mode == "3d":
             layout: Layout3D = "z" if role == "row" else "y"
             new = Linear3D(*dims, input_layout=layout, fused=fused, **made)
@@ -282,6 +290,23 @@ class Converter:
         if shape.bias and fused > 1:
             forms["bias"] = FullForm((shape.out_features,))
         return _adopt(new, module, forms)
+
+    def dense(self, name: str, module: nn.Module) -> nn.Module:
+        """``dense``: a linear layer that keeps the layout between blocks.
+
+        Raises:
+            ValueError: under 3D, whose linear layers always switch the layout.
+        """
+        if self.mode == "1d":
+            linear_shape(name, module, "dense")
+            return module  # replicated activations in, replicated out
+        if self.mode == "3d":
+            raise ValueError(
+                f"parallelize: {name!r} has role 'dense' (a linear layer that keeps the layout "
+                "between blocks), which 3d cannot give: each 3d linear layer switches between "
+                "layouts 'y' and 'z'. Use a 1d, 2d or 2.5d layout for this model"
+            )
+        return self.linear(name, module, "dense")
 
     def attention(self, name: str, module: nn.Module) -> nn.Module:
         """``attention``: head counts and widths become this rank's share (in place).
@@ -358,16 +383,19 @@ class Converter:
         """``norm``: a LayerNorm or RMSNorm over the hidden dim in the mode's layout."""
         spec = norm_spec(name, module)
         inner = name in self.inner_norms
-        if self.mode == "1d" and not self.sequence_parallel and not inner:
+        in_span = self.sequence_parallel and name in self.sequence_span
+        if self.mode == "1d" and not in_span and not inner:
             return module  # replicated activations: the plain norm is already right
         weight = _tensor(module, "weight") if spec.affine else torch.empty(0)
         args = (spec.shape, spec.eps, spec.affine, spec.bias, weight.dtype)
         family = NORMS[spec.kind]
         new: nn.Module
         if self.mode == "1d":  # an inner norm sees the whole sequence (the column gathered it)
-            sp = self.sequence_parallel and not inner
             new = family["1d"](
-                *args, sequence_parallel=sp, device=weight.device, context=self.context
+                *args,
+                sequence_parallel=in_span and not inner,
+                device=weight.device,
+                context=self.context,
             )
         elif self.mode == "3d":
             layout: Layout3D = "z" if inner else "y"

@@ -1,8 +1,9 @@
 """Plans: which module of a model someone else wrote plays which role under tensor parallelism.
 
-A plan maps module-name patterns (``fnmatch`` syntax over the names of
-``model.named_modules()``, ``*`` matching across dots) to roles. ``parallelize`` swaps every
-matched module for the current mode's layer of that role, cutting its shards from the
+A plan maps module-name patterns to roles. A pattern is matched against the names of
+``model.named_modules()`` one dotted component at a time (``fnmatch`` within a component), so
+``h.*.mlp.c_proj`` matches ``h.3.mlp.c_proj`` but not ``h.3.attn.c_proj``. ``parallelize``
+swaps every matched module for the current mode's layer of that role, cutting its shards from the
 module's own weights. The roles are what Megatron-LM (Shoeybi et al. 2019) and the 2D/2.5D
 papers need to know of a transformer; every activation layout follows from them:
 
@@ -14,6 +15,10 @@ papers need to know of a transformer; every activation layout follows from them:
     the three is split on its own, so a rank holds the same heads of all three.
 ``"row"``
     A linear layer whose inputs are split: the second layer of an MLP, an attention output.
+``"dense"``
+    A linear layer that keeps the layout between blocks (BERT's prediction-head transform):
+    replicated in 1D, a SUMMA layer on the mesh; 3D has none (its linear layers switch the
+    layout).
 ``"embedding"``
     The token embedding (its table is split; a head tied to it stays tied).
 ``"position_embedding"``
@@ -43,14 +48,27 @@ from typing import Literal
 
 from torch import nn
 
-__all__ = ["BUILTIN_PLANS", "ROLES", "Plan", "Role", "inner_norms", "match_plan", "plan_for"]
+__all__ = [
+    "BUILTIN_PLANS",
+    "ROLES",
+    "Plan",
+    "Role",
+    "inner_norms",
+    "match_plan",
+    "matches",
+    "plan_for",
+    "span_members",
+]
 
-Role = Literal["col", "qkv", "row", "embedding", "position_embedding", "norm", "head", "attention"]
+Role = Literal[
+    "col", "qkv", "row", "dense", "embedding", "position_embedding", "norm", "head", "attention"
+]
 #: Every role a plan may name.
 ROLES: tuple[str, ...] = (
     "col",
     "qkv",
     "row",
+    "dense",
     "embedding",
     "position_embedding",
     "norm",
@@ -69,11 +87,13 @@ class Plan:
         boundary: ``"tokens"`` or ``"features"`` (see the module docstring).
         sequence_span: 1D sequence parallelism only: ``(first, last)`` module names; the input
             of ``first`` is split along the sequence (dim 1) and the output of ``last``
-            gathered, so everything in between (norms, residual adds) sees ``[b, s/p, h]``.
+            gathered (its first element, or ``last_hidden_state``, when it returns several), so
+            everything in between (norms, residual adds) sees ``[b, s/p, h]``.
             ``None``: the plan cannot take sequence parallelism.
         causal_lm: The model would compute a language-model loss inside its forward when
             given ``labels``; that loss assumes whole logits, so ``labels`` become an error
-            that points to :func:`~tessera.layers.causal_lm_loss`.
+            that points to :func:`~tessera.layers.causal_lm_loss` /
+            :func:`~tessera.layers.token_loss`.
     """
 
     rules: Mapping[str, str]
@@ -147,12 +167,45 @@ def _llama(prefix: str, causal_lm: bool) -> Plan:
     )
 
 
+def _bert(prefix: str, masked_lm: bool) -> Plan:
+    layer = f"{prefix}encoder.layer.*"
+    rules = {
+        f"{prefix}embeddings.word_embeddings": "embedding",
+        f"{prefix}embeddings.position_embeddings": "position_embedding",
+        f"{prefix}embeddings.token_type_embeddings": "position_embedding",
+        f"{prefix}embeddings.LayerNorm": "norm",
+        f"{layer}.attention.self": "attention",
+        f"{layer}.attention.self.query": "col",
+        f"{layer}.attention.self.key": "col",
+        f"{layer}.attention.self.value": "col",
+        f"{layer}.attention.output.dense": "row",
+        f"{layer}.attention.output.LayerNorm": "norm",
+        f"{layer}.intermediate.dense": "col",
+        f"{layer}.output.dense": "row",
+        f"{layer}.output.LayerNorm": "norm",
+    }
+    if masked_lm:
+        rules |= {
+            "cls.predictions.transform.dense": "dense",
+            "cls.predictions.transform.LayerNorm": "norm",
+            "cls.predictions.decoder": "head",
+        }
+    return Plan(
+        rules,
+        boundary="tokens",
+        sequence_span=(f"{prefix}encoder", f"{prefix}encoder"),
+        causal_lm=masked_lm,
+        name="BERT" + (" masked LM" if masked_lm else ""),
+    )
+
+
 #: Plans shipped with tessera, by model class name (transformers' classes).
 BUILTIN_PLANS: dict[str, Plan] = {
     "GPT2LMHeadModel": _gpt2("transformer.", causal_lm=True),
     "GPT2Model": _gpt2("", causal_lm=False),
     "LlamaForCausalLM": _llama("model.", causal_lm=True),
     "LlamaModel": _llama("", causal_lm=False),
+    "BertForMaskedLM": _bert("bert.", masked_lm=True),
 }
 
 
@@ -176,6 +229,14 @@ def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
     )
 
 
+def matches(name: str, pattern: str) -> bool:
+    """Whether module ``name`` matches ``pattern``, one dotted component at a time."""
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(
+        fnmatch.fnmatchcase(part, want) for part, want in zip(parts, wanted, strict=True)
+    )
+
+
 def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
     """``{module name: role}`` for every module a rule matches.
 
@@ -187,7 +248,7 @@ def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
     by: dict[str, str] = {}
     unmatched: list[str] = []
     for pattern, role in plan.rules.items():
-        hits = fnmatch.filter(names, pattern)
+        hits = [name for name in names if matches(name, pattern)]
         if not hits:
             unmatched.append(pattern)
         for name in hits:
@@ -207,6 +268,27 @@ def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
     ordered = dict(sorted(roles.items(), key=lambda item: order[item[0]]))
     _check_pairs(ordered, plan, mode)
     return ordered
+
+
+def span_members(model: nn.Module, span: tuple[str, str]) -> set[str]:
+    """The modules from ``span[0]`` through the end of ``span[1]``, in ``named_modules`` order.
+
+    Under 1D sequence parallelism their activations are split along the sequence; modules
+    before or after (an embedding's LayerNorm, a prediction head) see the whole sequence.
+
+    Raises:
+        ValueError: a span end names no module, or the span ends before it starts.
+    """
+    names = [name for name, _ in model.named_modules()]
+    for end in span:
+        if end not in names:
+            raise ValueError(f"sequence_span: {end!r} is not a module of {type(model).__name__}")
+    first, last = names.index(span[0]), names.index(span[1])
+    if last < first:
+        raise ValueError(f"sequence_span {span}: {span[1]!r} comes before {span[0]!r}")
+    while last + 1 < len(names) and names[last + 1].startswith(f"{span[1]}."):
+        last += 1
+    return set(names[first : last + 1])
 
 
 def inner_norms(roles: Mapping[str, str]) -> set[str]:

@@ -1,0 +1,2 @@
+# One process, no parallelism.
+parallel = dict()

@@ -1,0 +1,47 @@
+"""transformers models from small configs: random weights, nothing downloaded, no dropout."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def build(
+    vocab: int, *, kind: str, seq_len: int, hidden: int, depth: int, heads: int, seed: int
+) -> nn.Module:
+    """``GPT2LMHeadModel`` or ``LlamaForCausalLM``, its weights drawn from ``seed``.
+
+    Built the same way on every rank (and with no context current: transformers' classes do
+    not read tessera's), so every layout starts from the same full weights.
+    """
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=vocab,
+            n_positions=seq_len,
+            n_embd=hidden,
+            n_layer=depth,
+            n_head=heads,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+        return GPT2LMHeadModel(config)
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=depth,
+            num_attention_heads=heads,
+            num_key_value_heads=heads // 2,
+            max_position_embeddings=seq_len,
+        )
+        return LlamaForCausalLM(config)
+    raise ValueError(f"model.kind must be 'gpt2' or 'llama', got {kind!r}")
