@@ -55,20 +55,22 @@ BERT_CONFIG: dict[str, Any] = dict(
 BATCH, SEQ = 4, 8
 
 
-def gpt2_lm(seed: int = 0, **overrides: Any) -> nn.Module:
+def gpt2_lm(seed: int = 0, *, distinct: bool = True, **overrides: Any) -> nn.Module:
     """``GPT2LMHeadModel`` from :data:`GPT2_CONFIG`, its weights drawn from ``seed``."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    return _distinct(GPT2LMHeadModel(GPT2Config(**{**GPT2_CONFIG, **overrides})), seed)
+    model = GPT2LMHeadModel(GPT2Config(**{**GPT2_CONFIG, **overrides}))
+    return _distinct(model, seed) if distinct else model
 
 
-def llama_lm(seed: int = 0, **overrides: Any) -> nn.Module:
+def llama_lm(seed: int = 0, *, distinct: bool = True, **overrides: Any) -> nn.Module:
     """``LlamaForCausalLM`` from :data:`LLAMA_CONFIG`, its weights drawn from ``seed``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return _distinct(LlamaForCausalLM(LlamaConfig(**{**LLAMA_CONFIG, **overrides})), seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**LLAMA_CONFIG, **overrides}))
+    return _distinct(model, seed) if distinct else model
 
 
 def bert_mlm(seed: int = 0, **overrides: Any) -> nn.Module:

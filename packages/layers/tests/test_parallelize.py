@@ -21,6 +21,7 @@ from tessera.layers import (
     causal_lm_loss,
     gather_full_state_dict,
     load_full_state_dict,
+    meta_parameters,
     parallelize,
     split_batch,
     token_loss,
@@ -91,7 +92,7 @@ def _models_match_reference(tensor: dict[str, Any]) -> dict[str, Any]:
                 parallelize(bert_mlm(), context=ctx)
         else:
             losses["bert"] = _lm_matches_reference(bert_mlm(), ctx)
-        return {**losses, "blocks": _mlp_matches_reference(ctx)}
+        return {**losses, "blocks": _mlp_matches_reference(ctx), "meta": _meta_built(ctx)}
     finally:
         ctx.destroy()
 
@@ -125,13 +126,7 @@ def _lm_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float:
     ref_loss.backward()
     loss.backward()
     torch.testing.assert_close(loss, ref_loss, **TOL)
-    if mode == "1d":  # [b, s, V/p]: this rank's classes
-        expected = ref_logits.detach().chunk(size, -1)[ctx.get_local_rank(ParallelMode.TENSOR)]
-    elif mode == "sequence":  # [b, s/N, V]: this rank's tokens
-        expected = ref_logits.detach().chunk(size, 1)[ctx.get_local_rank(ParallelMode.TENSOR)]
-    else:  # [b/B, s, V]: this rank's rows
-        expected = split_batch(ref_logits.detach(), ctx)
-    torch.testing.assert_close(logits, expected, **TOL)
+    torch.testing.assert_close(logits, _local_logits(ref_logits.detach(), ctx), **TOL)
 
     grads = _full_grads(model, ctx, mean_loss=True)
     for name, p in ref.named_parameters(remove_duplicate=False):
@@ -144,6 +139,39 @@ def _lm_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float:
     load_full_state_dict(model, original)
     _assert_same_state(gather_full_state_dict(model, context=ctx), original)
     return round(float(loss.detach()), 5)
+
+
+def _local_logits(full: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """This rank's block of the single-process logits ``[b, s, V]``."""
+    mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
+    rank = ctx.get_local_rank(ParallelMode.TENSOR)
+    if mode == "1d":  # [b, s, V/p]: this rank's classes
+        return full.chunk(size, -1)[rank]
+    if mode == "sequence":  # [b, s/N, V]: this rank's tokens
+        return full.chunk(size, 1)[rank]
+    return split_batch(full, ctx)  # [b/B, s, V]: this rank's rows
+
+
+def _meta_built(ctx: ParallelContext) -> int:
+    """Built with its parameters on the meta device: only shards are allocated, all initialized;
+    loaded with the full weights, the model computes what the plain one does."""
+    checked = 0
+    for build in (gpt2_lm, llama_lm):
+        ref = build()
+        with meta_parameters():
+            empty = build(distinct=False)
+        assert all(p.is_meta for p in empty.parameters())
+        model = parallelize(empty, context=ctx)
+        for name, p in model.named_parameters():
+            assert not p.is_meta and bool(torch.isfinite(p).all()), f"{name} not materialized"
+        load_full_state_dict(model, ref.state_dict())
+        ids = token_ids()
+        with torch.no_grad():
+            torch.testing.assert_close(
+                model(ids).logits, _local_logits(ref(ids).logits, ctx), **TOL
+            )
+        checked += 1
+    return checked
 
 
 #: The transformers models every layout runs, built alike on every rank.
@@ -225,7 +253,7 @@ def test_transformers_models_and_plain_blocks_equal_single_process(dist, layout:
     results = dist.run(
         _models_match_reference, world_size=tensor["size"], args=(tensor,), timeout=240.0
     )
-    assert results[0]["blocks"] == 18
+    assert results[0]["blocks"] == 18 and results[0]["meta"] == 2
     assert all(r == results[0] for r in results)
 
 

@@ -34,6 +34,7 @@ from tessera.layers.conversion import (
     ROLES,
     Plan,
     causal_lm_loss,
+    meta_parameters,
     parallelize,
     token_loss,
 )
@@ -135,6 +136,7 @@ __all__ = [
     "BUILTIN_PLANS",
     "causal_lm_loss",
     "token_loss",
+    "meta_parameters",
     "FullForm",
     "get_full_form",
     "set_full_form",

@@ -2,6 +2,7 @@
 
 from .api import SUPPORTED_MODES, parallelize
 from .boundary import causal_lm_loss, token_loss
+from .meta import meta_parameters
 from .plan import BUILTIN_PLANS, ROLES, Plan
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "SUPPORTED_MODES",
     "Plan",
     "causal_lm_loss",
+    "meta_parameters",
     "parallelize",
     "token_loss",
 ]

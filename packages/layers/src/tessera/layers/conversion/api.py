@@ -19,6 +19,7 @@ from ..errors import ModeNotImplementedError
 from ..ring_attention import AttentionImpl
 from .boundary import install_boundary
 from .converters import Converter
+from .meta import check_meta_buffers, materialize_whole_modules
 from .plan import Plan, inner_norms, match_plan, plan_for, span_members
 from .sequence import install_sequence_attention
 
@@ -59,7 +60,9 @@ def parallelize(
 
     Every shard is cut from the module's existing weights: ``gather_full_state_dict(model)``
     afterwards equals the ``state_dict()`` before, in the original names and forms, and tied
-    weights stay tied. Without tensor parallelism the model is returned unchanged.
+    weights stay tied. A model built inside :func:`meta_parameters` gets only this rank's
+    shards allocated (initialized, to be loaded with ``load_full_state_dict``). Without tensor
+    parallelism the model is returned unchanged.
 
     Args:
         model: A plain torch model (``nn.Linear``, ``nn.LayerNorm``, ``nn.Embedding``,
@@ -88,6 +91,7 @@ def parallelize(
         raise ModeNotImplementedError("parallelize", mode, SUPPORTED_MODES)
     chosen = plan_for(model, plan)
     roles = match_plan(model, chosen, mode)
+    check_meta_buffers(model)
     sequence_parallel = mode == "1d" and sequence_parallel_default(ctx)
     if sequence_parallel and chosen.boundary == "tokens" and chosen.sequence_span is None:
         raise ValueError(
@@ -96,6 +100,7 @@ def parallelize(
         )
     attention = tuple(name for name, role in roles.items() if role == "attention")
     if mode == "sequence":  # token-wise modules stay; attention goes around the ring
+        materialize_whole_modules(model, ctx.device)
         install_sequence_attention(model, attention, ctx, sequence_attention)
         install_boundary(model, chosen, ctx, mode, sequence_parallel=False)
         setattr(model, PARALLELIZED_ATTR, mode)
@@ -120,6 +125,7 @@ def parallelize(
                 if pname in after and after[pname] is not param:
                     replaced[id(param)] = after[pname]
     _retie(model, replaced)
+    materialize_whole_modules(model, ctx.device)
     if not any(
         (info := get_shard_info(p)) is not None and info.is_sharded for p in model.parameters()
     ):

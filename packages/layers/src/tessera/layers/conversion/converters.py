@@ -114,8 +114,8 @@ def norm_spec(name: str, module: nn.Module) -> NormSpec:
 
 class _Made(TypedDict):
     dtype: torch.dtype
-    weight_initializer: Initializer
-    bias_initializer: Initializer
+    weight_initializer: Initializer | None
+    bias_initializer: Initializer | None
     device: torch.device
     context: ParallelContext
 
@@ -182,10 +182,14 @@ def _tensor(module: nn.Module, name: str) -> torch.Tensor:
 
 
 def _adopt(new: nn.Module, old: nn.Module, forms: dict[str, FullForm]) -> nn.Module:
-    """Give ``new`` the values of ``old`` (through ``forms``) and its training state."""
+    """Give ``new`` the values of ``old`` (through ``forms``) and its training state.
+
+    A plain module on the meta device has no values: ``new`` keeps its initializer's.
+    """
     for pname, form in forms.items():
         set_full_form(getattr(new, pname), form)
-    load_full_state_dict(new, old.state_dict())
+    if not any(p.is_meta for p in old.parameters()):
+        load_full_state_dict(new, old.state_dict())
     frozen = {n for n, p in old.named_parameters() if not p.requires_grad}
     for pname, p in new.named_parameters():
         p.requires_grad_(pname not in frozen)
@@ -248,13 +252,22 @@ class Converter:
             return self.norm(name, module)
         return self.head(name, module)
 
+    def _device(self, weight: torch.Tensor) -> torch.device:
+        """Where the converted module lives: the plain one's device, or the context's for meta."""
+        return self.context.device if weight.is_meta else weight.device
+
     def _made_like(self, weight: torch.Tensor) -> _Made:
-        """Keywords every converted linear layer and head is built with."""
+        """Keywords every converted linear layer and head is built with.
+
+        The shard is drawn by the layer's own initializer only for a plain module on the meta
+        device (there are no values to cut it from).
+        """
+        init = None if weight.is_meta else _no_init
         return _Made(
             dtype=weight.dtype,
-            weight_initializer=_no_init,
-            bias_initializer=_no_init,
-            device=weight.device,
+            weight_initializer=init,
+            bias_initializer=init,
+            device=self._device(weight),
             context=self.context,
         )
 
@@ -370,8 +383,8 @@ class Converter:
             module.embedding_dim,
             module.padding_idx,
             module.weight.dtype,
-            _no_init,
-            device=module.weight.device,
+            None if module.weight.is_meta else _no_init,
+            device=self._device(module.weight),
             context=self.context,
         )
         _adopt(new, module, {})
@@ -394,14 +407,16 @@ class Converter:
             new = family["1d"](
                 *args,
                 sequence_parallel=in_span and not inner,
-                device=weight.device,
+                device=self._device(weight),
                 context=self.context,
             )
         elif self.mode == "3d":
             layout: Layout3D = "z" if inner else "y"
-            new = family["3d"](*args, layout=layout, device=weight.device, context=self.context)
+            new = family["3d"](
+                *args, layout=layout, device=self._device(weight), context=self.context
+            )
         else:
-            new = family[self.mode](*args, device=weight.device, context=self.context)
+            new = family[self.mode](*args, device=self._device(weight), context=self.context)
         return _adopt(new, module, {})
 
     def head(self, name: str, module: nn.Module) -> nn.Module:
