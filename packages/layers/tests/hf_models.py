@@ -51,6 +51,20 @@ BERT_CONFIG: dict[str, Any] = dict(
     hidden_dropout_prob=0.0,
     attention_probs_dropout_prob=0.0,
 )
+#: One ViT for every mode: 6x6 images in 2x2 patches (9 patches + the class token = 10 tokens,
+#: divisible by 2 for 1D sequence parallelism), hidden 16, 8 classes (divisible by 2 and 4).
+VIT_CONFIG: dict[str, Any] = dict(
+    image_size=6,
+    patch_size=2,
+    num_channels=3,
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=32,
+    num_labels=8,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
 #: A batch every layout divides: 4 rows (2.5D: depth 2 x q 2), 8 tokens (1D sequence: 2 or 4).
 BATCH, SEQ = 4, 8
 
@@ -79,6 +93,22 @@ def bert_mlm(seed: int = 0, **overrides: Any) -> nn.Module:
 
     torch.manual_seed(seed)
     return _distinct(BertForMaskedLM(BertConfig(**{**BERT_CONFIG, **overrides})), seed)
+
+
+def vit_classifier(seed: int = 0, **overrides: Any) -> nn.Module:
+    """``ViTForImageClassification`` from :data:`VIT_CONFIG`, its weights drawn from ``seed``."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(seed)
+    config = ViTConfig(**{**VIT_CONFIG, **overrides})
+    return _distinct(ViTForImageClassification(config), seed)
+
+
+def images(seed: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[BATCH, 3, 6, 6]`` images and their ``[BATCH]`` labels (the whole batch)."""
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(BATCH, VIT_CONFIG["num_channels"], 6, 6, generator=g)
+    return pixels, torch.randint(0, VIT_CONFIG["num_labels"], (BATCH,), generator=g)
 
 
 def _distinct(model: nn.Module, seed: int) -> nn.Module:

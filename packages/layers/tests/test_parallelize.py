@@ -13,7 +13,16 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_models import bert_mlm, gpt2_lm, llama_lm, masked_labels, token_ids, token_types
+from hf_models import (
+    bert_mlm,
+    gpt2_lm,
+    images,
+    llama_lm,
+    masked_labels,
+    token_ids,
+    token_types,
+    vit_classifier,
+)
 from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode, create_context
@@ -92,6 +101,11 @@ def _models_match_reference(tensor: dict[str, Any]) -> dict[str, Any]:
                 parallelize(bert_mlm(), context=ctx)
         else:
             losses["bert"] = _lm_matches_reference(bert_mlm(), ctx)
+        if ctx.config.tensor_mode == "sequence":  # the class token lives on one rank's chunk
+            with pytest.raises(ValueError, match="reads the class token"):
+                parallelize(vit_classifier(), context=ctx)(images()[0])
+        else:
+            losses["vit"] = _lm_matches_reference(vit_classifier(), ctx)
         return {**losses, "blocks": _mlp_matches_reference(ctx), "meta": _meta_built(ctx)}
     finally:
         ctx.destroy()
@@ -104,12 +118,19 @@ def _lm_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float:
     model = parallelize(copy.deepcopy(ref), sequence_attention=impl, context=ctx)
     original = ref.state_dict()
     _assert_same_state(gather_full_state_dict(model, context=ctx), original)
-    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = ref.get_output_embeddings().weight is ref.get_input_embeddings().weight
-    assert (head.weight is embedding.weight) == tied, "tying changed"
+    if ref.get_output_embeddings() is not None:
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        tied = ref.get_output_embeddings().weight is ref.get_input_embeddings().weight
+        assert (head.weight is embedding.weight) == tied, "tying changed"
 
     ids = token_ids()
-    if type(ref).__name__ == "BertForMaskedLM":  # a masked LM with token types
+    if type(ref).__name__ == "ViTForImageClassification":  # one class per image
+        pixels, labels = images()
+        ref_logits = ref(pixels).logits
+        ref_loss = F.cross_entropy(ref_logits, labels)
+        logits = model(pixels).logits
+        loss = token_loss(logits, labels, context=ctx)
+    elif type(ref).__name__ == "BertForMaskedLM":  # a masked LM with token types
         inputs = dict(input_ids=ids, token_type_ids=token_types())
         labels = masked_labels(ids)
         ref_logits = ref(**inputs).logits

@@ -52,6 +52,24 @@ def _split_rows(name: str, value: Any, context: ParallelContext) -> Any:
     return split_batch(value, context)
 
 
+def _image_inputs(
+    args: tuple[Any, ...], kwargs: dict[str, Any], context: ParallelContext, mode: str, owner: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Images: this rank's rows where the mode splits the batch, else the whole batch."""
+    if mode == "sequence":
+        raise ValueError(
+            f"{owner} under tensor mode 'sequence': an image classifier reads the class token, "
+            "which lives on one rank's chunk of the sequence; use a 1d, 2d, 2.5d or 3d layout"
+        )
+    if mode == "1d":
+        return args, kwargs
+    if args:
+        args = (split_batch(args[0], context), *args[1:])
+    elif isinstance(kwargs.get("pixel_values"), torch.Tensor):
+        kwargs["pixel_values"] = split_batch(kwargs["pixel_values"], context)
+    return args, kwargs
+
+
 def _sequence_inputs(
     args: tuple[Any, ...], kwargs: dict[str, Any], context: ParallelContext, owner: str
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -107,6 +125,8 @@ def install_boundary(
                     "first positional argument"
                 )
             return (split_activation(args[0], context), *args[1:]), kwargs
+        if plan.boundary == "images":
+            return _image_inputs(args, kwargs, context, mode, type(module).__name__)
         if mode == "sequence":
             return _sequence_inputs(args, kwargs, context, type(module).__name__)
         if not splits_batch:
@@ -236,15 +256,17 @@ def token_loss(
 ) -> torch.Tensor:
     """Mean cross-entropy over every non-ignored target of the whole batch, from split logits.
 
-    For a masked language model (BERT's labels: ``ignore_index`` where nothing is predicted)
-    and, through :func:`causal_lm_loss`, a causal one. The targets are split here as the mode
+    For a masked language model (BERT's labels: ``ignore_index`` where nothing is predicted),
+    an image classifier (one target per image: logits ``[b, C]``) and, through
+    :func:`causal_lm_loss`, a causal language model. The targets are split here as the mode
     split the logits; the value is the same on every tensor rank.
 
     Args:
         logits: ``[b, s, V]`` without tensor parallelism, ``[b, s, V/p]`` (split by
             vocabulary) in 1D, ``[b/(depth q), s, V]`` in 2D/2.5D, ``[b/q^2, s, V]`` in 3D,
             ``[b, s/N, V]`` under ``'sequence'``.
-        targets: ``[b, s]`` the whole batch's target ids, aligned with the logits.
+        targets: The whole batch's target ids, aligned with the logits' leading dims
+            (``[b, s]``, or ``[b]`` for one class per sample).
         ignore_index: Targets that count for nothing.
         context: The ParallelContext (default the current one).
 
@@ -259,7 +281,7 @@ def token_loss(
         local = split_sequence_activation(targets, ctx)
     elif ctx is not None and mode in ("2d", "2.5d", "3d"):
         local = split_batch(targets, ctx)
-    if tuple(logits.shape[:2]) != tuple(local.shape):
+    if tuple(logits.shape[:-1]) != tuple(local.shape):
         raise ValueError(
             f"token loss under tensor mode {mode!r}: logits {list(logits.shape)} do not match "
             f"this rank's targets {list(local.shape)} (pass the whole batch's targets)"

@@ -38,7 +38,11 @@ from ..mesh import mesh_of
 from ..norm_1d import LayerNorm1D, RMSNorm1D
 from ..norm_2d import LayerNorm2D, LayerNorm2p5D, RMSNorm2D, RMSNorm2p5D
 from ..norm_3d import LayerNorm3D, RMSNorm3D
+from ..patch_embedding_1d import PatchEmbedding1D
+from ..patch_embedding_2d import PatchEmbedding2D, PatchEmbedding2p5D
+from ..patch_embedding_3d import PatchEmbedding3D
 from ..state_dict import load_full_state_dict
+from .patch import PatchEmbeddingAdapter, patch_sizes
 
 __all__ = ["Converter", "LinearShape", "linear_shape"]
 
@@ -250,6 +254,8 @@ class Converter:
             return self.embedding(name, module, role)
         if role == "norm":
             return self.norm(name, module)
+        if role == "patch_embedding":
+            return self.patch_embedding(name, module)
         return self.head(name, module)
 
     def _device(self, weight: torch.Tensor) -> torch.device:
@@ -418,6 +424,40 @@ class Converter:
         else:
             new = family[self.mode](*args, device=self._device(weight), context=self.context)
         return _adopt(new, module, {})
+
+    def patch_embedding(self, name: str, module: nn.Module) -> nn.Module:
+        """``patch_embedding``: a ViT's embeddings, computed by the mode's patch embedding.
+
+        Under 1D the output is whole (the plan's sequence span, if any, splits it later).
+        """
+        image, patch, channels, embed = patch_sizes(name, module)
+        weight = _tensor(module.get_submodule("patch_embeddings.projection"), "weight")
+        init = None if weight.is_meta else _no_init
+        args = (image, patch, channels, embed, weight.dtype, init, init, init)
+        where = {"device": self._device(weight), "context": self.context}
+        classes: dict[str, type[nn.Module]] = {
+            "2d": PatchEmbedding2D,
+            "2.5d": PatchEmbedding2p5D,
+            "3d": PatchEmbedding3D,
+        }
+        if self.mode == "1d":
+            inner: nn.Module = PatchEmbedding1D(*args, **where)  # type: ignore[arg-type]
+        else:
+            inner = classes[self.mode](*args, **where)
+        state = module.state_dict()
+        if not any(p.is_meta for p in module.parameters()):
+            load_full_state_dict(
+                inner,
+                {
+                    "weight": state["patch_embeddings.projection.weight"],
+                    "bias": state["patch_embeddings.projection.bias"],
+                    "cls_token": state["cls_token"],
+                    "pos_embed": state["position_embeddings"],
+                },
+            )
+        adapter = PatchEmbeddingAdapter(inner)
+        adapter.train(module.training)
+        return adapter
 
     def head(self, name: str, module: nn.Module) -> nn.Module:
         """``head``: vocabulary logits, tied to the converted embedding when it was."""

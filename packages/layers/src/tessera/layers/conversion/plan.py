@@ -24,7 +24,10 @@ papers need to know of a transformer; every activation layout follows from them:
 ``"position_embedding"``
     A learned position embedding, added to every row of the batch.
 ``"norm"``
-    A LayerNorm over the hidden dim.
+    A LayerNorm (or RMSNorm) over the hidden dim.
+``"patch_embedding"``
+    A ViT's embedding: patches, class token and position table (transformers'
+    ``ViTEmbeddings``).
 ``"head"``
     The output projection to the vocabulary (tied to the ``"embedding"`` when it shares its
     weight, as GPT-2's ``lm_head``).
@@ -35,8 +38,9 @@ papers need to know of a transformer; every activation layout follows from them:
 A :class:`Plan` adds what happens at the model's boundary: ``"tokens"`` (the input is token ids,
 split by batch where the mode splits the batch; the embedding makes the layout) or
 ``"features"`` (the input is a full activation ``[b, ..., h]``, split into the mode's layout
-and the output gathered back), and, for 1D sequence parallelism, the span of modules whose
-activations are split along the sequence (Korthikanti et al. 2022).
+and the output gathered back) or ``"images"`` (pixel values, split by batch where the mode
+splits the batch; the patch embedding makes the layout), and, for 1D sequence parallelism,
+the span of modules whose activations are split along the sequence (Korthikanti et al. 2022).
 """
 
 from __future__ import annotations
@@ -61,7 +65,16 @@ __all__ = [
 ]
 
 Role = Literal[
-    "col", "qkv", "row", "dense", "embedding", "position_embedding", "norm", "head", "attention"
+    "col",
+    "qkv",
+    "row",
+    "dense",
+    "embedding",
+    "position_embedding",
+    "norm",
+    "head",
+    "attention",
+    "patch_embedding",
 ]
 #: Every role a plan may name.
 ROLES: tuple[str, ...] = (
@@ -74,8 +87,9 @@ ROLES: tuple[str, ...] = (
     "norm",
     "head",
     "attention",
+    "patch_embedding",
 )
-Boundary = Literal["tokens", "features"]
+Boundary = Literal["tokens", "features", "images"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +98,7 @@ class Plan:
 
     Attributes:
         rules: ``{pattern: role}``; every pattern must match at least one module.
-        boundary: ``"tokens"`` or ``"features"`` (see the module docstring).
+        boundary: ``"tokens"``, ``"features"`` or ``"images"`` (see the module docstring).
         sequence_span: 1D sequence parallelism only: ``(first, last)`` module names; the input
             of ``first`` is split along the sequence (dim 1) and the output of ``last``
             gathered (its first element, or ``last_hidden_state``, when it returns several), so
@@ -111,8 +125,10 @@ class Plan:
                     f"plan rule {pattern!r}: unknown role {role!r}{hint}; roles are "
                     f"{', '.join(ROLES)}"
                 )
-        if self.boundary not in ("tokens", "features"):
-            raise ValueError(f"plan boundary must be 'tokens' or 'features', got {self.boundary!r}")
+        if self.boundary not in ("tokens", "features", "images"):
+            raise ValueError(
+                f"plan boundary must be 'tokens', 'features' or 'images', got {self.boundary!r}"
+            )
 
 
 def _gpt2(prefix: str, causal_lm: bool) -> Plan:
@@ -199,6 +215,31 @@ def _bert(prefix: str, masked_lm: bool) -> Plan:
     )
 
 
+def _vit() -> Plan:
+    layer = "vit.layers.*"
+    rules = {
+        "vit.embeddings": "patch_embedding",
+        f"{layer}.layernorm_before": "norm",
+        f"{layer}.attention": "attention",
+        f"{layer}.attention.q_proj": "col",
+        f"{layer}.attention.k_proj": "col",
+        f"{layer}.attention.v_proj": "col",
+        f"{layer}.attention.o_proj": "row",
+        f"{layer}.layernorm_after": "norm",
+        f"{layer}.mlp.fc1": "col",
+        f"{layer}.mlp.fc2": "row",
+        "vit.layernorm": "norm",
+        "classifier": "head",
+    }
+    return Plan(
+        rules,
+        boundary="images",
+        sequence_span=("vit.layers.0", "vit.layernorm"),
+        causal_lm=True,  # its own loss (labels=...) would read whole logits
+        name="ViT image classifier",
+    )
+
+
 #: Plans shipped with tessera, by model class name (transformers' classes).
 BUILTIN_PLANS: dict[str, Plan] = {
     "GPT2LMHeadModel": _gpt2("transformer.", causal_lm=True),
@@ -206,6 +247,7 @@ BUILTIN_PLANS: dict[str, Plan] = {
     "LlamaForCausalLM": _llama("model.", causal_lm=True),
     "LlamaModel": _llama("", causal_lm=False),
     "BertForMaskedLM": _bert("bert.", masked_lm=True),
+    "ViTForImageClassification": _vit(),
 }
 
 

@@ -1,0 +1,86 @@
+"""A transformers ViT's embeddings (patches, class token, positions) in the mode's layout.
+
+transformers' ``ViTEmbeddings`` holds a patch convolution, a class token and a position table
+as its own parameters; tessera's patch embeddings (:class:`PatchEmbedding1D`,
+:class:`PatchEmbedding2D`, ...) compute the same thing (Dosovitskiy et al. 2021) with the
+embedding dim split the mode's way. :class:`PatchEmbeddingAdapter` runs the tessera one and
+registers its parameters under transformers' names, so the state dict stays the original's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["PatchEmbeddingAdapter", "patch_sizes"]
+
+
+def patch_sizes(name: str, module: nn.Module) -> tuple[int, int, int, int]:
+    """``(image side, patch side, channels, embed size)`` of a ``ViTEmbeddings``.
+
+    Raises:
+        TypeError: the module is not a ViT-style embedding (class token, position table,
+            ``patch_embeddings.projection`` a convolution with stride = kernel).
+        ValueError: a non-square image or patch, or a mask token tessera cannot apply.
+    """
+    projection = getattr(getattr(module, "patch_embeddings", None), "projection", None)
+    if (
+        not isinstance(projection, nn.Conv2d)
+        or not isinstance(getattr(module, "cls_token", None), torch.Tensor)
+        or not isinstance(getattr(module, "position_embeddings", None), torch.Tensor)
+    ):
+        raise TypeError(
+            f"parallelize: {name!r} ({type(module).__name__}) has role 'patch_embedding', which "
+            "takes a ViT embedding (cls_token, position_embeddings, patch_embeddings.projection)"
+        )
+    image = tuple(getattr(module, "image_size", ()))
+    kernel, stride = tuple(projection.kernel_size), tuple(projection.stride)
+    if len(image) != 2 or image[0] != image[1] or kernel[0] != kernel[1] or kernel != stride:
+        raise ValueError(
+            f"parallelize: {name!r} needs a square image and square, non-overlapping patches; "
+            f"got image {image}, kernel {kernel}, stride {stride}"
+        )
+    if getattr(module, "mask_token", None) is not None:
+        raise ValueError(f"parallelize: {name!r} has a mask token, which tessera does not apply")
+    return int(image[0]), int(kernel[0]), projection.in_channels, projection.out_channels
+
+
+class PatchEmbeddingAdapter(nn.Module):
+    """A tessera patch embedding under transformers' parameter names.
+
+    ``cls_token``, ``position_embeddings`` and ``patch_embeddings.projection.{weight,bias}``
+    are the tessera module's ``cls_token``, ``pos_embed``, ``weight`` and ``bias`` (the same
+    parameters, carrying their ``ShardInfo``); the tessera module itself is kept out of the
+    module tree so that each parameter has one name.
+
+    Args:
+        inner: The mode's patch embedding.
+    """
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self._inner = [inner]  # not a child: its parameters are registered below, once each
+        self.cls_token = inner.cls_token
+        self.position_embeddings = inner.pos_embed
+        self.patch_embeddings = nn.Module()
+        self.patch_embeddings.projection = nn.Module()
+        self.patch_embeddings.projection.weight = inner.weight
+        self.patch_embeddings.projection.bias = inner.bias
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        bool_masked_pos: torch.Tensor | None = None,
+        interpolate_pos_encoding: bool | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """``[b', C, H, W]`` images -> ``[b', N+1, E']`` in the mode's layout."""
+        if bool_masked_pos is not None or interpolate_pos_encoding:
+            raise ValueError(
+                "a parallelized ViT embedding takes neither bool_masked_pos nor "
+                "interpolate_pos_encoding"
+            )
+        out: torch.Tensor = self._inner[0](pixel_values)
+        return out
