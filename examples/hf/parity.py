@@ -27,6 +27,7 @@ LAYOUTS = {
     "3d": 8,
     "sequence": 2,
     "data_2d": 8,
+    "zero3_1d": 4,
 }
 
 

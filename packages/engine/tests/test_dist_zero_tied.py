@@ -58,10 +58,14 @@ def _train(stage: int) -> list[torch.Tensor]:
     try:
         rank = tdist.get_rank()
         model = TiedLM()
+        # a mark another package left on a parameter (tessera-layers' FullForm) survives FSDP2
+        model.blocks[0][1].weight._tessera_mark = "kept"  # type: ignore[attr-defined]
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         engine, *_ = initialize(
             model, opt, nn.CrossEntropyLoss(), config={"zero": {"stage": stage}}, context=ctx
         )
+        marked = dict(model.named_parameters())["blocks.0.1.weight"]
+        assert getattr(marked, "_tessera_mark", None) == "kept", "the mark was lost"
         for step in range(2):
             ids, labels = _batch(step)
             rows = slice(2 * rank, 2 * rank + 2)

@@ -120,10 +120,15 @@ def shard_with_fsdp2(
     )
     reshard = stage == 3
     infos = _shard_infos(model)
+    extras = _tessera_attributes(model)
     for unit in fsdp_units(model):
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
     _reattach_shard_infos(model, infos)
+    current = dict(model.named_parameters())
+    for name, attributes in extras.items():
+        for key, value in attributes.items():
+            setattr(current[name], key, value)
     return model
 
 
@@ -159,6 +164,25 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
         if params and inside:
             units.append((depth.get(prefix, 0), unit))
     return [unit for _, unit in sorted(units, key=lambda item: -item[0])]
+
+
+def _tessera_attributes(model: nn.Module) -> dict[str, dict[str, object]]:
+    """``name -> {attribute: value}`` of the other ``_tessera_*`` marks parameters carry.
+
+    Packages above the context mark parameters for themselves (tessera-layers records the
+    original form of a converted parameter for its state dicts); FSDP2's new parameters get
+    them back by name, as they get their ShardInfo, without the engine knowing what they mean.
+    """
+    marks: dict[str, dict[str, object]] = {}
+    for name, p in model.named_parameters():
+        found = {
+            key: value
+            for key, value in vars(p).items()
+            if key.startswith("_tessera_") and not isinstance(value, ShardInfo)
+        }
+        if found:
+            marks[name] = found
+    return marks
 
 
 def _shard_infos(model: nn.Module) -> dict[str, ShardInfo]:

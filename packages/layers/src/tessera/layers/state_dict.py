@@ -104,13 +104,33 @@ def gather_full_state_dict(
         ValueError: the ranks hold different sets of blocks, or the blocks of a tensor do not
             cover it (a parameter split over a mode outside the TENSOR group).
     """
-    own = module.state_dict(keep_vars=True)
+    own = _whole_over_data(module.state_dict(keep_vars=True))
     result = _gather_tessera_form(module, own, context)
     for name, t in own.items():
         form = get_full_form(t)
         if form is not None:
             result[name] = form.to_original(result[name])
     return result
+
+
+def _whole_over_data(own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ZeRO-3 (FSDP2) keeps each parameter as a DTensor sharded over DATA: gather those.
+
+    Collective over DATA: every data rank calls it (each calls ``gather_full_state_dict``).
+    The tessera marks (ShardInfo, FullForm) stay those of the parameter.
+    """
+    from torch.distributed.tensor import DTensor
+
+    whole: dict[str, torch.Tensor] = {}
+    for name, t in own.items():
+        if isinstance(t, DTensor):
+            full = t.full_tensor()
+            for key, value in vars(t).items():
+                if key.startswith("_tessera_"):
+                    setattr(full, key, value)
+            t = full
+        whole[name] = t
+    return whole
 
 
 def _gather_tessera_form(

@@ -1,0 +1,3 @@
+# ZeRO-3 (FSDP2, block by block) over 2 data replicas x 1D tensor parallelism over 2 ranks.
+parallel = dict(data=2, tensor=dict(size=2, mode="1d"))
+zero = dict(stage=3)
