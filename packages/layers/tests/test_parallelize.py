@@ -243,6 +243,14 @@ def _dispatching_listing_1(ctx: ParallelContext) -> int:
     for name, p in ref.named_parameters():
         assert p.grad is not None
         torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    if ctx.config.tensor_mode in ("2d", "2.5d", "3d"):  # the whole batch where a block is due
+        from tessera.layers import Embedding
+
+        embedding = Embedding(16, 16, context=ctx)
+        ids = token_ids() % 16  # the same on every rank
+        whole = r"same input \[4, 8\] on all \d ranks of its batch group"
+        with pytest.raises(ValueError, match=whole):
+            embedding(ids)
     if ctx.config.tensor_mode == "3d":  # the same shapes in both layouts: the mark tells
         unmarked = nn.Sequential(model[0], LayerNorm(32, context=ctx))
         with pytest.raises(ValueError, match=r"input is in layout 'z'.*parallel_input=True"):

@@ -87,6 +87,7 @@ class MeshVocabParallelEmbedding(EmbeddingTable, MeshModule):
         mesh = self.mesh
         if ids.dim() == 0:
             raise ValueError(f"{self.owner}: ids must be [batch, ...], got a scalar")
+        self.check_batch_block(ids)
         col = mesh.col
         column_ids = all_gather_along(ids, 0, col.group, col.world_size)  # [b/d, s]
         out = self.lookup_own_rows(column_ids, mesh.over_depth(self.weight))  # [b/d, s, D/q]

@@ -79,6 +79,7 @@ class VocabParallelEmbedding3D(EmbeddingTable, CubeModule):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
+        self.check_batch_block(ids)
         weight = self.gather_table(self.weight, 0)  # [V/q, D]: vocabulary block y
         out = self.lookup_own_rows(ids, weight)  # [b/q^2, s, D], partial
         return reduce_scatter_along_dim(out, -1, self.cube.input.group)  # [b/q^2, s, D/q]

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from .base import ParallelModule
+from .collectives import all_gather_along
 from .context_access import GroupInfo
 
 __all__ = ["Grid", "GridModule"]
@@ -70,6 +71,40 @@ class Grid(Protocol):
 
 class GridModule(ParallelModule):
     """Base of the 2D, 2.5D and 3D layers: ``grid`` is their :class:`Grid`."""
+
+    #: Whether :meth:`check_batch_block` still has to look at an input (it looks once).
+    check_split_batch: bool = True
+
+    def check_batch_block(self, x: torch.Tensor) -> None:
+        """On the first call, refuse the whole batch where the rank's block of it is expected.
+
+        The layers that take the model's input (token ids, images) expect this rank's rows,
+        ``[b/B, ...]`` (``split_batch``). Given the whole batch they would compute on all of it
+        on every rank of the batch group, silently: the loss and gradients come out ``B``
+        times too large. Every rank holding the same input is the sign of it: one small
+        all-gather of a fingerprint, at the first call only.
+
+        Raises:
+            ValueError: every rank of the batch group got the same input (set
+                ``check_split_batch = False`` on the layer if that is intended).
+        """
+        batch = self.grid.batch_axis
+        if not self.check_split_batch or batch.world_size == 1 or x.numel() == 0:
+            return
+        self.check_split_batch = False
+        flat = x.detach().reshape(-1).to(torch.float64)
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+        shape = torch.tensor([float(n) for n in x.shape], dtype=torch.float64, device=x.device)
+        mine = torch.cat([torch.stack([flat.sum(), (flat * weights).sum()]), shape])
+        every = all_gather_along(mine, 0, batch.group, batch.world_size).view(batch.world_size, -1)
+        if bool((every == every[0]).all()):
+            raise ValueError(
+                f"{type(self).__name__} got the same input {list(x.shape)} on all "
+                f"{batch.world_size} ranks of its batch group: it takes this rank's rows of the "
+                "batch, split_batch(x), not the whole batch (which would count every sample "
+                f"{batch.world_size} times). If the rows are identical on purpose, set "
+                "check_split_batch = False on the layer"
+            )
 
     @property
     def grid(self) -> Grid:

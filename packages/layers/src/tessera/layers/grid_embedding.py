@@ -70,6 +70,7 @@ class GridEmbedding(EmbeddingTable, GridModule):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
+        self.check_batch_block(ids)
         weight = self.grid.gather_table(self.weight, 1)  # [V, D/q]: the hidden axis's block
         return F.embedding(ids, weight, self.padding_idx)  # [b/B, s, D/q]
 
@@ -151,6 +152,7 @@ class GridPatchEmbedding(GridModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
+        self.check_batch_block(x)
         grid = self.grid
         x = copy_to_group(x, grid.hidden_axis.group)  # every rank of the hidden axis uses it
         return patch_embed(

@@ -394,6 +394,8 @@ class Converter:
             context=self.context,
         )
         _adopt(new, module, {})
+        if role == "position_embedding":  # one row of positions serves every batch block
+            new.check_split_batch = False
         assert isinstance(new.weight, nn.Parameter)
         self.replaced[id(module.weight)] = new.weight
         return new
