@@ -31,7 +31,9 @@ from tessera.layers import (
     gather_full_state_dict,
     load_full_state_dict,
     meta_parameters,
+    original_names,
     parallelize,
+    pipeline_layers,
     split_batch,
     token_loss,
 )
@@ -106,7 +108,12 @@ def _models_match_reference(tensor: dict[str, Any]) -> dict[str, Any]:
                 parallelize(vit_classifier(), context=ctx)(images()[0])
         else:
             losses["vit"] = _lm_matches_reference(vit_classifier(), ctx)
-        return {**losses, "blocks": _mlp_matches_reference(ctx), "meta": _meta_built(ctx)}
+        return {
+            **losses,
+            "blocks": _mlp_matches_reference(ctx),
+            "meta": _meta_built(ctx),
+            "layers": _as_pipeline_layers(ctx),
+        }
     finally:
         ctx.destroy()
 
@@ -171,6 +178,23 @@ def _local_logits(full: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     if mode == "sequence":  # [b, s/N, V]: this rank's tokens
         return full.chunk(size, 1)[rank]
     return split_batch(full, ctx)  # [b/B, s, V]: this rank's rows
+
+
+def _as_pipeline_layers(ctx: ParallelContext) -> int:
+    """The parallelized Llama as a sequence of layers (what pipeline stages cut) computes the
+    same logits, and every parameter maps back to the model's own name."""
+    model = parallelize(llama_lm(), context=ctx)
+    if ctx.config.tensor_mode == "sequence" or ctx.config.tensor_args.get("sequence_parallel"):
+        with pytest.raises(ValueError, match="split along the sequence"):
+            pipeline_layers(model)
+        return 0
+    layers = pipeline_layers(model)
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(layers(ids), _local_logits(llama_lm()(ids).logits, ctx), **TOL)
+    names = original_names(layers, model)
+    assert sorted(set(names.values())) == sorted(n for n, _ in model.named_parameters())
+    return len(layers)
 
 
 def _meta_built(ctx: ParallelContext) -> int:
@@ -283,6 +307,8 @@ def test_transformers_models_and_plain_blocks_equal_single_process(dist, layout:
         _models_match_reference, world_size=tensor["size"], args=(tensor,), timeout=240.0
     )
     assert results[0]["blocks"] == 18 and results[0]["meta"] == 2
+    uneven = tensor["mode"] == "sequence" or tensor.get("sequence_parallel")
+    assert results[0]["layers"] == (0 if uneven else 4)  # embed, 2 decoder layers, head
     assert all(r == results[0] for r in results)
 
 

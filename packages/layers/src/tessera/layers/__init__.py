@@ -35,7 +35,9 @@ from tessera.layers.conversion import (
     Plan,
     causal_lm_loss,
     meta_parameters,
+    original_names,
     parallelize,
+    pipeline_layers,
     token_loss,
 )
 from tessera.layers.cross_entropy import (
@@ -137,6 +139,8 @@ __all__ = [
     "causal_lm_loss",
     "token_loss",
     "meta_parameters",
+    "pipeline_layers",
+    "original_names",
     "FullForm",
     "get_full_form",
     "set_full_form",

@@ -4,6 +4,7 @@ from .api import SUPPORTED_MODES, parallelize
 from .boundary import causal_lm_loss, token_loss
 from .meta import meta_parameters
 from .plan import BUILTIN_PLANS, ROLES, Plan
+from .stages import original_names, pipeline_layers
 
 __all__ = [
     "BUILTIN_PLANS",
@@ -12,6 +13,8 @@ __all__ = [
     "Plan",
     "causal_lm_loss",
     "meta_parameters",
+    "original_names",
     "parallelize",
+    "pipeline_layers",
     "token_loss",
 ]

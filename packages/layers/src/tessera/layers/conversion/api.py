@@ -23,12 +23,14 @@ from .meta import check_meta_buffers, materialize_whole_modules
 from .plan import Plan, inner_norms, match_plan, plan_for, span_members
 from .sequence import install_sequence_attention
 
-__all__ = ["PARALLELIZED_ATTR", "SUPPORTED_MODES", "parallelize"]
+__all__ = ["CONTEXT_ATTR", "PARALLELIZED_ATTR", "SUPPORTED_MODES", "parallelize"]
 
 #: The tensor modes ``parallelize`` converts models to.
 SUPPORTED_MODES = ("1d", "2d", "2.5d", "3d", "sequence")
 #: Set on a parallelized model: the tensor mode it was converted to.
 PARALLELIZED_ATTR = "_tessera_parallelized"
+#: Set on a parallelized model: the ParallelContext it was converted for.
+CONTEXT_ATTR = "_tessera_context"
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -104,6 +106,7 @@ def parallelize(
         install_sequence_attention(model, attention, ctx, sequence_attention)
         install_boundary(model, chosen, ctx, mode, sequence_parallel=False)
         setattr(model, PARALLELIZED_ATTR, mode)
+        setattr(model, CONTEXT_ATTR, ctx)
         return model
     span = (
         span_members(model, chosen.sequence_span)
@@ -135,4 +138,5 @@ def parallelize(
         )
     install_boundary(model, chosen, ctx, mode, sequence_parallel, attention)
     setattr(model, PARALLELIZED_ATTR, mode)
+    setattr(model, CONTEXT_ATTR, ctx)
     return model
