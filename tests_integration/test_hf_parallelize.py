@@ -1,8 +1,9 @@
 """A transformers model converted by ``parallelize`` trains under the engine like one process.
 
 ``examples/hf/train.py`` (transformers' own classes from small configs) under torchrun: Llama
-on one process, as 2D tensor parallelism on a 2x2 mesh and as sequence parallelism (ring
-attention through transformers' attention registry) on 2 ranks; GPT-2 on one process and as
+on one process, as 2D tensor parallelism on a 2x2 mesh, as sequence parallelism (ring
+attention through transformers' attention registry) on 2 ranks and as 2 pipeline stages x 1D
+(``pipeline_layers``) on 4 ranks; GPT-2 on one process and as
 ZeRO-3 over 2 data replicas x 1D tensor parallelism (FSDP2 block by block, the tied head left
 to the root).
 Same weights, same batches: every step's loss agrees with the single process to float
@@ -52,16 +53,19 @@ def run(config: str, nproc: int, tmp_path: Path, model: str = "llama") -> dict[s
 
 @pytest.mark.parametrize(
     ("model", "layouts"),
-    [("llama", (("2d", 4), ("sequence", 2))), ("gpt2", (("zero3_1d", 4),))],
-    ids=["llama-2d-sequence", "gpt2-zero3-1d"],
+    [
+        ("llama", (("2d", 4), ("sequence", 2), ("pipeline_1d", 4))),
+        ("gpt2", (("zero3_1d", 4),)),
+    ],
+    ids=["llama-2d-sequence-pipeline", "gpt2-zero3-1d"],
 )
 def test_layouts_match_one_process(
     tmp_path: Path, model: str, layouts: tuple[tuple[str, int], ...]
 ) -> None:
     """Every step's loss equals the single process's (1e-5 relative).
 
-    Llama under 2D and sequence parallelism; GPT-2 (its head tied to its embedding) under
-    ZeRO-3 x 1D.
+    Llama under 2D, sequence parallelism and pipeline (2 stages, 1F1B) x 1D; GPT-2 (its
+    head tied to its embedding) under ZeRO-3 x 1D.
     """
     single = run("single", 1, tmp_path, model)
     for config, nproc in layouts:

@@ -6,8 +6,10 @@ The model is transformers' own class (random weights, nothing downloaded), train
 Python standard library's source, character by character. Nothing in this script knows the
 layout: ``parallelize`` converts the model for the config's tensor mode (cutting every shard
 from the plain model's weights), ``causal_lm_loss`` takes the split logits, and the engine
-adds data parallelism, gradient handlers and clipping. Every layout starts from the same
-weights and reads the same batches, so the loss curves agree with one process
+adds data parallelism, gradient handlers and clipping. With a pipeline, ``pipeline_layers``
+restates the (Llama) model as layers and ``build_pipeline_model`` keeps this rank's stage.
+Every layout starts from the same weights and reads the same batches, so the loss curves
+agree with one process
 (``examples/hf/parity.py`` runs them side by side). At the end the full state dict is
 gathered and loaded into the original transformers class with ``strict=True``.
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -35,7 +38,14 @@ from data import CharVocab, corpus
 
 from tessera.context import launch_from_torch
 from tessera.engine import LossHook, Trainer, get_dataloader, initialize
-from tessera.layers import causal_lm_loss, gather_full_state_dict, parallelize
+from tessera.layers import (
+    causal_lm_loss,
+    gather_full_state_dict,
+    original_names,
+    parallelize,
+    pipeline_layers,
+)
+from tessera.pipeline import build_pipeline_model
 
 DEFAULTS: dict[str, Any] = dict(
     seed=42,
@@ -48,7 +58,8 @@ class CausalLMLoss(nn.Module):
     """The engine's criterion: next-token loss of a transformers output, from split logits."""
 
     def forward(self, output: Any, input_ids: torch.Tensor) -> torch.Tensor:
-        return causal_lm_loss(output.logits, input_ids)
+        logits = getattr(output, "logits", output)  # a pipeline's last stage returns logits
+        return causal_lm_loss(logits, input_ids)
 
 
 def main() -> None:
@@ -69,7 +80,14 @@ def main() -> None:
     ctx = launch_from_torch(cfg, seed=cfg.seed)
     plain = build(vocab.size, seed=cfg.seed, **model_cfg)  # identical on every rank
     original = {k: v.clone() for k, v in plain.state_dict().items()}
-    model = parallelize(plain)  # in place: the config's tensor mode, from these weights
+    model: nn.Module = parallelize(plain)  # in place: the config's tensor mode, these weights
+    names = {name: name for name in model.state_dict()}
+    if ctx.pipeline_size > 1:  # the model as layers, this rank's stage of them
+        layers = pipeline_layers(model)
+        names = original_names(layers, model)
+        stage = build_pipeline_model(layers)
+        assert isinstance(stage, nn.Module)
+        model = stage
     optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr)
     train = get_dataloader(
         train_set,
@@ -96,7 +114,10 @@ def main() -> None:
     test_loss = trainer.states["test_results"]["loss"]
 
     # Back to the original class, exactly: names, Conv1D orientation, fused q/k/v, tied head.
-    full = gather_full_state_dict(model)
+    stage_state = {names[k]: v for k, v in gather_full_state_dict(model).items()}
+    states: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(states, stage_state)  # every pipeline stage's part
+    full = {k: v for state in states for k, v in state.items()}
     exported = build(vocab.size, seed=cfg.seed, **model_cfg)
     exported.load_state_dict(full, strict=True)
     changed = sum(not torch.equal(full[k], v) for k, v in original.items())
