@@ -98,6 +98,12 @@ def _models_match_reference(tensor: dict[str, Any]) -> dict[str, Any]:
     ctx = _context(tensor)
     try:
         losses = {name: _lm_matches_reference(build(), ctx) for name, build in LMS.items()}
+        if ctx.config.tensor_mode == "3d":  # a per-sample mask cannot follow rows into layout z
+            padded = torch.ones_like(token_ids())
+            padded[0, -2:] = 0
+            lm = parallelize(gpt2_lm(), context=ctx)
+            with pytest.raises(ValueError, match="per-sample attention_mask"):
+                lm(token_ids(), attention_mask=padded)
         if ctx.config.tensor_mode == "3d":  # BERT's head transform keeps the layout: no 3d
             with pytest.raises(ValueError, match=r"role 'dense'.*3d cannot give"):
                 parallelize(bert_mlm(), context=ctx)
@@ -344,7 +350,19 @@ def _errors() -> list[str]:
         expect(
             TypeError,
             "takes an nn.Linear",
-            lambda: parallelize(copy.deepcopy(block), {"0": "col"}, context=ctx),
+            lambda: parallelize(copy.deepcopy(block), {"0": "col", "3": "row"}, context=ctx),
+        )
+        expect(
+            ValueError,
+            "ends with the 'col' layer '1'",
+            lambda: parallelize(copy.deepcopy(block), {"1": "col"}, context=ctx),
+        )
+        tied = nn.ModuleDict({"embed": nn.Embedding(16, 8), "head": nn.Linear(8, 16, bias=False)})
+        tied["head"].weight = tied["embed"].weight
+        expect(
+            ValueError,
+            "embed.weight is tied to a parameter the plan converted",
+            lambda: parallelize(tied, {"head": "head"}, context=ctx),
         )
         expect(
             ValueError,
@@ -365,6 +383,15 @@ def _errors() -> list[str]:
         expect(ValueError, "causal_lm_loss", lambda: lm(ids, labels=ids))
     finally:
         ctx.destroy()
+    sp = _context(dict(size=2, mode="1d", sequence_parallel=True))
+    try:  # the LayerNorm left out of the plan would see half the tokens
+        expect(
+            ValueError,
+            r"\['0'\] hold parameters but are not in the user plan",
+            lambda: parallelize(copy.deepcopy(block), {"1": "col", "3": "row"}, context=sp),
+        )
+    finally:
+        sp.destroy()
     seq = _context(dict(size=2, mode="sequence"))
     try:
         expect(
@@ -390,7 +417,17 @@ def _errors() -> list[str]:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 11
+    assert len(results[0]) == 14
+
+
+def test_inner_norms_follow_a_column_layer_and_precede_a_row_layer() -> None:
+    from tessera.layers.conversion.plan import inner_norms
+
+    listing_1 = {"fc1": "col", "norm": "norm", "fc2": "row"}
+    assert inner_norms(listing_1) == {"norm"}
+    # w1, w2, w3 registered out of data-flow order: w3 is still open at the next block's norm
+    out_of_order = {"w1": "col", "w2": "row", "w3": "col", "next.norm": "norm", "wq": "col"}
+    assert inner_norms({**out_of_order, "wo": "row"}) == set()
 
 
 def test_a_plan_with_an_unknown_role_is_refused() -> None:

@@ -98,7 +98,8 @@ def gather_full_state_dict(
     Args:
         module: A model built from tessera layers.
         context: The context whose TENSOR group holds the blocks; default the context of the
-            first tessera layer in ``module``, else the current one.
+            first tessera layer in ``module``, else the current one. Under ZeRO-2/3 the
+            parameters are also gathered over DATA, so every data rank must call it too.
 
     Raises:
         ValueError: the ranks hold different sets of blocks, or the blocks of a tensor do not
@@ -116,7 +117,8 @@ def gather_full_state_dict(
 def _whole_over_data(own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """ZeRO-3 (FSDP2) keeps each parameter as a DTensor sharded over DATA: gather those.
 
-    Collective over DATA: every data rank calls it (each calls ``gather_full_state_dict``).
+    Collective over DATA: under ZeRO-2/3 every data rank must call ``gather_full_state_dict``
+    (calling it on data rank 0 only would wait forever for the others).
     The tessera marks (ShardInfo, FullForm) stay those of the parameter.
     """
     from torch.distributed.tensor import DTensor

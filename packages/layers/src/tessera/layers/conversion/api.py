@@ -39,16 +39,56 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
+#: Modules that compute with their parameters in their own forward: one holding a parameter
+#: tied to a converted one must be converted too (it would compute with a shard).
+COMPUTING = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm, nn.Conv2d)
+
+
 def _retie(model: nn.Module, replaced: dict[int, nn.Parameter]) -> None:
     """Point every other holder of a converted parameter at its replacement.
 
     A parameter tied to a converted one (BERT's ``cls.predictions.bias`` is its decoder's
     bias) would otherwise stay the plain tensor, and the tie would silently break.
+
+    Raises:
+        ValueError: the other holder computes with the parameter but was not converted (the
+            plan names one side of a tie only).
     """
-    for module in model.modules():
+    for name, module in model.named_modules():
         for pname, param in list(module._parameters.items()):
-            if param is not None and id(param) in replaced:
-                module._parameters[pname] = replaced[id(param)]
+            if param is None or id(param) not in replaced:
+                continue
+            new = replaced[id(param)]
+            if isinstance(module, COMPUTING) and tuple(new.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"parallelize: {name}.{pname} is tied to a parameter the plan converted, but "
+                    f"{name!r} is not in the plan; name both sides of the tie (e.g. the "
+                    "'embedding' and the 'head')"
+                )
+            module._parameters[pname] = new
+
+
+def _check_sequence_span(model: nn.Module, span: set[str], plan: Plan) -> None:
+    """Under 1D sequence parallelism, no plain parameter may see only this rank's tokens.
+
+    A module left out of the plan inside the span computes on ``[b, s/p, h]`` and gets a
+    partial gradient nobody sums: the replicas would drift apart.
+
+    Raises:
+        ValueError: naming the plain modules with parameters inside the span.
+    """
+    plain = sorted(
+        name
+        for name, module in model.named_modules()
+        if name in span and any(get_shard_info(p) is None for p in module.parameters(recurse=False))
+    )
+    if plain:
+        more = " ..." if len(plain) > 4 else ""
+        raise ValueError(
+            f"parallelize with 1d sequence parallelism: {plain[:4]}{more} hold parameters but "
+            f"are not in the {plan.name}; inside the sequence span each rank sees only its "
+            "tokens, so name them ('norm', 'col', 'row', ...)"
+        )
 
 
 def parallelize(
@@ -116,7 +156,9 @@ def parallelize(
     converter = Converter(ctx, mode, sequence_parallel, inner_norms(roles), attention, span)
     replaced: dict[int, nn.Parameter] = {}
     kept: list[nn.Module] = []  # the plain modules stay alive, so no id() is reused
-    for name, role in roles.items():
+    # Embeddings first: a head tied to one (registered before it or not) then shares its shard.
+    ordered = sorted(roles.items(), key=lambda item: item[1] not in ("embedding",))
+    for name, role in ordered:
         old = model.get_submodule(name)
         before = dict(old.named_parameters(remove_duplicate=False))
         new = converter.convert(name, old, role)
@@ -129,6 +171,8 @@ def parallelize(
                     replaced[id(param)] = after[pname]
     _retie(model, replaced)
     materialize_whole_modules(model, ctx.device)
+    if sequence_parallel:
+        _check_sequence_span(model, span, chosen)
     if not any(
         (info := get_shard_info(p)) is not None and info.is_sharded for p in model.parameters()
     ):

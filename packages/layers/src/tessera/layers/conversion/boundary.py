@@ -49,6 +49,16 @@ def _split_rows(name: str, value: Any, context: ParallelContext) -> Any:
         return value
     if name == "position_ids" and value.shape[0] == 1:
         return value  # one row of positions, broadcast over the batch
+    if context.config.tensor_mode == "3d" and name in ("attention_mask", "position_ids"):
+        # Attention runs on a column layer's output, in layout "z", whose rows are not the
+        # rows of layout "y" that split_batch keeps: a per-row mask would land on other samples.
+        if name == "attention_mask" and bool(value.all()):
+            return None  # nothing masked: the causal mask alone
+        raise ValueError(
+            f"under tensor mode '3d' a per-sample {name} cannot follow the rows into attention "
+            "(layout 'z' holds other samples than layout 'y'); pass sequences without padding "
+            "and one row of position_ids"
+        )
     return split_batch(value, context)
 
 
@@ -153,7 +163,7 @@ def install_boundary(
             )
 
         model.register_forward_hook(after)
-    if sequence_parallel and plan.sequence_span is not None:
+    if sequence_parallel:
         _install_sequence_span(model, plan.sequence_span, attention, context)
 
 
@@ -178,9 +188,14 @@ def _hidden_states(
 
 
 def _install_sequence_span(
-    model: nn.Module, span: tuple[str, str], attention: tuple[str, ...], context: ParallelContext
+    model: nn.Module,
+    span: tuple[str, str] | None,
+    attention: tuple[str, ...],
+    context: ParallelContext,
 ) -> None:
     """Split the sequence at the input of ``span[0]``, gather it at the output of ``span[1]``.
+
+    A features plan has no span (the boundary splits the input itself).
 
     An attention module inside the span gets its input gathered whole: transformers' attention
     reshapes q, k and v by its *input's* length (Llama's ``hidden_states.shape[:-1]``), so it
@@ -190,6 +205,15 @@ def _install_sequence_span(
     """
     group = context.get_group(ParallelMode.PARALLEL_1D)
     world = context.get_world_size(ParallelMode.PARALLEL_1D)
+
+    def whole(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x, replace = _hidden_states(args, kwargs, type(module).__name__)
+        return replace(gather_along_dim(x, 1, group))  # [b, s, h]
+
+    for name in attention:
+        model.get_submodule(name).register_forward_pre_hook(whole, with_kwargs=True)
+    if span is None:
+        return
     first, last = (model.get_submodule(name) for name in span)
 
     def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -213,14 +237,8 @@ def _install_sequence_span(
             "them first)"
         )
 
-    def whole(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        x, replace = _hidden_states(args, kwargs, type(module).__name__)
-        return replace(gather_along_dim(x, 1, group))  # [b, s, h]
-
     first.register_forward_pre_hook(enter, with_kwargs=True)
     last.register_forward_hook(leave)
-    for name in attention:
-        model.get_submodule(name).register_forward_pre_hook(whole, with_kwargs=True)
 
 
 def causal_lm_loss(

@@ -457,7 +457,8 @@ class Converter:
                     "pos_embed": state["position_embeddings"],
                 },
             )
-        adapter = PatchEmbeddingAdapter(inner)
+        dropout = getattr(module, "dropout", None)
+        adapter = PatchEmbeddingAdapter(inner, dropout if isinstance(dropout, nn.Module) else None)
         adapter.train(module.training)
         return adapter
 

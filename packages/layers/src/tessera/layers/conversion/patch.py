@@ -59,9 +59,10 @@ class PatchEmbeddingAdapter(nn.Module):
         inner: The mode's patch embedding.
     """
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, dropout: nn.Module | None = None) -> None:
         super().__init__()
         self._inner = [inner]  # not a child: its parameters are registered below, once each
+        self.dropout = dropout if dropout is not None else nn.Identity()
         self.cls_token = inner.cls_token
         self.position_embeddings = inner.pos_embed
         self.patch_embeddings = nn.Module()
@@ -82,5 +83,14 @@ class PatchEmbeddingAdapter(nn.Module):
                 "a parallelized ViT embedding takes neither bool_masked_pos nor "
                 "interpolate_pos_encoding"
             )
-        out: torch.Tensor = self._inner[0](pixel_values)
-        return out
+        # The adapter's *current* parameters: ZeRO (FSDP2) replaces them on the adapter only.
+        projection = self.get_submodule("patch_embeddings.projection")
+        params: dict[str, torch.Tensor] = {
+            "weight": projection.get_parameter("weight"),
+            "bias": projection.get_parameter("bias"),
+            "cls_token": self.get_parameter("cls_token"),
+            "pos_embed": self.get_parameter("position_embeddings"),
+        }
+        out: torch.Tensor = torch.func.functional_call(self._inner[0], params, (pixel_values,))
+        dropped: torch.Tensor = self.dropout(out)
+        return dropped

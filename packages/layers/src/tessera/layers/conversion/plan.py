@@ -334,17 +334,23 @@ def span_members(model: nn.Module, span: tuple[str, str]) -> set[str]:
 
 
 def inner_norms(roles: Mapping[str, str]) -> set[str]:
-    """The ``norm`` modules between a ``col``/``qkv`` layer and its ``row`` layer.
+    """The ``norm`` modules between a ``col``/``qkv`` layer and the ``row`` layer after them.
 
     They normalize a column layer's output (the paper's Listing 1: Linear -> LayerNorm ->
-    Linear): split features under 1D, layout ``"z"`` under 3D.
+    Linear): split features under 1D, layout ``"z"`` under 3D. A norm counts only when the
+    nearest linear layer before it (in the modules' order) is a column layer *and* the nearest
+    after it is a row layer, so a model that registers an MLP's layers out of data-flow order
+    (``w1, w2, w3``) does not make the next block's input norm an inner one.
     """
+    linear = ("col", "qkv", "row", "dense")
+    names = list(roles)
     inner: set[str] = set()
-    open_col = False
-    for name, role in roles.items():
-        if role in ("col", "qkv", "row"):
-            open_col = role != "row"
-        elif role == "norm" and open_col:
+    for i, name in enumerate(names):
+        if roles[name] != "norm":
+            continue
+        before = next((roles[n] for n in reversed(names[:i]) if roles[n] in linear), None)
+        after = next((roles[n] for n in names[i + 1 :] if roles[n] in linear), None)
+        if before in ("col", "qkv") and after == "row":
             inner.add(name)
     return inner
 
@@ -371,3 +377,10 @@ def _check_pairs(roles: Mapping[str, str], plan: Plan, mode: str) -> None:
                     f"{plan.name}; a row layer takes the split output of a column layer"
                 )
             open_col = False
+    if open_col:
+        last = [name for name, role in roles.items() if role in ("col", "qkv")][-1]
+        raise ValueError(
+            f"parallelize under tensor mode {mode!r}: the {plan.name} ends with the 'col' layer "
+            f"{last!r} and no 'row' layer after it; its output would stay split (make the last "
+            "linear layer a 'row' one, or leave it out of the plan)"
+        )
