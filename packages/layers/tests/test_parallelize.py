@@ -29,6 +29,7 @@ from tessera.context import ParallelContext, ParallelMode, create_context
 from tessera.layers import (
     causal_lm_loss,
     gather_full_state_dict,
+    gather_logits,
     load_full_state_dict,
     meta_parameters,
     original_names,
@@ -161,6 +162,7 @@ def _lm_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float:
     loss.backward()
     torch.testing.assert_close(loss, ref_loss, **TOL)
     torch.testing.assert_close(logits, _local_logits(ref_logits.detach(), ctx), **TOL)
+    torch.testing.assert_close(gather_logits(logits, context=ctx), ref_logits.detach(), **TOL)
 
     grads = _full_grads(model, ctx, mean_loss=True)
     for name, p in ref.named_parameters(remove_duplicate=False):

@@ -1,7 +1,7 @@
 """Parallelizing models someone else wrote: plans, converters, the model's boundary."""
 
 from .api import SUPPORTED_MODES, parallelize
-from .boundary import causal_lm_loss, token_loss
+from .boundary import causal_lm_loss, gather_logits, token_loss
 from .meta import meta_parameters
 from .plan import BUILTIN_PLANS, ROLES, Plan
 from .stages import original_names, pipeline_layers
@@ -12,6 +12,7 @@ __all__ = [
     "SUPPORTED_MODES",
     "Plan",
     "causal_lm_loss",
+    "gather_logits",
     "meta_parameters",
     "original_names",
     "parallelize",

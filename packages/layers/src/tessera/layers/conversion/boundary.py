@@ -32,13 +32,15 @@ from ..collectives import check_divisible
 from ..comm import gather_along_dim, split_along_dim
 from ..context_access import current_or_none, tensor_mode
 from ..cross_entropy import vocab_parallel_cross_entropy
+from ..cube import cube_of
 from ..errors import ModeNotImplementedError
 from ..loss_2d import CrossEntropyLoss2D, CrossEntropyLoss2p5D
 from ..loss_3d import CrossEntropyLoss3D
+from ..mesh import mesh_of
 from ..sequence import split_sequence_activation
 from .plan import Plan
 
-__all__ = ["causal_lm_loss", "install_boundary", "token_loss"]
+__all__ = ["causal_lm_loss", "gather_logits", "install_boundary", "token_loss"]
 
 #: Keyword inputs of transformers' models that hold one row per sample.
 BATCH_KWARGS = ("input_ids", "attention_mask", "token_type_ids")
@@ -346,3 +348,27 @@ def _sequence_token_loss(
     dist.all_reduce(totals, group=group)
     share = local_sum * world / totals[1]  # gradient: N x this rank's part of the mean
     return share + (totals[0] / totals[1] - share).detach()  # value: the global mean
+
+
+def gather_logits(logits: torch.Tensor, *, context: ParallelContext | None = None) -> torch.Tensor:
+    """The whole batch's logits ``[b, ..., V]`` on every rank, from a parallelized model's.
+
+    For evaluation, sampling or inspection; the losses (:func:`causal_lm_loss`,
+    :func:`token_loss`) never need it. No gradient flows back through it.
+
+    Args:
+        logits: As the model returns them (see :func:`token_loss`): split by vocabulary in 1D,
+            by batch rows in 2D/2.5D/3D, by tokens under ``'sequence'``.
+        context: The ParallelContext (default the current one).
+    """
+    ctx = current_or_none(context)
+    mode = tensor_mode(ctx)
+    with torch.no_grad():
+        if ctx is None or mode is None:
+            return logits.detach()
+        if mode == "1d":
+            return gather_along_dim(logits, -1, ctx.get_group(ParallelMode.PARALLEL_1D))
+        if mode == "sequence":
+            return gather_along_dim(logits, 1, ctx.get_group(ParallelMode.SEQUENCE))
+        grid = cube_of(ctx) if mode == "3d" else mesh_of(ctx, mode)
+        return gather_along_dim(logits, 0, grid.batch_axis.group)
