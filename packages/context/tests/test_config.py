@@ -186,6 +186,18 @@ ERRORS: list[tuple[str, Any, int, list[str]]] = [
     ),
     ("tensr", {"tensr": 2}, 2, ["'parallel.tensr'", "did you mean 'parallel.tensor'"]),
     (
+        "mode argument misspelt",
+        {"tensor": {"size": 2, "mode": "1d", "sequence_paralel": True}},
+        2,
+        ["'parallel.tensor.sequence_paralel'", "did you mean 'parallel.tensor.sequence_parallel'"],
+    ),
+    (
+        "mode argument of another mode",
+        {"tensor": {"size": 4, "mode": "2d", "sequence_parallel": True}},
+        4,
+        ["parallel.tensor.sequence_parallel is read only by mode(s) ['1d'], but mode is '2d'"],
+    ),
+    (
         "far key",
         {"zzz": 2},
         2,
@@ -238,7 +250,7 @@ def test_constructor_checks_the_same_invariants() -> None:
 # --------------------------------------------------------------------------- config files
 
 PY_CONFIG = """
-parallel = dict(pipeline=2, tensor=dict(size=4, mode="2d", sequence_parallel=True))
+parallel = dict(pipeline=2, tensor=dict(size=4, mode="1d", sequence_parallel=True))
 model = dict(type="GPT")
 """
 
@@ -247,14 +259,14 @@ TOML_CONFIG = """
 pipeline = 2
 [parallel.tensor]
 size = 4
-mode = "2d"
+mode = "1d"
 sequence_parallel = true
 [model]
 type = "GPT"
 """
 
 JSON_CONFIG = (
-    '{"parallel": {"pipeline": 2, "tensor": {"size": 4, "mode": "2d", '
+    '{"parallel": {"pipeline": 2, "tensor": {"size": 4, "mode": "1d", '
     '"sequence_parallel": true}}, "model": {"type": "GPT"}}'
 )
 
@@ -267,7 +279,7 @@ def test_config_file_behaves_like_the_dict(tmp_path: Path, suffix: str, text: st
     path.write_text(text)
     from_file = ParallelConfig.from_dict(Config.from_file(path)["parallel"], 16)
     from_dict = ParallelConfig.from_dict(
-        {"pipeline": 2, "tensor": {"size": 4, "mode": "2d", "sequence_parallel": True}}, 16
+        {"pipeline": 2, "tensor": {"size": 4, "mode": "1d", "sequence_parallel": True}}, 16
     )
     assert from_file == from_dict
     assert load_config(path)["model"]["type"] == "GPT"

@@ -176,12 +176,33 @@ def test_errors_are_clear() -> None:
     ("config", "match"),
     [
         ({"fp16": {"mode": "torch"}, "bf16": True}, "both set"),
-        ({"fp16": {"mode": "apex"}}, "not supported"),
-        ({"fp16": {"scale": 1}}, "unknown keys"),
+        ({"fp16": {}, "bf16": True}, "both set"),  # an empty fp16 block is fp16 on
+        ({"fp16": {"mode": "apex"}}, "apex is unmaintained.*fp16=dict\\(mode='torch'\\)"),
+        ({"fp16": {"mode": "naive"}}, "not supported"),
+        ({"fp16": {"scale": 1}}, "unknown key 'fp16.scale'"),
+        ({"fp16": {"init_scale": math.inf}}, "fp16.init_scale must be a finite number"),
+        ({"fp16": {"growth_factor": math.nan}}, "fp16.growth_factor must be a finite number"),
+        ({"fp16": True}, "fp16 must be a dict"),
         ({"zero": {"stage": 4}}, "zero.stage"),
         ({"zero": {"stage": 1, "offload": True}}, "offload"),
+        ({"zero": {"stage": 2, "ofload": True}}, "did you mean 'zero.offload'"),
         ({"gradient_accumulation": 0}, "gradient_accumulation"),
         ({"clip_grad_norm": -1}, "clip_grad_norm"),
+        ({"clip_grad_norm": math.nan}, "clip_grad_norm must be a finite number"),
+        ({"clip_grad_norm": math.inf}, "clip_grad_norm must be a finite number"),
+        (
+            {"gradient_acumulation": 4},
+            "'gradient_acumulation': did you mean 'gradient_accumulation'",
+        ),
+        ({"clip_grad_nrom": 1.0}, "'clip_grad_nrom': did you mean 'clip_grad_norm'"),
+        ({"num_micro_batches": 4}, "did you mean 'NUM_MICRO_BATCHES'"),
+        ({"parralel": {}}, "did you mean 'parallel'"),
+        ({"sequence_parallel": True}, "'sequence_parallel' is read only inside parallel.tensor"),
+        ({"init_scale": 2.0**10}, "'init_scale' is read only inside fp16"),
+        ({"nonfinite": "ignore"}, "nonfinite must be one of 'raise', 'skip', 'warn'"),
+        ({"check_agreement": 0}, "check_agreement must be True"),
+        ({"schedule": {"type": "ZeroBubbleSchedul"}}, "schedule.type: .*ZeroBubbleSchedule"),
+        ({"schedule": "ZeroBubbleSchedule"}, "schedule must be a dict with a 'type'"),
         ({"zero": {"stage": 1}}, "ParallelContext"),
         ({"gradient_handlers": [{"type": "DataParallelGradientHandler"}]}, None),
     ],
@@ -196,6 +217,40 @@ def test_initialize_config_errors(config: dict[str, Any], match: str | None) -> 
         return
     with pytest.raises(ConfigError, match=match):
         initialize(model, sgd(model), config=config)
+
+
+def test_keys_of_your_own_and_switched_off_precision_are_accepted() -> None:
+    model = make_model()
+    config = {
+        "BATCH_SIZE": 8,  # a user's own keys, not close to any the engine reads
+        "lr": 1e-3,
+        "NUM_EPOCHS": 2,
+        "model": {"type": "Anything"},
+        "fp16": {"mode": None},  # AMP off, as the seeds' engine test writes it
+        "bf16": False,
+    }
+    engine, *_ = initialize(model, sgd(model), nn.CrossEntropyLoss(), config=config)
+    assert engine.autocast_dtype is None and engine.loss_scaler is None
+    assert engine.nonfinite == "raise"
+    engine, *_ = initialize(model, sgd(model), config={"fp16": {}})
+    assert engine.autocast_dtype is torch.float16 and engine.loss_scaler is not None
+    assert engine.nonfinite == "skip"  # the loss scaler's overflow skip
+
+
+def test_a_nan_loss_raises_before_the_optimizer_touches_a_weight() -> None:
+    from tessera.engine import NonFiniteError
+
+    model = make_model()
+    engine, *_ = initialize(model, sgd(model), nn.CrossEntropyLoss(), config={})
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = make_data()
+    x[0, 0] = float("nan")
+    engine.zero_grad()
+    engine.backward(engine.criterion(engine(x), y))
+    with pytest.raises(NonFiniteError, match=r"optimizer step 1: the loss went non-finite first"):
+        engine.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert engine.global_step == 0
 
 
 def test_clipping_inf_norm() -> None:

@@ -7,6 +7,7 @@ catch the expected error on every rank and return what they saw, so one pool ser
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -164,64 +165,89 @@ def test_a_configuration_that_differs_on_one_rank_is_reported(dist: Any) -> None
     assert "TENSOR_SHAPE: rank 0 has [2, 4], rank 1 has [2, 5]" in message
 
 
-# ---------------------------------------------------------------- debug mode
+# ---------------------------------------------------------------- ranks that disagree
 
 
-def _unequal_replicas(debug: bool) -> dict[str, Any]:
+def _unequal_replicas() -> dict[str, Any]:
     ctx = create_context(
         {"parallel": {"tensor": {"size": 2, "mode": "1d"}}}, timeout=30, heartbeat_interval=0
     )
     try:
         model = nn.Linear(4, 2)  # not seeded alike: the harness seeds every rank differently
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        config = {"debug": debug}
-        return _outcome(lambda: initialize(model, opt, nn.MSELoss(), config=config, context=ctx))
+        return _outcome(lambda: initialize(model, opt, nn.MSELoss(), config={}, context=ctx))
     finally:
         ctx.destroy()
 
 
-def test_debug_mode_compares_replicated_parameter_values(dist: Any) -> None:
-    assert (
-        dist.run(_unequal_replicas, world_size=2, args=(False,), timeout=90)
-        == [{"outcome": "finished"}] * 2
-    )
-    results = dist.run(_unequal_replicas, world_size=2, args=(True,), timeout=90)
+def test_replicated_parameter_values_are_compared_on_every_job(dist: Any) -> None:
+    # Seeded differently, the tensor ranks of one replica would each train their own copy.
+    results = dist.run(_unequal_replicas, world_size=2, timeout=90)
     assert results[0] == results[1]
     message = results[0]["message"]
     assert "the tensor ranks [0, 1] disagree on the parameter values" in message
     assert "weight: rank 0 has (" in message
 
 
-def _batch_sizes_differ(debug: bool) -> dict[str, Any]:
+def _batch_sizes_differ() -> dict[str, Any]:
+    """Data rank 1 reads 3 rows where rank 0 reads 2, in each way a loop can feed the engine."""
     ctx = create_context({"parallel": {}}, timeout=30, heartbeat_interval=0)
-    try:
+    rank = tdist.get_rank()
+
+    def engine_for(config: dict[str, Any]) -> Any:
         model = _model()
-        config = {"debug": debug, "gradient_handlers": [{"type": "DataParallelGradientHandler"}]}
-        engine, *_ = initialize(
-            model,
-            torch.optim.SGD(model.parameters(), lr=0.1),
-            nn.MSELoss(),
-            config=config,
-            context=ctx,
-        )
-        rows = 2 if tdist.get_rank() == 0 else 3
-        batch = (torch.ones(rows, 4), torch.zeros(rows, 2))
-        return _outcome(lambda: engine.execute_schedule(iter([batch])))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return initialize(model, opt, nn.MSELoss(), config=config, context=ctx)[0]
+
+    def batch(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ones(rows, 4), torch.zeros(rows, 2)
+
+    def schedule_step(engine: Any, rows: int) -> None:
+        engine.zero_grad()
+        engine.execute_schedule(iter([batch(rows)]))
+        engine.step()
+
+    def call_step(engine: Any, rows: int) -> None:
+        x, y = batch(rows)
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        engine.step()
+
+    uneven = 2 if rank == 0 else 3
+    handler = {"gradient_handlers": [{"type": "DataParallelGradientHandler"}]}
+    try:
+        seen: dict[str, Any] = {}
+        seen["schedule"] = _outcome(lambda: schedule_step(engine_for(handler), uneven))
+        seen["call"] = _outcome(lambda: call_step(engine_for({}), uneven))  # under DDP
+        # Switched off, nothing compares (and the handler weighs the ranks' means alike).
+        off = engine_for({**handler, "check_agreement": False})
+        seen["off"] = _outcome(lambda: schedule_step(off, uneven))
+
+        def drifts_later() -> None:  # equal for two steps, then rank 1 reads more
+            engine = engine_for({**handler, "check_agreement": 2})
+            for step in range(4):
+                schedule_step(engine, uneven if step >= 2 else 2)
+                seen["steps_before_error"] = step + 1
+
+        seen["periodic"] = _outcome(drifts_later)
+        return seen
     finally:
         ctx.destroy()
 
 
-def test_debug_mode_compares_batch_shapes(dist: Any) -> None:
-    # Without debug mode, different batch sizes on data ranks go unnoticed (weighted wrongly).
-    assert (
-        dist.run(_batch_sizes_differ, world_size=2, args=(False,), timeout=90)
-        == [{"outcome": "finished"}] * 2
-    )
-    results = dist.run(_batch_sizes_differ, world_size=2, args=(True,), timeout=90)
+def test_ranks_reading_different_batch_sizes_are_reported_on_the_first_step(dist: Any) -> None:
+    results = dist.run(_batch_sizes_differ, world_size=2, timeout=90)
     assert results[0] == results[1]
-    message = results[0]["message"]
-    assert "the global ranks [0, 1] disagree on the batch" in message
-    assert "tensor [2, 4] float32" in message and "tensor [3, 4] float32" in message
+    seen = results[0]
+    for way in ("schedule", "periodic"):
+        assert seen[way]["outcome"] == "ValueError", seen
+        message = seen[way]["message"]
+        assert "the global ranks [0, 1] disagree on the batch" in message
+        assert "tensor [2, 4] float32" in message and "tensor [3, 4] float32" in message
+    assert seen["call"]["outcome"] == "ValueError"
+    assert "the data ranks [0, 1] disagree on the model inputs" in seen["call"]["message"]
+    assert seen["off"] == {"outcome": "finished"}
+    assert seen["steps_before_error"] == 2  # checked again after optimizer step 2
 
 
 def test_debug_flag_from_config_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,3 +261,77 @@ def test_debug_flag_from_config_and_environment(monkeypatch: pytest.MonkeyPatch)
     assert not debug_enabled({"debug": False})  # the config wins
     monkeypatch.setenv(DEBUG_ENV, "0")
     assert not debug_enabled(None)
+
+
+# ---------------------------------------------------------------- non-finite losses and gradients
+
+
+def _nonfinite_steps() -> dict[str, Any]:
+    """Two data ranks (DDP); a NaN enters through one rank's batch or one rank's gradient."""
+    from tessera.engine import NonFiniteError
+
+    ctx = create_context({"parallel": {}}, timeout=30, heartbeat_interval=0)
+    rank = tdist.get_rank()
+
+    def run(policy: str | None, poison: str, steps: int = 2) -> dict[str, Any]:
+        model = _model()
+        config = {} if policy is None else {"nonfinite": policy}
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = initialize(model, opt, nn.MSELoss(), config=config, context=ctx)[0]
+        start = [p.detach().clone() for p in engine.parameters()]
+        seen: dict[str, Any] = {"stepped": []}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                x, y = torch.ones(2, 4) * (rank + 1), torch.zeros(2, 2)
+                if step == 0 and poison == "loss" and rank == 1:
+                    x[0, 0] = float("nan")
+                engine.zero_grad()
+                engine.backward(engine.criterion(engine(x), y))
+                if step == 0 and poison == "grad" and rank == 0:
+                    next(engine.parameters()).grad[0, 0] = float("inf")
+                try:
+                    seen["stepped"].append(engine.step())
+                except NonFiniteError as err:
+                    seen["error"] = str(err)
+                    seen["report"] = (err.report.step, err.report.loss_ranks, err.report.grad_ranks)
+                    break
+                if step == 0:
+                    seen["unchanged"] = all(
+                        torch.equal(a, b) for a, b in zip(start, engine.parameters(), strict=True)
+                    )
+        seen["finite"] = all(bool(torch.isfinite(p).all()) for p in engine.parameters())
+        seen["skipped"] = engine.skipped_steps
+        seen["warnings"] = [str(w.message) for w in caught if w.category is RuntimeWarning]
+        return seen
+
+    try:
+        return {
+            "raise_loss": run(None, "loss"),
+            "raise_grad": run("raise", "grad"),
+            "skip": run("skip", "loss"),
+            "warn": run("warn", "grad"),
+        }
+    finally:
+        ctx.destroy()
+
+
+def test_a_nonfinite_loss_or_gradient_is_raised_or_skipped_on_every_rank(dist: Any) -> None:
+    results = dist.run(_nonfinite_steps, world_size=2, timeout=90)
+    for seen in results:
+        # raise (the default): the same error on every rank, naming where it started
+        loss = seen["raise_loss"]
+        assert loss["report"] == (1, (1,), (0, 1)) and loss["finite"], loss
+        assert "the loss went non-finite first, on rank(s) [1]" in loss["error"]
+        assert "optimizer step 1" in loss["error"]
+        grad = seen["raise_grad"]
+        assert grad["report"] == (1, (), (0,)) and grad["finite"], grad
+        assert "a gradient went non-finite first (every loss was finite)" in grad["error"]
+        # skip / warn: every rank skips that step alone and trains on
+        for policy in ("skip", "warn"):
+            got = seen[policy]
+            assert got["stepped"] == [False, True] and got["unchanged"] and got["finite"], got
+            assert got["skipped"] == 1
+        assert seen["skip"]["warnings"] == []
+        assert len(seen["warn"]["warnings"]) == 1
+        assert "rank(s) [0]" in seen["warn"]["warnings"][0]

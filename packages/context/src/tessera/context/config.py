@@ -24,6 +24,9 @@ _PARALLEL_KEYS = ("data", "pipeline", "tensor", "extra")
 _SIZE_KEYS = ("size",)
 _TENSOR_KEYS = ("size", "mode", "depth")
 
+#: Arguments a built-in tensor mode reads from the extra keys of ``parallel.tensor``.
+MODE_ARGUMENTS: dict[str, tuple[str, ...]] = {"1d": ("sequence_parallel",)}
+
 
 #: The largest world size a config may describe (about a million ranks).
 MAX_WORLD_SIZE = 1 << 20
@@ -222,13 +225,7 @@ def _read_tensor(value: object) -> tuple[int, str | None, int, dict[str, Any]]:
                 f"{_known_modes()}: write tensor=dict(size={size}, mode='1d')"
             )
         return 1, None, 1, {}
-    for key in value:
-        if key in _TENSOR_KEYS:
-            continue
-        # Extra keys are the mode's arguments, but a near miss of a real key is a typo.
-        close = difflib.get_close_matches(str(key), list(_TENSOR_KEYS), n=1, cutoff=0.75)
-        if close:
-            raise ConfigError(_unknown_key_message("parallel.tensor", key, _TENSOR_KEYS))
+    _check_mode_arguments(value)
     if "size" not in value:
         raise ConfigError(
             "parallel.tensor.size is missing (write tensor=dict(size=N, mode=...) or tensor=1)"
@@ -255,6 +252,31 @@ def _read_tensor(value: object) -> tuple[int, str | None, int, dict[str, Any]]:
     _check_mode(mode, size, depth, "parallel.tensor")
     args = {k: v for k, v in value.items() if k not in _TENSOR_KEYS}
     return size, mode, depth, args
+
+
+def _check_mode_arguments(tensor: Mapping[str, Any]) -> None:
+    """Check the extra keys of ``parallel.tensor``, which are the mode's arguments.
+
+    A near miss of a real key, or an argument the chosen mode does not read, would be ignored
+    silently, so both are errors.
+    """
+    mode = tensor.get("mode")
+    every_argument = sorted({a for args in MODE_ARGUMENTS.values() for a in args})
+    for key in tensor:
+        if key in _TENSOR_KEYS:
+            continue
+        if key in every_argument:
+            readers = [m for m, args in MODE_ARGUMENTS.items() if key in args]
+            if mode not in readers:
+                raise ConfigError(
+                    f"parallel.tensor.{key} is read only by mode(s) {readers}, but mode is "
+                    f"{mode!r}: it would be ignored; remove it or change the mode"
+                )
+            continue
+        known = (*_TENSOR_KEYS, *every_argument)
+        close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.75)
+        if close:
+            raise ConfigError(_unknown_key_message("parallel.tensor", key, known))
 
 
 def _known_modes() -> str:

@@ -55,7 +55,9 @@ from .hooks import (
 from .initialize import ENGINE_CONFIG_KEYS, initialize, sync_replicated_parameters
 from .loss_scaler import DynamicLossScaler
 from .metrics import AverageMetric, ThroughputMetric
+from .nonfinite import NonFiniteError, NonFiniteReport
 from .schedule import NonPipelineSchedule, StepSchedule
+from .settings import EngineSettings, read_engine_settings
 from .timer import MultiTimer, Timer
 from .trainer import Trainer
 from .zero import rebuild_optimizer, shard_with_fsdp2, zero_redundancy_optimizer
@@ -65,6 +67,8 @@ __all__ = [
     "Engine",
     "initialize",
     "ENGINE_CONFIG_KEYS",
+    "EngineSettings",
+    "read_engine_settings",
     "sync_replicated_parameters",
     # schedules
     "StepSchedule",
@@ -77,6 +81,8 @@ __all__ = [
     "mark_pipeline_shared",
     # precision, ZeRO, accumulation, clipping
     "DynamicLossScaler",
+    "NonFiniteError",
+    "NonFiniteReport",
     "zero_redundancy_optimizer",
     "shard_with_fsdp2",
     "rebuild_optimizer",

@@ -14,11 +14,13 @@ SEQUENCE_DP under sequence parallelism) and names, global shapes (``ShardInfo``)
 across tensor ranks. One ``all_gather_object`` of a hash per group; the detailed lists are
 gathered only when the hashes differ, to say what differs.
 
-Debug mode (``debug=True`` in the configuration or ``TESSERA_DEBUG=1``): after initialize,
-checksums of every parameter across the ranks holding the same values (data replicas, and
-tensor ranks over which a parameter is replicated); per ``execute_schedule``, the batch's
-structure, shapes and dtypes across all ranks (every data, pipeline and tensor rank reads a
-batch of the same shapes).
+Also always, but once: after initialize has synchronized the replicas, checksums of every
+parameter across the ranks holding the same values (data replicas, and tensor ranks over which
+a parameter is replicated: a tensor rank seeded differently would otherwise train its own
+model). On the first step (and every ``check_agreement`` steps): the batch's structure, shapes
+and dtypes across all ranks (every data, pipeline and tensor rank reads a batch of the same
+shapes). Debug mode (``debug=True`` in the configuration or ``TESSERA_DEBUG=1``) compares the
+batch on every step.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tessera.context import ParallelContext, ParallelMode, get_shard_info
 __all__ = [
     "DEBUG_ENV",
     "agree_on_batch",
+    "agree_on_call",
     "check_config_agreement",
     "check_model_agreement",
     "check_parameter_checksums",
@@ -270,8 +273,29 @@ def agree_on_batch(data_iter: Iterator[Any], ctx: ParallelContext) -> Iterator[A
     return itertools.chain([first], data_iter)
 
 
-class _DebugEngine(Protocol):
-    debug: bool
+def agree_on_call(
+    args: Sequence[Any], kwargs: Mapping[str, Any], ctx: ParallelContext | None
+) -> None:
+    """Check that the ranks of one stage call the model with arguments of the same shapes.
+
+    The ``out = engine(x)`` loop's counterpart of ``agree_on_batch``, over the data replicas
+    and over the tensor ranks, never across pipeline stages: a hand-written pipeline feeds
+    each stage its own shapes, and its stages reach their first forward at different times
+    (a later stage first receives), so a collective spanning them would deadlock.
+    """
+    if ctx is None or ctx.world_size < 2:
+        return
+    entries = [("arguments", repr(_signature([list(args), dict(kwargs)])))]
+    hint = (
+        "every rank must feed batches of the same shapes (same batch size, sequence length "
+        "and dtype; use get_dataloader so data ranks get equal shards)"
+    )
+    for mode in (ParallelMode.DATA, ParallelMode.TENSOR):
+        _agree(entries, ctx, mode, "model inputs", hint)
+
+
+class _CheckingEngine(Protocol):
+    def _batch_check_due(self) -> bool: ...
 
     @property
     def context(self) -> ParallelContext | None: ...
@@ -281,12 +305,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def checks_batch(method: F) -> F:
-    """Decorate ``execute_schedule(data_iter, ...)``: in debug mode, ``agree_on_batch`` first."""
+    """Decorate ``execute_schedule(data_iter, ...)``: ``agree_on_batch`` first when it is due.
+
+    Due on the first step and every ``check_agreement_every`` steps, and in debug mode always.
+    """
 
     @functools.wraps(method)
-    def wrapper(self: _DebugEngine, data_iter: Iterator[Any], *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: _CheckingEngine, data_iter: Iterator[Any], *args: Any, **kwargs: Any) -> Any:
         context = self.context
-        if self.debug and context is not None and context.world_size > 1:
+        if self._batch_check_due() and context is not None and context.world_size > 1:
             data_iter = agree_on_batch(data_iter, context)
         return method(self, data_iter, *args, **kwargs)
 

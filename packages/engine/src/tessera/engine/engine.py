@@ -16,13 +16,20 @@ engine.backward(loss); engine.step()``.
 
 Order inside ``step()`` (once every ``gradient_accumulation`` calls): the gradient handlers
 (all-reduce over data, sequence, tied weights), then fp16 unscaling with one overflow decision
-for all ranks, then clipping by the global norm, then the optimizer.
+for all ranks, or (without fp16) one decision of all ranks on non-finite losses and gradients
+(``nonfinite.py``), then clipping by the global norm, then the optimizer.
+
+Ranks that read batches of different shapes do not fail loudly (a data rank with a smaller
+batch weighs its gradients wrongly; a tensor group may hang), so the first forward of a job
+compares the batch's shapes across all ranks (``check_agreement_every``; under debug, every
+step).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -33,11 +40,12 @@ from torch import nn
 from tessera.context import ParallelContext, ParallelMode
 
 from .clipping import clip_grad_norm
-from .consistency import checks_batch
+from .consistency import agree_on_call, checks_batch
 from .context_lookup import resolve_context
 from .gradient_handlers.base import BaseGradientHandler
 from .guarding import guarded
 from .loss_scaler import DynamicLossScaler
+from .nonfinite import NonFiniteError, find_nonfinite
 from .schedule import NonPipelineSchedule, StepSchedule
 
 __all__ = ["Engine"]
@@ -89,11 +97,18 @@ class Engine:
         autocast_dtype: ``torch.float16`` or ``torch.bfloat16`` to run forward and loss under
             autocast; ``None`` for full precision.
         loss_scaler: Dynamic loss scaler (fp16); ``None`` for no scaling.
+        nonfinite: A step whose loss or gradients hold inf or NaN: ``"raise"`` a
+            ``NonFiniteError`` on every rank, ``"skip"`` it on every rank, or ``"warn"`` (skip
+            and warn). Default: ``"skip"`` with a loss scaler (whose overflow skip it is; a
+            ``"raise"`` then applies to non-finite losses only), else ``"raise"``.
+        check_agreement_every: Compare the batch's shapes across all ranks at the first
+            forward and then every this many optimizer steps (0: the first forward only;
+            ``None``: never).
         context: The ParallelContext (default: the current one, or none).
     """
 
-    #: Debug mode: ``execute_schedule`` checks that every rank reads a batch of the same
-    #: shapes (``initialize`` sets it from ``debug=`` / ``$TESSERA_DEBUG``).
+    #: Debug mode: every step checks that every rank reads a batch of the same shapes
+    #: (``initialize`` sets it from ``debug=`` / ``$TESSERA_DEBUG``).
     debug: bool = False
 
     def __init__(
@@ -109,6 +124,8 @@ class Engine:
         gradient_accumulation: int = 1,
         autocast_dtype: torch.dtype | None = None,
         loss_scaler: DynamicLossScaler | None = None,
+        nonfinite: str | None = None,
+        check_agreement_every: int | None = 0,
         context: ParallelContext | None = None,
     ) -> None:
         if gradient_accumulation < 1:
@@ -118,6 +135,14 @@ class Engine:
         if autocast_dtype not in (None, torch.float16, torch.bfloat16):
             raise ValueError(
                 f"autocast_dtype must be float16, bfloat16 or None, got {autocast_dtype}"
+            )
+        if nonfinite is None:
+            nonfinite = "skip" if loss_scaler is not None else "raise"
+        if nonfinite not in ("raise", "skip", "warn"):
+            raise ValueError(f"nonfinite must be 'raise', 'skip' or 'warn', got {nonfinite!r}")
+        if check_agreement_every is not None and check_agreement_every < 0:
+            raise ValueError(
+                f"check_agreement_every must be >= 0 or None, got {check_agreement_every}"
             )
         self._model = model
         self._modules = _modules(model)
@@ -140,6 +165,10 @@ class Engine:
         self.global_step = 0
         self.skipped_steps = 0
         self._recorded_losses: list[torch.Tensor] = []
+        self.nonfinite = nonfinite
+        self._backpropagated_losses: list[torch.Tensor] = []  # since the last optimizer step
+        self.check_agreement_every = check_agreement_every
+        self._agreement_due = check_agreement_every is not None
         # Found once: the per-step path must not search the modules (benchmark: <= 3% overhead).
         self._ddp_modules = [
             m for m in self._modules if isinstance(m, nn.parallel.DistributedDataParallel)
@@ -240,6 +269,12 @@ class Engine:
             return contextlib.nullcontext()
         return torch.autocast(self._device_type, dtype=self.autocast_dtype)
 
+    def _batch_check_due(self) -> bool:
+        """Whether this step's batch is compared across ranks (and the check is then spent)."""
+        due = self._agreement_due or self.debug
+        self._agreement_due = False
+        return due
+
     @property
     def _is_last_micro_step(self) -> bool:
         return (self._micro_step + 1) % self.gradient_accumulation == 0
@@ -259,6 +294,8 @@ class Engine:
                 f"this Engine holds {len(self._modules)} model chunks (a pipeline stage): "
                 "run it with execute_schedule()"
             )
+        if self._batch_check_due():
+            agree_on_call(args, kwargs, self._context)
         self._set_grad_sync(self._is_last_micro_step)
         with self._autocast():
             return self._model(*args, **kwargs)
@@ -290,6 +327,7 @@ class Engine:
         (scaled by the loss scale and divided by the accumulation
         count).
         """
+        self._backpropagated_losses.append(loss.detach())
         factor = self._loss_factor()
         torch.autograd.backward(loss * factor if factor != 1.0 else loss)
 
@@ -316,6 +354,7 @@ class Engine:
     def _loss_for_backward(self, output: Any, label: Any) -> torch.Tensor:
         loss = self.criterion(output, label)
         self._recorded_losses.append(loss.detach())
+        self._backpropagated_losses.append(loss.detach())
         factor = self._loss_factor()
         return loss * factor if factor != 1.0 else loss
 
@@ -399,14 +438,19 @@ class Engine:
             return False
         for handler in self._handlers:
             handler.handle_gradient()
-        params = list(self.parameters()) if (self.loss_scaler or self.clip_grad_norm) else []
+        losses, self._backpropagated_losses = self._backpropagated_losses, []
+        params = list(self.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
         if self.loss_scaler is not None:
-            grads = [p.grad for p in params if p.grad is not None]
+            if self.nonfinite == "raise":  # an overflow is the scaler's; a bad loss is not
+                self._apply_nonfinite_policy(losses, [])
             found_inf = self.loss_scaler.unscale_(grads, self._found_inf_group())
             self.loss_scaler.update(found_inf)
             if found_inf:
                 self.skipped_steps += 1
                 return False
+        elif not self._apply_nonfinite_policy(losses, grads):
+            return False
         if self.clip_grad_norm > 0:
             clip_grad_norm(
                 params,
@@ -417,4 +461,26 @@ class Engine:
             )
         self._optimizer.step()
         self.global_step += 1
+        every = self.check_agreement_every
+        if every and self.global_step % every == 0:
+            self._agreement_due = True
         return True
+
+    def _apply_nonfinite_policy(
+        self, losses: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+    ) -> bool:
+        """Whether the step may go on; raise, or skip (and warn), when anything is non-finite.
+
+        Every rank gathers every rank's flags, so all take the same branch.
+        """
+        report = find_nonfinite(losses, grads, self.global_step + 1, self._found_inf_group())
+        if report is None:
+            return True
+        if self.nonfinite == "raise":
+            raise NonFiniteError(report)
+        self.skipped_steps += 1
+        if self.nonfinite == "warn":
+            warnings.warn(
+                f"skipped {report.describe()} (nonfinite='warn')", RuntimeWarning, stacklevel=3
+            )
+        return False

@@ -7,7 +7,8 @@ It reads the engine keys of the configuration (the one ``launch`` was given, unl
 key                        effect
 =========================  ================================================================
 ``fp16=dict(mode="torch",  float16 autocast + dynamic loss scaling; an overflow on any rank
-init_scale=2**16, ...)``   skips the step on every rank (``DynamicLossScaler`` keywords)
+init_scale=2**16, ...)``   skips the step on every rank (``DynamicLossScaler`` keywords);
+                           ``fp16=dict()`` is mode "torch", ``dict(mode=None)`` is off
 ``bf16=True``              bfloat16 autocast (no scaling needed)
 ``zero=dict(stage=1|2|3,   ZeRO over DATA: ZeroRedundancyOptimizer (1), FSDP2 (2: gradients
 offload=False)``           and optimizer state sharded, 3: also parameters; offload: CPU)
@@ -20,14 +21,24 @@ offload=False)``           and optimizer state sharded, 3: also parameters; offl
 ``NUM_MICRO_BATCHES``,     with pipeline size > 1: ``PipelineSchedule`` (1F1B), or
 ``NUM_CHUNKS``,            ``InterleavedPipelineSchedule`` when NUM_CHUNKS > 1, from
 ``TENSOR_SHAPE``           tessera.pipeline
-``debug=True``             more cross-rank checks (also ``TESSERA_DEBUG=1``): parameter
-                           checksums after initialize, batch shapes every step
+``nonfinite="raise"``      a step whose loss or gradients hold inf/NaN: ``"raise"``
+                           (default; ``NonFiniteError`` on every rank), ``"skip"`` (every
+                           rank skips it; the default under fp16) or ``"warn"`` (skip, warn)
+``check_agreement=True``   every rank's batch has the same shapes, checked on the first
+                           step; an int N: also every N optimizer steps; False: never
+``debug=True``             more cross-rank checks (also ``TESSERA_DEBUG=1``): batch shapes
+                           every step
 =========================  ================================================================
+
+Keys of your own may sit beside these, but a key that is almost one of them
+(``gradient_acumulation``, ``clip_grad_nrom``) or belongs inside a block (``sequence_parallel``
+at the top level) is a ``ConfigError`` naming the key it resembles (``settings.py``).
 
 Every rank must build the same model and read the same configuration: ``initialize`` compares
 the configuration keys above, and parameter names, shapes and dtypes across data and tensor
-ranks, before its first broadcast (``consistency.py``), so a mismatch is a clear ``ValueError``
-on every rank instead of a hang or silently mixed values.
+ranks, before its first broadcast, and then the values of replicated parameters
+(``consistency.py``), so a mismatch is a clear ``ValueError`` on every rank instead of a hang
+or silently mixed values.
 """
 
 from __future__ import annotations
@@ -60,35 +71,10 @@ from .gradient_handlers import (
 from .loss_scaler import DynamicLossScaler
 from .schedule import NonPipelineSchedule, StepSchedule
 from .scheduler_binding import rebind_lr_scheduler
+from .settings import ENGINE_CONFIG_KEYS, EngineSettings, read_engine_settings
 from .zero import rebuild_optimizer, shard_with_fsdp2, zero_redundancy_optimizer
 
 __all__ = ["ENGINE_CONFIG_KEYS", "initialize", "sync_replicated_parameters"]
-
-#: The configuration keys ``initialize`` reads.
-ENGINE_CONFIG_KEYS = (
-    "fp16",
-    "bf16",
-    "zero",
-    "gradient_accumulation",
-    "clip_grad_norm",
-    "gradient_handlers",
-    "ddp",
-    "schedule",
-    "NUM_MICRO_BATCHES",
-    "NUM_CHUNKS",
-    "TENSOR_SHAPE",
-    "debug",
-)
-
-_FP16_KEYS = (
-    "mode",
-    "init_scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "min_scale",
-    "max_scale",
-)
 
 
 def _modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
@@ -129,69 +115,21 @@ def sync_replicated_parameters(
     broadcast_coalesced(tensors, src, group)
 
 
-def _read_precision(cfg: Mapping[str, Any]) -> tuple[torch.dtype | None, DynamicLossScaler | None]:
-    fp16, bf16 = cfg.get("fp16"), cfg.get("bf16")
-    if fp16 and bf16:
-        raise ConfigError("fp16 and bf16 are both set; choose one mixed-precision mode")
-    if bf16:
-        if bf16 is not True:
-            raise ConfigError(f"bf16 must be True or absent, got {bf16!r}")
-        return torch.bfloat16, None
-    if not fp16:
-        return None, None
-    if not isinstance(fp16, Mapping):
-        raise ConfigError(f"fp16 must be a dict like dict(mode='torch'), got {fp16!r}")
-    unknown = sorted(set(fp16) - set(_FP16_KEYS))
-    if unknown:
-        raise ConfigError(f"fp16 has unknown keys {unknown}; accepted: {list(_FP16_KEYS)}")
-    mode = fp16.get("mode", "torch")
-    if mode != "torch":
-        raise ConfigError(f"fp16.mode {mode!r} is not supported; use fp16=dict(mode='torch')")
-    kwargs = {k: v for k, v in fp16.items() if k != "mode"}
-    return torch.float16, DynamicLossScaler(**kwargs)
-
-
-def _read_int(cfg: Mapping[str, Any], key: str, default: int, minimum: int = 1) -> int:
-    value = cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{key} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _read_zero(cfg: Mapping[str, Any]) -> tuple[int, bool]:
-    zero = cfg.get("zero")
-    if zero is None:
-        return 0, False
-    if not isinstance(zero, Mapping):
-        raise ConfigError(f"zero must be a dict like dict(stage=1), got {zero!r}")
-    unknown = sorted(set(zero) - {"stage", "offload"})
-    if unknown:
-        raise ConfigError(f"zero has unknown keys {unknown}; accepted: ['stage', 'offload']")
-    stage = zero.get("stage")
-    if stage not in (1, 2, 3):
-        raise ConfigError(f"zero.stage must be 1, 2 or 3, got {stage!r}")
-    offload = bool(zero.get("offload", False))
-    if offload and stage == 1:
-        raise ConfigError("zero.offload needs stage 2 or 3 (FSDP2's CPUOffloadPolicy)")
-    return int(stage), offload
-
-
-def _pipeline_schedule(cfg: Mapping[str, Any], ctx: ParallelContext) -> StepSchedule:
-    if "NUM_MICRO_BATCHES" not in cfg:
+def _pipeline_schedule(settings: EngineSettings, ctx: ParallelContext) -> StepSchedule:
+    if settings.micro_batches is None:
         raise ConfigError(
             f"pipeline size is {ctx.pipeline_size} but the config has no NUM_MICRO_BATCHES: "
             "set NUM_MICRO_BATCHES (and NUM_CHUNKS for the interleaved schedule)"
         )
     from tessera.pipeline import InterleavedPipelineSchedule, PipelineSchedule
 
-    micro = _read_int(cfg, "NUM_MICRO_BATCHES", 1)
-    chunks = _read_int(cfg, "NUM_CHUNKS", 1)
-    shape = cfg.get("TENSOR_SHAPE")
     schedule: Any
-    if chunks > 1:
-        schedule = InterleavedPipelineSchedule(micro, chunks, tensor_shape=shape)
+    if settings.chunks > 1:
+        schedule = InterleavedPipelineSchedule(
+            settings.micro_batches, settings.chunks, tensor_shape=settings.tensor_shape
+        )
     else:
-        schedule = PipelineSchedule(micro, tensor_shape=shape)
+        schedule = PipelineSchedule(settings.micro_batches, tensor_shape=settings.tensor_shape)
     if not callable(getattr(schedule, "forward_backward_step", None)):
         raise NotImplementedError(
             f"{type(schedule).__name__} of this tessera-pipeline version has no "
@@ -200,16 +138,28 @@ def _pipeline_schedule(cfg: Mapping[str, Any], ctx: ParallelContext) -> StepSche
     return schedule  # type: ignore[no-any-return]
 
 
+def _configured_schedule(entry: Mapping[str, Any], ctx: ParallelContext | None) -> StepSchedule:
+    """Build ``schedule=dict(type=...)`` from SCHEDULES, giving it the context if it takes one."""
+    target = entry["type"]
+    if isinstance(target, str):
+        try:
+            target = SCHEDULES.get(target)
+        except KeyError as exc:  # the registry's message lists the closest names
+            raise ConfigError(f"schedule.type: {exc.args[0]}") from None
+    extra: dict[str, Any] = {}
+    if "context" in _parameters(target):
+        extra["context"] = ctx
+    return build(entry, SCHEDULES, **extra)  # type: ignore[no-any-return]
+
+
 def _build_handlers(
-    cfg: Mapping[str, Any],
+    settings: EngineSettings,
     forward_model: nn.Module | Sequence[nn.Module],
     optimizer: torch.optim.Optimizer,
     ctx: ParallelContext,
 ) -> list[BaseGradientHandler]:
     handlers = []
-    for i, entry in enumerate(cfg.get("gradient_handlers") or ()):
-        if not isinstance(entry, Mapping) or "type" not in entry:
-            raise ConfigError(f"gradient_handlers[{i}] must be a dict with a 'type', got {entry!r}")
+    for i, entry in enumerate(settings.gradient_handlers):
         handler = build(
             entry, GRADIENT_HANDLERS, model=forward_model, optimizer=optimizer, context=ctx
         )
@@ -261,15 +211,12 @@ def initialize(
         config if config is not None else (ctx.full_config if ctx is not None else {})
     )
     user_optimizer = optimizer
-    dtype, scaler = _read_precision(cfg)
-    zero_stage, offload = _read_zero(cfg)
-    accumulation = _read_int(cfg, "gradient_accumulation", 1)
-    clip = cfg.get("clip_grad_norm", 0.0)
-    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
-        raise ConfigError(f"clip_grad_norm must be a number >= 0, got {clip!r}")
+    debug = debug_enabled(cfg)
+    settings = read_engine_settings(cfg, debug=debug)
     modules = _modules(model)
     pipeline_size = ctx.pipeline_size if ctx is not None else 1
     data_size = ctx.data_size if ctx is not None else 1
+    zero_stage = settings.zero_stage
     if zero_stage and ctx is None:
         raise ConfigError("zero needs a ParallelContext (launch tessera first)")
     if zero_stage >= 2 and (pipeline_size > 1 or len(modules) > 1):
@@ -278,37 +225,36 @@ def initialize(
             f"{pipeline_size}; use zero.stage 1 with pipeline parallelism"
         )
 
-    # 1. device and equal replicas (after checking that the ranks agree: see consistency.py)
-    debug = debug_enabled(cfg)
+    # 1. device and equal replicas (after checking that the ranks agree: see consistency.py).
+    # Parameter values are compared on every job, not only under debug: a tensor rank seeded
+    # differently holds different replicated weights and would train its own model silently.
     if ctx is not None:
         check_config_agreement({**cfg, "debug": debug}, ENGINE_CONFIG_KEYS, ctx)
         check_model_agreement(modules, ctx)
         for m in modules:
             m.to(ctx.device)
         sync_replicated_parameters(modules, ctx)
-        if debug:
-            check_parameter_checksums(modules, ctx)
+        check_parameter_checksums(modules, ctx)
 
     # 2. ZeRO (may replace the parameters and hence the optimizer)
     forward_model: nn.Module | list[nn.Module] = model if isinstance(model, nn.Module) else modules
     if zero_stage >= 2:
         assert ctx is not None and isinstance(forward_model, nn.Module)
         names = {id(p): n for n, p in forward_model.named_parameters()}
-        shard_with_fsdp2(forward_model, ctx, zero_stage, offload)
+        shard_with_fsdp2(forward_model, ctx, zero_stage, settings.zero_offload)
         optimizer = rebuild_optimizer(optimizer, names, forward_model)
 
     # 3. gradient handlers, or DDP for plain data parallelism
     handlers: list[BaseGradientHandler] = []
     if ctx is not None:
-        handlers = _build_handlers(cfg, forward_model, optimizer, ctx)
-        configured = "gradient_handlers" in cfg and bool(cfg.get("gradient_handlers"))
-        if not configured and zero_stage < 2:
+        handlers = _build_handlers(settings, forward_model, optimizer, ctx)
+        if not settings.gradient_handlers and zero_stage < 2:
             if _is_sequence_parallel(ctx) and group_if_parallel(ctx, ParallelMode.SEQUENCE_DP):
                 handlers.append(SequenceParallelGradientHandler(forward_model, optimizer, ctx))
             elif data_size > 1 and (pipeline_size > 1 or not isinstance(forward_model, nn.Module)):
                 handlers.append(DataParallelGradientHandler(forward_model, optimizer, ctx))
             elif data_size > 1 and isinstance(forward_model, nn.Module):
-                ddp_kwargs = dict(cfg.get("ddp") or {})
+                ddp_kwargs = dict(settings.ddp)
                 if ctx.device.type == "cuda":
                     ddp_kwargs.setdefault("device_ids", [ctx.device.index])
                 forward_model = nn.parallel.DistributedDataParallel(
@@ -320,29 +266,27 @@ def initialize(
 
     # 4. schedule
     schedule: StepSchedule
-    if cfg.get("schedule") is not None:
-        schedule_cfg = cfg["schedule"]
-        extra: dict[str, Any] = {}
-        target = schedule_cfg.get("type") if isinstance(schedule_cfg, Mapping) else None
-        resolved = SCHEDULES.get(target) if isinstance(target, str) else target
-        if resolved is not None and "context" in _parameters(resolved):
-            extra["context"] = ctx
-        schedule = build(schedule_cfg, SCHEDULES, **extra)
+    if settings.schedule is not None:
+        schedule = _configured_schedule(settings.schedule, ctx)
     elif pipeline_size > 1 and ctx is not None:
-        schedule = _pipeline_schedule(cfg, ctx)
+        schedule = _pipeline_schedule(settings, ctx)
     else:
         schedule = NonPipelineSchedule()
 
+    scaler = DynamicLossScaler(**settings.loss_scaler) if settings.loss_scaler is not None else None
+    accumulation = settings.gradient_accumulation
     engine = Engine(
         forward_model,
         optimizer,
         criterion,
         handlers,
         schedule,
-        float(clip),
+        settings.clip_grad_norm,
         gradient_accumulation=accumulation,
-        autocast_dtype=dtype,
+        autocast_dtype=settings.autocast_dtype,
         loss_scaler=scaler,
+        nonfinite=settings.nonfinite,
+        check_agreement_every=settings.agreement_every,
         context=ctx,
     )
     engine.debug = debug

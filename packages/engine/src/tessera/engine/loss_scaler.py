@@ -23,7 +23,7 @@ import torch.distributed as dist
 __all__ = ["DynamicLossScaler"]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2 gradients), or the tensor itself."""
     to_local = getattr(t, "to_local", None)
     if callable(to_local):
@@ -91,7 +91,7 @@ class DynamicLossScaler:
         """
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for g in grads:
-            local = _local(g)
+            local = local_tensor(g)
             by_device.setdefault(local.device, []).append(local)
         found = torch.zeros(1, dtype=torch.float32)  # [1]
         for device, tensors in by_device.items():
