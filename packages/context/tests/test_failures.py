@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -35,6 +36,9 @@ BEAT = 0.2  # heartbeat interval of the fault tests (s)
 # Detection must come within the collective timeout plus the heartbeat window plus slack for
 # two shared CPU cores; a hang would take the harness's 60 s.
 BOUND = TIMEOUT + 3 * BEAT + 8.0
+# A stopped rank: collectives would wait STOPPED_TIMEOUT; the heartbeats must end them sooner.
+STOPPED_TIMEOUT = 12.0
+STOPPED_BOUND = 3 * BEAT + 3.0
 
 GLOO_TIMEOUT = RuntimeError(
     "[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for "
@@ -313,3 +317,118 @@ def test_a_rank_that_exits_is_named_in_bounded_time(patient_runner: DistributedR
     assert seconds < BOUND
     assert 1 in info.value.failures  # the harness saw rank 1 die
     assert elapsed < 60.0
+
+
+# ---------------------------------------------------------------- the right rank is named
+
+
+def _rank_1_fails(how: str) -> None:
+    """Rank 1 fails outside any guard (raises, exits, is killed) while the others all-reduce."""
+    ctx = _launch_short()
+    start = time.monotonic()
+    try:
+        if ctx.global_rank == 1:
+            time.sleep(3 * BEAT)  # beat a few times first
+            if how == "raise":
+                raise ValueError("bad batch on rank 1")
+            if how == "exit":
+                os._exit(0)
+            os.kill(os.getpid(), signal.SIGKILL)
+        with ctx.guard("train step"):
+            tdist.all_reduce(torch.ones(2), group=ctx.get_group(ParallelMode.GLOBAL))
+    except RankFailedError as err:
+        err.args = (f"{err.args[0]} [after {time.monotonic() - start:.2f} s]",)
+        raise
+    finally:
+        ctx.destroy()
+
+
+@pytest.mark.parametrize("how", ["raise", "exit", "kill"])
+def test_every_survivor_names_the_rank_that_failed(
+    patient_runner: DistributedRunner, how: str
+) -> None:
+    """Victims post 'affected', never 'failed': ranks hit late do not blame an early victim."""
+    with pytest.raises(RankError) as info:
+        patient_runner.run(_rank_1_fails, world_size=4, args=(how,), init_process_group=False)
+    errors = info.value.exceptions
+    for rank in (0, 2, 3):
+        err = errors.get(rank)
+        assert isinstance(err, RankFailedError), (rank, info.value)
+        assert err.rank == 1, (rank, str(err))
+        assert float(str(err).rsplit("[after ", 1)[1].split(" s]")[0]) < BOUND
+    if how == "raise":
+        assert isinstance(errors[1], ValueError)
+
+
+def test_diagnosis_skips_victims_posts() -> None:
+    """A post that only says 'my collective failed' is never read as the cause."""
+    store = tdist.HashStore()
+    _board(0, 4, store).post("step", GLOO_TIMEOUT, kind="affected")
+    dead = _board(1, 4, store)
+    dead.beat("step")
+    monitor = FailureMonitor(_board(3, 4, store), 0.05)
+    monitor.stop()
+    alive = _board(2, 4, store)
+    stop = time.monotonic() + 0.5
+
+    def others_beat() -> None:
+        while time.monotonic() < stop:
+            alive.beat()
+            _board(0, 4, store).beat()
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=others_beat)
+    thread.start()
+    try:
+        with pytest.raises(RankFailedError) as info, monitor.guard("step"):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:5555")
+    finally:
+        thread.join()
+    assert info.value.rank == 1
+    assert "affected" in str(info.value) and "rank 0" in str(info.value)
+
+
+# ---------------------------------------------------------------- a stopped rank
+
+
+def _stop_rank_1() -> dict[str, Any]:
+    """Rank 1 freezes (SIGSTOP) before the all-reduce; the others must leave it in time."""
+    ctx = launch(
+        {"parallel": {}},
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        host="127.0.0.1",
+        port=int(os.environ["MASTER_PORT"]),
+        timeout=STOPPED_TIMEOUT,
+        heartbeat_interval=BEAT,
+    )
+    pids: list[int] = [0] * ctx.world_size
+    tdist.all_gather_object(pids, os.getpid(), group=ctx.get_cpu_group(ParallelMode.GLOBAL))
+    start = time.monotonic()
+    try:
+        with ctx.guard("all_reduce grads"):
+            if ctx.global_rank == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            tdist.all_reduce(torch.ones(2), group=ctx.get_group(ParallelMode.GLOBAL))
+        return {"outcome": "finished"}
+    except RankFailedError as err:
+        return {"outcome": "RankFailedError", "rank": err.rank, "message": str(err),
+                "seconds": time.monotonic() - start}  # fmt: skip
+    except RuntimeError as err:
+        return {"outcome": type(err).__name__, "message": str(err)}
+    finally:
+        if ctx.global_rank == 0:
+            os.kill(pids[1], signal.SIGCONT)  # let the stopped rank finish and clean up
+        ctx.destroy()
+
+
+def test_a_stopped_rank_is_left_within_the_heartbeat_window(dist: Any) -> None:
+    results = dist.run(_stop_rank_1, world_size=3, init_process_group=False, timeout=60)
+    for rank in (0, 2):
+        got = results[rank]
+        assert got["outcome"] == "RankFailedError", got
+        assert got["rank"] == 1, got
+        assert "rank 1 stopped responding" in got["message"]
+        # Named by the heartbeats (3 beats), far inside the collective timeout.
+        assert got["seconds"] < STOPPED_BOUND, got
+    assert results[1]["outcome"] != "finished"

@@ -245,3 +245,36 @@ def test_nccl_binds_the_communicator_to_the_rank_device(
     assert seen["backend"] == ("nccl" if cuda else "gloo")
     device = seen["device_id"]
     assert (str(device) if device is not None else None) == expected
+
+
+def _launch_mixed_layouts() -> str:
+    """Ranks 0-1 get a 1D layout, ranks 2-3 a 2D one: a clear error, not a hang in new_group."""
+    rank = int(os.environ["RANK"])
+    tensor = {"size": 2, "mode": "1d"} if rank < 2 else {"size": 4, "mode": "2d"}
+    try:
+        ctx = launch(
+            {"parallel": {"tensor": tensor}},
+            rank=rank,
+            world_size=4,
+            host="127.0.0.1",
+            port=int(os.environ["MASTER_PORT"]),
+            timeout=5,
+        )
+    except ConfigError as exc:
+        return str(exc)
+    ctx.destroy()
+    return "no error"
+
+
+def test_ranks_with_different_layouts_fail_at_the_rendezvous(dist: Any) -> None:
+    messages = dist.run(_launch_mixed_layouts, world_size=4, init_process_group=False, timeout=60)
+    assert len(set(messages)) == 1, messages  # the same error on every rank
+    assert (
+        "ranks 0-1 hold parallel=dict(data=2, pipeline=1, tensor=dict(size=2, mode='1d')); "
+        "ranks 2-3 hold parallel=dict(data=1, pipeline=1, tensor=dict(size=4, mode='2d'))"
+    ) in messages[0]
+    assert not dist.run(_initialized, world_size=4, init_process_group=False)[0]
+
+
+def _initialized() -> bool:
+    return dist.is_initialized() or has_context()

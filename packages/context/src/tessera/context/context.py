@@ -23,6 +23,7 @@ from torch.distributed import Store  # type: ignore[attr-defined]  # re-exported
 from tessera.registry import Config, ConfigError
 
 from . import current
+from .abort import GroupAborter, store_port, tcp_inodes
 from .config import ParallelConfig
 from .failures import (
     DEFAULT_HEARTBEAT_INTERVAL,
@@ -37,9 +38,12 @@ from .seeds import DEFAULT_STREAM, RngStreams, derive_seed, set_seed
 
 __all__ = ["DEFAULT_TIMEOUT", "ConfigLike", "ParallelContext", "create_context", "load_config"]
 
-#: Timeout of every collective when none is given: long enough for a slow first step of a big
-#: job, short enough that a hang surfaces the same morning.
-DEFAULT_TIMEOUT = timedelta(minutes=30)
+#: Timeout of every collective when none is given. Dead and stopped ranks are caught by the
+#: heartbeats within seconds, so this is the backstop for the rest: ranks alive but waiting in
+#: different collectives, or one rank working alone (a first step that compiles, a checkpoint
+#: one rank writes) while the others wait. Five minutes covers those in most jobs and surfaces
+#: a real hang within minutes, not torch's half hour; pass ``timeout=`` for longer solo work.
+DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 #: What a launcher accepts as configuration: the whole config (a dict, a Config or a file path).
 ConfigLike = Mapping[str, Any] | str | os.PathLike[str]
@@ -484,6 +488,7 @@ def create_context(
 
     created: list[dist.ProcessGroup] = []
     cache: dict[tuple[str, Group], dist.ProcessGroup | None] = {}
+    older_sockets = tcp_inodes()  # not this context's: an abort must leave them alone
 
     def group_of(ranks: Group, kind: str) -> dist.ProcessGroup | None:
         # Identical rank tuples (e.g. TENSOR and PARALLEL_1D) share one process group.
@@ -522,7 +527,9 @@ def create_context(
         for pg in reversed(created):
             dist.destroy_process_group(pg)
         raise
-    monitor = _failure_monitor(store, rank, world, heartbeat_interval)
+    monitor = _failure_monitor(
+        store, rank, world, heartbeat_interval, created, backend, older_sockets
+    )
     return ParallelContext(
         config=parallel,
         full_config=full,
@@ -549,13 +556,21 @@ def _check_heartbeat_interval(interval: float | None) -> None:
 
 
 def _failure_monitor(
-    store: Store | None, rank: int, world: int, heartbeat_interval: float | None
+    store: Store | None,
+    rank: int,
+    world: int,
+    heartbeat_interval: float | None,
+    created: list[dist.ProcessGroup],
+    backend: str,
+    older_sockets: frozenset[int] = frozenset(),
 ) -> FailureMonitor:
-    """The failure board of a new context, in a namespace of its own.
+    """The failure board of a new context, in a namespace of its own, and its group aborter.
 
     Contexts are created in the same order on every rank (their groups are collective), so the
     per-rank count of contexts built on one store names the same board on every rank without
-    a collective; boards of earlier contexts on the same store (tests) stay apart.
+    a collective; boards of earlier contexts on the same store (tests) stay apart. Every rank
+    publishes its TCP endpoints now that its groups are connected, so that an abort can find
+    the gloo links to its peers (see ``tessera.context.abort``).
     """
     store = store if store is not None else default_store()
     if store is None:
@@ -565,4 +580,14 @@ def _failure_monitor(
     except RuntimeError:
         return FailureMonitor(None, None)
     board = FailureBoard(store, f"tessera/failures/{serial}", rank, world)
-    return FailureMonitor(board, float(heartbeat_interval) if heartbeat_interval else None)
+
+    # Only what this context built: the default group (a launcher's, a test harness's) and
+    # anything else the process connected before are not this context's to abort.
+    aborter = GroupAborter(lambda: list(created), backend, store_port(store), older_sockets)
+    with contextlib.suppress(RuntimeError, OSError):
+        board.publish_endpoints(aborter.endpoints())
+    return FailureMonitor(
+        board,
+        float(heartbeat_interval) if heartbeat_interval else None,
+        abort=lambda: aborter.abort(board.peer_endpoints()),
+    )

@@ -15,22 +15,30 @@ rendezvoused on (the TCPStore every torch.distributed job already has).
   daemon thread per rank increments a heartbeat counter in the store every
   ``heartbeat_interval`` seconds, with the name of the innermost guard it is in; a rank whose
   counter stands still for three intervals is reported as dead, with its last known place.
+- Each rank also watches one neighbour's counter (the next rank that has not left, in a ring:
+  constant store traffic per rank at any scale). A neighbour silent for three intervals is
+  declared on the board; every rank sees the declaration within one interval and aborts its
+  groups (``tessera.context.abort``), so a collective blocked on a stopped rank (SIGSTOP, a hung
+  NFS read) raises at once instead of at its timeout.
 
-The time to detection is bounded by the collective timeout (``ParallelContext.timeout``): a
-rank waiting on a failed peer gets the timeout error (or, under gloo, a closed connection at
-once when the peer's process is gone) and turns it into a ``RankFailedError``. Blocked
-collectives cannot be interrupted portably, so the board is read when the collective returns,
-not by interrupting it. Only the error path touches the store: a step that succeeds costs
+The board holds three kinds of post. ``failed``: a rank's own error (the cause). ``silent``: a
+rank declared dead by its watcher. ``affected``: a rank whose collective failed, telling the
+others it was hit; it is never read as the cause, so a rank hit late does not blame an early
+victim. A victim names the first ``failed`` post, else the first ``silent`` one, else a rank
+whose heartbeat stopped (victims excluded), and then aborts its own groups so that ranks still
+blocked on it stop waiting too. Only the error path reads the board: a step that succeeds costs
 nothing but a ``try`` block.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +85,9 @@ _COMMUNICATION_MARKERS = (
 #: Attribute set on an exception once a guard has posted it (nested guards post once).
 _POSTED = "_tessera_failure_posted"
 
+#: Kinds of post: a rank's own error, a rank declared dead by its watcher, a victim's note.
+FAILED, SILENT, AFFECTED = "failed", "silent", "affected"
+
 
 def default_store() -> Store | None:
     """The store of torch.distributed's default group, or None where it cannot be reached.
@@ -115,17 +126,27 @@ def _summary(exc: BaseException) -> str:
 
 @dataclass(frozen=True)
 class FailureReport:
-    """What a failed rank wrote on the board."""
+    """One post on the board: a failure (``kind`` ``failed``), a silent rank, a victim's note.
+
+    For a ``silent`` post, ``rank`` is the rank declared dead (not the poster) and ``where`` its
+    last known place.
+    """
 
     rank: int
     where: str
     error: str
     message: str
     time: float
+    kind: str = FAILED
 
     def describe(self) -> str:
         """One line: ``rank 1 failed in 'engine.step': ValueError: boom``."""
-        return f"rank {self.rank} failed in {self.where!r}: {self.error}: {self.message}"
+        if self.kind == SILENT:
+            return (
+                f"rank {self.rank} stopped responding (last seen in {self.where!r}): {self.message}"
+            )
+        verb = "was affected" if self.kind == AFFECTED else "failed"
+        return f"rank {self.rank} {verb} in {self.where!r}: {self.error}: {self.message}"
 
     def to_json(self) -> str:
         """The stored form."""
@@ -136,6 +157,7 @@ class FailureReport:
                 "error": self.error,
                 "message": self.message,
                 "time": self.time,
+                "kind": self.kind,
             }
         )
 
@@ -149,6 +171,7 @@ class FailureReport:
             str(data["error"]),
             str(data["message"]),
             float(data["time"]),
+            str(data.get("kind", FAILED)),
         )
 
 
@@ -219,8 +242,10 @@ class FailureBoard:
 
     Keys (under ``namespace``): ``count`` (number of posts, via ``add``), ``post/<i>`` (the
     i-th report as JSON), ``beat/<rank>`` (heartbeat counter), ``where/<rank>`` (the innermost
-    guard the rank was last seen in). Every read uses ``check``/``add``, never a blocking
-    ``get`` of a missing key, so reading the board cannot hang.
+    guard the rank was last seen in), ``silent`` (number of ranks declared dead), ``left/<rank>``
+    (the rank stopped its heartbeat on purpose), ``endpoints/<rank>`` (its TCP endpoints, for
+    aborting gloo). Every read uses ``check``/``add``, never a blocking ``get`` of a missing
+    key, so reading the board cannot hang.
     """
 
     def __init__(self, store: Store, namespace: str, rank: int, world_size: int) -> None:
@@ -232,12 +257,51 @@ class FailureBoard:
     def _key(self, *parts: object) -> str:
         return "/".join([self.namespace, *(str(p) for p in parts)])
 
-    def post(self, where: str, exc: BaseException) -> FailureReport:
-        """Write this rank's failure; returns the report."""
-        report = FailureReport(self.rank, where, type(exc).__name__, _summary(exc), time.time())
+    def post(self, where: str, exc: BaseException, kind: str = FAILED) -> FailureReport:
+        """Write this rank's failure (or, kind ``affected``, that it was hit); returns it."""
+        report = FailureReport(
+            self.rank, where, type(exc).__name__, _summary(exc), time.time(), kind
+        )
+        self._write(report)
+        return report
+
+    def _write(self, report: FailureReport) -> None:
         index = self.store.add(self._key("count"), 1)
         self.store.set(self._key("post", index), report.to_json())
+
+    def declare_silent(self, rank: int, seconds: float) -> FailureReport:
+        """Post that ``rank``'s heartbeat stood still for ``seconds``, and raise the flag."""
+        where = self.last_where(rank) or "-"
+        message = f"no heartbeat for {seconds:.1f} s (noticed by rank {self.rank})"
+        report = FailureReport(rank, where, "NoHeartbeat", message, time.time(), SILENT)
+        self._write(report)
+        self.store.add(self._key("silent"), 1)
         return report
+
+    def silent_declared(self) -> bool:
+        """Whether any rank has been declared dead (one store round trip)."""
+        return self.store.add(self._key("silent"), 0) > 0
+
+    def leave(self) -> None:
+        """Say that this rank's heartbeat stops on purpose (its context was destroyed)."""
+        self.store.set(self._key("left", self.rank), "1")
+
+    def has_left(self, rank: int) -> bool:
+        """Whether ``rank`` stopped its heartbeat on purpose."""
+        return bool(self.store.check([self._key("left", rank)]))
+
+    def publish_endpoints(self, endpoints: Sequence[str]) -> None:
+        """Record this rank's TCP endpoints (see ``tessera.context.abort``)."""
+        self.store.set(self._key("endpoints", self.rank), json.dumps(list(endpoints)))
+
+    def peer_endpoints(self) -> list[str]:
+        """Every other rank's published endpoints."""
+        found: list[str] = []
+        for r in range(self.world_size):
+            key = self._key("endpoints", r)
+            if r != self.rank and self.store.check([key]):
+                found.extend(json.loads(self.store.get(key)))
+        return found
 
     def reports(self) -> list[FailureReport]:
         """Every report posted so far, in posting order."""
@@ -258,7 +322,11 @@ class FailureBoard:
 
     def beats(self) -> list[int]:
         """Every rank's heartbeat counter (0: never beat)."""
-        return [self.store.add(self._key("beat", r), 0) for r in range(self.world_size)]
+        return [self.beat_count(r) for r in range(self.world_size)]
+
+    def beat_count(self, rank: int) -> int:
+        """One rank's heartbeat counter (0: never beat)."""
+        return int(self.store.add(self._key("beat", rank), 0))
 
     def last_where(self, rank: int) -> str | None:
         """Where ``rank`` said it was in its last heartbeat, if it said."""
@@ -288,14 +356,56 @@ class _Heartbeat(threading.Thread):
 
     def run(self) -> None:
         sent: str | None = None
+        watch = _Watch(self.board, self.interval)
         while not self.stop_event.is_set():
             where = self.monitor.where
             try:
                 self.board.beat(where if where != sent else None)
+                sent = where
+                if not self.monitor.aborted:
+                    watch.step()
+                    if self.board.silent_declared():
+                        self.monitor.abort()
             except Exception:  # the store went away (job ending): stop beating quietly
                 return
-            sent = where
             self.stop_event.wait(self.interval)
+
+
+class _Watch:
+    """One rank's watch over its ring neighbour's heartbeat (the next rank that has not left).
+
+    Watching one neighbour keeps the store traffic per rank constant at any world size; every
+    rank is watched as long as its predecessor in the ring lives. Time is measured from the
+    last *observed* change, so a slow watcher never declares a live neighbour dead.
+    """
+
+    def __init__(self, board: FailureBoard, interval: float) -> None:
+        self.board = board
+        self.limit = _SILENT_INTERVALS * interval
+        self.target: int | None = self._after(board.rank)
+        self.count = -1
+        self.changed = time.monotonic()
+
+    def _after(self, rank: int) -> int | None:
+        nxt = (rank + 1) % self.board.world_size
+        return None if nxt == self.board.rank else nxt
+
+    def step(self) -> None:
+        target = self.target
+        if target is None:
+            return
+        count = self.board.beat_count(target)
+        now = time.monotonic()
+        if count != self.count:
+            self.count, self.changed = count, now
+            return
+        if count == 0 or now - self.changed < self.limit:
+            return  # not started yet, or not silent long enough
+        if self.board.has_left(target):
+            self.target, self.count, self.changed = self._after(target), -1, now
+            return
+        self.board.declare_silent(target, now - self.changed)
+        self.target = None
 
 
 class FailureMonitor:
@@ -305,16 +415,43 @@ class FailureMonitor:
         board: Where failures are posted (None: guards only re-raise, nothing is detected).
         heartbeat_interval: Seconds between heartbeats; None or 0 disables them (a dead rank is
             then reported as "a rank probably died", without its number).
+        abort: Called once, from the heartbeat thread when a rank is declared dead or from a
+            guard that raises ``RankFailedError``, to make this rank's blocked collectives
+            return (see ``tessera.context.abort``); None: collectives run to their timeout.
     """
 
-    def __init__(self, board: FailureBoard | None, heartbeat_interval: float | None) -> None:
+    def __init__(
+        self,
+        board: FailureBoard | None,
+        heartbeat_interval: float | None,
+        abort: Callable[[], object] | None = None,
+    ) -> None:
         self.board = board
         self.heartbeat_interval = heartbeat_interval or None
         self._where: list[str] = []
         self._thread: _Heartbeat | None = None
+        self._abort = abort
+        self._aborted = False
+        self._abort_lock = threading.Lock()
         if board is not None and self.heartbeat_interval is not None and board.world_size > 1:
             self._thread = _Heartbeat(self, board, self.heartbeat_interval)
             self._thread.start()
+            _RUNNING.add(self)
+
+    @property
+    def aborted(self) -> bool:
+        """Whether this rank's groups were aborted (they cannot be used any more)."""
+        return self._aborted
+
+    def abort(self) -> None:
+        """Abort this rank's groups once (idempotent, thread-safe, never raises)."""
+        with self._abort_lock:
+            if self._aborted:
+                return
+            self._aborted = True
+        if self._abort is not None:
+            with contextlib.suppress(Exception):
+                self._abort()
 
     @property
     def where(self) -> str:
@@ -322,11 +459,20 @@ class FailureMonitor:
         return self._where[-1] if self._where else "-"
 
     def stop(self) -> None:
-        """Stop the heartbeat (before the store and groups go away)."""
+        """Stop the heartbeat (before the store and groups go away), saying so on the board.
+
+        The ``left`` mark keeps this rank's watcher from declaring it dead when ranks finish
+        at different times; the diagnosis of a failed collective still counts a rank that
+        left mid-job as a candidate, since its peers were still waiting for it.
+        """
         thread, self._thread = self._thread, None
+        _RUNNING.discard(self)
         if thread is not None:
             thread.stop_event.set()
             thread.join(timeout=5.0)
+            if self.board is not None:
+                with contextlib.suppress(Exception):
+                    self.board.leave()
 
     @contextmanager
     def guard(self, where: str) -> Iterator[None]:
@@ -353,9 +499,13 @@ class FailureMonitor:
         board = self.board
         if board is None:
             return
-        others = [r for r in board.reports() if r.rank != board.rank]
-        if others:
-            raise self._error(others, where, None)
+        reports = board.reports()
+        cause = _cause(reports, board.rank)
+        if cause is not None:
+            raise self._error(reports, cause, where, None)
+        victims = _victims(reports, board.rank)
+        if victims:
+            raise self._unattributed(reports, where, None, "")
 
     # -- the error path -------------------------------------------------------------------------
 
@@ -389,20 +539,37 @@ class FailureMonitor:
             setattr(exc, _POSTED, True)
 
     def _diagnose(self, board: FailureBoard, exc: BaseException, where: str) -> RankFailedError:
+        error = self._name_the_cause(board, exc, where)
+        # This rank's groups are broken: leave them, so peers still blocked on it fail now.
+        self.abort()
+        return error
+
+    def _name_the_cause(
+        self, board: FailureBoard, exc: BaseException, where: str
+    ) -> RankFailedError:
         interval = self.heartbeat_interval
         window = _SILENT_INTERVALS * interval if interval is not None else _POST_GRACE
+        reports = board.reports()
+        cause = _cause(reports, board.rank)
+        if cause is None:
+            # Tell the others this rank was hit, as a victim: never read as a cause.
+            board.post(where, exc, kind=AFFECTED)
+            with contextlib.suppress(AttributeError):
+                setattr(exc, _POSTED, True)
         before = board.beats() if interval is not None else []
         deadline = time.monotonic() + window
-        while True:
-            others = [r for r in board.reports() if r.rank != board.rank]
-            if others:
-                return self._error(others, where, exc)
-            if time.monotonic() >= deadline:
-                break
+        while cause is None and time.monotonic() < deadline:
             time.sleep(min(0.05, window / 10))
-        stopped = board.stopped_ranks(before, board.beats()) if interval is not None else []
-        # Nobody else posted: this failure is the first news of a problem; tell the others.
-        self._post(board, exc, where)
+            reports = board.reports()
+            cause = _cause(reports, board.rank)
+        if cause is not None:
+            return self._error(reports, cause, where, exc)
+        victims = {r.rank for r in _victims(reports, board.rank)}
+        stopped = [
+            r
+            for r in (board.stopped_ranks(before, board.beats()) if interval is not None else [])
+            if r not in victims
+        ]
         if stopped:
             first = stopped[0]
             last = board.last_where(first)
@@ -411,37 +578,96 @@ class FailureMonitor:
                 f"rank {first} stopped responding{place}: no heartbeat for "
                 f"{window:.1f} s, so its process probably exited, crashed or was killed; "
                 f"silent ranks {stopped}. Rank {board.rank} noticed in {where!r}: "
-                f"{_summary(exc)}",
+                f"{_summary(exc)}{_also(_victims(reports, board.rank))}",
                 rank=first,
                 where=last,
+                reports=reports,
+                observer=board.rank,
+                observed_where=where,
+            )
+        own = [r for r in reports if r.kind == SILENT and r.rank == board.rank]
+        if own:
+            return RankFailedError(
+                f"{own[0].describe()}: this rank was declared dead and its peers left their "
+                f"collectives. Rank {board.rank} stopped in {where!r}: {_summary(exc)}",
+                rank=board.rank,
+                where=own[0].where,
+                reports=reports,
                 observer=board.rank,
                 observed_where=where,
             )
         alive = "every rank still beats" if interval is not None else "no heartbeats"
+        return self._unattributed(reports, where, exc, f" ({alive})")
+
+    def _unattributed(
+        self,
+        reports: Sequence[FailureReport],
+        where: str,
+        exc: BaseException | None,
+        detail: str,
+    ) -> RankFailedError:
+        rank = self.board.rank if self.board is not None else None
+        hit = _also(_victims(reports, rank))
+        seen = f": {_summary(exc)}" if exc is not None else ""
         return RankFailedError(
-            f"rank {board.rank}: a collective failed in {where!r} and no rank reported an "
-            f"error ({alive}); ranks may be waiting in different collectives, or one is stuck "
-            f"outside a guard: {_summary(exc)}",
+            f"rank {rank}: a collective failed in {where!r} and no rank reported an "
+            f"error{detail}; ranks may be waiting in different collectives, or one is stuck "
+            f"outside a guard{seen}{hit}",
             rank=None,
             where=None,
-            observer=board.rank,
+            reports=reports,
+            observer=rank,
             observed_where=where,
         )
 
     def _error(
-        self, reports: Sequence[FailureReport], where: str, exc: BaseException | None
+        self,
+        reports: Sequence[FailureReport],
+        cause: FailureReport,
+        where: str,
+        exc: BaseException | None,
     ) -> RankFailedError:
-        first = reports[0]
         rank = self.board.rank if self.board is not None else "?"
         seen = f" when its collective failed ({_summary(exc)})" if exc is not None else ""
-        more = ""
-        if len(reports) > 1:
-            more = "; also " + "; ".join(r.describe() for r in reports[1:4])
+        rest = [r for r in reports if r is not cause and r.rank != rank]
+        more = "; also " + "; ".join(r.describe() for r in rest[:3]) if rest else ""
         return RankFailedError(
-            f"{first.describe()}{more}. Rank {rank} stopped in {where!r}{seen}",
-            rank=first.rank,
-            where=first.where,
+            f"{cause.describe()}{more}. Rank {rank} stopped in {where!r}{seen}",
+            rank=cause.rank,
+            where=cause.where,
             reports=reports,
             observer=self.board.rank if self.board is not None else None,
             observed_where=where,
         )
+
+
+def _cause(reports: Sequence[FailureReport], me: int | None) -> FailureReport | None:
+    """The first other rank's own failure, else the first rank declared dead; never a victim."""
+    for kind in (FAILED, SILENT):
+        for report in reports:
+            if report.kind == kind and report.rank != me:
+                return report
+    return None
+
+
+def _also(reports: Sequence[FailureReport]) -> str:
+    """``; also rank 0 was affected in ...`` for up to four posts."""
+    return "; also " + "; ".join(r.describe() for r in reports[:4]) if reports else ""
+
+
+def _victims(reports: Sequence[FailureReport], me: int | None) -> list[FailureReport]:
+    """Other ranks' notes that they were hit."""
+    return [r for r in reports if r.kind == AFFECTED and r.rank != me]
+
+
+#: Monitors whose heartbeat runs: a process that ends without destroying its context still
+#: says it left, so its watcher does not declare it dead while the others finish.
+_RUNNING: weakref.WeakSet[FailureMonitor] = weakref.WeakSet()
+
+
+def _stop_running() -> None:
+    for monitor in list(_RUNNING):
+        monitor.stop()
+
+
+atexit.register(_stop_running)

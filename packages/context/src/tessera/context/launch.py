@@ -8,11 +8,14 @@ address needs no brackets and a host name (``localhost``) is resolved by the sto
 default group is created every process announces its rank in the store; this turns the two
 classic launch mistakes into clear errors instead of a silent hang: a rank launched twice, and a
 world size larger than the number of processes (reported with the missing ranks when the
-timeout expires).
+timeout expires). Each rank also leaves a summary of its parallel layout there, and the ranks
+compare them before the first group is built: ranks launched with different layouts would
+otherwise wait in mismatched ``new_group`` calls until the timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from datetime import timedelta
@@ -40,6 +43,41 @@ __all__ = ["launch", "launch_from_openmpi", "launch_from_slurm", "launch_from_to
 
 _JOIN_PREFIX = "tessera/launch"
 
+#: How long the rendezvous waits for every rank when neither ``rendezvous_timeout`` nor
+#: ``timeout`` is given: the processes of a big job may start many minutes apart.
+DEFAULT_RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
+
+
+def layout_summary(parallel: ParallelConfig) -> str:
+    """The layout as ``parallel=dict(...)``, equal on two ranks exactly when their layouts are."""
+    tensor = f"size={parallel.tensor_size}, mode={parallel.tensor_mode!r}"
+    if parallel.tensor_mode == "2.5d":
+        tensor += f", depth={parallel.tensor_depth}"
+    for key, value in sorted(parallel.tensor_args.items()):
+        tensor += f", {key}={value!r}"
+    extra = ""
+    if parallel.extra:
+        names = [e.type if isinstance(e.type, str) else e.type.__qualname__ for e in parallel.extra]
+        extra = f", extra={names!r}"
+    return (
+        f"parallel=dict(data={parallel.data_size}, pipeline={parallel.pipeline_size}, "
+        f"tensor=dict({tensor}){extra})"
+    )
+
+
+def _rank_ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'ranks 0-2, 5'``; ``[3]`` -> ``'rank 3'``."""
+    spans: list[str] = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        spans.append(f"{start}-{prev}" if prev > start else str(start))
+        if r is not None:
+            start = prev = r
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(spans)
+
 
 def _check_not_launched() -> None:
     if current.has_context():
@@ -64,10 +102,14 @@ def _rendezvous(
     *,
     agent_store: bool,
     attempt: str,
+    layout: str = "",
 ) -> TCPStore:
-    """Connect to the store, then wait until every rank has announced itself.
+    """Connect to the store, wait until every rank has announced itself, compare layouts.
 
     Rank 0 hosts the store, unless torchrun's agent already does (then all ranks are clients).
+
+    Raises:
+        ConfigError: the ranks hold different layouts (the same message on every rank).
     """
     where = f"{host}:{port}"
     try:
@@ -86,6 +128,8 @@ def _rendezvous(
             f"{timeout.total_seconds():g} s: {exc}"
         ) from exc
     prefix = f"{_JOIN_PREFIX}/{attempt}"
+    # Written before the announcement: once every rank has joined, every layout is readable.
+    store.set(f"{prefix}/layout/{rank}", layout)
     if store.add(f"{prefix}/rank/{rank}", 1) > 1:
         raise RuntimeError(
             f"rank {rank} was launched twice at {where}; every process needs its own rank in "
@@ -98,6 +142,7 @@ def _rendezvous(
     while True:
         try:
             if store.check(keys):
+                _compare_layouts(store, prefix, rank, world_size, layout, deadline, where)
                 return store
             missing = [r for r, key in enumerate(keys) if not store.check([key])]
         except (RuntimeError, OSError) as exc:
@@ -114,6 +159,70 @@ def _rendezvous(
             )
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
+
+
+def _compare_layouts(
+    store: TCPStore,
+    prefix: str,
+    rank: int,
+    world_size: int,
+    layout: str,
+    deadline: float,
+    where: str,
+) -> None:
+    """Raise the same ConfigError on every rank when the ranks' layouts differ.
+
+    One read per rank when they agree (rank 0's layout, a counter, a wait); the whole table
+    is read only to write the error.
+    """
+    if bytes(store.get(f"{prefix}/layout/0")).decode() != layout:
+        store.add(f"{prefix}/layout_differs", 1)
+    store.set(f"{prefix}/layout_checked/{rank}", "1")
+    if store.add(f"{prefix}/layout_count", 1) == world_size:
+        store.set(f"{prefix}/layout_done", "1")
+    _wait(store, [f"{prefix}/layout_done"], deadline, rank, world_size, where, prefix)
+    if store.add(f"{prefix}/layout_differs", 0) == 0:
+        return
+    held: dict[str, list[int]] = {}
+    for r in range(world_size):
+        held.setdefault(bytes(store.get(f"{prefix}/layout/{r}")).decode(), []).append(r)
+    # The host of the store keeps it open until every rank has read the table.
+    if store.add(f"{prefix}/layout_read", 1) == world_size:
+        store.set(f"{prefix}/layout_read_done", "1")
+    with contextlib.suppress(RuntimeError, OSError):
+        remaining = max(deadline - time.monotonic(), 0.1)
+        store.wait([f"{prefix}/layout_read_done"], timedelta(seconds=remaining))
+    table = "; ".join(f"{_rank_ranges(ranks)} hold {text}" for text, ranks in held.items())
+    raise ConfigError(
+        f"the ranks were launched with different parallel layouts: {table}. Every rank must "
+        "get the same configuration (is an old config file left on some nodes?)"
+    )
+
+
+def _wait(
+    store: TCPStore,
+    keys: list[str],
+    deadline: float,
+    rank: int,
+    world_size: int,
+    where: str,
+    prefix: str,
+) -> None:
+    """``store.wait`` until the deadline; on timeout name the ranks that did not compare."""
+    remaining = deadline - time.monotonic()
+    try:
+        store.wait(keys, timedelta(seconds=max(remaining, 0.1)))
+    except (RuntimeError, OSError) as exc:
+        try:
+            missing = [
+                r for r in range(world_size) if not store.check([f"{prefix}/layout_checked/{r}"])
+            ]
+        except (RuntimeError, OSError):
+            missing = []
+        raise RuntimeError(
+            f"rank {rank}: ranks {missing} joined the rendezvous at {where} but did not compare "
+            f"their parallel layouts in time (did they die?): {exc}"
+        ) from exc
 
 
 def _missing_message(world_size: int, missing: list[int], where: str, timeout: timedelta) -> str:
@@ -148,18 +257,21 @@ def launch(
         local_rank: Index of this process on its node (picks ``cuda:<local_rank>``); default
             ``rank % torch.cuda.device_count()``.
         seed: Base seed (see ``ParallelContext.reseed``).
-        timeout: Seconds or timedelta for every collective, and for the rendezvous unless
-            ``rendezvous_timeout`` is given (default 30 minutes). A rank waiting on a failed
-            peer raises ``RankFailedError`` at the latest when its collective times out (see
-            ``ParallelContext.guard``).
+        timeout: Seconds or timedelta for every collective (default ``DEFAULT_TIMEOUT``, five
+            minutes), and for the rendezvous unless ``rendezvous_timeout`` is given. A rank
+            waiting on a failed peer raises ``RankFailedError`` at the latest when its
+            collective times out; on a dead or stopped peer much sooner, from the heartbeats
+            (see ``ParallelContext.guard``).
         heartbeat_interval: Seconds between heartbeats in the rendezvous store, which let
-            the other ranks name a rank that died without raising; None or 0 turns them off.
+            the other ranks name a rank that died without raising, and abort the groups when a
+            rank stops answering for three intervals; None or 0 turns them off.
         rendezvous_timeout: Seconds or timedelta the rendezvous waits for every rank (default
-            ``timeout``): processes may start far apart, while collectives can then run under
-            a short ``timeout``.
+            ``timeout`` when given, else 30 minutes): processes may start far apart, while
+            collectives can then run under a short ``timeout``.
 
     Raises:
-        ConfigError: invalid configuration (before any network traffic).
+        ConfigError: invalid configuration (before any network traffic), or ranks launched
+            with different parallel layouts (at the rendezvous, before any group exists).
         ValueError: rank, world size or port out of range.
         RuntimeError: already launched, or the rendezvous failed (with the missing ranks).
     """
@@ -209,7 +321,10 @@ def _launch(
     td = as_timedelta(timeout)
     # Processes of a big job start minutes apart, while a collective should fail in seconds
     # when a peer is gone: the two waits have their own limits.
-    rendezvous_td = td if rendezvous_timeout is None else as_timedelta(rendezvous_timeout)
+    if rendezvous_timeout is not None:
+        rendezvous_td = as_timedelta(rendezvous_timeout)
+    else:
+        rendezvous_td = td if timeout is not None else DEFAULT_RENDEZVOUS_TIMEOUT
     _check_heartbeat_interval(heartbeat_interval)
 
     if backend is None:
@@ -225,7 +340,14 @@ def _launch(
         device = torch.device("cpu")
 
     joined = _rendezvous(
-        host, port, rank, world_size, rendezvous_td, agent_store=agent_store, attempt=attempt
+        host,
+        port,
+        rank,
+        world_size,
+        rendezvous_td,
+        agent_store=agent_store,
+        attempt=attempt,
+        layout=layout_summary(parallel),
     )
     # torchrun's agent store outlives a failed attempt: the keys of the dead processes (their
     # gloo/NCCL addresses) are still there when the restarted ones meet. A prefix per restart
