@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -290,3 +292,139 @@ def test_data_position_survives_a_change_of_batch_layout(tmp_path: Path) -> None
     full_order = torch.cat([*seen, *(b for (b,) in it)])
     assert torch.equal(torch.cat([*seen, rest]), full_order)
     assert other.batches_consumed == 20
+
+
+# ---------------------------------------------------------------- a crash while overwriting
+
+
+class _Crash(BaseException):
+    """The process stops here (no handler runs: a kill, a power cut)."""
+
+
+def _linear_save(path: Path, step: int) -> nn.Linear:
+    torch.manual_seed(step)
+    model = nn.Linear(2, 2)
+    save_checkpoint(path, CheckpointParts(model), step=step)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("crash", "survivor"),
+    [("first_rename", 1), ("between_renames", 1), ("removing_the_old", 2)],
+)
+def test_a_crash_while_overwriting_keeps_a_complete_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crash: str, survivor: int
+) -> None:
+    """Overwrite ``step_00000005`` (step 1) with step 2, crashing at each point of ``publish``."""
+    _linear_save(tmp_path / "step_00000004", 0)  # older: pruned
+    name = tmp_path / "step_00000005"
+    _linear_save(name, 1)
+    renames = 0
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any) -> None:
+        nonlocal renames
+        if Path(src).parent != tmp_path:  # not a directory that publish moves
+            real_rename(src, dst)
+            return
+        renames += 1
+        if crash == "first_rename" and renames == 1:
+            raise _Crash
+        real_rename(src, dst)
+        if crash == "between_renames" and renames == 1:
+            raise _Crash
+
+    def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        raise _Crash
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "rename", rename)
+        patch.setattr(os, "replace", rename)
+        if crash == "removing_the_old":
+            patch.setattr(shutil, "rmtree", rmtree)
+        with pytest.raises(_Crash):
+            _linear_save(name, 2)
+    assert renames == (1 if crash != "removing_the_old" else 2)
+
+    def check() -> Path:
+        found = latest_checkpoint(tmp_path)
+        assert found is not None, sorted(p.name for p in tmp_path.iterdir())
+        model = nn.Linear(2, 2)
+        assert load_checkpoint(found, CheckpointParts(model)).step == survivor
+        torch.manual_seed(survivor)
+        assert torch.equal(model.weight, nn.Linear(2, 2).weight)
+        return found
+
+    found = check()
+    prune_checkpoints(tmp_path, keep_last=1)
+    assert check() == found  # the pruning kept it
+    assert not (tmp_path / "step_00000004").exists()
+    assert len(list(tmp_path.iterdir())) == 1, sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_pruning_keeps_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        _linear_save(tmp_path / f"step_{step:08d}", step)
+    data = tmp_path / "step_00000003" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])  # step 3 is newest but incomplete
+    removed = prune_checkpoints(tmp_path, keep_last=1)
+    assert [p.name for p in removed] == ["step_00000001"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000002"
+
+
+# ---------------------------------------------------------------- a file that does not decode
+
+
+def _rewrite_manifest(path: Path, name: str) -> None:
+    """Make the manifest match ``name`` again, as a tampering or a bad copy tool would."""
+    from tessera.engine.checkpoint.files import sha256_file
+
+    manifest = json.loads((path / "manifest.json").read_text())
+    target = path / name
+    manifest["files"][name] = {"bytes": target.stat().st_size, "sha256": sha256_file(target)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("victim", "damage"),
+    [
+        ("rank_00000.pt", "refused"),  # the weights-only unpickler says no
+        ("__0_0.distcp", "garbage"),  # DCP's CheckpointException, a BaseException
+        ("metadata.json", "no_storage"),
+        ("state.json", "a_list"),
+        ("rank_00000.pt", "missing_unverified"),
+    ],
+)
+def test_every_load_failure_is_a_corrupt_error_naming_the_file(
+    tmp_path: Path, victim: str, damage: str
+) -> None:
+    path = tmp_path / "c"
+    _save(path)
+    target = path / victim
+    if damage == "refused":
+        torch.save({"rng": datetime.date(2024, 1, 1)}, target)
+    elif damage == "garbage":
+        target.write_bytes(bytes((b + 1) % 256 for b in target.read_bytes()))
+    elif damage == "no_storage":
+        metadata = json.loads(target.read_text())
+        del metadata["storage"]
+        target.write_text(json.dumps(metadata))
+    elif damage == "a_list":
+        target.write_text("[]")
+    if damage == "missing_unverified":
+        target.unlink()
+    else:
+        _rewrite_manifest(path, victim)
+    model, opt, sched = _fresh()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CheckpointCorruptError) as err:
+        load_checkpoint(
+            path, CheckpointParts(model, opt, sched), verify=damage != "missing_unverified"
+        )
+    assert str(target) in str(err.value)
+    if victim != "__0_0.distcp":  # found before any tensor was read: nothing changed
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        assert not opt.state and sched.last_epoch == 0
+    else:
+        with pytest.raises(CheckpointCorruptError, match=victim):
+            export_torch_state_dict(path)

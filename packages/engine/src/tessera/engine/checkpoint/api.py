@@ -19,20 +19,17 @@ from rank 0's file when the layout changed.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import uuid
-import warnings
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from tessera.context import ParallelContext, ParallelMode
@@ -40,7 +37,7 @@ from tessera.context import ParallelContext, ParallelMode
 from ..engine import Engine
 from .blocks import Block, block_of, model_tensors, parameter_names, unwrap_modules
 from .comm import Comm
-from .errors import CheckpointCorruptError, CheckpointError
+from .errors import CheckpointCorruptError, CheckpointError, describe
 from .files import (
     FORMAT,
     FORMAT_VERSION,
@@ -54,14 +51,8 @@ from .files import (
     write_json,
 )
 from .optimizer_state import optimizer_parts, prepare_optimizer_load
-from .planners import (
-    METADATA_JSON,
-    BlockLoadPlanner,
-    BlockSavePlanner,
-    JsonMetadataReader,
-    metadata_from_json,
-    metadata_to_json,
-)
+from .planners import METADATA_JSON, BlockSavePlanner, metadata_from_json, metadata_to_json
+from .reading import quiet_single_process, read_blocks, read_rank_file
 from .rng import capture_rng, restore_rng
 
 __all__ = [
@@ -222,22 +213,23 @@ def _collisions(gathered: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-@contextlib.contextmanager
-def quiet_single_process(comm: Comm) -> Iterator[None]:
-    """Silence DCP's warning that it runs in one process when that is what we asked for."""
-    with warnings.catch_warnings():
-        if not comm.distributed:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+def _raise_all(problems: list[str], what: str, corrupt: Sequence[str] = ()) -> None:
+    """Raise one error listing every problem (the same lists on every rank: gathered).
 
-
-def _raise_all(problems: list[str], what: str) -> None:
-    """Raise one error listing ``problems`` (the same list on every rank: gathered)."""
-    unique = list(dict.fromkeys(problems))
+    ``CheckpointCorruptError`` when a file does not decode (``corrupt``), else
+    ``CheckpointError`` when the checkpoint does not fit the parts (``problems``).
+    """
+    unique = list(dict.fromkeys([*corrupt, *problems]))
     if unique:
         shown = unique[:20]
         more = f"\n  ... and {len(unique) - 20} more" if len(unique) > 20 else ""
-        raise CheckpointError(f"{what}:\n  " + "\n  ".join(shown) + more)
+        error = CheckpointCorruptError if corrupt else CheckpointError
+        raise error(f"{what}:\n  " + "\n  ".join(shown) + more)
+
+
+def _agree_corrupt(comm: Comm, corrupt: list[str], what: str) -> None:
+    """Raise ``CheckpointCorruptError`` on every rank if any rank found a file at fault."""
+    _raise_all([], what, [e for found in comm.all_gather(corrupt) for e in found])
 
 
 def save_checkpoint(
@@ -272,10 +264,19 @@ def save_checkpoint(
 
     Raises:
         CheckpointError: on every rank, when any rank cannot describe its state.
+        tessera.context.RankFailedError: another rank failed in the middle of the save (it is
+            named; the save runs in the context's guard ``"checkpoint.save"``).
     """
     parts = CheckpointParts.of(engine_or_parts, lr_scheduler, dataloader)
     comm = Comm(parts.context)
-    final = Path(path).absolute()
+    with comm.guard("checkpoint.save"):
+        return _save(Path(path).absolute(), parts, comm, step, epoch, extra)
+
+
+def _save(
+    final: Path, parts: CheckpointParts, comm: Comm, step: int, epoch: int, extra: Any
+) -> Path:
+    """``save_checkpoint`` inside its guard."""
     # 1. A fresh temporary directory, named by rank 0.
     token, setup_error = None, None
     if comm.is_coordinator:
@@ -391,7 +392,7 @@ def save_checkpoint(
 
 
 def _saved_tensors(directory: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    metadata = metadata_from_json(read_json(directory / METADATA_JSON))
+    metadata = metadata_from_json(read_json(directory / METADATA_JSON), directory / METADATA_JSON)
     out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for key, md in metadata.state_dict_metadata.items():
         assert hasattr(md, "properties") and hasattr(md, "size")
@@ -412,6 +413,9 @@ def load_checkpoint(
 
     Every rank of the job must call it (collective). The files are first checked against the
     manifest; nothing is unpickled (tensor data with ``weights_only=True``, metadata from JSON).
+    Every failure is raised on every rank alike, before any rank moves on to a collective its
+    peers will not join: the ranks agree after reading their files, after reading the tensors
+    and after restoring the rest.
 
     Args:
         path: A checkpoint directory written by ``save_checkpoint``.
@@ -428,112 +432,165 @@ def load_checkpoint(
         The step, epoch and ``extra`` recorded.
 
     Raises:
-        CheckpointCorruptError: a file is missing, truncated or altered (named).
-        CheckpointError: keys or shapes do not match the model (named).
+        CheckpointCorruptError: a file is missing, truncated, altered or does not decode
+            (named); nothing was changed when it is found before the tensor data is read
+            (checksums, ``state.json``, ``metadata.json``, the rank files).
+        CheckpointError: keys or shapes do not match the model (named); nothing was changed.
+        tessera.context.RankFailedError: another rank failed in the middle of the load (it is
+            named; the load runs in the context's guard ``"checkpoint.load"``).
     """
     parts = CheckpointParts.of(engine_or_parts, lr_scheduler, dataloader)
     comm = Comm(parts.context)
-    directory = Path(path).absolute()
+    with comm.guard("checkpoint.load"):
+        return _load(Path(path).absolute(), parts, comm, strict, verify)
+
+
+@dataclass
+class _Found:
+    """What one rank read and matched before any tensor is read (the parts are untouched)."""
+
+    corrupt: list[str] = field(default_factory=list)  # files that do not decode
+    errors: list[str] = field(default_factory=list)  # the checkpoint does not fit the parts
+    names: list[str] = field(default_factory=list)
+    blocks: dict[str, Block] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+    own: dict[str, Any] = field(default_factory=dict)
+    own_path: Path | None = None
+    same_layout: bool = False
+    step: int = 0
+    epoch: int = 0
+    finish_optimizer: Callable[[], None] | None = None
+
+
+def _load(
+    directory: Path, parts: CheckpointParts, comm: Comm, strict: bool, verify: bool
+) -> CheckpointInfo:
+    """``load_checkpoint`` inside its guard: read, agree, read tensors, agree, restore, agree."""
+    what = f"cannot load {directory}"
     if verify:
         verify_checkpoint(directory, comm)
+    found = _read_own_files(directory, comm)
+    if not found.corrupt:
+        _match(directory, parts, strict, found)
+    gathered = comm.all_gather(
+        {"corrupt": found.corrupt, "errors": found.errors, "names": found.names}
+    )
+    corrupt = [e for g in gathered for e in g["corrupt"]]
+    problems = [e for g in gathered for e in g["errors"]]
+    if strict and not corrupt:
+        present = {n for g in gathered for n in g["names"]}
+        unexpected = sorted(set(found.state.get("model_keys", [])) - present)
+        if unexpected:
+            problems.append(f"the checkpoint holds tensors the model lacks: {unexpected[:10]}")
+    _raise_all(problems, what, corrupt)
+
     errors: list[str] = []
-    blocks: dict[str, Block] = {}
-    names: list[str] = []
-    finish_optimizer = None
-    state: dict[str, Any] = {}
     try:
-        state = read_json(directory / STATE_JSON)
+        read_blocks(directory, found.blocks, comm)
+    except CheckpointCorruptError as exc:
+        errors.append(str(exc))
+    _agree_corrupt(comm, errors, what)
+    _agree_corrupt(comm, _restore(directory, parts, comm, found), what)
+    return CheckpointInfo(
+        path=directory,
+        step=found.step,
+        epoch=found.epoch,
+        extra=found.own.get("extra"),
+        same_layout=found.same_layout,
+        dataloader=found.own.get("dataloader"),
+    )
+
+
+def _read_own_files(directory: Path, comm: Comm) -> _Found:
+    """``state.json``, the tensor index and this rank's own file (rank 0's after a relayout)."""
+    found = _Found()
+    try:
+        found.state = read_json(directory / STATE_JSON)
+        try:
+            found.step = int(found.state.get("step", 0))
+            found.epoch = int(found.state.get("epoch", 0))
+        except (TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(f"{directory / STATE_JSON}: {describe(exc)}") from exc
+        found.same_layout = found.state.get("layout") == _layout(comm)
+        found.own_path = directory / rank_file(comm.rank if found.same_layout else 0)
+        found.own = read_rank_file(found.own_path)
+    except CheckpointCorruptError as exc:
+        found.corrupt.append(str(exc))
+    return found
+
+
+def _match(directory: Path, parts: CheckpointParts, strict: bool, found: _Found) -> None:
+    """The blocks to read into, and what does not fit (``found.errors``) or decode."""
+    try:
         saved = _saved_tensors(directory)
         modules = unwrap_modules(parts.model)
         for name, tensor in model_tensors(modules):
-            names.append(name)
+            found.names.append(name)
             key = MODEL_PREFIX + name
             block = block_of(name, tensor)
             if key not in saved:
                 if strict:
-                    errors.append(f"{name} (global shape {list(block.global_shape)}) is not in "
-                                  "the checkpoint")  # fmt: skip
+                    found.errors.append(f"{name} (global shape {list(block.global_shape)}) is "
+                                        "not in the checkpoint")  # fmt: skip
                 continue
             saved_shape = saved[key][1]
             if saved_shape != block.global_shape:
-                errors.append(
+                found.errors.append(
                     f"{name}: the checkpoint holds global shape {list(saved_shape)}, the model "
                     f"{list(block.global_shape)}"
                 )
                 continue
-            blocks[key] = block
+            found.blocks[key] = block
         if parts.optimizer is not None:
-            if not state.get("has_optimizer"):
+            if not found.state.get("has_optimizer"):
                 if strict:
-                    errors.append("the checkpoint holds no optimizer state")
+                    found.errors.append("the checkpoint holds no optimizer state")
             else:
-                oblocks, finish_optimizer, oerrors = prepare_optimizer_load(
+                oblocks, found.finish_optimizer, oerrors = prepare_optimizer_load(
                     parts.optimizer,
                     parameter_names(modules),
                     saved,
-                    state.get("optimizer_values", {}),
-                    state.get("param_groups", {}),
+                    found.state.get("optimizer_values", {}),
+                    found.state.get("param_groups", {}),
                     strict,
                 )
-                errors.extend(oerrors)
-                blocks.update(oblocks)
+                found.errors.extend(oerrors)
+                found.blocks.update(oblocks)
+        if strict and parts.lr_scheduler is not None and found.own.get("lr_scheduler") is None:
+            found.errors.append("the checkpoint holds no lr scheduler state")
+        if strict and parts.dataloader is not None and found.own.get("dataloader") is None:
+            found.errors.append("the checkpoint holds no data loader position")
+    except CheckpointCorruptError as exc:
+        found.corrupt.append(str(exc))
     except CheckpointError as exc:
-        errors.append(str(exc))
-    gathered = comm.all_gather({"errors": errors, "names": names})
-    problems = [e for g in gathered for e in g["errors"]]
-    if strict and state:
-        present = {n for g in gathered for n in g["names"]}
-        unexpected = sorted(set(state.get("model_keys", [])) - present)
-        if unexpected:
-            problems.append(f"the checkpoint holds tensors the model lacks: {unexpected[:10]}")
-    _raise_all(problems, f"cannot load {directory}")
-
-    with torch.no_grad(), quiet_single_process(comm):
-        dcp_load(
-            {key: b.local for key, b in blocks.items()},
-            storage_reader=JsonMetadataReader(directory),
-            planner=BlockLoadPlanner(blocks),
-            process_group=comm.group,
-            no_dist=not comm.distributed,
+        found.errors.append(str(exc))
+    except Exception as exc:  # what state.json / metadata.json say is not what tessera writes
+        found.corrupt.append(
+            f"{directory / STATE_JSON} and {directory / METADATA_JSON} do not describe state "
+            f"these parts can take: {describe(exc)}"
         )
-    if finish_optimizer is not None:
-        finish_optimizer()
-    return _load_rank_state(directory, parts, comm, state, strict)
 
 
-def _load_rank_state(
-    directory: Path, parts: CheckpointParts, comm: Comm, state: dict[str, Any], strict: bool
-) -> CheckpointInfo:
-    same_layout = state.get("layout") == _layout(comm)
-    name = rank_file(comm.rank if same_layout else 0)
-    errors: list[str] = []
-    own: dict[str, Any] = {}
+def _restore(directory: Path, parts: CheckpointParts, comm: Comm, found: _Found) -> list[str]:
+    """Hand the optimizer its state and restore this rank's own file; returns what failed."""
+    failed: list[str] = []
     try:
-        loaded = torch.load(directory / name, weights_only=True, map_location="cpu")
-        if not isinstance(loaded, dict):
-            raise CheckpointCorruptError(f"{directory / name} does not hold a dict")
-        own = loaded
-        if strict and parts.lr_scheduler is not None and own.get("lr_scheduler") is None:
-            errors.append("the checkpoint holds no lr scheduler state")
-        if strict and parts.dataloader is not None and own.get("dataloader") is None:
-            errors.append("the checkpoint holds no data loader position")
-    except (OSError, RuntimeError) as exc:
-        errors.append(f"{directory / name} cannot be read: {exc}")
-    comm.agree(errors, f"cannot load {directory}", CheckpointError)
-    if parts.engine is not None and own.get("engine") is not None:
-        parts.engine.load_progress_state_dict(own["engine"])
-    if parts.lr_scheduler is not None and own.get("lr_scheduler") is not None:
-        parts.lr_scheduler.load_state_dict(own["lr_scheduler"])
-    loader_state = own.get("dataloader")
-    if parts.dataloader is not None and loader_state is not None:
-        parts.dataloader.load_state_dict(loader_state)
-    if same_layout and own.get("rng") is not None:
-        restore_rng(own["rng"], comm.context)
-    return CheckpointInfo(
-        path=directory,
-        step=int(state.get("step", 0)),
-        epoch=int(state.get("epoch", 0)),
-        extra=own.get("extra"),
-        same_layout=same_layout,
-        dataloader=loader_state,
-    )
+        if found.finish_optimizer is not None:
+            found.finish_optimizer()
+    except Exception as exc:
+        failed.append(f"{directory / STATE_JSON}: the optimizer state does not restore: "
+                      f"{describe(exc)}")  # fmt: skip
+    own = found.own
+    try:
+        if parts.engine is not None and own.get("engine") is not None:
+            parts.engine.load_progress_state_dict(own["engine"])
+        if parts.lr_scheduler is not None and own.get("lr_scheduler") is not None:
+            parts.lr_scheduler.load_state_dict(own["lr_scheduler"])
+        loader_state = own.get("dataloader")
+        if parts.dataloader is not None and loader_state is not None:
+            parts.dataloader.load_state_dict(loader_state)
+        if found.same_layout and own.get("rng") is not None:
+            restore_rng(own["rng"], comm.context)
+    except Exception as exc:
+        failed.append(f"{found.own_path}: its state does not restore: {describe(exc)}")
+    return failed

@@ -3,11 +3,15 @@
 Every rank of the job takes part in a save and a load. Before any rank enters a collective
 that could wait for a rank that gave up, all ranks exchange their local verdicts (``agree``),
 so an error found on one rank (a missing key, a bad shape, a corrupt file) is raised on every
-rank instead of leaving the others blocked until the timeout.
+rank instead of leaving the others blocked until the timeout. What cannot be agreed on (a rank
+that stops in the middle) is left to the context's failure board: saves and loads run inside
+``guard``, so the ranks left waiting name the rank that stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -104,6 +108,29 @@ class Comm:
             shown = lines[:20]
             more = f"\n... and {len(lines) - 20} more" if len(lines) > 20 else ""
             raise error(f"{what}:\n  " + "\n  ".join(shown) + more)
+
+    @contextlib.contextmanager
+    def guard(self, where: str) -> Iterator[None]:
+        """Run a save or load inside the context's failure guard, when there is a context.
+
+        A rank that fails alone is posted on the failure board, so the ranks left waiting for
+        it raise ``RankFailedError`` naming it and ``where``. A ``CheckpointError`` is only
+        ever raised by every rank together (after ``agree``): it blames no rank, so it is not
+        posted, and a caller that handles it (e.g. tries an older checkpoint) leaves no stale
+        report to be blamed for a later failure.
+        """
+        guard = getattr(self.context, "guard", None)
+        if guard is None:
+            yield
+            return
+        agreed: CheckpointError | None = None
+        with guard(where):
+            try:
+                yield
+            except CheckpointError as exc:
+                agreed = exc
+        if agreed is not None:
+            raise agreed
 
     def barrier(self) -> None:
         """Wait for every rank (through a gather, so it honours the group's timeout)."""

@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from .api import MODEL_PREFIX, quiet_single_process
+from .api import MODEL_PREFIX
 from .blocks import Block
 from .comm import Comm
 from .files import fsync_dir, read_json, verify_checkpoint
-from .planners import METADATA_JSON, BlockLoadPlanner, JsonMetadataReader, metadata_from_json
+from .planners import METADATA_JSON, metadata_from_json
+from .reading import read_blocks
 
 __all__ = ["export_torch_state_dict", "main"]
 
@@ -41,11 +41,12 @@ def export_torch_state_dict(
         ``{name: full tensor}`` in the dtype it was saved in.
 
     Raises:
-        CheckpointCorruptError: a file of the checkpoint is missing or altered.
+        CheckpointCorruptError: a file of the checkpoint is missing, altered or does not
+            decode (named).
     """
     directory = Path(path).absolute()
     verify_checkpoint(directory, Comm.local())
-    metadata = metadata_from_json(read_json(directory / METADATA_JSON))
+    metadata = metadata_from_json(read_json(directory / METADATA_JSON), directory / METADATA_JSON)
     blocks: dict[str, Block] = {}
     for key, md in metadata.state_dict_metadata.items():
         if not key.startswith(MODEL_PREFIX):
@@ -53,13 +54,7 @@ def export_torch_state_dict(
         assert hasattr(md, "properties") and hasattr(md, "size")
         shape = tuple(int(s) for s in md.size)
         blocks[key] = Block(torch.empty(shape, dtype=md.properties.dtype), shape, (0,) * len(shape))
-    with torch.no_grad(), quiet_single_process(Comm.local()):
-        dcp_load(
-            {key: b.local for key, b in blocks.items()},
-            storage_reader=JsonMetadataReader(directory),
-            planner=BlockLoadPlanner(blocks),
-            no_dist=True,
-        )
+    read_blocks(directory, blocks, Comm.local())
     state = {key[len(MODEL_PREFIX) :]: b.local for key, b in blocks.items()}
     if out_file is not None:
         out = Path(out_file).absolute()

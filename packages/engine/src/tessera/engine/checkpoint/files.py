@@ -5,8 +5,13 @@ when every rank has finished and ``manifest.json`` (size and sha256 of every fil
 does rank 0 rename it to the final name and fsync the parent directory. A rename within one
 directory is atomic on POSIX file systems, so the final name either does not exist or names a
 complete checkpoint: a process killed during a save leaves only a temporary directory, and the
-previous checkpoint untouched. Overwriting a name moves the old directory aside first and
-deletes it only after the new one is in place.
+previous checkpoint untouched.
+
+Overwriting a name takes two renames (POSIX cannot rename a directory over a non-empty one):
+the old directory is moved aside to ``.<name>.old-<token>``, made durable, and only then the
+new one takes the name; the aside copy is deleted last. A crash between the two renames
+leaves the name empty and the previous checkpoint, still complete, under its aside name, which
+``latest_checkpoint`` and ``prune_checkpoints`` treat as that step's checkpoint (discovery.py).
 
 The manifest also catches what happens after publication (a disk that truncates a file, a
 copy that lost bytes): ``verify_checkpoint`` recomputes every checksum before anything is
@@ -31,7 +36,9 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
+    "aside_dir",
     "fsync_dir",
+    "is_complete",
     "publish",
     "read_json",
     "sha256_file",
@@ -103,14 +110,65 @@ def temporary_dir(final: Path, token: str) -> Path:
     return final.parent / f".{final.name}.tmp-{token}"
 
 
+def aside_dir(final: Path, token: str) -> Path:
+    """Where ``publish`` moves the checkpoint it replaces until the new one has its name."""
+    return final.parent / f".{final.name}.old-{token}"
+
+
+def _read_manifest(directory: Path) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]]:
+    """A checkpoint's manifest and its ``(file name, {"bytes", "sha256"})`` entries, sorted.
+
+    Raises:
+        CheckpointCorruptError: no directory, no manifest, or not one this version reads.
+    """
+    if not directory.is_dir():
+        raise CheckpointCorruptError(f"{directory} is not a checkpoint directory")
+    manifest = read_json(directory / MANIFEST)
+    if manifest.get("format") != FORMAT:
+        raise CheckpointCorruptError(f"{directory / MANIFEST} is not a {FORMAT} manifest")
+    try:
+        version = int(manifest.get("version", 0))
+        files = sorted(manifest.get("files", {}).items())
+        if not all(isinstance(name, str) and isinstance(e, dict) for name, e in files):
+            raise TypeError("an entry of 'files' is not a {bytes, sha256} object")
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointCorruptError(f"{directory / MANIFEST} is malformed: {exc}") from exc
+    if version > FORMAT_VERSION:
+        raise CheckpointCorruptError(
+            f"{directory} has format version {version}; this tessera-engine reads up to "
+            f"{FORMAT_VERSION}"
+        )
+    return manifest, files
+
+
+def is_complete(path: str | os.PathLike[str]) -> bool:
+    """Whether a checkpoint has its manifest and every file at the size it lists.
+
+    A cheap test (no checksum is recomputed) for deciding what may be deleted: a save that
+    never finished, or a directory half deleted, fails it; a flipped bit does not.
+    """
+    directory = Path(path)
+    try:
+        _, files = _read_manifest(directory)
+        return all(
+            (directory / name).is_file() and (directory / name).stat().st_size == e.get("bytes")
+            for name, e in files
+        )
+    except (CheckpointCorruptError, OSError):
+        return False
+
+
 def _check_file(directory: Path, name: str, expected: Mapping[str, Any]) -> str | None:
     path = directory / name
     if not path.is_file():
         return f"{path} is missing (listed in {MANIFEST})"
-    size = path.stat().st_size
-    if size != expected.get("bytes"):
-        return f"{path} has {size} bytes, {MANIFEST} says {expected.get('bytes')} (truncated?)"
-    digest = sha256_file(path)
+    try:
+        size = path.stat().st_size
+        if size != expected.get("bytes"):
+            return f"{path} has {size} bytes, {MANIFEST} says {expected.get('bytes')} (truncated?)"
+        digest = sha256_file(path)
+    except OSError as exc:  # e.g. unreadable on this rank's node: reported, not raised alone
+        return f"{path} cannot be read: {exc}"
     if digest != expected.get("sha256"):
         return f"{path} has sha256 {digest}, {MANIFEST} says {expected.get('sha256')} (corrupted)"
     return None
@@ -132,17 +190,7 @@ def verify_checkpoint(path: str | os.PathLike[str], comm: Comm | None = None) ->
     errors: list[str] = []
     manifest: dict[str, Any] = {}
     try:
-        if not directory.is_dir():
-            raise CheckpointCorruptError(f"{directory} is not a checkpoint directory")
-        manifest = read_json(directory / MANIFEST)
-        if manifest.get("format") != FORMAT:
-            raise CheckpointCorruptError(f"{directory / MANIFEST} is not a {FORMAT} manifest")
-        if int(manifest.get("version", 0)) > FORMAT_VERSION:
-            raise CheckpointCorruptError(
-                f"{directory} has format version {manifest.get('version')}; this tessera-engine "
-                f"reads up to {FORMAT_VERSION}"
-            )
-        files = sorted(manifest.get("files", {}).items())
+        manifest, files = _read_manifest(directory)
         for i, (name, expected) in enumerate(files):
             if i % comm.world_size == comm.rank:
                 problem = _check_file(directory, name, expected)
@@ -155,10 +203,15 @@ def verify_checkpoint(path: str | os.PathLike[str], comm: Comm | None = None) ->
 
 
 def publish(tmp: Path, final: Path, token: str) -> None:
-    """Atomically make ``tmp`` (complete, fsynced) visible as ``final`` (rank 0 only).
+    """Make ``tmp`` (complete, fsynced) visible as ``final`` (rank 0 only).
+
+    At every point a complete checkpoint is reachable: ``final`` (old or new), or the old one
+    under ``aside_dir(final, token)`` between the two renames of an overwrite. A failed second
+    rename moves the old directory back.
 
     Raises:
         CheckpointError: ``final`` exists and is not a directory.
+        OSError: a rename failed (the previous checkpoint, if any, is back at ``final``).
     """
     fsync_dir(tmp)
     parent = final.parent
@@ -166,9 +219,16 @@ def publish(tmp: Path, final: Path, token: str) -> None:
     if final.exists() or final.is_symlink():
         if not final.is_dir():
             raise CheckpointError(f"{final} exists and is not a checkpoint directory")
-        old = parent / f".{final.name}.old-{token}"
+        old = aside_dir(final, token)
         os.rename(final, old)
-    os.rename(tmp, final)
+        fsync_dir(parent)  # the aside name is durable before the final name is reused
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if old is not None:
+            with contextlib.suppress(OSError):
+                os.rename(old, final)
+        raise
     fsync_dir(parent)
     if old is not None:
         with contextlib.suppress(OSError):

@@ -15,7 +15,9 @@ Why a reader of our own: DCP's ``FileSystemReader.read_metadata`` ``pickle.load`
 ``.metadata`` file, i.e. runs whatever a crafted file asks for. The tensor data itself is read
 with ``torch.load(weights_only=True)``. So the saver also writes the metadata as JSON
 (``metadata.json``) and ``JsonMetadataReader`` rebuilds DCP's ``Metadata`` from it; the
-pickled ``.metadata`` is kept only so that plain ``dcp.load`` can read the directory too.
+pickled ``.metadata`` is kept only so that plain ``dcp.load`` can read the directory too. The
+reader also reads the data file by file, so that one that does not decode is named in the
+error instead of surfacing as an anonymous unpickler or zip error.
 """
 
 from __future__ import annotations
@@ -38,15 +40,17 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
+    LoadPlanner,
     SavePlan,
     TensorWriteData,
     WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
 
 from .blocks import Block
-from .errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError, describe
 
 __all__ = [
     "METADATA_JSON",
@@ -136,10 +140,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _dtype(name: str) -> torch.dtype:
+def _dtype(name: str, source: object) -> torch.dtype:
     value = getattr(torch, name, None)
     if not isinstance(value, torch.dtype):
-        raise CheckpointCorruptError(f"{METADATA_JSON}: unknown dtype {name!r}")
+        raise CheckpointCorruptError(f"{source}: unknown dtype {name!r}")
     return value
 
 
@@ -171,8 +175,12 @@ def metadata_to_json(metadata: Metadata) -> dict[str, Any]:
     return {"version": metadata.version, "tensors": tensors, "storage": storage}
 
 
-def metadata_from_json(data: Mapping[str, Any]) -> Metadata:
+def metadata_from_json(data: Mapping[str, Any], source: object = METADATA_JSON) -> Metadata:
     """DCP ``Metadata`` from what ``metadata_to_json`` wrote.
+
+    Args:
+        data: The parsed JSON.
+        source: The file it came from, named in errors.
 
     Raises:
         CheckpointCorruptError: the JSON does not have the expected structure.
@@ -181,7 +189,7 @@ def metadata_from_json(data: Mapping[str, Any]) -> Metadata:
         state: dict[str, Any] = {}
         for key, md in data["tensors"].items():
             state[key] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=_dtype(md["dtype"])),
+                properties=TensorProperties(dtype=_dtype(md["dtype"], source)),
                 size=torch.Size(md["size"]),
                 chunks=[
                     ChunkStorageMetadata(
@@ -195,7 +203,7 @@ def metadata_from_json(data: Mapping[str, Any]) -> Metadata:
             index = MetadataIndex(entry["key"], entry["offsets"], entry["index"])
             file = str(entry["file"])
             if Path(file).name != file:
-                raise CheckpointCorruptError(f"{METADATA_JSON}: data file {file!r} is not local")
+                raise CheckpointCorruptError(f"{source}: data file {file!r} is not local")
             storage[index] = _StorageInfo(file, int(entry["byte_offset"]), int(entry["length"]))
         return Metadata(
             state_dict_metadata=state,
@@ -204,17 +212,38 @@ def metadata_from_json(data: Mapping[str, Any]) -> Metadata:
             version=data.get("version"),
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointCorruptError(f"{METADATA_JSON} is malformed: {exc!r}") from exc
+        raise CheckpointCorruptError(f"{source} is malformed: {exc!r}") from exc
 
 
 class JsonMetadataReader(FileSystemReader):
-    """DCP's file reader with the metadata read from ``metadata.json`` instead of a pickle."""
+    """DCP's file reader: metadata from ``metadata.json`` (no pickle), failures by file name."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Rebuild the metadata from JSON (no unpickling)."""
         path = Path(self.path) / METADATA_JSON
         with path.open("r", encoding="utf-8") as f:
-            metadata = metadata_from_json(json.load(f))
+            metadata = metadata_from_json(json.load(f), path)
         assert metadata.storage_meta is not None
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read file by file; a file that does not decode raises ``CheckpointCorruptError``.
+
+        DCP collects the error of every rank and raises it on all of them, wrapped in its
+        ``CheckpointException`` (see ``reading.read_blocks``).
+        """
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
+        for name, items in per_file.items():
+            try:
+                super().read_data(LoadPlan(items), planner).wait()
+            except Exception as exc:
+                path = Path(self.path) / name
+                raise CheckpointCorruptError(f"{path} cannot be read: {describe(exc)}") from exc
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
