@@ -58,10 +58,12 @@ class TorchAttention(nn.Module):
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         b, s, h = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # [b, n, s, s]
+        if keep is not None:  # [b, s]: which keys exist
+            scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
         if self.causal:
             future = torch.ones(s, s, dtype=torch.bool).triu(1)
             scores = scores.masked_fill(future, float("-inf"))
@@ -119,17 +121,23 @@ def check_sequence(
     seed: int,
     *,
     split_input: bool = True,
+    mask: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Output, input gradient and summed parameter gradients against torch.
 
     The input is this rank's chunk of ``x`` (``split_input``) or the whole of it (images:
     replicated, so its gradient must be the whole one); the output is this rank's chunk.
+    ``mask``: the reference's ``[b, s]`` keep-mask and the parallel module's form of it
+    (split with the sequence on dim -1).
     """
     randomize(ref, seed)
     load_full_state_dict(par, ref.state_dict())
     x_ref = x.clone().requires_grad_()
     x_par = (split_activation(x, ctx) if split_input else x.clone()).detach().requires_grad_()
-    y_ref, y_par = ref(x_ref), par(x_par)
+    if mask is None:
+        y_ref, y_par = ref(x_ref), par(x_par)
+    else:
+        y_ref, y_par = ref(x_ref, mask[0]), par(x_par, chunk(mask[1], ctx, -1))
     w = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(seed + 1))
     (y_ref * w).sum().backward()
     (y_par * chunk(w, ctx)).sum().backward()
@@ -193,7 +201,28 @@ def _attention(ctx: ParallelContext) -> int:
         par = RingSelfAttention(hidden, heads, causal=causal, impl=impl, context=ctx)  # type: ignore[arg-type]
         assert sorted(par.state_dict()) == ["proj.bias", "proj.weight", "qkv.bias", "qkv.weight"]
         check_sequence(f"{name} (N={n})", ref, par, x, ctx, seed=10 + i)
-    return len(cases)
+    # Padding masks, different per sample and reaching into several ranks' chunks: sample 0 is
+    # padded at the end, sample 1 has a hole (every causal row keeps its first key).
+    keep = torch.ones(B, S, dtype=torch.bool)
+    keep[0, -3:], keep[1, 1:4] = False, False
+    additive = torch.zeros(B, 1, 1, S).masked_fill(~keep[:, None, None, :], float("-inf"))
+    masks = {"bool": keep, "int": keep.long(), "additive": additive}
+    masked = [
+        ("ring", False, "int"),
+        ("ring", True, "bool"),
+        ("all_to_all", False, "bool"),
+        ("all_to_all", True, "additive"),
+    ]
+    for i, (impl, causal, form) in enumerate(masked):
+        # float64: masked rows sum fewer terms, in another order than the reference's
+        ref = TorchAttention(16, 4, causal).double()
+        par = RingSelfAttention(16, 4, causal=causal, impl=impl, dtype=torch.float64, context=ctx)  # type: ignore[arg-type]
+        name = f"{impl} causal={causal} {form} padding mask (N={n})"
+        x = x16.double()
+        check_sequence(name, ref, par, x, ctx, seed=30 + i, mask=(keep, masks[form]))
+    with pytest.raises(ValueError, match=r"does not broadcast to this rank's \[b, 1, 1, c\]"):
+        RingSelfAttention(16, 4, context=ctx)(chunk(x16, ctx), keep)  # the whole mask
+    return len(cases) + len(masked)
 
 
 def _block(ctx: ParallelContext) -> list[str]:
@@ -369,7 +398,7 @@ def _all(size: int) -> dict[str, Any]:
 @pytest.mark.parametrize("size", [2, 4])
 def test_sequence_parallel_matches_torch(dist, size: int) -> None:
     results = dist.run(_all, world_size=size, args=(size,), timeout=300.0)
-    assert all(r["cases"] == 6 for r in results)
+    assert all(r["cases"] == 10 for r in results)
     assert all(r["patch_embedding"] == (3 if size == 2 else 2) for r in results)
     assert results[0]["block"] == [
         "LayerNorm",

@@ -15,7 +15,11 @@ the weights. Two ways to attend over the whole sequence:
   ring when there are enough heads.
 
 Causal masking uses global positions: query ``r c + i`` sees keys ``<= r c + i``, across
-chunks. The parameters (``qkv``, ``proj``: ``torch.nn.Linear``, so the full state dict is a
+chunks. A padding mask (which keys exist, per sample: ``[b, c]`` on each rank, split with the
+sequence like the activations) is gathered whole over the group, ``[b, 1, 1, s]``, a few bytes
+per token, since every rank's queries look at every key.
+
+The parameters (``qkv``, ``proj``: ``torch.nn.Linear``, so the full state dict is a
 plain attention's) are replicated over SEQUENCE and each rank's gradient is the partial
 gradient of its own tokens: their ``ShardInfo`` says so (``partial_grad_modes``), and the
 engine's sequence-parallel gradient handler sums them.
@@ -27,6 +31,7 @@ import math
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -38,7 +43,13 @@ from .context_access import GroupInfo, group_info
 from .ring_ops import ring_av, ring_of, ring_qk
 from .sequence import mark_sequence_replicated
 
-__all__ = ["AttentionImpl", "RingSelfAttention", "attend_over_sequence", "sequence_group"]
+__all__ = [
+    "AttentionImpl",
+    "RingSelfAttention",
+    "attend_over_sequence",
+    "gather_key_mask",
+    "sequence_group",
+]
 
 AttentionImpl = Literal["ring", "all_to_all"]
 _IMPLS: tuple[AttentionImpl, ...] = ("ring", "all_to_all")
@@ -54,6 +65,53 @@ def sequence_group(context: ParallelContext, owner: str) -> GroupInfo:
     return group_info(context, ParallelMode.SEQUENCE)
 
 
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A keep-mask (bool True or integer nonzero: attend) or an additive one, as additive.
+
+    A masked key gets the dtype's lowest finite value rather than ``-inf``, so a row whose keys
+    are all masked softmaxes to a uniform row, not to NaN.
+    """
+    if mask.is_floating_point():
+        return mask.to(dtype)
+    keep = mask if mask.dtype == torch.bool else mask != 0
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(keep, zero, torch.finfo(dtype).min)
+
+
+def gather_key_mask(
+    mask: torch.Tensor, batch: int, chunk: int, sequence: GroupInfo, dtype: torch.dtype
+) -> torch.Tensor:
+    """This rank's key padding mask, whole: ``[b, c]`` or ``[b, 1, 1, c]`` -> ``[b, 1, 1, s]``.
+
+    Args:
+        mask: Broadcastable to ``[b, 1, 1, c]`` (a ``[b, c]`` mask is read as ``[b, 1, 1, c]``):
+            bool (True: attend), integer (nonzero: attend, transformers' padding masks) or
+            float (added to the scores).
+        batch: ``b``.
+        chunk: ``c``, this rank's tokens.
+        sequence: The SEQUENCE group (chunk ``r`` on rank ``r``).
+        dtype: The scores' dtype.
+
+    Raises:
+        ValueError: the mask does not broadcast to ``[b, 1, 1, c]``.
+    """
+    local = mask[:, None, None, :] if mask.dim() == 2 else mask
+    try:
+        local = torch.broadcast_to(local, (batch, 1, 1, chunk))
+    except RuntimeError:
+        raise ValueError(
+            f"attention_mask of shape {list(mask.shape)} does not broadcast to this rank's "
+            f"[b, 1, 1, c] = [{batch}, 1, 1, {chunk}]: pass the mask of this rank's chunk of "
+            "the sequence (split like the activations), one value per key"
+        ) from None
+    local = _additive(local.detach(), dtype).contiguous()
+    if sequence.world_size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(sequence.world_size)]
+    dist.all_gather(parts, local, group=sequence.group)
+    return torch.cat(parts, dim=-1)  # [b, 1, 1, s], chunk r at r c
+
+
 def attend_over_sequence(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -65,6 +123,7 @@ def attend_over_sequence(
     scale: float,
     dropout: float = 0.0,
     context: ParallelContext | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence split across ``sequence``.
 
@@ -78,6 +137,8 @@ def attend_over_sequence(
         scale: Multiplies the scores (``1 / sqrt(d)`` usually).
         dropout: Dropout probability on the attention weights (training only).
         context: Supplies the TENSOR seed for dropout (needed when ``dropout > 0``).
+        key_mask: ``[b, 1, 1, s]`` additive mask over the whole sequence's keys
+            (:func:`gather_key_mask`), or ``None``.
 
     Returns:
         ``[b, heads, c, d]``.
@@ -86,6 +147,8 @@ def attend_over_sequence(
         ring = ring_of(sequence)
         c = q.shape[-2]
         scores = ring_qk(q * scale, k, ring)  # [b, n, c, s]
+        if key_mask is not None:
+            scores = scores + key_mask
         if causal:
             start = sequence.rank * c
             rows = torch.arange(start, start + c, device=q.device).unsqueeze(-1)  # [c, 1]
@@ -100,22 +163,32 @@ def attend_over_sequence(
     group = sequence.group
     # [b, heads, c, d] -> [b, heads/N, s, d]: scatter heads, gather the sequence
     q, k, v = (all_to_all(t, 1, 2, group) for t in (q, k, v))
+    mask = key_mask
+    if mask is not None and causal:  # SDPA takes a mask or is_causal, not both
+        s = q.shape[-2]
+        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)  # [s, s]
+        mask = mask.masked_fill(future, torch.finfo(mask.dtype).min)  # [b, 1, s, s]
+    is_causal = causal and mask is None
     if dropout > 0.0:
         assert context is not None, "dropout needs the context's TENSOR seed"
         with context.seed(ParallelMode.TENSOR):
             out = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout, is_causal=causal, scale=scale
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=scale
             )
     else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale
+        )
     return all_to_all(out, 2, 1, group)  # [b, heads, c, d]
 
 
 class RingSelfAttention(ParallelModule):
     """Multi-head self-attention over a sequence split across the SEQUENCE group.
 
-    Input ``[b, s/N, hidden]`` (this rank's chunk); output ``[b, s/N, hidden]``. Parameters,
-    full on every rank, as a plain attention's: ``qkv.weight [3 hidden, hidden]``,
+    Input ``[b, s/N, hidden]`` (this rank's chunk) and optionally a padding mask of this
+    rank's chunk, ``[b, s/N]`` or ``[b, 1, 1, s/N]`` (bool True / nonzero: attend; float:
+    added to the scores), as an encoder's padded batch needs; output ``[b, s/N, hidden]``.
+    Parameters, full on every rank, as a plain attention's: ``qkv.weight [3 hidden, hidden]``,
     ``qkv.bias [3 hidden]`` (the output is q, k, v concatenated, each ``[heads, head_dim]``
     with heads contiguous), ``proj.weight [hidden, hidden]``, ``proj.bias [hidden]``.
 
@@ -170,7 +243,7 @@ class RingSelfAttention(ParallelModule):
         self.proj = nn.Linear(hidden_size, hidden_size, bias, device=self.device, dtype=dtype)
         mark_sequence_replicated(self, self.context)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """See the class docstring for shapes."""
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(
@@ -180,6 +253,9 @@ class RingSelfAttention(ParallelModule):
         b, c, _ = x.shape
         qkv = self.qkv(x).view(b, c, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [b, heads, c, d]
+        key_mask = None
+        if attention_mask is not None:
+            key_mask = gather_key_mask(attention_mask, b, c, self.sequence, q.dtype)
         out = attend_over_sequence(
             q,
             k,
@@ -190,6 +266,7 @@ class RingSelfAttention(ParallelModule):
             scale=1.0 / math.sqrt(self.head_dim),
             dropout=self.dropout if self.training else 0.0,
             context=self.context,
+            key_mask=key_mask,
         )  # [b, heads, c, d]
         y: torch.Tensor = self.proj(out.transpose(1, 2).reshape(b, c, self.hidden_size))
         return y
