@@ -144,8 +144,10 @@ def _lm_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float:
         ref_loss = F.cross_entropy(ref_logits, labels)
         logits = model(pixels).logits
         loss = token_loss(logits, labels, context=ctx)
-    elif type(ref).__name__ == "BertForMaskedLM":  # a masked LM with token types
-        inputs = dict(input_ids=ids, token_type_ids=token_types())
+    elif type(ref).__name__ == "BertForMaskedLM":  # a masked LM with token types, padded
+        padded = torch.ones_like(ids)
+        padded[0, -3:], padded[-1, -1:] = 0, 0  # rows and tokens every layout splits apart
+        inputs = dict(input_ids=ids, token_type_ids=token_types(), attention_mask=padded)
         labels = masked_labels(ids)
         ref_logits = ref(**inputs).logits
         vocab = ref_logits.shape[-1]
@@ -411,7 +413,11 @@ def _errors() -> list[str]:
         lm = parallelize(gpt2_lm(), context=seq)
         padded = torch.ones_like(ids)
         padded[0, -2:] = 0
-        expect(ValueError, "padding masks", lambda: lm(ids, attention_mask=padded))
+        expect(
+            ValueError,
+            r"attention_mask must be \[b, s\] = \[4, 8\] like input_ids",
+            lambda: lm(ids, attention_mask=padded[:, None, None, :]),
+        )
     finally:
         seq.destroy()
     return caught

@@ -39,6 +39,7 @@ from ..loss_3d import CrossEntropyLoss3D
 from ..mesh import mesh_of
 from ..sequence import split_sequence_activation
 from .plan import Plan
+from .sequence import KEY_PADDING_ATTRIBUTE, KeyPadding
 
 __all__ = ["causal_lm_loss", "gather_logits", "install_boundary", "token_loss"]
 
@@ -83,18 +84,36 @@ def _image_inputs(
 
 
 def _sequence_inputs(
-    args: tuple[Any, ...], kwargs: dict[str, Any], context: ParallelContext, owner: str
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    context: ParallelContext,
+    owner: str,
+    padding: KeyPadding | None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Tensor mode 'sequence': this rank's chunk of every token, with global positions."""
+    """Tensor mode 'sequence': this rank's chunk of every token, with global positions.
+
+    A padding mask goes to the attention layers through ``padding`` (sequence.py), not
+    through transformers.
+    """
     ids = args[0] if args else kwargs.get("input_ids")
     if not isinstance(ids, torch.Tensor):
         raise ValueError(f"{owner} under tensor mode 'sequence' takes input_ids [b, s]")
     mask = kwargs.pop("attention_mask", None)
     if isinstance(mask, torch.Tensor) and not bool(mask.all()):
-        raise ValueError(
-            f"{owner} under tensor mode 'sequence': padding masks are not supported yet "
-            "(attention_mask has zeros); pass sequences without padding"
-        )
+        if padding is None:
+            raise ValueError(
+                f"{owner} under tensor mode 'sequence' has no attention converted by "
+                "parallelize, so nothing can apply its padding mask (attention_mask has zeros)"
+            )
+        if mask.dim() != 2 or tuple(mask.shape) != tuple(ids.shape[:2]):
+            raise ValueError(
+                f"{owner} under tensor mode 'sequence': attention_mask must be [b, s] = "
+                f"{list(ids.shape[:2])} like input_ids (1: a token, 0: padding), got "
+                f"{list(mask.shape)}"
+            )
+        padding.set(split_sequence_activation(mask, context))
+    elif padding is not None:
+        padding.set(None)
     if kwargs.get("position_ids") is None:  # positions of the whole sequence, then split
         kwargs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
     for key in (*BATCH_KWARGS, "position_ids"):
@@ -140,7 +159,8 @@ def install_boundary(
         if plan.boundary == "images":
             return _image_inputs(args, kwargs, context, mode, type(module).__name__)
         if mode == "sequence":
-            return _sequence_inputs(args, kwargs, context, type(module).__name__)
+            padding = getattr(module, KEY_PADDING_ATTRIBUTE, None)
+            return _sequence_inputs(args, kwargs, context, type(module).__name__, padding)
         if not splits_batch:
             return None
         if kwargs.get("inputs_embeds") is not None:

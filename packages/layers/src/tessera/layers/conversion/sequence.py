@@ -11,6 +11,11 @@ all-to-all), so the model's own code computes q, k, v and the output projection.
 
 Every parameter is marked replicated over SEQUENCE with partial gradients (each rank saw only
 its tokens); the engine's sequence-parallel gradient handler sums them.
+
+Padding masks cannot go through transformers: it would build them from the local chunk (``c``
+queries against ``c`` keys), while every query here looks at all ``s`` keys. So the boundary
+takes ``attention_mask`` out of the call and leaves this rank's chunk of it in the model's
+:class:`KeyPadding`, which every attention layer reads (gathered whole once per batch).
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ from torch import nn
 from tessera.context import ParallelContext
 
 from ..context_access import GroupInfo
-from ..ring_attention import AttentionImpl, attend_over_sequence, sequence_group
+from ..ring_attention import AttentionImpl, attend_over_sequence, gather_key_mask, sequence_group
 from ..sequence import mark_sequence_replicated
 
 __all__ = [
     "ATTENTION_NAME",
+    "KEY_PADDING_ATTRIBUTE",
     "SEQUENCE_ATTRIBUTE",
+    "KeyPadding",
     "install_sequence_attention",
     "sequence_attention",
 ]
@@ -39,7 +46,35 @@ __all__ = [
 ATTENTION_NAME = "tessera_sequence"
 #: The attribute of an attention module holding its :class:`SequenceAttention`.
 SEQUENCE_ATTRIBUTE = "_tessera_sequence_attention"
+#: The attribute of a parallelized model holding its :class:`KeyPadding`.
+KEY_PADDING_ATTRIBUTE = "_tessera_key_padding"
 IMPLS: tuple[AttentionImpl, ...] = ("ring", "all_to_all")
+
+
+class KeyPadding:
+    """The padding mask of the batch a model is running, for its attention layers.
+
+    The boundary sets it on every call (``None`` without padding). It is not cleared after
+    the forward: attention recomputed under activation checkpointing, during the backward,
+    must find the same batch's mask.
+    """
+
+    def __init__(self, sequence: GroupInfo) -> None:
+        self._sequence = sequence
+        self._local: torch.Tensor | None = None
+        self._whole: torch.Tensor | None = None
+
+    def set(self, local: torch.Tensor | None) -> None:
+        """This rank's chunk of the mask, ``[b, c]`` (nonzero / True: a real token)."""
+        self._local, self._whole = local, None
+
+    def whole(self, batch: int, chunk: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """``[b, 1, 1, s]`` additive mask over every key, gathered at the first layer's call."""
+        if self._local is None:
+            return None
+        if self._whole is None or self._whole.dtype != dtype:
+            self._whole = gather_key_mask(self._local, batch, chunk, self._sequence, dtype)
+        return self._whole
 
 
 @dataclass(frozen=True)
@@ -49,6 +84,7 @@ class SequenceAttention:
     impl: AttentionImpl
     sequence: GroupInfo
     context: ParallelContext
+    padding: KeyPadding
 
 
 def sequence_attention(
@@ -68,8 +104,8 @@ def sequence_attention(
         query: ``[b, heads, s/N, d]`` (this rank's tokens).
         key: ``[b, heads, s/N, d]``.
         value: ``[b, heads, s/N, d]``.
-        attention_mask: Must be ``None``: the boundary refuses padding masks, and the causal
-            mask is applied here from global positions.
+        attention_mask: Must be ``None``: the boundary keeps padding masks in the model's
+            :class:`KeyPadding`, and the causal mask is applied here from global positions.
         scaling: The score scale (default ``1 / sqrt(d)``).
         dropout: Dropout probability on the attention weights.
         **kwargs: Ignored (position ids and cache flags transformers passes along).
@@ -86,8 +122,8 @@ def sequence_attention(
     if attention_mask is not None:
         raise ValueError(
             f"{type(module).__name__} under tensor mode 'sequence' got an attention mask of "
-            f"shape {list(attention_mask.shape)}; only causal or unmasked attention is "
-            "supported (no padding masks)"
+            f"shape {list(attention_mask.shape)} from transformers; pass padding as the model's "
+            "attention_mask=[b, s] argument, which tessera splits with the sequence"
         )
     if key.shape[1] != query.shape[1]:  # grouped-query attention: each kv head serves a group
         group = query.shape[1] // key.shape[1]
@@ -102,6 +138,7 @@ def sequence_attention(
         scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
         dropout=dropout,
         context=spec.context,
+        key_mask=spec.padding.whole(query.shape[0], query.shape[-2], query.dtype),
     )  # [b, heads, s/N, d]
     return out.transpose(1, 2).contiguous(), None
 
@@ -131,7 +168,9 @@ def install_sequence_attention(
         from transformers import AttentionInterface
 
         AttentionInterface.register(ATTENTION_NAME, sequence_attention)
-        spec = SequenceAttention(impl, sequence, context)
+        padding = KeyPadding(sequence)
+        setattr(model, KEY_PADDING_ATTRIBUTE, padding)
+        spec = SequenceAttention(impl, sequence, context, padding)
         for name in names:
             module = model.get_submodule(name)
             heads = getattr(module, "num_heads", getattr(config, "num_attention_heads", None))
