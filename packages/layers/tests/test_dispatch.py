@@ -87,6 +87,33 @@ def test_skip_bias_add_without_context_is_torch_linear_split_in_two() -> None:
     assert Linear(8, 6, bias=False, skip_bias_add=True)(x)[1] is None
 
 
+def test_serial_patch_embedding_without_flatten_keeps_the_grid() -> None:
+    import torch.nn.functional as F
+
+    from tessera.layers import SerialPatchEmbedding
+
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    grid = SerialPatchEmbedding(8, 4, 3, 6, flatten=False)
+    tokens = SerialPatchEmbedding(8, 4, 3, 6)
+    randomize(grid, 1)
+    randomize(tokens, 1)
+    assert sorted(grid.state_dict()) == ["bias", "pos_embed", "weight"]  # no class token
+    assert tuple(grid.pos_embed.shape) == (1, 6, 2, 2)
+    conv = F.conv2d(x, grid.weight, grid.bias, stride=4)  # [2, 6, 2, 2]
+    out = grid(x)
+    assert out.shape == (2, 6, 2, 2)
+    torch.testing.assert_close(out, conv + grid.pos_embed, **TOL)
+    out.sum().backward()
+    assert grid.pos_embed.grad is not None and torch.equal(
+        grid.pos_embed.grad, torch.full((1, 6, 2, 2), 2.0)
+    )
+    # flatten=True (the default): class token first, then the patches row by row
+    seq = tokens(x)
+    assert seq.shape == (2, 5, 6)
+    conv = F.conv2d(x, tokens.weight, tokens.bias, stride=4).flatten(2).transpose(1, 2)
+    torch.testing.assert_close(seq[:, 1:], conv + tokens.pos_embed[:, 1:], **TOL)
+
+
 def test_every_layer_is_registered() -> None:
     for name in [
         *IMPLEMENTATIONS,

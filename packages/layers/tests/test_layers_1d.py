@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tp_reference import (
     TOL,
@@ -15,7 +16,7 @@ from tp_reference import (
     with_context,
 )
 
-from tessera.context import ParallelContext
+from tessera.context import ParallelContext, get_shard_info
 from tessera.layers import (
     Classifier1D,
     Embedding1D,
@@ -255,13 +256,86 @@ def _layers_sequence_parallel(ctx: ParallelContext) -> int:
     return len(checks)
 
 
+def _streamed_row(ctx: ParallelContext) -> int:
+    """Linear1DRow(stream_chunk_num=3) at inference equals the whole layer (and nn.Linear)."""
+    x16 = torch.randn(B, S, 16, generator=torch.Generator().manual_seed(9))
+    streamed = 0
+    for parallel_input, skip in ((True, False), (False, False), (True, True)):
+        ref = nn.Linear(16, 12)
+        randomize(ref, 5)
+        par = Linear1DRow(
+            16,
+            12,
+            parallel_input=parallel_input,
+            skip_bias_add=skip,
+            stream_chunk_num=3,
+            context=ctx,
+        )
+        load_full_state_dict(par, ref.state_dict())
+        assert [tuple(w.shape) for w in par.chunk_weight()] == [(4, 16 // ctx.tensor_size)] * 3
+        whole = par._streamed
+
+        def counted(x: torch.Tensor, whole=whole) -> torch.Tensor:
+            nonlocal streamed
+            streamed += 1
+            return whole(x)
+
+        par._streamed = counted  # type: ignore[method-assign]
+        inp = chunk(x16, -1, ctx) if parallel_input else x16
+        with torch.no_grad():
+            out = par(inp)
+        y = out[0] + out[1] if skip else out
+        torch.testing.assert_close(y, ref(x16).detach(), **TOL)
+        if not skip:  # recording gradients, the layer computes whole: nn.Linear's gradients
+            name = f"Linear1DRow(stream_chunk_num=3, parallel_input={parallel_input}) training"
+            split = -1 if parallel_input else None
+            check_against_reference(name, ref, par, x16, ctx, in_split=split, seed=20)
+    with pytest.raises(ValueError, match=r"stream_chunk_num 5 must be >= 1 and divide"):
+        Linear1DRow(16, 12, stream_chunk_num=5, context=ctx)
+    return streamed
+
+
+def _tied_head_with_fewer_classes(ctx: ParallelContext) -> None:
+    """A head tied to a 16-row embedding classifies into 8: it uses the first 8 rows."""
+    ids = torch.randint(0, 16, (B, S), generator=torch.Generator().manual_seed(4))
+    target = torch.randint(0, 8, (B, S), generator=torch.Generator().manual_seed(5))
+    ref_emb, ref_bias = nn.Embedding(16, H), torch.randn(8, generator=torch.Generator())
+    randomize(ref_emb, 6)
+    ref_logits = F.linear(ref_emb(ids), ref_emb.weight[:8], ref_bias)
+    ref_loss = F.cross_entropy(ref_logits.reshape(-1, 8), target.reshape(-1))
+    ref_loss.backward()
+    assert ref_emb.weight.grad is not None
+    serial_emb = nn.Embedding(16, H)
+    serial_emb.load_state_dict(ref_emb.state_dict())
+    for emb, head in (
+        (serial_emb, SerialClassifier(H, 8, weight=serial_emb.weight)),
+        (emb1d := Embedding1D(16, H, context=ctx), Classifier1D(H, 8, emb1d.weight, context=ctx)),
+    ):
+        assert head.weight is emb.weight
+        load_full_state_dict(emb, ref_emb.state_dict())
+        with torch.no_grad():
+            assert head.bias is not None
+            head.bias.copy_(ref_bias)
+        logits = head(emb(ids))
+        torch.testing.assert_close(logits, ref_logits.detach(), **TOL)
+        F.cross_entropy(logits.reshape(-1, 8), target.reshape(-1)).backward()
+        info = get_shard_info(emb.weight)
+        want = ref_emb.weight.grad[info.slices] if info is not None else ref_emb.weight.grad
+        torch.testing.assert_close(emb.weight.grad, want, **TOL)
+    vocab = VocabParallelEmbedding1D(16, H, context=ctx)
+    with pytest.raises(ValueError, match=r"has 16 rows but num_classes is 8.*splits the rows"):
+        VocabParallelClassifier1D(H, 8, vocab.weight, context=ctx)
+
+
 def _all_layer_checks(tp: int) -> dict[str, int]:
     plain = with_context(tp, _layers_plain)
+    streamed = with_context(tp, _streamed_row)
+    with_context(tp, _tied_head_with_fewer_classes)
     with_context(tp, _skip_bias_add)
     skip = with_context(tp, _dispatch_skip_bias_add)
     skip += with_context(tp, _dispatch_skip_bias_add, sp=True)
     sp = with_context(tp, _layers_sequence_parallel, sp=True)
-    return {"plain": plain, "sequence_parallel": sp, "skip_bias_add": skip}
+    return {"plain": plain, "sequence_parallel": sp, "skip_bias_add": skip, "streamed": streamed}
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -270,4 +344,5 @@ def test_every_1d_layer_matches_torch(dist, tp: int) -> None:
     assert results[0]["plain"] == 13
     assert results[0]["sequence_parallel"] == (8 if tp == 2 else 7)
     assert results[0]["skip_bias_add"] == 6
+    assert results[0]["streamed"] == 3  # every inference call went through the streamed path
     assert all(r == results[0] for r in results)

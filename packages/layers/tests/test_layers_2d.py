@@ -266,15 +266,17 @@ def _language_model_heads(ctx: ParallelContext) -> None:
     """Tied embedding + classifier (both kinds), the matching loss, against torch."""
     ids = torch.randint(0, 16, (B, S), generator=torch.Generator().manual_seed(2))
     target = torch.randint(0, 16, (B, S), generator=torch.Generator().manual_seed(3))
-    for vocab_parallel in (False, True):
+    # 8 classes on a 16-row embedding: the head uses its first rows (Colossal-AI's heads do)
+    for vocab_parallel, classes in ((False, 16), (True, 16), (False, 8)):
         emb = Embedding(16, H, vocab_parallel=vocab_parallel, context=ctx)
-        head = Classifier(H, 16, emb.weight, False, vocab_parallel=vocab_parallel, context=ctx)
+        head = Classifier(H, classes, emb.weight, False, vocab_parallel=vocab_parallel, context=ctx)
         assert head.weight is emb.weight
         ref_emb = nn.Embedding(16, H)
         randomize(ref_emb, 5)
         load_full_state_dict(emb, ref_emb.state_dict())
+        target = target % classes
         ref_loss = F.cross_entropy(
-            F.linear(ref_emb(ids), ref_emb.weight).view(-1, 16), target.view(-1)
+            F.linear(ref_emb(ids), ref_emb.weight[:classes]).view(-1, classes), target.view(-1)
         )
         loss_fn = CrossEntropyLoss(vocab_parallel=vocab_parallel, context=ctx)
         local_ids, local_target = split_batch(ids, ctx), split_batch(target, ctx)
@@ -285,6 +287,9 @@ def _language_model_heads(ctx: ParallelContext) -> None:
         info = get_shard_info(emb.weight)
         assert info is not None and ref_emb.weight.grad is not None and emb.weight.grad is not None
         torch.testing.assert_close(emb.weight.grad, ref_emb.weight.grad[info.slices], **TOL)
+    vocab = Embedding(16, H, vocab_parallel=True, context=ctx)  # rows split: no first rows
+    with pytest.raises(ValueError, match=r"has 16 rows but num_classes is 8.*splits the rows"):
+        Classifier(H, 8, vocab.weight, vocab_parallel=True, context=ctx)
 
 
 class Model(nn.Module):

@@ -18,7 +18,7 @@ from tessera.context import ParallelContext
 from .base import Module1D
 from .collectives import check_divisible
 from .comm import copy_to_group, gather_along_dim, reduce_from_group, split_along_dim
-from .dense import check_shared_weight, dense_bias, dense_weight
+from .dense import check_shared_weight, check_tied_rows, dense_bias, dense_weight, shared_rows
 from .initializers import Initializer
 from .input_checks import check_input_dim
 
@@ -34,7 +34,9 @@ class Classifier1D(Module1D):
     Args:
         in_features: Input features, divisible by the 1D size.
         num_classes: C.
-        weight: A shared weight (e.g. an ``Embedding1D``'s) instead of a new one.
+        weight: A shared weight (e.g. an ``Embedding1D``'s) instead of a new one. It may have
+            more rows than ``num_classes`` (a vocabulary tied to fewer classes, as Colossal-AI's
+            heads allow): the first ``num_classes`` rows are the classes.
         bias: Whether to learn a bias (replicated).
         dtype, weight_initializer, bias_initializer, sequence_parallel, device, context:
             as in :class:`Linear1DRow`.
@@ -57,9 +59,12 @@ class Classifier1D(Module1D):
         super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
         check_divisible(in_features, self.tp.world_size, "Classifier1D in_features")
         self.in_features, self.num_classes = in_features, num_classes
+        # A tied weight may have more rows (a vocabulary) than classes: the first rows are the
+        # classes, as in Colossal-AI's heads; every rank holds whole rows, so it can slice.
+        rows = max(shared_rows(weight), num_classes) if weight is not None else num_classes
         self.weight = dense_weight(
             self,
-            num_classes,
+            rows,
             in_features,
             weight_initializer,
             splits={1: (self.split_mode,)},
@@ -94,7 +99,8 @@ class Classifier1D(Module1D):
         if self.sequence_parallel:
             x = gather_along_dim(x, self.SEQUENCE_DIM, group)  # [b, s, in]
         x = split_along_dim(x, -1, group)  # [.., in/p]
-        logits = reduce_from_group(F.linear(x, self.weight), group)  # [.., C]
+        weight = self.weight[: self.num_classes]  # [C, in/p]: the first rows of a tied weight
+        logits = reduce_from_group(F.linear(x, weight), group)  # [.., C]
         return logits if self.bias is None else logits + self.bias
 
 
@@ -131,6 +137,8 @@ class VocabParallelClassifier1D(Module1D):
     ) -> None:
         super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
         check_divisible(num_classes, self.tp.world_size, "VocabParallelClassifier1D num_classes")
+        if weight is not None:
+            check_tied_rows(weight, num_classes, type(self).__name__)
         self.in_features, self.num_classes = in_features, num_classes
         self.gather_output = gather_output
         split = {0: (self.split_mode,)}

@@ -79,6 +79,33 @@ def check_shared_weight(weight: nn.Parameter, expected: ShardInfo, owner: str) -
         )
 
 
+def shared_rows(weight: nn.Parameter) -> int:
+    """The full number of rows of a shared weight (its ShardInfo's, else its own)."""
+    info = get_shard_info(weight)
+    return int(info.global_shape[0]) if info is not None else int(weight.shape[0])
+
+
+def check_tied_rows(weight: nn.Parameter, num_classes: int, owner: str) -> None:
+    """Refuse a tied weight with more rows than classes in a head that cannot slice it.
+
+    Colossal-AI's heads accept an embedding's weight with more rows (its vocabulary) than
+    classes and use the first rows. Heads holding whole rows on every rank do the same
+    (``SerialClassifier``, ``Classifier1D``, the 2D / 2.5D / 3D ``Classifier``); a
+    vocabulary-parallel head splits the rows over ranks, so its first rows would sit on some
+    ranks only.
+    """
+    rows = shared_rows(weight)
+    if weight.dim() == 2 and rows > num_classes:
+        raise ValueError(
+            f"{owner}: the tied weight has {rows} rows but num_classes is {num_classes}. A head "
+            f"that uses the first {num_classes} rows of a larger tied weight must hold whole "
+            f"rows on every rank (the non-vocab-parallel heads); {owner} splits the rows over "
+            f"ranks, so its first {num_classes} rows would sit on some ranks only. Build it "
+            f"with num_classes={rows} and use logits[..., :{num_classes}], or give the head its "
+            "own weight"
+        )
+
+
 def dense_weight(
     module: ParallelModule,
     out_features: int,

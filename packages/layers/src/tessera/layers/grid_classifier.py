@@ -19,7 +19,7 @@ from torch import nn
 from tessera.context import ModeLike, ParallelContext
 
 from .comm import copy_to_group, reduce_from_group
-from .dense import dense_bias, dense_weight
+from .dense import check_tied_rows, dense_bias, dense_weight, shared_rows
 from .grid import GridModule
 from .initializers import Initializer
 
@@ -60,10 +60,15 @@ class GridHead(GridModule):
         super().__init__(context, device)
         self.in_features, self.num_classes = in_features, num_classes
         self.check_features()
+        rows = num_classes
+        if weight is not None and self.whole_rows:  # the first rows of a larger tied weight
+            rows = max(shared_rows(weight), num_classes)
+        elif weight is not None:
+            check_tied_rows(weight, num_classes, type(self).__name__)
         bias_split, bias_replicated = self.bias_layout()
         self.weight = dense_weight(
             self,
-            num_classes,
+            rows,
             in_features,
             weight_initializer,
             splits=self.weight_splits(),
@@ -86,6 +91,10 @@ class GridHead(GridModule):
     def signature(self) -> str:
         """``Class(in_features, num_classes)``, naming the head in error messages."""
         return f"{self.owner}({self.in_features}, {self.num_classes})"
+
+    #: Whether every rank holds whole rows (classes) of the weight, so that a tied weight with
+    #: more rows than classes can be sliced (its first rows are the classes).
+    whole_rows = False
 
     def check_features(self) -> None:
         """Raise ``ValueError`` for sizes the split cannot take (beyond the weight's own)."""
@@ -116,8 +125,11 @@ class GridClassifier(GridHead):
     """Classifier with whole classes: weight ``[C, in/q^2]``, bias ``[C]`` (replicated).
 
     Input ``[b/B, ..., in/q]``; output ``[b/B, ..., C]``, replicated over the hidden axis.
-    ``in_features`` must be divisible by ``q * q``.
+    ``in_features`` must be divisible by ``q * q``. A tied weight may have more rows than
+    ``num_classes``: the first rows are the classes.
     """
+
+    whole_rows = True
 
     def weight_splits(self) -> Splits:
         """``in`` over the table modes, like :class:`GridEmbedding`'s table."""
@@ -127,6 +139,6 @@ class GridClassifier(GridHead):
         """See the class docstring for shapes."""
         grid = self.grid
         grid.check_local(x, -1, self.in_features // grid.q, self.signature, name="in_features")
-        weight = grid.gather_table(self.weight, 1)  # [C, in/q]: the hidden axis's block
+        weight = grid.gather_table(self.weight[: self.num_classes], 1)  # [C, in/q]
         partial = torch.matmul(x, weight.t())  # [b/B, ..., C], partial over hidden blocks
         return self.add_bias(reduce_from_group(partial, grid.hidden_axis.group))

@@ -12,6 +12,7 @@ Weights keep torch's layout ``[out, in]``: a column-parallel weight holds rows
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from tessera.context import ParallelContext
@@ -183,6 +184,11 @@ class Linear1DRow(Module1D):
         weight_initializer: Fills the full ``[out, in]`` weight (torch's default).
         bias_initializer: Fills the full ``[out]`` bias (torch's default).
         sequence_parallel: Reduce-scatter the output along dim 1 instead of all-reducing it.
+        stream_chunk_num: Inference in this many chunks of output features (Colossal-AI's
+            streamed row layer): when no gradient is recorded (``torch.no_grad()``,
+            ``torch.inference_mode()``), chunk ``i``'s partial sums are all-reduced while chunk
+            ``i + 1`` is multiplied, and the all-reduce buffers are ``out / k`` wide. Training
+            computes the layer whole. ``out_features`` must divide by it.
         device: Parameter device (default the context's).
         context: The ParallelContext (default the current one).
     """
@@ -199,11 +205,28 @@ class Linear1DRow(Module1D):
         bias_initializer: Initializer | None = None,
         *,
         sequence_parallel: bool = False,
+        stream_chunk_num: int = 1,
         device: torch.device | str | None = None,
         context: ParallelContext | None = None,
     ) -> None:
         super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
         check_divisible(in_features, self.tp.world_size, "Linear1DRow in_features")
+        if isinstance(stream_chunk_num, bool) or not isinstance(stream_chunk_num, int):
+            raise TypeError(
+                f"Linear1DRow stream_chunk_num must be an int, got {stream_chunk_num!r}"
+            )
+        if stream_chunk_num < 1 or out_features % stream_chunk_num != 0:
+            raise ValueError(
+                f"Linear1DRow({in_features}, {out_features}): stream_chunk_num "
+                f"{stream_chunk_num} must be >= 1 and divide out_features ({out_features} % "
+                f"{stream_chunk_num} = {out_features % max(stream_chunk_num, 1)})"
+            )
+        if stream_chunk_num > 1 and sequence_parallel:
+            raise ValueError(
+                "Linear1DRow: stream_chunk_num > 1 streams all-reduces of output chunks; under "
+                "sequence_parallel the output is reduce-scattered instead: use one or the other"
+            )
+        self.stream_chunk_num = stream_chunk_num
         self.in_features, self.out_features = in_features, out_features
         self.parallel_input, self.skip_bias_add = parallel_input, skip_bias_add
         self.weight = dense_weight(
@@ -232,6 +255,30 @@ class Linear1DRow(Module1D):
         """``Linear1DRow(in_features, out_features)``, naming the layer in error messages."""
         return f"{type(self).__name__}({self.in_features}, {self.out_features})"
 
+    def chunk_weight(self) -> list[torch.Tensor]:
+        """The ``stream_chunk_num`` row blocks of the weight the streamed forward multiplies.
+
+        Views ``[out/k, in/p]`` of the weight (no copy), made afresh from the current weight,
+        so a loaded or updated weight is always the one used.
+        """
+        return list(self.weight.chunk(self.stream_chunk_num, dim=0))
+
+    def _streamed(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` summed over the group, one output chunk at a time (no autograd).
+
+        Each chunk's all-reduce is posted before the next chunk is multiplied, so the two
+        overlap; a chunk's buffer is ``[.., out/k]``.
+        """
+        partials, works = [], []
+        for w in self.chunk_weight():
+            partial = F.linear(x, w)  # [.., out/k], this rank's partial sums
+            partials.append(partial)
+            works.append(dist.all_reduce(partial, group=self.tp.group, async_op=True))
+        for work in works:
+            assert work is not None
+            work.wait()
+        return torch.cat(partials, dim=-1)  # [.., out]
+
     def forward(self, x: torch.Tensor) -> LinearOutput:
         """See the class docstring for shapes."""
         _check_row_input(
@@ -240,6 +287,11 @@ class Linear1DRow(Module1D):
         group = self.tp.group
         if not self.parallel_input:
             x = split_along_dim(x, -1, group)  # [.., in/p]
+        if self.stream_chunk_num > 1 and not torch.is_grad_enabled():
+            streamed = self._streamed(x)
+            if self.skip_bias_add:
+                return streamed, self.bias
+            return streamed if self.bias is None else streamed + self.bias
         y = F.linear(x, self.weight)  # [.., out], partial sums
         if self.sequence_parallel:
             y = reduce_scatter_along_dim(y, self.SEQUENCE_DIM, group)  # [b, s/p, out]
@@ -257,5 +309,6 @@ class Linear1DRow(Module1D):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, parallel_input={self.parallel_input}, "
+            + (f"stream_chunk_num={self.stream_chunk_num}, " if self.stream_chunk_num > 1 else "")
             + super().extra_repr()
         )

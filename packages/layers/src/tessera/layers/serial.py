@@ -55,7 +55,9 @@ class SerialClassifier(nn.Module):
     """``logits = x W^T + b`` with an optional shared weight (e.g. tied to an embedding).
 
     Parameters: ``weight [num_classes, in_features]``, ``bias [num_classes]``, as torch's
-    ``nn.Linear(in_features, num_classes)``.
+    ``nn.Linear(in_features, num_classes)``. A shared weight may have more rows than
+    ``num_classes`` (an embedding's vocabulary tied to fewer classes, as Colossal-AI's heads
+    allow): the first ``num_classes`` rows are the classes.
     """
 
     def __init__(
@@ -72,10 +74,10 @@ class SerialClassifier(nn.Module):
         super().__init__()
         self.in_features, self.num_classes = in_features, num_classes
         if weight is not None:
-            if tuple(weight.shape) != (num_classes, in_features):
+            if weight.dim() != 2 or weight.shape[1] != in_features or weight.shape[0] < num_classes:
                 raise ValueError(
                     f"shared classifier weight has shape {list(weight.shape)}, expected "
-                    f"[num_classes, in_features] = [{num_classes}, {in_features}]"
+                    f"[rows >= num_classes, in_features] = [>= {num_classes}, {in_features}]"
                 )
             self.weight = weight
         else:
@@ -102,7 +104,8 @@ class SerialClassifier(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
-        return F.linear(x, self.weight, self.bias)  # [.., num_classes]
+        weight = self.weight[: self.num_classes]  # the first rows of a larger tied weight
+        return F.linear(x, weight, self.bias)  # [.., num_classes]
 
 
 def patch_grid(img_size: int, patch_size: int) -> int:
@@ -123,6 +126,11 @@ class SerialPatchEmbedding(nn.Module):
     Parameters: ``weight [E, C, P, P]``, ``bias [E]``, ``cls_token [1, 1, E]``,
     ``pos_embed [1, N + 1, E]`` with ``N = (img_size / P)^2``. Input ``[b, C, H, W]``,
     output ``[b, N + 1, E]``.
+
+    With ``flatten=False`` the output keeps the image's layout, ``[b, E, H/P, W/P]``, for a
+    model that goes on with convolutions or pools the grid itself: there is no class token
+    (a grid has no place for it) and the position embedding is one per cell,
+    ``pos_embed [1, E, H/P, W/P]``.
     """
 
     def __init__(
@@ -136,10 +144,12 @@ class SerialPatchEmbedding(nn.Module):
         bias_initializer: Initializer | None = None,
         position_embed_initializer: Initializer | None = None,
         device: torch.device | str | None = None,
+        *,
+        flatten: bool = True,
     ) -> None:
         super().__init__()
         grid = patch_grid(img_size, patch_size)
-        self.patch_size, self.num_patches = patch_size, grid * grid
+        self.patch_size, self.num_patches, self.flatten = patch_size, grid * grid, flatten
         fan_in = in_chans * patch_size * patch_size
         shape = (embed_size, in_chans, patch_size, patch_size)
         self.weight = init_parameter(
@@ -149,14 +159,28 @@ class SerialPatchEmbedding(nn.Module):
             (embed_size,), bias_initializer or fan_in_uniform(), fan_in, embed_size, dtype, device
         )
         pos = position_embed_initializer or zeros()
-        self.cls_token = init_parameter((1, 1, embed_size), zeros(), 1, embed_size, dtype, device)
-        self.pos_embed = init_parameter(
-            (1, self.num_patches + 1, embed_size), pos, 1, embed_size, dtype, device
-        )
+        self.cls_token: nn.Parameter | None = None
+        if flatten:
+            self.cls_token = init_parameter(
+                (1, 1, embed_size), zeros(), 1, embed_size, dtype, device
+            )
+            pos_shape: tuple[int, ...] = (1, self.num_patches + 1, embed_size)
+        else:
+            pos_shape = (1, embed_size, grid, grid)
+        self.pos_embed = init_parameter(pos_shape, pos, 1, embed_size, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
+        if self.cls_token is None:  # flatten=False: the grid, a position per cell
+            y = F.conv2d(x, self.weight, self.bias, stride=self.patch_size)  # [b, E, H/P, W/P]
+            return y + self.pos_embed
         return patch_embed(x, self.weight, self.bias, self.cls_token, self.pos_embed)
+
+    def extra_repr(self) -> str:
+        """The summary shown by ``print(module)``."""
+        return (
+            f"patch_size={self.patch_size}, num_patches={self.num_patches}, flatten={self.flatten}"
+        )
 
 
 def patch_embed(
