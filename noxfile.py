@@ -110,7 +110,10 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """Ruff, the format check and the import contract of ARCHITECTURE.md."""
+    """Ruff, the format check, and the import contract (pyproject.toml's [tool.importlinter]).
+
+    The contract encodes the package arrows of docs/architecture.md.
+    """
     session.install("ruff>=0.5", "import-linter>=2.1")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")

@@ -14,7 +14,7 @@ from tessera.context.context import (
     create_context,
     load_config,
 )
-from tessera.context.current import get_context, has_context, set_context
+from tessera.context.current import get_context, has_context, no_context, set_context
 from tessera.context.failures import (
     DEFAULT_HEARTBEAT_INTERVAL,
     FailureBoard,
@@ -84,6 +84,7 @@ __all__ = [
     "get_context",
     "set_context",
     "has_context",
+    "no_context",
     # failures (ParallelContext.guard)
     "RankFailedError",
     "FailureReport",

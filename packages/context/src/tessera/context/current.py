@@ -2,17 +2,20 @@
 
 A launcher installs the context it builds here, like torch's default process group; every
 tessera component takes an optional ``context=`` that overrides it, so two contexts can live in
-one process.
+one process. :func:`no_context` hides the current context for a ``with`` block, so that what
+is built inside it (a plain reference model, say) sees no parallelism at all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .context import ParallelContext
 
-__all__ = ["get_context", "has_context", "set_context"]
+__all__ = ["get_context", "has_context", "no_context", "set_context"]
 
 _current: ParallelContext | None = None
 
@@ -42,3 +45,32 @@ def set_context(context: ParallelContext | None) -> ParallelContext | None:
     global _current
     previous, _current = _current, context
     return previous
+
+
+@contextmanager
+def no_context() -> Iterator[None]:
+    """Hide the current context for the ``with`` block; the previous one returns at its end.
+
+    A dispatching layer built without ``context=`` follows the current context, so after a
+    launcher ran, ``Linear(..., parallel="col")`` is a tensor-parallel layer. Inside this block
+    no context is current (``has_context()`` is false): the dispatching layers build plain
+    torch modules, which is how to build a single-process reference model, or a model to load
+    a full checkpoint into, while a context is current. Nothing is destroyed; the context's
+    process groups stay usable, and ``context=ctx`` still reaches it explicitly.
+
+    The pointer is process-wide, like torch's default process group (not per thread). On exit,
+    also on an exception, the context that was current before the block is current again,
+    whatever was made current inside it.
+
+    Example::
+
+        ctx = launch_from_torch(config)
+        with no_context():
+            reference = MyModel()  # plain torch layers
+        model = MyModel()  # tensor-parallel under ctx
+    """
+    previous = set_context(None)
+    try:
+        yield
+    finally:
+        set_context(previous)
