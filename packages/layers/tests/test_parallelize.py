@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from hf_models import (
     bert_mlm,
@@ -117,6 +118,7 @@ def _models_match_reference(tensor: dict[str, Any]) -> dict[str, Any]:
             losses["vit"] = _lm_matches_reference(vit_classifier(), ctx)
         return {
             **losses,
+            "dropout": _dropout_streams(ctx),
             "blocks": _mlp_matches_reference(ctx),
             "meta": _meta_built(ctx),
             "layers": _as_pipeline_layers(ctx),
@@ -177,6 +179,70 @@ def _lm_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float:
     load_full_state_dict(model, original)
     _assert_same_state(gather_full_state_dict(model, context=ctx), original)
     return round(float(loss.detach()), 5)
+
+
+def _dropout_streams(ctx: ParallelContext) -> str:
+    """Dropout masks on split activations differ across tensor ranks; replicated ones agree.
+
+    Every dropout call (attention probabilities in eager attention, residual and embedding
+    dropout) records the RNG state it draws from; the tensor ranks compare them.
+    """
+    mode = ctx.config.tensor_mode
+    model = parallelize(
+        gpt2_lm(resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5, attn_implementation="eager"),
+        context=ctx,
+    )
+    model.train()
+    states: list[int] = []
+    real = F.dropout
+
+    def spy(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        states.append(int(torch.random.get_rng_state().float().sum()))  # a cheap fingerprint
+        return real(x, *args, **kwargs)
+
+    ctx.reseed()  # every tensor rank starts from the same default stream
+    try:
+        F.dropout = spy  # type: ignore[assignment]
+        hidden = model(token_ids(), output_hidden_states=True).hidden_states[-2]
+    finally:
+        F.dropout = real  # type: ignore[assignment]
+    # transformers' activation checkpointing replays the global generator, and so the masks
+    grads = [_dropout_grads(ctx, checkpointing) for checkpointing in (False, True)]
+    for plain, replayed in zip(*grads, strict=True):
+        torch.testing.assert_close(replayed, plain, rtol=0, atol=0)
+    group = ctx.get_cpu_group(ParallelMode.TENSOR)
+    gathered: list[Any] = [None] * ctx.get_world_size(ParallelMode.TENSOR)
+    dist.all_gather_object(gathered, (states, hidden.detach()), group=group)
+    per_call = list(zip(*(s for s, _ in gathered), strict=True))  # each call: one per rank
+    distinct = [len(set(call)) == len(call) for call in per_call]
+    assert len(per_call) == 2 * 3 + 1, len(per_call)  # embedding + 2 layers x (attn, 2 resid)
+    if mode == "1d" and not ctx.config.tensor_args.get("sequence_parallel"):
+        # attention probabilities (split by heads) differ; residuals and embeddings agree,
+        # so the replicated hidden state is the same on every tensor rank
+        assert distinct == [False] + [True, False, False] * 2, distinct
+        for _, other in gathered[1:]:
+            torch.testing.assert_close(other, gathered[0][1], rtol=0, atol=0)
+        return "1d: split distinct, replicated equal"
+    if mode == "1d":  # sequence parallel: the embedding's output is whole, the rest split
+        assert distinct == [False] + [True] * 6, distinct
+        return "1d-sp: inside the span distinct"
+    assert all(distinct), distinct  # every activation is split
+    return f"{mode}: all distinct"
+
+
+def _dropout_grads(ctx: ParallelContext, checkpointing: bool) -> list[torch.Tensor]:
+    """The gradients of a parallelized GPT-2 with dropout, from a fixed generator state."""
+    model = parallelize(
+        gpt2_lm(resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5, attn_implementation="eager"),
+        context=ctx,
+    )
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ctx.reseed()
+    ids = token_ids()
+    causal_lm_loss(model(ids).logits, ids, context=ctx).backward()
+    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 
 
 def _local_logits(full: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:

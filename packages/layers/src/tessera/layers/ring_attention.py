@@ -124,6 +124,7 @@ def attend_over_sequence(
     dropout: float = 0.0,
     context: ParallelContext | None = None,
     key_mask: torch.Tensor | None = None,
+    dropout_stream: bool = True,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence split across ``sequence``.
 
@@ -139,6 +140,9 @@ def attend_over_sequence(
         context: Supplies the TENSOR seed for dropout (needed when ``dropout > 0``).
         key_mask: ``[b, 1, 1, s]`` additive mask over the whole sequence's keys
             (:func:`gather_key_mask`), or ``None``.
+        dropout_stream: Draw the dropout mask from the context's TENSOR stream (different on
+            every rank). ``False``: from torch's generator as it is, for a caller that forked
+            it per rank already (``parallelize``), so that checkpointing replays the mask.
 
     Returns:
         ``[b, heads, c, d]``.
@@ -155,7 +159,9 @@ def attend_over_sequence(
             cols = torch.arange(scores.shape[-1], device=q.device)  # [s]
             scores = scores.masked_fill(cols > rows, float("-inf"))
         probs = scores.softmax(dim=-1)
-        if dropout > 0.0:
+        if dropout > 0.0 and not dropout_stream:
+            probs = F.dropout(probs, dropout, True)
+        elif dropout > 0.0:
             assert context is not None, "dropout needs the context's TENSOR seed"
             with context.seed(ParallelMode.TENSOR):
                 probs = F.dropout(probs, dropout, True)
@@ -169,15 +175,15 @@ def attend_over_sequence(
         future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)  # [s, s]
         mask = mask.masked_fill(future, torch.finfo(mask.dtype).min)  # [b, 1, s, s]
     is_causal = causal and mask is None
-    if dropout > 0.0:
+    if dropout > 0.0 and dropout_stream:
         assert context is not None, "dropout needs the context's TENSOR seed"
         with context.seed(ParallelMode.TENSOR):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=scale
             )
-    else:
+    else:  # no dropout, or the caller's generator (forked per rank) draws it
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=scale
         )
     return all_to_all(out, 2, 1, group)  # [b, heads, c, d]
 

@@ -19,6 +19,7 @@ from ..errors import ModeNotImplementedError
 from ..ring_attention import AttentionImpl
 from .boundary import install_boundary
 from .converters import Converter
+from .dropout import install_dropout_streams
 from .meta import check_meta_buffers, materialize_whole_modules
 from .plan import Plan, inner_norms, match_plan, plan_for, span_members
 from .sequence import install_sequence_attention
@@ -144,6 +145,7 @@ def parallelize(
     if mode == "sequence":  # token-wise modules stay; attention goes around the ring
         materialize_whole_modules(model, ctx.device)
         install_sequence_attention(model, attention, ctx, sequence_attention)
+        install_dropout_streams(model, ctx, mode, roles)
         install_boundary(model, chosen, ctx, mode, sequence_parallel=False)
         setattr(model, PARALLELIZED_ATTR, mode)
         setattr(model, CONTEXT_ATTR, ctx)
@@ -180,6 +182,7 @@ def parallelize(
             f"parallelize under tensor mode {mode!r}: the {chosen.name} splits no parameter of "
             f"{type(model).__name__}; name its linear layers ('col'/'row') or embeddings"
         )
+    install_dropout_streams(model, ctx, mode, roles, sequence_parallel, chosen.sequence_span)
     install_boundary(model, chosen, ctx, mode, sequence_parallel, attention)
     setattr(model, PARALLELIZED_ATTR, mode)
     setattr(model, CONTEXT_ATTR, ctx)

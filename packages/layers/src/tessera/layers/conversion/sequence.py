@@ -139,6 +139,7 @@ def sequence_attention(
         dropout=dropout,
         context=spec.context,
         key_mask=spec.padding.whole(query.shape[0], query.shape[-2], query.dtype),
+        dropout_stream=False,  # parallelize forked the generator per rank (dropout.py)
     )  # [b, heads, s/N, d]
     return out.transpose(1, 2).contiguous(), None
 
