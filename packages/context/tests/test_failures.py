@@ -38,7 +38,7 @@ BEAT = 0.2  # heartbeat interval of the fault tests (s)
 BOUND = TIMEOUT + 3 * BEAT + 8.0
 # A stopped rank: collectives would wait STOPPED_TIMEOUT; the heartbeats must end them sooner.
 STOPPED_TIMEOUT = 12.0
-STOPPED_BOUND = 3 * BEAT + 3.0
+STOPPED_BOUND = max(3 * BEAT, 2.0) + 3.0  # silence to declare it (at least 2 s), + slack
 
 GLOO_TIMEOUT = RuntimeError(
     "[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for "

@@ -63,6 +63,11 @@ DEFAULT_HEARTBEAT_INTERVAL = 2.0
 #: Heartbeat intervals without a beat after which a rank counts as dead.
 _SILENT_INTERVALS = 3.0
 
+#: ... and never less than this many seconds. A declaration aborts the job, so a live rank
+#: whose heartbeat thread was starved for a moment (an overloaded host, a long call holding
+#: the GIL) must not be declared dead by a short interval (tests use 0.2 s).
+_MIN_SILENCE = 2.0
+
 #: Without heartbeats: how long a rank whose collective failed waits for the failed rank's post.
 _POST_GRACE = 1.0
 
@@ -381,7 +386,7 @@ class _Watch:
 
     def __init__(self, board: FailureBoard, interval: float) -> None:
         self.board = board
-        self.limit = _SILENT_INTERVALS * interval
+        self.limit = max(_SILENT_INTERVALS * interval, _MIN_SILENCE)
         self.target: int | None = self._after(board.rank)
         self.count = -1
         self.changed = time.monotonic()
