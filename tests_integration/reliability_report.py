@@ -1,6 +1,6 @@
 """tessera's reliability report: hostile configs, injected faults, hangs, wrong results.
 
-    python tests_integration/reliability_report.py [--configs 2000] [--repeats 2] [--seed 0]
+    python tests_integration/reliability_report.py [--configs 2000] [--repeats 1] [--seed 0]
 
 (``nox -s reliability``.) Three parts, each bounded in time:
 
@@ -23,8 +23,23 @@
    bound is a *hang*. The *detection time* is measured on the survivors from the moment of
    the fault (the faulty rank's clock, same machine) or, for mismatches, from the moment the
    last rank entered ``initialize``.
-3. **The report**: configs tried, faults injected, hangs, wrong results, worst detection
-   time. The exit status is 1 if there was any hang or wrong result.
+3. **Round two** (issue #18, ``reliability_cases.py``), each case one launched job on 2-3
+   ranks: ``nonfinite="raise"`` (NonFiniteError on every rank naming the step and the rank
+   whose loss went NaN, no parameter updated), ``"skip"`` and ``"warn"`` (every rank skips
+   that step alike); seven engine configs that must be a ConfigError (near-miss keys, NaN
+   numbers, fp16 with bf16, an unknown schedule, ``sequence_paralel`` under
+   ``parallel.tensor``); a batch shape differing on one rank on the first step; a replicated
+   weight differing on one tensor rank; ``parallel`` layouts differing per rank; a rank stopped
+   (SIGSTOP), killed (SIGKILL) mid-step, or killed while the others are in ``initialize``;
+   checkpoints: a tampered ``rank_*.pt`` and ``.distcp`` (CheckpointCorruptError on every
+   rank naming the file), a crash between the two renames of an overwriting publish (then a
+   newer damaged checkpoint, ``prune_checkpoints(keep_last=1)`` and ``latest_checkpoint``
+   must still resume the last published values), a rank dying mid-save (named; the previous
+   checkpoint intact).
+4. **The report**: a table with, per case, the cases tried, clear errors, wrong results, hangs,
+   wrong rank named, checkpoints lost and the worst time from the fault to the last rank's
+   exit. The goal row is 0 / 0 / 0 / 0 and a worst time under ``--exit-bound`` (15 s); the exit
+   status is 1 otherwise.
 """
 
 from __future__ import annotations
@@ -62,6 +77,9 @@ from tessera.engine import initialize
 from tessera.pipeline import build_pipeline_model
 from tessera.registry import Registry, build
 from tessera.testing import DistributedRunner, RankError, RankTimeoutError
+
+sys.path.insert(0, str(Path(__file__).parent))
+import reliability_cases as cases  # next to this script
 
 # ------------------------------------------------------------------------------ hostile configs
 
@@ -166,12 +184,16 @@ def random_parallel(rng: random.Random) -> tuple[Any, Any]:
     return parallel, world
 
 
+#: The outcome of one hostile config that kept the contract: refused with a ConfigError.
+REFUSED = "refused"
+
+
 def _check_parallel(parallel: Any, world: Any) -> str | None:
-    """None when ``from_dict`` kept its contract, else what went wrong."""
+    """None: ``from_dict`` accepted a valid block; ``REFUSED``: a clear ConfigError; else why."""
     try:
         config = ParallelConfig.from_dict(parallel, world)
     except ConfigError as err:
-        return None if str(err) else "ConfigError without a message"
+        return REFUSED if str(err) else "ConfigError without a message"
     if config.world_size != world:
         return f"world size {config.world_size} != {world}"
     if config.data_size * config.pipeline_size * config.tensor_size != world:
@@ -240,7 +262,7 @@ def _check_build(cfg: Any) -> str | None:
     try:
         build(cfg, PARTS)
     except ConfigError as err:
-        return None if str(err) else "ConfigError without a message"
+        return REFUSED if str(err) else "ConfigError without a message"
     return None
 
 
@@ -253,6 +275,16 @@ class Tally:
     hangs: list[str] = field(default_factory=list)
     wrong: list[str] = field(default_factory=list)
     detection: list[tuple[float, str]] = field(default_factory=list)
+    #: table row -> category (clear, ok, wrong, hang, wrong_rank, lost) -> count
+    rows: dict[str, Counter[str]] = field(default_factory=dict)
+    #: table row -> (worst seconds from the fault to the last rank's exit, the case)
+    worst: dict[str, tuple[float, str]] = field(default_factory=dict)
+
+    def add(self, row: str, category: str, seconds: float | None = None, label: str = "") -> None:
+        """Count one case of ``row``."""
+        self.rows.setdefault(row, Counter())[category] += 1
+        if seconds is not None and seconds > self.worst.get(row, (-1.0, ""))[0]:
+            self.worst[row] = (seconds, label)
 
 
 def hostile_configs(count: int, seed: int, deadline: float, tally: Tally) -> None:
@@ -266,18 +298,25 @@ def hostile_configs(count: int, seed: int, deadline: float, tally: Tally) -> Non
         for _ in range(count):
             case, check = draw()
             tally.tried += 1
+            row = f"hostile {kind} configs"
             try:
                 with _deadline(deadline):
                     problem = check()
             except _Hang:
                 tally.hangs.append(f"{kind} {case!r}: no answer within {deadline:g} s")
+                tally.add(row, "hang")
                 continue
             except Exception as err:
                 problem = f"{type(err).__name__}: {err}"
             if problem is None:
-                tally.outcomes[f"{kind} ok"] += 1
+                tally.outcomes[f"{kind} accepted"] += 1
+                tally.add(row, "ok")
+            elif problem == REFUSED:
+                tally.outcomes[f"{kind} refused"] += 1
+                tally.add(row, "clear")
             else:
                 tally.wrong.append(f"{kind} {case!r}: {problem}"[:500])
+                tally.add(row, "wrong")
 
 
 def _parallel_case(rng: random.Random) -> tuple[Any, Callable[[], str | None]]:
@@ -344,6 +383,7 @@ def _fault_job(
     kind: str, faulty: int, fault_step: int, out: str, timeout: float, beat: float
 ) -> dict[str, Any]:
     """One job on every rank; writes and returns what this rank saw."""
+    cases._warm_up()  # no first import under way once heartbeats run
     rank = int(os.environ["RANK"])
     parallel = SCENARIOS[kind][1]
     config: dict[str, Any] = {"parallel": parallel}
@@ -402,8 +442,13 @@ def _fault_job(
         record["t_detect"] = time.time()
     finally:
         ctx.destroy()
+    record["t_exit"] = time.time()
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     return record
+
+
+#: How ``_judge`` starts a problem that is a wrong rank named.
+WRONG_RANK = "wrong rank: "
 
 
 def _judge(kind: str, faulty: int, world: int, records: dict[int, dict[str, Any]]) -> str | None:
@@ -426,8 +471,10 @@ def _judge(kind: str, faulty: int, world: int, records: dict[int, dict[str, Any]
                 continue
             named = records[r].get("failed")
             ok_names = (faulty, None) if kind == "exit" else (faulty,)
-            if got[r] != "RankFailedError" or named not in ok_names:
-                return f"rank {r}: {got[r]} naming rank {named}, expected rank {faulty}"
+            if got[r] != "RankFailedError":
+                return f"rank {r}: {got[r]}, expected RankFailedError"
+            if named not in ok_names:
+                return f"{WRONG_RANK}rank {r} named rank {named}, expected rank {faulty}"
         return None
     if kind in ("tensor_shape_differs", "model_differs"):
         if set(got.values()) != {"ValueError"}:
@@ -438,6 +485,18 @@ def _judge(kind: str, faulty: int, world: int, records: dict[int, dict[str, Any]
             return f"expected a ValueError on the sender and no finished rank, got {got}"
         return None
     raise AssertionError(kind)
+
+
+def _exit_seconds(
+    kind: str, faulty: int, records: dict[int, dict[str, Any]], t_fault: float | None
+) -> float:
+    """From the fault to the last rank's exit (a rank that died exits at the fault)."""
+    if kind in ("tensor_shape_differs", "model_differs", "tensor_shape_wrong"):
+        start = max(r["t_enter"] for r in records.values())
+    else:
+        assert t_fault is not None
+        start = t_fault
+    return max(r["t_exit"] for r in records.values()) - start
 
 
 def _detection_seconds(
@@ -455,77 +514,158 @@ def _detection_seconds(
 
 
 def injected_faults(
-    repeats: int, seed: int, timeout: float, beat: float, tally: Tally, log: Callable[[str], None]
+    runner: DistributedRunner,
+    repeats: int,
+    seed: int,
+    timeout: float,
+    beat: float,
+    tally: Tally,
+    log: Callable[[str], None],
 ) -> int:
     """Every scenario ``repeats`` times (random faulty rank and step); returns faults injected."""
     rng = random.Random(seed)
     injected = 0
-    bound = 3 * timeout + 60.0  # the job's whole life: startup on busy cores, detection, teardown
-    with DistributedRunner(
-        timeout=bound, failure_grace=2 * timeout + 10.0, startup_timeout=240.0
-    ) as runner:
-        for _ in range(repeats):
-            for kind, (world, _) in SCENARIOS.items():
-                faulty, fault_step = rng.randrange(world), rng.randrange(STEPS)
-                if kind == "tensor_shape_wrong":
-                    faulty = 0  # the sender finds out; the fault is everyone's
-                with tempfile.TemporaryDirectory() as out:
-                    started = time.monotonic()
-                    try:
-                        runner.run(
-                            _fault_job,
-                            world,
-                            args=(kind, faulty, fault_step, out, timeout, beat),
-                            init_process_group=False,
-                        )
-                    except RankTimeoutError as err:
-                        tally.hangs.append(f"{kind} (rank {faulty}, step {fault_step}): {err}")
-                        continue
-                    except RankError as err:
-                        if kind != "exit":
-                            tally.wrong.append(f"{kind}: a rank failed unexpectedly: {err}"[:800])
-                            continue
-                    fault_file = Path(out, "fault.json")
-                    t_fault = (
-                        json.loads(fault_file.read_text())["t_fault"]
-                        if fault_file.exists()
-                        else None
+    for _ in range(repeats):
+        for kind, (world, _) in SCENARIOS.items():
+            faulty, fault_step = rng.randrange(world), rng.randrange(STEPS)
+            if kind == "tensor_shape_wrong":
+                faulty = 0  # the sender finds out; the fault is everyone's
+            with tempfile.TemporaryDirectory() as out:
+                started = time.monotonic()
+                try:
+                    runner.run(
+                        _fault_job,
+                        world,
+                        args=(kind, faulty, fault_step, out, timeout, beat),
+                        init_process_group=False,
                     )
-                    records = {
-                        int(p.stem.removeprefix("rank")): json.loads(p.read_text())
-                        for p in Path(out).glob("rank*.json")
-                    }
-                    elapsed = time.monotonic() - started
-                problem = _judge(kind, faulty, world, records)
-                if kind != "healthy":
-                    injected += 1
-                label = f"{kind} (rank {faulty}, step {fault_step})"
-                if problem is not None:
-                    tally.wrong.append(f"{label}: {problem}")
-                    log(f"  {label}: WRONG: {problem}")
+                except RankTimeoutError as err:
+                    tally.hangs.append(f"{kind} (rank {faulty}, step {fault_step}): {err}")
+                    tally.add(kind, "hang")
                     continue
-                tally.outcomes[f"fault {kind} ok"] += 1
-                if kind == "healthy":
-                    log(f"  {label}: all ranks finished alike ({elapsed:.1f} s)")
-                    continue
-                seconds = _detection_seconds(kind, faulty, records, t_fault)
-                tally.detection.append((seconds, label))
-                log(f"  {label}: detected in {seconds:.2f} s ({elapsed:.1f} s in all)")
+                except RankError as err:
+                    if kind != "exit":
+                        tally.wrong.append(f"{kind}: a rank failed unexpectedly: {err}"[-1500:])
+                        tally.add(kind, "wrong")
+                        continue
+                fault_file = Path(out, "fault.json")
+                t_fault = (
+                    json.loads(fault_file.read_text())["t_fault"] if fault_file.exists() else None
+                )
+                records = {
+                    int(p.stem.removeprefix("rank")): json.loads(p.read_text())
+                    for p in Path(out).glob("rank*.json")
+                }
+                elapsed = time.monotonic() - started
+            problem = _judge(kind, faulty, world, records)
+            if kind != "healthy":
+                injected += 1
+            label = f"{kind} (rank {faulty}, step {fault_step})"
+            if problem is not None:
+                tally.wrong.append(f"{label}: {problem}")
+                log(f"  {label}: WRONG: {problem}")
+                tally.add(kind, "wrong_rank" if problem.startswith(WRONG_RANK) else "wrong")
+                continue
+            tally.outcomes[f"fault {kind} ok"] += 1
+            if kind == "healthy":
+                log(f"  {label}: all ranks finished alike ({elapsed:.1f} s)")
+                tally.add(kind, "ok")
+                continue
+            seconds = _detection_seconds(kind, faulty, records, t_fault)
+            to_exit = _exit_seconds(kind, faulty, records, t_fault)
+            tally.detection.append((seconds, label))
+            tally.add(kind, "clear", to_exit, label)
+            log(
+                f"  {label}: detected in {seconds:.2f} s, every rank out in {to_exit:.2f} s "
+                f"({elapsed:.1f} s in all)"
+            )
     return injected
 
 
+# ------------------------------------------------------------------------------ round two
+
+
+def round_two(
+    runner: DistributedRunner,
+    repeats: int,
+    seed: int,
+    timeout: float,
+    beat: float,
+    tally: Tally,
+    log: Callable[[str], None],
+) -> None:
+    """Every case of ``reliability_cases.CASES`` ``repeats`` times, each launched for real."""
+    rng = random.Random(seed + 1)
+    for _ in range(repeats):
+        for case in cases.CASES:
+            faulty, fault_step = rng.choice(case.faulty_from), rng.randrange(cases.STEPS)
+            with tempfile.TemporaryDirectory() as out:
+                job = cases.Job(case.kind, faulty, fault_step, out, timeout, beat, case.variant)
+                started = time.monotonic()
+                got = cases.run_case(runner, case, job)
+                elapsed = time.monotonic() - started
+            tally.add(case.row, got.category, got.seconds, got.label)
+            seconds = "-" if got.seconds is None else f"{got.seconds:.2f} s"
+            log(
+                f"  {got.label}: {got.category}, fault to every rank's exit {seconds} "
+                f"({elapsed:.1f} s in all) {got.detail}"[:300]
+            )
+            if got.category in ("clear", "ok"):
+                continue
+            ranks = "; ".join(
+                f"rank {r}: {rec.get('outcome')} {rec.get('message', '')}"[:400]
+                for r, rec in sorted(got.records.items())
+            )
+            line = f"{got.label}: {got.category}: {got.detail} [{ranks}]"
+            (tally.hangs if got.category == "hang" else tally.wrong).append(line[:2500])
+
+
 # ------------------------------------------------------------------------------ the report
+
+#: The table's columns: heading, categories counted.
+COLUMNS: list[tuple[str, tuple[str, ...]]] = [
+    ("tried", ("clear", "ok", "wrong", "hang", "wrong_rank", "lost")),
+    ("clear err", ("clear",)),
+    ("ran ok", ("ok",)),
+    ("wrong", ("wrong",)),
+    ("hangs", ("hang",)),
+    ("wrong rank", ("wrong_rank",)),
+    ("ckpt lost", ("lost",)),
+]
+
+
+def table(tally: Tally) -> list[str]:
+    """The summary table: one row per case, then the total (the goal row)."""
+    width = max(len(row) for row in [*tally.rows, "total (goal: 0/0/0/0, worst < bound)"])
+    head = "  ".join(f"{h:>10}" for h, _ in COLUMNS)
+    lines = [f"{'case':<{width}}  {head}  {'worst fault->exit':>17}"]
+    total: Counter[str] = Counter()
+    for row, counts in tally.rows.items():
+        total += counts
+        cells = "  ".join(f"{sum(counts[c] for c in cats):>10}" for _, cats in COLUMNS)
+        worst = tally.worst.get(row)
+        lines.append(f"{row:<{width}}  {cells}  {f'{worst[0]:.2f} s' if worst else '-':>17}")
+    cells = "  ".join(f"{sum(total[c] for c in cats):>10}" for _, cats in COLUMNS)
+    worst_all = max(tally.worst.values(), default=None)
+    lines.append("-" * len(lines[0]))
+    worst_text = f"{worst_all[0]:.2f} s" if worst_all else "-"
+    lines.append(f"{'total':<{width}}  {cells}  {worst_text:>17}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run everything, print the report, return the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", type=int, default=2000, help="random configs of each kind")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each fault scenario")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each fault scenario")
+    parser.add_argument("--case-repeats", type=int, default=1, help="runs of each round-2 case")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=4.0, help="collective timeout (s)")
-    parser.add_argument("--heartbeat", type=float, default=0.2, help="heartbeat interval (s)")
+    parser.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat interval (s)")
     parser.add_argument("--config-deadline", type=float, default=2.0, help="per config (s)")
+    parser.add_argument(
+        "--exit-bound", type=float, default=15.0, help="goal: fault to every rank's exit (s)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -541,26 +681,47 @@ def main(argv: list[str] | None = None) -> int:
         f"  {configs_tried} tried in {time.monotonic() - start:.1f} s: "
         f"{dict(sorted(tally.outcomes.items()))}"
     )
-    log(
-        f"injected faults: {len(SCENARIOS)} scenarios x {args.repeats}, collective timeout "
-        f"{args.timeout:g} s, heartbeat {args.heartbeat:g} s ..."
-    )
-    faults = injected_faults(args.repeats, args.seed, args.timeout, args.heartbeat, tally, log)
+    bound = 3 * args.timeout + 60.0  # a job's whole life: startup on busy cores, faults, teardown
+    with DistributedRunner(
+        timeout=bound, failure_grace=2 * args.timeout + 10.0, startup_timeout=240.0
+    ) as runner:
+        log(
+            f"injected faults: {len(SCENARIOS)} scenarios x {args.repeats}, collective timeout "
+            f"{args.timeout:g} s, heartbeat {args.heartbeat:g} s ..."
+        )
+        faults = injected_faults(
+            runner, args.repeats, args.seed, args.timeout, args.heartbeat, tally, log
+        )
+        log(f"round two: {len(cases.CASES)} launched cases x {args.case_repeats} ...")
+        round_two(runner, args.case_repeats, args.seed, args.timeout, args.heartbeat, tally, log)
     worst = max(tally.detection, default=(math.nan, "-"))
+    worst_exit = max(tally.worst.values(), default=(math.nan, "-"))
+    failed = sum(
+        counts[c] for counts in tally.rows.values() for c in ("wrong", "hang", "wrong_rank", "lost")
+    )
+    too_slow = worst_exit[0] >= args.exit_bound
     log("")
     log("tessera reliability report")
+    log("")
+    for line in table(tally):
+        log(f"  {line}")
+    log("")
     log(f"  hostile configs tried      {configs_tried}")
-    log(f"  faults injected            {faults}")
-    log(f"  hangs                      {len(tally.hangs)}")
-    log(f"  wrong results              {len(tally.wrong)}")
+    launched = len(cases.CASES) * args.case_repeats
+    log(f"  faults injected            {faults} (round one) + {launched} cases (round two)")
     log(f"  worst detection time       {worst[0]:.2f} s ({worst[1]})")
-    log(f"  collective timeout         {args.timeout:g} s")
+    log(
+        f"  worst fault to last exit   {worst_exit[0]:.2f} s ({worst_exit[1]}); "
+        f"goal < {args.exit_bound:g} s: {'MISSED' if too_slow else 'met'}"
+    )
+    log(f"  collective timeout         {args.timeout:g} s, heartbeat {args.heartbeat:g} s")
     log(f"  total time                 {time.monotonic() - start:.1f} s")
+    log(f"  goal row                   {'MISSED' if failed or too_slow else 'met'}")
     for line in tally.hangs:
         log(f"HANG: {line}")
     for line in tally.wrong:
         log(f"WRONG: {line}")
-    return 1 if tally.hangs or tally.wrong else 0
+    return 1 if failed or too_slow else 0
 
 
 if __name__ == "__main__":

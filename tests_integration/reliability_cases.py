@@ -1,0 +1,749 @@
+"""The reliability report's second round of launched cases (issue #18), one job per case.
+
+Each case is a small gloo job (2 or 3 ranks, a 67-parameter model) launched for real with
+``launch_from_torch``, a short collective timeout and fast heartbeats. Every rank writes what it
+saw to ``rank<r>.json`` in the case's folder (a killed rank writes nothing; the faulty rank
+notes the moment of its fault in ``fault.json`` first), with the time it left the job (after
+``ctx.destroy()``). ``run_case`` launches the job, reads the records and classifies the outcome:
+
+- ``clear``: every rank stopped with the documented error (naming what it must name);
+- ``ok``: a control case (``nonfinite="skip"`` / ``"warn"``) trained on as documented;
+- ``wrong``: a rank finished as if nothing happened, raised something else, or holds wrong
+  values;
+- ``hang``: the job outlived its bound, or a survivor reported nothing within the grace after
+  a rank died;
+- ``wrong_rank``: an error named a rank (or step) other than the one at fault;
+- ``lost``: no complete checkpoint holding the last published values could be found.
+
+The time measured is from the fault (the faulty rank's clock, same machine; for a mismatch,
+the moment the last rank reached the call that must refuse it) to the last rank's exit (a
+rank killed by the fault exits at the fault; a stopped rank exits once resumed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import json
+import math
+import os
+import shutil
+import signal
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from tessera.context import ParallelMode, RankFailedError, launch_from_torch
+from tessera.engine import (
+    CheckpointParts,
+    NonFiniteError,
+    initialize,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from tessera.engine.checkpoint import api as checkpoint_api  # to fail inside a save
+from tessera.engine.checkpoint import prune_checkpoints, step_dir, verify_checkpoint
+from tessera.engine.checkpoint.files import sha256_file
+from tessera.testing import DistributedRunner, RankError, RankTimeoutError
+
+STEPS = 3
+BATCH = 12  # divisible by 2 and 3 data ranks
+
+# ------------------------------------------------------------------------------ pieces
+
+
+class _Fault(nn.Module):
+    """Identity, except on the faulty rank once armed: stop (SIGSTOP) or die (SIGKILL)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.action: str | None = None
+        self.out = ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.action is not None:
+            action, self.action = self.action, None
+            _note_fault(self.out)
+            if action == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)  # resumed by a survivor (SIGCONT)
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return x
+
+
+def _model(seed: int = 0) -> nn.Sequential:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(4, 8), _Fault(), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _flat(model: nn.Module) -> list[float]:
+    return [float(v) for p in model.parameters() for v in p.detach().double().flatten()]
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 4, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+
+
+def _note_fault(out: str) -> None:
+    """The moment of the fault, written before it happens (first writer wins)."""
+    path = Path(out, "fault.json")
+    if not path.exists():
+        path.write_text(json.dumps({"t_fault": time.time(), "pid": os.getpid()}))
+
+
+_CONTEXT: list[Any] = []  # this rank's context, for the board's posts in a record
+
+
+def _launch(config: dict[str, Any], timeout: float, beat: float) -> Any:
+    ctx = launch_from_torch(config, timeout=timeout, heartbeat_interval=beat)
+    _CONTEXT[:] = [ctx]
+    return ctx
+
+
+def _barrier(ctx: Any) -> None:
+    tdist.barrier(group=ctx.get_cpu_group(ParallelMode.GLOBAL))
+
+
+def _error(rec: dict[str, Any], err: BaseException) -> None:
+    """Write down how this rank stopped."""
+    rec["outcome"] = type(err).__name__
+    rec["message"] = str(err)[:1500]
+    rec["trace"] = "".join(traceback.format_exception(err))[-1500:]
+    board = _CONTEXT[0].failure_board if _CONTEXT else None
+    with contextlib.suppress(Exception):
+        rec["posts"] = [r.describe() for r in board.reports()] if board is not None else []
+    if isinstance(err, RankFailedError):
+        rec["failed"] = err.rank
+    if isinstance(err, NonFiniteError):
+        report = err.report
+        rec["nonfinite"] = [report.step, list(report.loss_ranks), list(report.grad_ranks)]
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every rank of one launched case is told."""
+
+    kind: str
+    faulty: int
+    fault_step: int
+    out: str
+    timeout: float
+    beat: float
+    variant: str = ""
+
+
+def _warm_up() -> None:
+    """Import what a first step imports lazily (optimizers, DDP, DCP) before heartbeats start.
+
+    On a loaded machine a rank holding the GIL in a long first import misses its heartbeats
+    and is declared dead (a false positive; see the notes in the report's docstring).
+    """
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    torch.optim.Adam([nn.Parameter(torch.zeros(1))], lr=0.1)
+    importlib.import_module("torch.distributed.checkpoint")
+    importlib.import_module("torch.nn.parallel")
+
+
+def case_job(job: Job) -> dict[str, Any]:
+    """One case on every rank; writes and returns this rank's record."""
+    _warm_up()
+    rank = int(os.environ["RANK"])
+    rec: dict[str, Any] = {"rank": rank, "t_start": time.time()}
+    try:
+        BODIES[job.kind](job, rank, rec)
+        rec.setdefault("outcome", "finished")
+    except BaseException as err:  # torch's CheckpointException is a BaseException
+        _error(rec, err)
+    rec.setdefault("t_exit", time.time())
+    Path(job.out, f"rank{rank}.json").write_text(json.dumps(rec))
+    return rec
+
+
+# ------------------------------------------------------------------------------ bodies: training
+
+
+def _train(job: Job, rank: int, rec: dict[str, Any]) -> None:
+    """Data-parallel steps, the faulty rank's fault armed at ``fault_step``.
+
+    The fault: NaN data (``nonfinite``), SIGSTOP, SIGKILL (mid-step, or before initialize), or
+    one row fewer on the first step (``batch_shape_differs``).
+    """
+    world = int(os.environ["WORLD_SIZE"])
+    config: dict[str, Any] = {"parallel": {"data": world}}
+    if job.kind == "nonfinite":
+        config["nonfinite"] = job.variant
+    ctx = _launch(config, job.timeout, job.beat)
+    model = _model()
+    fault = next(m for m in model.modules() if isinstance(m, _Fault))
+    fault.out = job.out
+    part = BATCH // world
+    mine = slice(rank * part, (rank + 1) * part)
+    try:
+        if job.kind == "rank_killed_init" and rank == job.faulty:
+            _note_fault(job.out)
+            os.kill(os.getpid(), signal.SIGKILL)  # e.g. the OOM killer, moving the model
+        engine, *_ = initialize(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            nn.CrossEntropyLoss(),
+            config=config,
+            context=ctx,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(STEPS):
+                x, y = _batch(step)
+                x, y = x[mine], y[mine]
+                due = rank == job.faulty and step == job.fault_step
+                if due and job.kind == "nonfinite":
+                    _note_fault(job.out)
+                    x = x * math.nan  # this rank's loss goes NaN
+                if due and job.kind in ("rank_stopped", "rank_killed"):
+                    fault.action = "stop" if job.kind == "rank_stopped" else "kill"
+                if job.kind == "batch_shape_differs" and step == 0:
+                    if rank == job.faulty:
+                        x, y = x[:-1], y[:-1]
+                    rec["t_enter"] = time.time()
+                rec["before"] = _flat(model)
+                engine.zero_grad()
+                engine.execute_schedule(iter([(x, y)]))
+                engine.step()
+        rec["warned"] = sum("nonfinite" in str(w.message) for w in caught)
+        rec["skipped"] = engine.skipped_steps
+    finally:
+        rec["params"] = _flat(model)
+        stopped = Path(job.out, "fault.json")
+        if job.kind == "rank_stopped" and rank != job.faulty and stopped.exists():
+            # resume the stopped rank so that it can leave too (as a launcher would kill it)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(json.loads(stopped.read_text())["pid"], signal.SIGCONT)
+        ctx.destroy()
+        rec["t_exit"] = time.time()
+
+
+# ------------------------------------------------------------------------------ bodies: configs
+
+#: variant -> (the bad configuration keys, a word the ConfigError must contain)
+ENGINE_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
+    "gradient_acumulation": ({"gradient_acumulation": 2}, "gradient_accumulation"),
+    "clip_grad_nrom": ({"clip_grad_nrom": 1.0}, "clip_grad_norm"),
+    "tensor.sequence_paralel": (
+        {"parallel": {"tensor": {"size": 2, "mode": "1d", "sequence_paralel": True}}},
+        "sequence_parallel",
+    ),
+    "clip_grad_norm=nan": ({"clip_grad_norm": math.nan}, "clip_grad_norm"),
+    "fp16.init_scale=nan": ({"fp16": {"init_scale": math.nan}}, "init_scale"),
+    "fp16=dict()+bf16": ({"fp16": {}, "bf16": True}, "bf16"),
+    "unknown schedule": ({"schedule": {"type": "NoSuchSchedule"}}, "NoSuchSchedule"),
+}
+
+
+def _engine_config(job: Job, rank: int, rec: dict[str, Any]) -> None:
+    """The same bad configuration on every rank: a ConfigError at launch or initialize."""
+    bad, _ = ENGINE_CONFIGS[job.variant]
+    config: dict[str, Any] = {"parallel": {"data": int(os.environ["WORLD_SIZE"])}, **bad}
+    rec["t_enter"] = time.time()
+    ctx = _launch(config, job.timeout, job.beat)
+    try:
+        model = _model()
+        initialize(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            nn.CrossEntropyLoss(),
+            config=config,
+            context=ctx,
+        )
+    finally:
+        ctx.destroy()
+        rec["t_exit"] = time.time()
+
+
+def _layouts_differ(job: Job, rank: int, rec: dict[str, Any]) -> None:
+    """The faulty rank is launched with another ``parallel`` block (same world size)."""
+    world = int(os.environ["WORLD_SIZE"])
+    parallel: dict[str, Any] = {"tensor": {"size": world, "mode": "1d"}}
+    if rank == job.faulty:
+        parallel = {"data": world}
+    rec["t_enter"] = time.time()
+    ctx = _launch({"parallel": parallel}, job.timeout, job.beat)
+    ctx.destroy()
+
+
+def _replica_differs(job: Job, rank: int, rec: dict[str, Any]) -> None:
+    """Tensor ranks (1D) holding a plain model, one weight off on the faulty rank.
+
+    Replicated parameters that would train apart: initialize's checksums must refuse them.
+    """
+    world = int(os.environ["WORLD_SIZE"])
+    config: dict[str, Any] = {"parallel": {"tensor": {"size": world, "mode": "1d"}}}
+    ctx = _launch(config, job.timeout, job.beat)
+    try:
+        model = _model()
+        if rank == job.faulty:
+            with torch.no_grad():
+                model[0].weight[0, 0] += 1e-3
+        rec["t_enter"] = time.time()
+        initialize(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            nn.CrossEntropyLoss(),
+            config=config,
+            context=ctx,
+        )
+    finally:
+        ctx.destroy()
+        rec["t_exit"] = time.time()
+
+
+# ------------------------------------------------------------------------------ bodies: checkpoints
+
+
+def _trained(ctx: Any, steps: int, seed: int = 0) -> CheckpointParts:
+    """A model and Adam after ``steps`` local steps: the same values on every rank."""
+    model = _model(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(steps):
+        x, y = _batch(step)
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+    return CheckpointParts(model, opt, context=ctx)
+
+
+def _more(parts: CheckpointParts) -> None:
+    """One more local step (the same on every rank)."""
+    assert isinstance(parts.model, nn.Module) and parts.optimizer is not None
+    x, y = _batch(7)
+    parts.optimizer.zero_grad()
+    nn.CrossEntropyLoss()(parts.model(x), y).backward()
+    parts.optimizer.step()
+
+
+def _tamper(path: Path, victim: str) -> None:
+    """Replace ``victim`` by bytes that do not decode; rewrite its manifest entry to match.
+
+    The checksums pass, so only the reader can find out.
+    """
+    target = path / victim
+    if victim.endswith(".pt"):  # a type the weights-only unpickler refuses
+        torch.save({"rng": datetime.date(2024, 1, 1)}, target)
+    else:  # same size, every byte changed
+        target.write_bytes(bytes((b + 1) % 256 for b in target.read_bytes()))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"][victim] = {"bytes": target.stat().st_size, "sha256": sha256_file(target)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _victim(path: Path, variant: str, faulty: int) -> str:
+    if variant == "rank file":
+        return f"rank_{faulty:05d}.pt"
+    names = sorted(p.name for p in path.glob("*.distcp"))
+    own = f"__{faulty}_0.distcp"
+    return own if own in names else names[0]
+
+
+def _ckpt_tampered(job: Job, rank: int, rec: dict[str, Any]) -> None:
+    """Save, alter one file after the save (manifest rewritten to match), load.
+
+    Every rank must raise CheckpointCorruptError naming the file, and leave the model untouched
+    when the file is found before any tensor is read.
+    """
+    ctx = _launch({"parallel": {}}, job.timeout, job.beat)
+    try:
+        path = Path(job.out, "ckpt")
+        save_checkpoint(path, _trained(ctx, 1), step=1)
+        _barrier(ctx)
+        victim = _victim(path, job.variant, job.faulty)
+        rec["victim"] = str(path / victim)
+        if rank == 0:
+            _tamper(path, victim)
+        _barrier(ctx)
+        fresh = _trained(ctx, 0, seed=5)
+        assert isinstance(fresh.model, nn.Module)
+        rec["before"] = _flat(fresh.model)
+        rec["t_enter"] = time.time()
+        try:
+            load_checkpoint(path, fresh)
+        finally:
+            rec["params"] = _flat(fresh.model)
+    finally:
+        ctx.destroy()
+        rec["t_exit"] = time.time()
+
+
+def _crash_between_renames(job: Job, rank: int, rec: dict[str, Any]) -> None:
+    """Save steps 1 and 2, train on, overwrite step 2: the publisher dies between renames.
+
+    Rank 0 dies right after it moved the old step 2 aside, before the new one took the name.
+    """
+    ctx = _launch({"parallel": {}}, job.timeout, job.beat)
+    real_rename = os.rename
+
+    def crash_after_aside(src: Any, dst: Any) -> None:
+        real_rename(src, dst)
+        if ".old-" in os.fspath(dst):
+            _note_fault(job.out)
+            os._exit(9)
+
+    try:
+        root = Path(job.out, "run")
+        parts = _trained(ctx, 1)
+        save_checkpoint(step_dir(root, 1), parts, step=1)
+        _more(parts)
+        save_checkpoint(step_dir(root, 2), parts, step=2)
+        assert isinstance(parts.model, nn.Module)
+        rec["published"] = _flat(parts.model)
+        _more(parts)
+        if rank == 0:
+            os.rename = crash_after_aside
+        save_checkpoint(step_dir(root, 2), parts, step=2)
+    finally:
+        os.rename = real_rename
+        ctx.destroy()
+        rec["t_exit"] = time.time()
+
+
+def _recover(job: Job, rank: int, rec: dict[str, Any]) -> None:
+    """After the crash: resume from ``latest_checkpoint``.
+
+    First a newer, damaged checkpoint appears and rank 0 prunes to one complete checkpoint.
+    """
+    ctx = _launch({"parallel": {}}, job.timeout, job.beat)
+    try:
+        root = Path(job.out, "run")
+        if rank == 0:
+            rec["found"] = sorted(p.name for p in root.iterdir())
+            aside = sorted(root.glob(".step_00000002.old-*"))
+            if aside:  # a newer step whose biggest file lost its second half
+                newer = step_dir(root, 3)
+                shutil.copytree(aside[0], newer)
+                biggest = max(newer.iterdir(), key=lambda p: p.stat().st_size)
+                rec["truncated"] = [biggest.name, biggest.stat().st_size]
+                biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+                rec["sizes"] = {p.name: p.stat().st_size for p in sorted(aside[0].iterdir())}
+            rec["pruned"] = sorted(p.name for p in prune_checkpoints(root, keep_last=1))
+            rec["left"] = sorted(p.name for p in root.iterdir())
+        _barrier(ctx)
+        latest = latest_checkpoint(root, ctx)
+        rec["latest"] = None if latest is None else latest.name
+        if latest is not None:
+            fresh = _trained(ctx, 0, seed=5)
+            assert isinstance(fresh.model, nn.Module)
+            rec["step"] = load_checkpoint(latest, fresh).step
+            rec["params"] = _flat(fresh.model)
+    finally:
+        ctx.destroy()
+        rec["t_exit"] = time.time()
+
+
+def _dies_mid_save(job: Job, rank: int, rec: dict[str, Any]) -> None:
+    """Overwrite a checkpoint; the faulty rank dies while writing its file.
+
+    The survivor must name it, and the previous checkpoint must still verify and load with its
+    values.
+    """
+    ctx = _launch({"parallel": {}}, job.timeout, job.beat)
+    real_write = checkpoint_api.write_bytes
+
+    def die(*args: Any, **kwargs: Any) -> None:
+        _note_fault(job.out)
+        os._exit(9)
+
+    path = Path(job.out, "ckpt")
+    try:
+        parts = _trained(ctx, 1)
+        save_checkpoint(path, parts, step=1)
+        assert isinstance(parts.model, nn.Module)
+        rec["published"] = _flat(parts.model)
+        _more(parts)
+        if rank == job.faulty:
+            checkpoint_api.write_bytes = die
+        try:
+            save_checkpoint(path, parts, step=2)
+        except BaseException as err:
+            _error(rec, err)
+    finally:
+        checkpoint_api.write_bytes = real_write
+        ctx.destroy()
+        rec["t_exit"] = time.time()
+    # After this rank left: is the previous checkpoint whole, and does it load alone?
+    try:
+        rec["manifest_step"] = verify_checkpoint(path)["step"]
+        fresh = _trained(None, 0, seed=5)
+        assert isinstance(fresh.model, nn.Module)
+        load_checkpoint(path, fresh)
+        rec["params"] = _flat(fresh.model)
+    except BaseException as err:
+        rec["reload_error"] = f"{type(err).__name__}: {err}"[:500]
+
+
+BODIES: dict[str, Callable[[Job, int, dict[str, Any]], None]] = {
+    "nonfinite": _train,
+    "batch_shape_differs": _train,
+    "rank_stopped": _train,
+    "rank_killed": _train,
+    "rank_killed_init": _train,
+    "engine_config": _engine_config,
+    "layouts_differ": _layouts_differ,
+    "replica_differs": _replica_differs,
+    "ckpt_tampered": _ckpt_tampered,
+    "ckpt_crash_between_renames": _crash_between_renames,
+    "ckpt_recover": _recover,
+    "ckpt_dies_mid_save": _dies_mid_save,
+}
+
+# ------------------------------------------------------------------------------ judging
+
+Verdict = tuple[str, str]  # (category, detail)
+
+
+def _all(records: dict[int, dict[str, Any]], ranks: list[int], outcome: str) -> Verdict | None:
+    """``wrong`` unless every rank of ``ranks`` ended with ``outcome``."""
+    got = {r: records[r]["outcome"] for r in ranks}
+    if set(got.values()) != {outcome}:
+        detail = "; ".join(
+            f"rank {r}: {records[r]['outcome']} {records[r].get('message', '')[:200]}"
+            for r in ranks
+            if records[r]["outcome"] != outcome
+        )
+        return "wrong", f"expected {outcome} on ranks {ranks}: {detail}"
+    return None
+
+
+def _named(records: dict[int, dict[str, Any]], ranks: list[int], ok: tuple[Any, ...]) -> Verdict:
+    bad = {r: records[r].get("failed") for r in ranks if records[r].get("failed") not in ok}
+    if bad:
+        return "wrong_rank", f"named {bad}, expected one of {list(ok)}"
+    return "clear", ""
+
+
+def _files(records: dict[int, dict[str, Any]]) -> str:
+    """What rank 0 of the recovery job found, pruned and left, for a lost checkpoint."""
+    keys = ("found", "truncated", "sizes", "pruned", "left")
+    return json.dumps({k: records.get(0, {}).get(k) for k in keys})
+
+
+def judge(case: Case, job: Job, world: int, records: dict[int, dict[str, Any]]) -> Verdict:
+    """The category of one finished job's records."""
+    everyone = list(range(world))
+    survivors = [r for r in everyone if not (case.dies and r == job.faulty)]
+    missing = [r for r in survivors if r not in records]
+    if missing:
+        return "hang", f"ranks {missing} reported nothing"
+    kind = job.kind
+    if kind == "nonfinite" and job.variant == "raise":
+        wrong = _all(records, everyone, "NonFiniteError")
+        if wrong:
+            return wrong
+        expected = [job.fault_step + 1, [job.faulty]]
+        for r in everyone:
+            if records[r]["nonfinite"][:2] != expected:
+                return "wrong_rank", f"rank {r}: (step, loss ranks) {records[r]['nonfinite'][:2]}"
+            if records[r]["params"] != records[r]["before"]:
+                return "wrong", f"rank {r}: the parameters changed in the refused step"
+        return "clear", ""
+    if kind == "nonfinite":  # skip / warn: every rank skips that one step and trains on alike
+        wrong = _all(records, everyone, "finished")
+        if wrong:
+            return wrong
+        params = [records[r]["params"] for r in everyone]
+        if not all(math.isfinite(v) for v in params[0]) or any(p != params[0] for p in params):
+            return "wrong", "parameters non-finite or different across ranks"
+        skipped = [records[r]["skipped"] for r in everyone]
+        warned = [records[r]["warned"] for r in everyone]
+        if skipped != [1] * world or warned != [int(job.variant == "warn")] * world:
+            return "wrong", f"skipped steps {skipped}, warnings {warned}"
+        return "ok", ""
+    if kind in ("rank_stopped", "rank_killed", "rank_killed_init"):
+        others = [r for r in everyone if r != job.faulty]
+        wrong = _all(records, others, "RankFailedError")
+        if wrong:
+            return wrong
+        if kind == "rank_stopped" and records[job.faulty]["outcome"] == "finished":
+            return "wrong", "the stopped rank finished its steps once resumed"
+        return _named(records, others, (job.faulty,))
+    if kind in ("batch_shape_differs", "replica_differs"):
+        wrong = _all(records, everyone, "ValueError")
+        if wrong:
+            return wrong
+        what = "batch" if kind == "batch_shape_differs" else "parameter values"
+        if not all(f"disagree on the {what}" in records[r]["message"] for r in everyone):
+            return "wrong", f"the ValueError does not say the ranks disagree on the {what}"
+        return "clear", ""
+    if kind in ("engine_config", "layouts_differ"):
+        wrong = _all(records, everyone, "ConfigError")
+        if wrong:
+            return wrong
+        messages = {records[r]["message"] for r in everyone}
+        word = ENGINE_CONFIGS[job.variant][1] if kind == "engine_config" else "ranks"
+        if len(messages) != 1 or word not in next(iter(messages)):
+            return "wrong", f"messages differ or do not name {word!r}: {messages}"
+        return "clear", ""
+    if kind == "ckpt_tampered":
+        wrong = _all(records, everyone, "CheckpointCorruptError")
+        if wrong:
+            return wrong
+        victim = records[0]["victim"]
+        messages = {records[r]["message"] for r in everyone}
+        if len(messages) != 1 or victim not in next(iter(messages)):
+            return "wrong", f"the ranks' messages differ or do not name {victim}"
+        if job.variant == "rank file" and any(
+            records[r]["params"] != records[r]["before"] for r in everyone
+        ):
+            return "wrong", "the model changed although the rank file was refused first"
+        return "clear", ""
+    if kind == "ckpt_crash_between_renames":
+        # rank 0 hosts the store: a survivor can name it, or say the store host died
+        wrong = _all(records, [1], "RankFailedError")
+        return wrong or _named(records, [1], (0, None))
+    if kind == "ckpt_recover":
+        wrong = _all(records, everyone, "finished")
+        latest = {records[r].get("latest") for r in everyone}
+        if latest == {None} or wrong:
+            detail = wrong[1] if wrong else ""
+            return "lost", f"no checkpoint found after the crash {_files(records)} {detail}"
+        published = json.loads(Path(job.out, "published.json").read_text())
+        if any(records[r].get("params") != published for r in everyone):
+            return "lost", f"{latest} does not hold the last published values {_files(records)}"
+        return "ok", ""
+    if kind == "ckpt_dies_mid_save":
+        others = [r for r in everyone if r != job.faulty]
+        for r in others:
+            if "reload_error" in records[r] or records[r].get("params") != records[r]["published"]:
+                return "lost", f"rank {r}: {records[r].get('reload_error', 'other values')}"
+        wrong = _all(records, others, "RankFailedError")
+        return wrong or _named(records, others, (job.faulty,))
+    raise AssertionError(kind)
+
+
+# ------------------------------------------------------------------------------ running
+
+
+@dataclass(frozen=True)
+class Case:
+    """One launched case: a row of the report's table."""
+
+    row: str
+    kind: str
+    world: int
+    variant: str = ""
+    dies: bool = False  # the faulty rank's process dies
+    faulty_from: tuple[int, ...] = (0, 1)  # drawn from these
+    fault_at_start: bool = False  # the fault is the job's own input (no fault.json)
+
+
+CASES: list[Case] = [
+    Case("nonfinite='raise'", "nonfinite", 2, "raise"),
+    Case("nonfinite='skip'", "nonfinite", 2, "skip"),
+    Case("nonfinite='warn'", "nonfinite", 2, "warn"),
+    *[
+        Case("engine config refused", "engine_config", 2, variant, fault_at_start=True)
+        for variant in ENGINE_CONFIGS
+    ],
+    Case("batch shape differs", "batch_shape_differs", 2, fault_at_start=True),
+    Case("replicated weight differs", "replica_differs", 2, fault_at_start=True),
+    Case("parallel layouts differ", "layouts_differ", 2, fault_at_start=True),
+    Case("rank stopped (SIGSTOP)", "rank_stopped", 3, faulty_from=(1, 2)),
+    Case("rank killed (SIGKILL)", "rank_killed", 3, dies=True, faulty_from=(1, 2)),
+    Case("rank killed in initialize", "rank_killed_init", 3, dies=True, faulty_from=(1, 2)),
+    Case("ckpt rank file tampered", "ckpt_tampered", 2, "rank file", fault_at_start=True),
+    Case("ckpt .distcp tampered", "ckpt_tampered", 2, "distcp", fault_at_start=True),
+    Case(
+        "ckpt crash between renames", "ckpt_crash_between_renames", 2, dies=True, faulty_from=(0,)
+    ),
+    Case("ckpt rank dies mid-save", "ckpt_dies_mid_save", 2, dies=True, faulty_from=(1,)),
+]
+
+
+@dataclass
+class Outcome:
+    """One case's verdict and fault-to-exit time."""
+
+    case: Case
+    label: str
+    category: str
+    detail: str
+    seconds: float | None
+    records: dict[int, dict[str, Any]]
+
+
+#: The launcher's error when the rendezvous port was taken meanwhile (not the case's fault).
+_PORT_TAKEN = "could not host the rendezvous store"
+
+
+def _launch_job(
+    runner: DistributedRunner, case: Case, job: Job
+) -> tuple[Verdict | None, dict[int, dict[str, Any]]]:
+    """Run ``job``; a hang or a rank lost outside the case (or None), and the records found."""
+    problem: Verdict | None = None
+    try:
+        runner.run(case_job, case.world, args=(job,), init_process_group=False)
+    except RankTimeoutError as err:
+        problem = "hang", f"no answer within the bound: {str(err)[:300]}"
+    except RankError as err:
+        if not (case.dies and set(err.failures) == {job.faulty}):
+            problem = "wrong", f"a rank failed outside the case: {str(err)[-600:]}"
+    records = {
+        int(p.stem.removeprefix("rank")): json.loads(p.read_text())
+        for p in Path(job.out).glob("rank*.json")
+    }
+    return problem, records
+
+
+def _fault_to_exit(case: Case, job: Job, records: dict[int, dict[str, Any]]) -> float | None:
+    fault = Path(job.out, "fault.json")
+    if case.fault_at_start:
+        starts = [r["t_enter"] for r in records.values() if "t_enter" in r]
+        start = max(starts) if len(starts) == case.world else None
+    else:
+        start = json.loads(fault.read_text())["t_fault"] if fault.exists() else None
+    if start is None or not records:
+        return None
+    exits = [r["t_exit"] for r in records.values()]
+    return max(exits) - start
+
+
+def run_case(runner: DistributedRunner, case: Case, job: Job) -> Outcome:
+    """Launch one case (and, after the crash case, the job that resumes from its folder)."""
+    label = f"{case.row}{f' [{case.variant}]' if case.kind == 'engine_config' else ''}"
+    if case.dies or case.kind == "rank_stopped":
+        label += f" (rank {job.faulty}, step {job.fault_step})"
+    for _ in range(3):
+        problem, records = _launch_job(runner, case, job)
+        if not any(_PORT_TAKEN in r.get("message", "") for r in records.values()):
+            break
+        # another job on this machine took the fresh rendezvous port: launch again
+        for stale in [*Path(job.out).glob("rank*.json"), Path(job.out, "fault.json")]:
+            stale.unlink(missing_ok=True)
+    if problem is not None:
+        return Outcome(case, label, *problem, None, records)
+    seconds = _fault_to_exit(case, job, records)
+    category, detail = judge(case, job, case.world, records)
+    if category in ("clear", "ok") and seconds is None and case.kind != "nonfinite":
+        category, detail = "wrong", "no fault time recorded: the fault did not happen"
+    if case.kind == "ckpt_crash_between_renames" and category == "clear":
+        published = records[1]["published"]
+        Path(job.out, "published.json").write_text(json.dumps(published))
+        recovery = Job("ckpt_recover", job.faulty, 0, job.out, job.timeout, job.beat)
+        for name in [f"rank{r}.json" for r in range(case.world)]:
+            Path(job.out, name).unlink(missing_ok=True)
+        problem, after = _launch_job(runner, Case(case.row, "ckpt_recover", 2), recovery)
+        if problem is not None:
+            return Outcome(case, label, problem[0], f"resuming: {problem[1]}", seconds, after)
+        resumed, why = judge(case, recovery, case.world, after)
+        if resumed != "ok":
+            return Outcome(case, label, resumed, why, seconds, after)
+        detail = f"resumed from {after[0]['latest']}, pruned {after[0]['pruned']}"
+    return Outcome(case, label, category, detail, seconds, records)
