@@ -168,3 +168,30 @@ def test_a_rank_failing_mid_save_or_load_is_named(
     assert (got["rank"], got["where"]) == (1, f"checkpoint.{what}"), got
     assert f"rank 1 failed in 'checkpoint.{what}': OSError: rank 1's disk failed" in got["message"]
     assert not (tmp_path / "new").exists()  # nothing published
+
+
+def _rank_1_writes_late(path: str) -> None:
+    """Rank 1 writes its own file half a second after rank 0 is ready to list the directory."""
+    ctx = _launch()
+    real = checkpoint_api.write_bytes
+
+    def late(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    try:
+        if tdist.get_rank() == 1:
+            checkpoint_api.write_bytes = late  # type: ignore[assignment]
+        save_checkpoint(path, _parts(ctx, 0, train=True), step=3)
+    finally:
+        checkpoint_api.write_bytes = real  # type: ignore[assignment]
+        ctx.destroy()
+
+
+def test_the_manifest_lists_a_slow_ranks_file(dist: Any, tmp_path: Path) -> None:
+    # Without an agreement before the listing, rank 1's file was written after rank 0 listed
+    # the directory: published, present, but in no manifest, so never verified.
+    path = tmp_path / "late"
+    _run(dist, _rank_1_writes_late, str(path))
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert {"rank_00000.pt", "rank_00001.pt"} <= set(manifest["files"]), sorted(manifest["files"])

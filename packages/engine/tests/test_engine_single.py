@@ -178,7 +178,7 @@ def test_errors_are_clear() -> None:
         ({"fp16": {"mode": "torch"}, "bf16": True}, "both set"),
         ({"fp16": {}, "bf16": True}, "both set"),  # an empty fp16 block is fp16 on
         ({"fp16": {"mode": "apex"}}, "apex is unmaintained.*fp16=dict\\(mode='torch'\\)"),
-        ({"fp16": {"mode": "naive"}}, "not supported"),
+        ({"fp16": {"mode": "fancy"}}, "not supported"),
         ({"fp16": {"scale": 1}}, "unknown key 'fp16.scale'"),
         ({"fp16": {"init_scale": math.inf}}, "fp16.init_scale must be a finite number"),
         ({"fp16": {"growth_factor": math.nan}}, "fp16.growth_factor must be a finite number"),

@@ -6,6 +6,7 @@ catch the expected error on every rank and return what they saw, so one pool ser
 
 from __future__ import annotations
 
+import importlib
 import time
 import warnings
 from typing import Any
@@ -98,6 +99,34 @@ def test_a_rank_raising_in_forward_stops_the_others(dist: Any, handler: bool) ->
     assert "rank 1 failed in 'engine.forward': ValueError: activation overflow" in got["message"]
     # rank 0 waited in DDP's backward all-reduce, or in the handler's all-reduce in step()
     assert ("engine.backward" if not handler else "engine.step") in got["message"]
+    assert got["seconds"] < BOUND
+
+
+def _raise_in_initialize() -> dict[str, Any]:
+    module = importlib.import_module("tessera.engine.initialize")  # not the function
+    real = module.check_parameter_checksums
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise ValueError("rank 1 could not read its weights")
+
+    ctx = create_context({"parallel": {}}, timeout=TIMEOUT, heartbeat_interval=BEAT)
+    try:
+        if tdist.get_rank() == 1:
+            module.check_parameter_checksums = broken
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return _outcome(lambda: initialize(model, opt, nn.MSELoss(), context=ctx))
+    finally:
+        module.check_parameter_checksums = real
+        ctx.destroy()
+
+
+def test_a_rank_failing_in_initialize_is_named(dist: Any) -> None:
+    results = dist.run(_raise_in_initialize, world_size=2, timeout=90)
+    assert results[1] == {"outcome": "ValueError", "message": "rank 1 could not read its weights"}
+    got = results[0]
+    assert got["outcome"] == "RankFailedError", got
+    assert (got["rank"], got["where"]) == (1, "engine.initialize"), got
     assert got["seconds"] < BOUND
 
 

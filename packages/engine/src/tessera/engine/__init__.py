@@ -1,7 +1,8 @@
 """tessera-engine: the Engine and everything around a training step.
 
-Gradient handlers, initialize(), mixed precision, ZeRO, gradient accumulation, global-norm
-clipping, data loading, checkpoints that reshard across layouts, and the Trainer with hooks.
+Gradient handlers, initialize(), mixed precision (autocast or fp32 master weights), ZeRO,
+gradient accumulation, global-norm clipping, data loading, checkpoints that reshard across
+layouts, and the Trainer with hooks.
 
 It knows no layer class: what it needs about sharded parameters comes from
 ``tessera.context.ShardInfo``; pipeline schedules come from tessera-pipeline.
@@ -54,6 +55,7 @@ from .hooks import (
 )
 from .initialize import ENGINE_CONFIG_KEYS, initialize, sync_replicated_parameters
 from .loss_scaler import DynamicLossScaler
+from .master_weights import MasterWeights
 from .metrics import AverageMetric, ThroughputMetric
 from .nonfinite import NonFiniteError, NonFiniteReport
 from .schedule import NonPipelineSchedule, StepSchedule
@@ -81,6 +83,7 @@ __all__ = [
     "mark_pipeline_shared",
     # precision, ZeRO, accumulation, clipping
     "DynamicLossScaler",
+    "MasterWeights",
     "NonFiniteError",
     "NonFiniteReport",
     "zero_redundancy_optimizer",

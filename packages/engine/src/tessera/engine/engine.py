@@ -15,9 +15,11 @@ or, without a schedule, ``out = engine(x); loss = engine.criterion(out, y);
 engine.backward(loss); engine.step()``.
 
 Order inside ``step()`` (once every ``gradient_accumulation`` calls): the gradient handlers
-(all-reduce over data, sequence, tied weights), then fp16 unscaling with one overflow decision
-for all ranks, or (without fp16) one decision of all ranks on non-finite losses and gradients
-(``nonfinite.py``), then clipping by the global norm, then the optimizer.
+(all-reduce over data, sequence, tied weights), then (under master weights) the move of the
+model's low-precision gradients into the fp32 masters' (``master_weights.py``), then fp16
+unscaling with one overflow decision for all ranks, or (without fp16) one decision of all ranks
+on non-finite losses and gradients (``nonfinite.py``), then clipping by the global norm, then the
+optimizer, then (under master weights) the masters rounded back into the model.
 
 Ranks that read batches of different shapes do not fail loudly (a data rank with a smaller
 batch weighs its gradients wrongly; a tensor group may hang), so the first forward of a job
@@ -45,6 +47,7 @@ from .context_lookup import resolve_context
 from .gradient_handlers.base import BaseGradientHandler
 from .guarding import guarded
 from .loss_scaler import DynamicLossScaler
+from .master_weights import LOW_PRECISION_DTYPES, MasterWeights, cast_floating
 from .nonfinite import NonFiniteError, find_nonfinite
 from .schedule import NonPipelineSchedule, StepSchedule
 
@@ -80,6 +83,22 @@ class _AutocastStage(nn.Module):
             return self.module(*args, **kwargs)
 
 
+class _CastInputsStage(nn.Module):
+    """Casts a pipeline stage's floating-point inputs to its parameters' format (master weights).
+
+    The first stage reads the batch in fp32; later stages receive activations already in the
+    model's format, for which the cast is a no-op.
+    """
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module = module
+        self._dtype = dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*cast_floating(args, self._dtype), **cast_floating(kwargs, self._dtype))
+
+
 class Engine:
     """Runs forward, backward and the optimizer step of a (possibly parallel) model.
 
@@ -97,6 +116,9 @@ class Engine:
         autocast_dtype: ``torch.float16`` or ``torch.bfloat16`` to run forward and loss under
             autocast; ``None`` for full precision.
         loss_scaler: Dynamic loss scaler (fp16); ``None`` for no scaling.
+        master_weights: The fp32 masters of a model held in float16/bfloat16 (``optimizer``
+            must be over ``master_weights.masters``); floating-point inputs are cast to the
+            model's format and outputs back to fp32 for the loss. Excludes ``autocast_dtype``.
         nonfinite: A step whose loss or gradients hold inf or NaN: ``"raise"`` a
             ``NonFiniteError`` on every rank, ``"skip"`` it on every rank, or ``"warn"`` (skip
             and warn). Default: ``"skip"`` with a loss scaler (whose overflow skip it is; a
@@ -124,6 +146,7 @@ class Engine:
         gradient_accumulation: int = 1,
         autocast_dtype: torch.dtype | None = None,
         loss_scaler: DynamicLossScaler | None = None,
+        master_weights: MasterWeights | None = None,
         nonfinite: str | None = None,
         check_agreement_every: int | None = 0,
         context: ParallelContext | None = None,
@@ -135,6 +158,11 @@ class Engine:
         if autocast_dtype not in (None, torch.float16, torch.bfloat16):
             raise ValueError(
                 f"autocast_dtype must be float16, bfloat16 or None, got {autocast_dtype}"
+            )
+        if master_weights is not None and autocast_dtype is not None:
+            raise ValueError(
+                f"autocast_dtype {autocast_dtype} and master weights in {master_weights.dtype} "
+                "are two mixed-precision modes; choose one"
             )
         if nonfinite is None:
             nonfinite = "skip" if loss_scaler is not None else "raise"
@@ -160,6 +188,7 @@ class Engine:
         self.gradient_accumulation = int(gradient_accumulation)
         self.autocast_dtype = autocast_dtype
         self.loss_scaler = loss_scaler
+        self.master_weights = master_weights
         self._context = resolve_context(context)
         self._micro_step = 0
         self.global_step = 0
@@ -264,6 +293,12 @@ class Engine:
 
     # ------------------------------------------------------------------ forward and loss
 
+    def _model_inputs(self, obj: Any) -> Any:
+        """Floating-point inputs in the model's format under master weights, else as given."""
+        if self.master_weights is None:
+            return obj
+        return cast_floating(obj, self.master_weights.dtype)
+
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
@@ -297,17 +332,23 @@ class Engine:
         if self._batch_check_due():
             agree_on_call(args, kwargs, self._context)
         self._set_grad_sync(self._is_last_micro_step)
+        args, kwargs = self._model_inputs(args), self._model_inputs(kwargs)
         with self._autocast():
             return self._model(*args, **kwargs)
 
     def criterion(self, output: Any, label: Any) -> torch.Tensor:
         """The loss of ``output`` against ``label`` (under autocast, returned in float32).
 
+        Under master weights the low-precision output is cast to fp32 first: a softmax
+        cross-entropy summed in float16 loses the small terms.
+
         Raises:
             RuntimeError: the Engine was built without a criterion.
         """
         if self._criterion is None:
             raise RuntimeError("this Engine has no criterion: pass criterion= to Engine/initialize")
+        if self.master_weights is not None:
+            output = cast_floating(output, torch.float32, only=LOW_PRECISION_DTYPES)
         with self._autocast():
             loss = self._criterion(output, label)
         return loss.float() if loss.is_floating_point() else loss
@@ -346,6 +387,10 @@ class Engine:
         """What the schedule calls for the forward."""
         if isinstance(self._schedule, NonPipelineSchedule) and isinstance(self._model, nn.Module):
             return self
+        if self.master_weights is not None:
+            dtype = self.master_weights.dtype
+            cast = [_CastInputsStage(m, dtype) for m in self._modules]
+            return cast[0] if isinstance(self._model, nn.Module) else cast
         if self.autocast_dtype is None:
             return self._model
         wrapped = [_AutocastStage(m, self._device_type, self.autocast_dtype) for m in self._modules]
@@ -408,6 +453,8 @@ class Engine:
         """Clear the gradients, at the start of an accumulation cycle only."""
         if self._micro_step % self.gradient_accumulation == 0:
             self._optimizer.zero_grad(set_to_none=True)
+            if self.master_weights is not None:
+                self.master_weights.zero_model_grads()
 
     def _found_inf_group(self) -> dist.ProcessGroup | None:
         """Every rank that holds parameters: the overflow decision must be unanimous."""
@@ -423,6 +470,8 @@ class Engine:
         dups: list[torch.Tensor] = []
         for handler in self._handlers:
             dups.extend(handler.duplicate_parameters())
+        if self.master_weights is not None:  # clipping runs on the masters
+            return self.master_weights.masters_of(dups)
         return dups
 
     @guarded("engine.step")
@@ -439,8 +488,14 @@ class Engine:
         for handler in self._handlers:
             handler.handle_gradient()
         losses, self._backpropagated_losses = self._backpropagated_losses, []
-        params = list(self.parameters())
-        grads = [p.grad for p in params if p.grad is not None]
+        masters = self.master_weights
+        params: list[torch.Tensor]
+        if masters is not None:
+            grads = masters.grads_to_masters()
+            params = list(masters.masters)
+        else:
+            params = list(self.parameters())
+            grads = [p.grad for p in params if p.grad is not None]
         if self.loss_scaler is not None:
             if self.nonfinite == "raise":  # an overflow is the scaler's; a bad loss is not
                 self._apply_nonfinite_policy(losses, [])
@@ -460,6 +515,8 @@ class Engine:
                 exclude=self._duplicate_parameters(),
             )
         self._optimizer.step()
+        if masters is not None:
+            masters.copy_to_model()
         self.global_step += 1
         every = self.check_agreement_every
         if every and self.global_step % every == 0:

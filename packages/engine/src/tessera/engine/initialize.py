@@ -8,8 +8,11 @@ key                        effect
 =========================  ================================================================
 ``fp16=dict(mode="torch",  float16 autocast + dynamic loss scaling; an overflow on any rank
 init_scale=2**16, ...)``   skips the step on every rank (``DynamicLossScaler`` keywords);
-                           ``fp16=dict()`` is mode "torch", ``dict(mode=None)`` is off
-``bf16=True``              bfloat16 autocast (no scaling needed)
+                           ``fp16=dict()`` is mode "torch", ``dict(mode=None)`` is off;
+                           mode "naive": the model held in float16, fp32 master weights in
+                           the optimizer, the same loss scaling (``master_weights.py``)
+``bf16=True``              bfloat16 autocast (no scaling needed); ``bf16=dict(mode="naive")``:
+                           the model held in bfloat16 with fp32 master weights
 ``zero=dict(stage=1|2|3,   ZeRO over DATA: ZeroRedundancyOptimizer (1), FSDP2 (2: gradients
 offload=False)``           and optimizer state sharded, 3: also parameters; offload: CPU)
 ``gradient_accumulation``  N micro-steps per optimizer (and lr-scheduler) step
@@ -69,6 +72,7 @@ from .gradient_handlers import (
     SequenceParallelGradientHandler,
 )
 from .loss_scaler import DynamicLossScaler
+from .master_weights import MasterWeights
 from .schedule import NonPipelineSchedule, StepSchedule
 from .scheduler_binding import rebind_lr_scheduler
 from .settings import ENGINE_CONFIG_KEYS, EngineSettings, read_engine_settings
@@ -188,8 +192,9 @@ def initialize(
 
     Args:
         model: This rank's model (a pipeline stage or its chunks, tensor-parallel layers...).
-        optimizer: Its optimizer. Under ZeRO a new optimizer of the same class and param-group
-            settings replaces it (read ``engine.optimizer``); its state is not carried over.
+        optimizer: Its optimizer. Under ZeRO or master weights a new optimizer of the same
+            class and param-group settings replaces it (read ``engine.optimizer``; under
+            master weights it holds the fp32 masters); its state is not carried over.
             ``lr_scheduler``, if it was built on ``optimizer``, is moved onto the new one.
         criterion: ``criterion(output, label) -> loss``.
         train_dataloader: Returned unchanged (build it with ``get_dataloader``).
@@ -207,6 +212,43 @@ def initialize(
         ConfigError: a key above has a bad value or a combination is unsupported.
     """
     ctx = resolve_context(context)
+    if ctx is None:
+        return _initialize(
+            model,
+            optimizer,
+            criterion,
+            train_dataloader,
+            test_dataloader,
+            lr_scheduler,
+            config,
+            ctx,
+        )
+    # The checks, the broadcast and the wrappers below communicate: a rank that fails or dies
+    # in them is named on the others, as in a training step.
+    with ctx.guard("engine.initialize"):
+        return _initialize(
+            model,
+            optimizer,
+            criterion,
+            train_dataloader,
+            test_dataloader,
+            lr_scheduler,
+            config,
+            ctx,
+        )
+
+
+def _initialize(
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    criterion: Any,
+    train_dataloader: Any,
+    test_dataloader: Any,
+    lr_scheduler: Any,
+    config: Mapping[str, Any] | None,
+    ctx: ParallelContext | None,
+) -> tuple[Engine, Any, Any, Any]:
+    """:func:`initialize` once the context is resolved (under its guard)."""
     cfg: Mapping[str, Any] = (
         config if config is not None else (ctx.full_config if ctx is not None else {})
     )
@@ -236,7 +278,13 @@ def initialize(
         sync_replicated_parameters(modules, ctx)
         check_parameter_checksums(modules, ctx)
 
-    # 2. ZeRO (may replace the parameters and hence the optimizer)
+    # 2. master weights (the model cast in place, the optimizer moved onto fp32 copies; after
+    # the broadcast, so the masters of replicas are equal), then ZeRO (may replace the
+    # parameters and hence the optimizer)
+    masters: MasterWeights | None = None
+    if settings.master_dtype is not None:
+        masters = MasterWeights(modules, settings.master_dtype)
+        optimizer = masters.rebuild_optimizer(optimizer)
     forward_model: nn.Module | list[nn.Module] = model if isinstance(model, nn.Module) else modules
     if zero_stage >= 2:
         assert ctx is not None and isinstance(forward_model, nn.Module)
@@ -272,6 +320,9 @@ def initialize(
         schedule = _pipeline_schedule(settings, ctx)
     else:
         schedule = NonPipelineSchedule()
+    if masters is not None and getattr(schedule, "tensor_dtype", False) is None:
+        # TENSOR_SHAPE's receive buffers take this dtype; the stages send the model's format
+        schedule.tensor_dtype = masters.dtype  # type: ignore[attr-defined]
 
     scaler = DynamicLossScaler(**settings.loss_scaler) if settings.loss_scaler is not None else None
     accumulation = settings.gradient_accumulation
@@ -285,6 +336,7 @@ def initialize(
         gradient_accumulation=accumulation,
         autocast_dtype=settings.autocast_dtype,
         loss_scaler=scaler,
+        master_weights=masters,
         nonfinite=settings.nonfinite,
         check_agreement_every=settings.agreement_every,
         context=ctx,

@@ -29,6 +29,7 @@ from .loss_scaler import DynamicLossScaler
 __all__ = [
     "ENGINE_CONFIG_KEYS",
     "NONFINITE_POLICIES",
+    "PRECISION_MODES",
     "EngineSettings",
     "read_engine_settings",
 ]
@@ -80,6 +81,11 @@ _FP16_KEYS = (
     "max_scale",
 )
 
+#: The modes of ``fp16=dict(mode=...)`` and ``bf16=dict(mode=...)``: ``"torch"`` runs an fp32
+#: model under autocast; ``"naive"`` holds the model in the low-precision format with fp32
+#: master weights in the optimizer (``master_weights.py``).
+PRECISION_MODES = ("torch", "naive")
+
 #: What happens at an optimizer step whose loss or gradients hold inf or NaN.
 NONFINITE_POLICIES = ("raise", "skip", "warn")
 
@@ -93,6 +99,8 @@ class EngineSettings:
 
     Attributes:
         autocast_dtype: ``torch.float16``, ``torch.bfloat16`` or ``None``.
+        master_dtype: The format the model is held in under master weights (``"naive"``
+            mode: ``torch.float16`` or ``torch.bfloat16``), else ``None``.
         loss_scaler: ``DynamicLossScaler`` keywords under fp16, else ``None``.
         zero_stage: 0 (off), 1, 2 or 3.
         zero_offload: CPU offload of the FSDP2 stages.
@@ -111,6 +119,7 @@ class EngineSettings:
     """
 
     autocast_dtype: torch.dtype | None = None
+    master_dtype: torch.dtype | None = None
     loss_scaler: Mapping[str, Any] | None = None
     zero_stage: int = 0
     zero_offload: bool = False
@@ -139,11 +148,19 @@ def read_engine_settings(cfg: Mapping[str, Any], *, debug: bool = False) -> Engi
             the message names the key.
     """
     check_misspelt_keys(cfg)
-    dtype, scaler = _read_precision(cfg)
+    dtype, master, scaler = _read_precision(cfg)
     stage, offload = _read_zero(cfg)
+    if master is not None and stage >= 2:
+        key = "fp16" if master == torch.float16 else "bf16"
+        raise ConfigError(
+            f"{key}.mode 'naive' (fp32 master weights) is not supported with zero.stage {stage} "
+            "(FSDP2 shards the model's own parameters); use zero.stage 1, which shards the "
+            f"masters and their optimizer state, or {key}=dict(mode='torch') with stage {stage}"
+        )
     micro = _read_int(cfg, "NUM_MICRO_BATCHES", 1) if "NUM_MICRO_BATCHES" in cfg else None
     return EngineSettings(
         autocast_dtype=dtype,
+        master_dtype=master,
         loss_scaler=scaler,
         zero_stage=stage,
         zero_offload=offload,
@@ -226,45 +243,67 @@ def _read_clip(cfg: Mapping[str, Any]) -> float:
     return _finite_number("clip_grad_norm", cfg.get("clip_grad_norm", 0.0), minimum=0.0)
 
 
-def _fp16_enabled(fp16: object) -> bool:
-    """``fp16`` absent, ``None``, ``False`` or ``dict(mode=None)`` means off; any dict, on."""
-    if fp16 is None or fp16 is False:
+def _enabled(key: str, value: object) -> bool:
+    """Absent, ``None``, ``False`` or ``dict(mode=None)`` means off; any dict, on."""
+    if value is None or value is False:
         return False
-    if isinstance(fp16, Mapping):
-        return fp16.get("mode", "torch") is not None
-    raise ConfigError(f"fp16 must be a dict like dict(mode='torch'), got {fp16!r}")
-
-
-def _read_precision(
-    cfg: Mapping[str, Any],
-) -> tuple[torch.dtype | None, Mapping[str, Any] | None]:
-    fp16, bf16 = cfg.get("fp16"), cfg.get("bf16")
-    if bf16 not in (None, False, True):
-        raise ConfigError(f"bf16 must be True, False or absent, got {bf16!r}")
-    if isinstance(fp16, Mapping):
-        _check_block_keys("fp16", fp16, _FP16_KEYS)
-    fp16_on = _fp16_enabled(fp16)
-    if fp16_on and bf16:
+    if value is True and key == "bf16":
+        return True
+    if isinstance(value, Mapping):
+        return value.get("mode", "torch") is not None
+    if key == "bf16":
         raise ConfigError(
-            "fp16 and bf16 are both set; choose one mixed-precision mode "
-            f"(fp16={fp16!r}, bf16=True)"
+            f"bf16 must be True, False, absent or a dict like dict(mode='naive'), got {value!r}"
         )
-    if bf16:
-        return torch.bfloat16, None
-    if not fp16_on:
-        return None, None
-    assert isinstance(fp16, Mapping)
-    mode = fp16.get("mode", "torch")
-    if mode == "apex":
+    raise ConfigError(f"fp16 must be a dict like dict(mode='torch'), got {value!r}")
+
+
+def _read_mode(key: str, block: object) -> str:
+    """The ``mode`` of an enabled ``fp16`` / ``bf16`` block (``bf16=True`` is ``"torch"``)."""
+    mode = block.get("mode", "torch") if isinstance(block, Mapping) else "torch"
+    if key == "fp16" and mode == "apex":
         raise ConfigError(
             "fp16.mode 'apex' is not supported: NVIDIA apex is unmaintained; its torch-native "
             "replacement is fp16=dict(mode='torch') (torch.autocast with dynamic loss scaling)"
         )
-    if mode != "torch":
+    if mode not in PRECISION_MODES:
         raise ConfigError(
-            f"fp16.mode {mode!r} is not supported; use fp16=dict(mode='torch'), or "
-            "fp16=dict(mode=None) for full precision"
+            f"{key}.mode {mode!r} is not supported; use {key}=dict(mode='torch') (autocast), "
+            f"{key}=dict(mode='naive') (the model in {key} with fp32 master weights), or "
+            f"{key}=dict(mode=None) for full precision"
         )
+    return str(mode)
+
+
+def _read_precision(
+    cfg: Mapping[str, Any],
+) -> tuple[torch.dtype | None, torch.dtype | None, Mapping[str, Any] | None]:
+    """``(autocast dtype, master-weight dtype, loss-scaler keywords)`` of fp16 / bf16."""
+    fp16, bf16 = cfg.get("fp16"), cfg.get("bf16")
+    if isinstance(fp16, Mapping):
+        _check_block_keys("fp16", fp16, _FP16_KEYS)
+    if isinstance(bf16, Mapping):
+        if any(k in _FP16_KEYS and k != "mode" for k in bf16):
+            scaling = next(k for k in bf16 if k in _FP16_KEYS and k != "mode")
+            raise ConfigError(
+                f"bf16.{scaling} is a loss-scaling key: bfloat16 has float32's exponent range "
+                "and needs no loss scaling (known keys: mode)"
+            )
+        _check_block_keys("bf16", bf16, ("mode",))
+    fp16_on, bf16_on = _enabled("fp16", fp16), _enabled("bf16", bf16)
+    if fp16_on and bf16_on:
+        raise ConfigError(
+            "fp16 and bf16 are both set; choose one mixed-precision mode "
+            f"(fp16={fp16!r}, bf16={bf16!r})"
+        )
+    if bf16_on:
+        if _read_mode("bf16", bf16) == "naive":
+            return None, torch.bfloat16, None
+        return torch.bfloat16, None, None
+    if not fp16_on:
+        return None, None, None
+    assert isinstance(fp16, Mapping)
+    naive = _read_mode("fp16", fp16) == "naive"
     kwargs: dict[str, Any] = {}
     for key in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
         if key in fp16:
@@ -278,7 +317,9 @@ def _read_precision(
         DynamicLossScaler(**kwargs)
     except ValueError as exc:
         raise ConfigError(f"fp16: {exc}") from None
-    return torch.float16, kwargs
+    if naive:
+        return None, torch.float16, kwargs
+    return torch.float16, None, kwargs
 
 
 def _read_zero(cfg: Mapping[str, Any]) -> tuple[int, bool]:

@@ -15,6 +15,12 @@ through the block planners, keyed by the full model's names, so they load under 
 data/pipeline/tensor layout of the same model. What is per rank (RNG) is restored only under
 the same layout; what is the same on every rank (scheduler, counters, data position) is read
 from rank 0's file when the layout changed.
+
+Under master weights (the model in float16/bfloat16, fp32 masters in the optimizer) the
+checkpoint holds the masters as the model's weights, under the model's names, and the optimizer
+state keyed by those names: the checkpoint is that of an fp32 job, so it loads into an fp32 job,
+another layout or another master-weight job exactly. Loading reads into the masters and rounds
+them into the model.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from tessera.context import ParallelContext, ParallelMode
 
 from ..engine import Engine
+from ..master_weights import MasterWeights
 from .blocks import Block, block_of, model_tensors, parameter_names, unwrap_modules
 from .comm import Comm
 from .errors import CheckpointCorruptError, CheckpointError, describe
@@ -84,6 +91,8 @@ class CheckpointParts:
         dataloader: A loader from ``get_dataloader`` (its position is saved).
         engine: Its counters and loss scaler are saved.
         context: The ParallelContext (default: the engine's, else the current one).
+        master_weights: The fp32 masters of a low-precision model (the engine's): saved as the
+            model's weights, and ``optimizer`` is over them.
     """
 
     model: nn.Module | Sequence[nn.Module]
@@ -92,6 +101,7 @@ class CheckpointParts:
     dataloader: Any = None
     engine: Engine | None = None
     context: ParallelContext | None = None
+    master_weights: MasterWeights | None = None
 
     @classmethod
     def of(
@@ -103,7 +113,13 @@ class CheckpointParts:
         """Parts of an Engine (or a copy of parts) with the scheduler and loader added."""
         if isinstance(engine_or_parts, Engine):
             engine = engine_or_parts
-            parts = cls(engine.module, engine.optimizer, engine=engine, context=engine.context)
+            parts = cls(
+                engine.module,
+                engine.optimizer,
+                engine=engine,
+                context=engine.context,
+                master_weights=engine.master_weights,
+            )
         elif isinstance(engine_or_parts, CheckpointParts):
             parts = CheckpointParts(**vars(engine_or_parts))
         else:
@@ -136,6 +152,36 @@ class CheckpointInfo:
     extra: Any
     same_layout: bool
     dataloader: dict[str, Any] | None
+
+
+def _model_tensors(
+    parts: CheckpointParts, modules: Sequence[nn.Module]
+) -> list[tuple[str, torch.Tensor]]:
+    """The model's state-dict entries, each parameter replaced by its fp32 master if it has one."""
+    masters = parts.master_weights
+    if masters is None:
+        return list(model_tensors(modules))
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, t in model_tensors(modules):
+        master = masters.master_of(t)
+        out.append((name, t if master is None else master))
+    return out
+
+
+def _parameter_names(
+    parts: CheckpointParts, modules: Sequence[nn.Module]
+) -> dict[int, tuple[str, nn.Parameter]]:
+    """``id -> (name, tensor)`` of what the optimizer holds: the parameters, or their masters."""
+    names = parameter_names(modules)
+    masters = parts.master_weights
+    if masters is None:
+        return names
+    out: dict[int, tuple[str, nn.Parameter]] = {}
+    for name, p in names.values():
+        master = masters.master_of(p)
+        target = p if master is None else master
+        out[id(target)] = (name, target)
+    return out
 
 
 def _layout(comm: Comm) -> dict[str, Any]:
@@ -301,11 +347,13 @@ def _save(
     settings: dict[str, Any] = {}
     payload = b""
     try:
-        for name, tensor in model_tensors(modules):
+        for name, tensor in _model_tensors(parts, modules):
             blocks[MODEL_PREFIX + name] = block_of(name, tensor)
             names.append(name)
         if parts.optimizer is not None:
-            oblocks, values, settings = optimizer_parts(parts.optimizer, parameter_names(modules))
+            oblocks, values, settings = optimizer_parts(
+                parts.optimizer, _parameter_names(parts, modules)
+            )
             blocks.update(oblocks)
         payload = _rank_payload(parts, comm, extra)
     except CheckpointError as exc:
@@ -359,7 +407,15 @@ def _save(
         )
 
     # 4. Checksums (files shared among the ranks), manifest, atomic publication by rank 0.
+    # Rank 0 lists the directory only after every rank says its own file is written: a slower
+    # rank's file would otherwise be missing from the manifest, so nothing would ever verify it.
+    written = comm.all_gather(rank_file(comm.rank))
     listing = comm.broadcast(sorted(p.name for p in tmp.iterdir()) if comm.is_coordinator else [])
+    _raise_all(
+        [f"{tmp / name} was written but is not in the directory" for name in written
+         if name not in listing],
+        f"cannot save checkpoint {final}",
+    )  # fmt: skip
     digests = {
         name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
         for i, name in enumerate(listing)
@@ -524,7 +580,7 @@ def _match(directory: Path, parts: CheckpointParts, strict: bool, found: _Found)
     try:
         saved = _saved_tensors(directory)
         modules = unwrap_modules(parts.model)
-        for name, tensor in model_tensors(modules):
+        for name, tensor in _model_tensors(parts, modules):
             found.names.append(name)
             key = MODEL_PREFIX + name
             block = block_of(name, tensor)
@@ -548,7 +604,7 @@ def _match(directory: Path, parts: CheckpointParts, strict: bool, found: _Found)
             else:
                 oblocks, found.finish_optimizer, oerrors = prepare_optimizer_load(
                     parts.optimizer,
-                    parameter_names(modules),
+                    _parameter_names(parts, modules),
                     saved,
                     found.state.get("optimizer_values", {}),
                     found.state.get("param_groups", {}),
@@ -574,6 +630,8 @@ def _match(directory: Path, parts: CheckpointParts, strict: bool, found: _Found)
 def _restore(directory: Path, parts: CheckpointParts, comm: Comm, found: _Found) -> list[str]:
     """Hand the optimizer its state and restore this rank's own file; returns what failed."""
     failed: list[str] = []
+    if parts.master_weights is not None:  # the masters were read: round them into the model
+        parts.master_weights.copy_to_model()
     try:
         if found.finish_optimizer is not None:
             found.finish_optimizer()
