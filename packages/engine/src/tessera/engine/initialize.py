@@ -46,6 +46,7 @@ or silently mixed values.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -212,20 +213,10 @@ def initialize(
         ConfigError: a key above has a bad value or a combination is unsupported.
     """
     ctx = resolve_context(context)
-    if ctx is None:
-        return _initialize(
-            model,
-            optimizer,
-            criterion,
-            train_dataloader,
-            test_dataloader,
-            lr_scheduler,
-            config,
-            ctx,
-        )
     # The checks, the broadcast and the wrappers below communicate: a rank that fails or dies
     # in them is named on the others, as in a training step.
-    with ctx.guard("engine.initialize"):
+    guard = ctx.guard("engine.initialize") if ctx is not None else contextlib.nullcontext()
+    with guard:
         return _initialize(
             model,
             optimizer,
