@@ -87,6 +87,15 @@ def llama_lm(seed: int = 0, *, distinct: bool = True, **overrides: Any) -> nn.Mo
     return _distinct(model, seed) if distinct else model
 
 
+def qwen2_lm(seed: int = 0, **overrides: Any) -> nn.Module:
+    """``Qwen2ForCausalLM`` (no plan of its own: laid out as Llama, biases on q, k, v)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**{**LLAMA_CONFIG, **overrides}))
+    return _distinct(model, seed)
+
+
 def bert_mlm(seed: int = 0, **overrides: Any) -> nn.Module:
     """``BertForMaskedLM`` from :data:`BERT_CONFIG`, its weights drawn from ``seed``."""
     from transformers import BertConfig, BertForMaskedLM

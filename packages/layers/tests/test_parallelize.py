@@ -15,11 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from hf_models import (
+    GPT2_CONFIG,
     bert_mlm,
     gpt2_lm,
     images,
     llama_lm,
     masked_labels,
+    qwen2_lm,
     token_ids,
     token_types,
     vit_classifier,
@@ -100,6 +102,8 @@ def _models_match_reference(tensor: dict[str, Any]) -> dict[str, Any]:
     ctx = _context(tensor)
     try:
         losses = {name: _lm_matches_reference(build(), ctx) for name, build in LMS.items()}
+        if ctx.config.tensor_mode in ("1d", "2d", "sequence"):  # a model without a plan
+            losses["qwen2 (inferred plan)"] = _lm_matches_reference(qwen2_lm(), ctx)
         if ctx.config.tensor_mode == "3d":  # a per-sample mask cannot follow rows into layout z
             padded = torch.ones_like(token_ids())
             padded[0, -2:] = 0
@@ -476,6 +480,11 @@ def _errors() -> list[str]:
             "no transformers config",
             lambda: parallelize(copy.deepcopy(block), {"1": "attention"}, context=seq),
         )
+        from transformers import GPT2Config, GPT2DoubleHeadsModel
+
+        # Laid out as GPT-2 but for a head the plan does not know: no plan is inferred.
+        two_heads = GPT2DoubleHeadsModel(GPT2Config(**GPT2_CONFIG))
+        expect(ValueError, "not laid out like one of", lambda: parallelize(two_heads, context=seq))
         lm = parallelize(gpt2_lm(), context=seq)
         padded = torch.ones_like(ids)
         padded[0, -2:] = 0
@@ -491,7 +500,7 @@ def _errors() -> list[str]:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 14
+    assert len(results[0]) == 15
 
 
 def test_inner_norms_follow_a_column_layer_and_precede_a_row_layer() -> None:

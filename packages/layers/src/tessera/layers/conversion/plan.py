@@ -46,17 +46,19 @@ the span of modules whose activations are split along the sequence (Korthikanti 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from torch import nn
 
 __all__ = [
     "BUILTIN_PLANS",
+    "FAMILIES",
     "ROLES",
     "Plan",
     "Role",
+    "infer_plan",
     "inner_norms",
     "match_plan",
     "matches",
@@ -264,11 +266,60 @@ def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
     for cls in type(model).__mro__:
         if cls.__name__ in BUILTIN_PLANS:
             return BUILTIN_PLANS[cls.__name__]
+    inferred = infer_plan(model)
+    if inferred is not None:
+        return inferred
     raise ValueError(
         f"parallelize: tessera ships no plan for {type(model).__name__} (plans for "
-        f"{', '.join(sorted(BUILTIN_PLANS))}); pass plan={{'module.name.pattern': 'col', ...}} "
-        f"with roles {', '.join(ROLES)}"
+        f"{', '.join(sorted(BUILTIN_PLANS))}; and its modules are not laid out like one of "
+        f"their families: {', '.join(FAMILIES)}); pass plan={{'module.name.pattern': 'col', "
+        f"...}} with roles {', '.join(ROLES)}"
     )
+
+
+#: Model families whose module layout other models share (Mistral and Qwen2 are laid out as
+#: Llama), by the name of a module that marks each family and its plan builder.
+FAMILIES: dict[str, tuple[str, Callable[[str, bool], Plan]]] = {
+    "Llama": ("layers.0.self_attn.q_proj", _llama),
+    "GPT-2": ("h.0.attn.c_attn", _gpt2),
+}
+
+
+def infer_plan(model: nn.Module) -> Plan | None:
+    """The plan of the family whose layout ``model`` has, if every parameter is covered by it.
+
+    A model nobody wrote a plan for is often laid out as one that has one (transformers'
+    Mistral and Qwen2 are Llama's modules under other class names). The family's plan is used
+    only when all of its rules match and every module holding parameters is one the plan
+    names (or inside one): a module it does not know (another norm, a bias the family lacks
+    in a module of its own) would stay whole and see split activations, silently wrong, so
+    such a model gets no plan and the caller must write one.
+    """
+    names = [name for name, _ in model.named_modules() if name]
+    for marker, build in FAMILIES.values():
+        found = [n for n in names if n == marker or n.endswith("." + marker)]
+        if not found:
+            continue
+        prefix = found[0][: len(found[0]) - len(marker)]
+        causal_lm = isinstance(getattr(model, "lm_head", None), nn.Linear) and prefix != ""
+        plan = build(prefix, causal_lm)
+        if _covers(model, plan):
+            return replace(plan, name=f"{plan.name} plan inferred for {type(model).__name__}")
+    return None
+
+
+def _covers(model: nn.Module, plan: Plan) -> bool:
+    """Every rule matches, and every module with parameters of its own is named by one."""
+    names = [name for name, _ in model.named_modules() if name]
+    named = [n for n in names if any(matches(n, pattern) for pattern in plan.rules)]
+    if any(not any(matches(n, pattern) for n in names) for pattern in plan.rules):
+        return False
+    for name, module in model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        if not any(name == n or name.startswith(n + ".") for n in named):
+            return False
+    return True
 
 
 def matches(name: str, pattern: str) -> bool:
