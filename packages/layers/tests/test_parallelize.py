@@ -274,6 +274,28 @@ def _as_pipeline_layers(ctx: ParallelContext) -> int:
         torch.testing.assert_close(layers(ids), _local_logits(llama_lm()(ids).logits, ctx), **TOL)
     names = original_names(layers, model)
     assert sorted(set(names.values())) == sorted(n for n, _ in model.named_parameters())
+    # Attention dropout (on probabilities split by heads) draws another mask on every rank
+    # also when a pipeline runs the layers without the model's own forward.
+    dropping = pipeline_layers(
+        parallelize(llama_lm(attention_dropout=0.5, attn_implementation="eager"), context=ctx)
+    ).train()
+    states: list[int] = []
+    real = F.dropout
+
+    def spy(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        states.append(int(torch.random.get_rng_state().float().sum()))
+        return real(x, *args, **kwargs)
+
+    ctx.reseed()
+    try:
+        F.dropout = spy  # type: ignore[assignment]
+        dropping(ids)
+    finally:
+        F.dropout = real  # type: ignore[assignment]
+    gathered: list[Any] = [None] * ctx.get_world_size(ParallelMode.TENSOR)
+    dist.all_gather_object(gathered, states, group=ctx.get_cpu_group(ParallelMode.TENSOR))
+    assert len(states) == 2  # one attention per layer
+    assert all(len(set(call)) == len(call) for call in zip(*gathered, strict=True)), gathered
     return len(layers)
 
 

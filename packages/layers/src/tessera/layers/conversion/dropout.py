@@ -36,7 +36,11 @@ from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode, derive_seed
 
-__all__ = ["RankFork", "install_dropout_streams"]
+__all__ = ["RANK_FORK_ATTR", "RankFork", "fork_each_layer", "install_dropout_streams"]
+
+#: The attribute of a parallelized model holding its :class:`RankFork` when the fork spans its
+#: whole forward (the mesh, cube and sequence modes): pipeline stages then fork per layer.
+RANK_FORK_ATTR = "_tessera_rank_fork"
 
 #: Tensor modes in which every activation is split across the tensor ranks.
 ALL_SPLIT = ("2d", "2.5d", "3d", "sequence")
@@ -111,6 +115,7 @@ def install_dropout_streams(
     if mode in ALL_SPLIT or (sequence_parallel and span is None):
         model.register_forward_pre_hook(fork.enter)
         model.register_forward_hook(fork.leave)
+        setattr(model, RANK_FORK_ATTR, fork)
     elif sequence_parallel and span is not None:
         model.get_submodule(span[0]).register_forward_pre_hook(fork.enter)
         model.get_submodule(span[1]).register_forward_hook(fork.leave)
@@ -123,3 +128,18 @@ def install_dropout_streams(
                 layer.register_forward_pre_hook(fork.leave)
         model.register_forward_hook(fork.leave)
     return fork
+
+
+def fork_each_layer(model: nn.Module, layers: nn.Module) -> None:
+    """Fork around each of ``layers`` (pipeline stages' layers cut from ``model``).
+
+    A model whose fork spans its whole forward is run layer by layer by a pipeline, without
+    that forward; each layer then forks on its own (a fresh draw from the global generator
+    each, so checkpointing still replays them).
+    """
+    fork = getattr(model, RANK_FORK_ATTR, None)
+    if not isinstance(fork, RankFork):
+        return  # 1D: the column and row layers' own hooks fork, whoever calls them
+    for layer in layers.children():
+        layer.register_forward_pre_hook(fork.enter)
+        layer.register_forward_hook(fork.leave)

@@ -25,6 +25,7 @@ from tessera.context import ParallelContext
 
 from ..activations import split_batch
 from .api import CONTEXT_ATTR
+from .dropout import fork_each_layer
 
 __all__ = ["original_names", "pipeline_layers"]
 
@@ -143,7 +144,9 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
     layers.append(("head", HeadStage(norm, lm_head)))
     from collections import OrderedDict
 
-    return nn.Sequential(OrderedDict(layers))
+    sequential = nn.Sequential(OrderedDict(layers))
+    fork_each_layer(model, sequential)  # dropout on split activations: a mask per rank
+    return sequential
 
 
 def _context_of(model: nn.Module) -> ParallelContext | None:
