@@ -88,6 +88,57 @@ def _summa(ctx: ParallelContext) -> None:
         torch.testing.assert_close(yp.grad, blk(yr.grad).detach(), **TOL, msg=f"{name} dB")
 
 
+def _mesh_linear(ctx: ParallelContext) -> None:
+    """Both variants of the linear product, with and without bias and input gradient."""
+    m = mesh(ctx)
+    i, j, q = m.col.rank, m.row.rank, m.q
+    g = torch.Generator().manual_seed(11)
+    x, w, b = torch.randn(8, 8, generator=g), torch.randn(12, 8, generator=g), torch.randn(12)
+    dy = torch.randn(8, 12, generator=g)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # batch block k*q + i, feature block j
+        return t.chunk(m.batch.world_size, 0)[m.batch.rank].chunk(q, 1)[j]
+
+    for algorithm, bias, input_grad in [
+        ("summa", True, True),
+        ("stationary", True, True),
+        ("summa", False, False),
+        ("stationary", False, False),
+    ]:
+        xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+        (F.linear(xr, wr, br if bias else None) * dy).sum().backward()
+        xp = rows(x).clone().requires_grad_(input_grad)
+        wp = w.chunk(q, 0)[j].chunk(q, 1)[i].clone().requires_grad_()  # W[out_j, in_i]
+        bp = b.chunk(q)[j].clone().requires_grad_() if bias else None
+        out = L.mesh_linear(xp, wp, bp, m, algorithm)
+        (out * rows(dy)).sum().backward()
+        name = f"{algorithm} bias={bias}"
+        torch.testing.assert_close(out, rows(F.linear(x, w, b if bias else None)), **TOL, msg=name)
+        assert wr.grad is not None and wp.grad is not None
+        torch.testing.assert_close(wp.grad, wr.grad.chunk(q, 0)[j].chunk(q, 1)[i], **TOL)
+        if bias:
+            assert br.grad is not None and bp is not None and bp.grad is not None
+            torch.testing.assert_close(bp.grad, br.grad.chunk(q)[j], **TOL, msg=name)
+        if input_grad:
+            assert xr.grad is not None
+            torch.testing.assert_close(xp.grad, rows(xr.grad), **TOL, msg=name)
+        else:
+            assert xp.grad is None
+    # Under autocast both variants compute in bf16, and the gradients come back in fp32.
+    for algorithm in ("summa", "stationary"):
+        wp = w.chunk(q, 0)[j].chunk(q, 1)[i].clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = L.mesh_linear(rows(x), wp, None, m, algorithm)
+        assert out.dtype == torch.bfloat16
+        (out.float() * rows(dy)).sum().backward()
+        assert wp.grad is not None and wp.grad.dtype == torch.float32
+        want = (dy.t() @ x).chunk(q, 0)[j].chunk(q, 1)[i]
+        torch.testing.assert_close(wp.grad, want, atol=0.3, rtol=0.05)
+    assert L.choose_algorithm(8, 4, backward=True) == "summa"
+    assert L.choose_algorithm(5, 4, backward=True) == "stationary"
+    assert L.choose_algorithm(4, 4, backward=False) == "summa"
+
+
 def _layers(ctx: ParallelContext) -> int:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(B, S, H, generator=g)
@@ -409,6 +460,7 @@ def _all(config: str) -> dict[str, Any]:
     def body(ctx: ParallelContext) -> dict[str, Any]:
         _mesh_coordinates(ctx)
         _summa(ctx)
+        _mesh_linear(ctx)
         layers = _layers(ctx)
         _dispatch_skip_bias_add(ctx)
         _listing_one(ctx)

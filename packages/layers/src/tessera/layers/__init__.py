@@ -100,6 +100,7 @@ from tessera.layers.loss_3d import (
     VocabParallelCrossEntropyLoss3D,
 )
 from tessera.layers.mesh import Mesh, MeshModule, mesh_of
+from tessera.layers.mesh_linear import choose_algorithm, mesh_linear
 from tessera.layers.norm_1d import LayerNorm1D, RMSNorm1D
 from tessera.layers.norm_2d import (
     LayerNorm2D,
@@ -249,7 +250,9 @@ __all__ = [
     "reduce_scatter_along_dim",
     "all_to_all",
     "broadcast",
-    # SUMMA products (autograd) and the distributed LayerNorm
+    # SUMMA products (autograd), the 2D / 2.5D linear product and the distributed LayerNorm
+    "choose_algorithm",
+    "mesh_linear",
     "summa_ab",
     "summa_abt",
     "summa_atb",

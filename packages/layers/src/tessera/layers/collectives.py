@@ -9,10 +9,10 @@ the same ``ValueError`` on every rank instead of hanging one of them in a collec
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
+
+from .inflight import Pending, start_gather_blocks, start_scatter_blocks
 
 __all__ = [
     "all_gather_along",
@@ -21,17 +21,9 @@ __all__ = [
     "normalize_dim",
     "reduce_scatter_along",
     "split_along",
+    "start_all_gather",
+    "start_reduce_scatter",
 ]
-
-_Collective = Callable[..., object]
-
-# torch >= 2.12 renamed the flat collectives; older versions only have the old names.
-_all_gather_flat: _Collective = getattr(dist, "all_gather_single", None) or (
-    dist.all_gather_into_tensor
-)
-_reduce_scatter_flat: _Collective = getattr(dist, "reduce_scatter_single", None) or (
-    dist.reduce_scatter_tensor
-)
 
 
 def normalize_dim(dim: int, ndim: int) -> int:
@@ -69,45 +61,56 @@ def split_along(x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.
     return x.chunk(world_size, dim)[rank].contiguous()
 
 
+def start_all_gather(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup, world_size: int
+) -> Pending:
+    """Post the all-gather of :func:`all_gather_along`; ``wait()`` returns the gathered tensor."""
+    if world_size == 1:
+        return Pending.done(x)
+    dim = normalize_dim(dim, x.dim())
+    if x.dim() == 0:
+        x = x.reshape(1)
+    shape = list(x.shape)
+    shape[dim] *= world_size
+
+    def concatenate(blocks: torch.Tensor) -> torch.Tensor:  # [w, *x] -> [.., w*sd, ..]
+        if dim == 0:
+            return blocks.view(shape)
+        return blocks.movedim(0, dim).reshape(shape)
+
+    return start_gather_blocks(x, group, world_size).then(concatenate)
+
+
 def all_gather_along(
     x: torch.Tensor, dim: int, group: dist.ProcessGroup, world_size: int
 ) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in group-rank order."""
+    return start_all_gather(x, dim, group, world_size).wait()
+
+
+def start_reduce_scatter(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup, world_size: int
+) -> Pending:
+    """Post the reduce-scatter of :func:`reduce_scatter_along`; ``wait()`` returns the chunk.
+
+    Raises:
+        ValueError: ``x.shape[dim]`` is not divisible by ``world_size`` (before communicating).
+    """
     if world_size == 1:
-        return x
+        return Pending.done(x)
     dim = normalize_dim(dim, x.dim())
-    x = x.contiguous()
-    if x.dim() == 0:
-        x = x.reshape(1)
-    flat = torch.empty((world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_flat(flat, x, group=group)  # [w*s0, ..]
-    if dim == 0:
-        return flat
-    out = flat.view(world_size, *x.shape)  # [w, *x]
-    # [w, s0.., sd, ..] -> [s0.., w, sd, ..] -> [s0.., w*sd, ..]
-    moved = out.movedim(0, dim)
+    check_divisible(x.shape[dim], world_size, f"dim {dim} of tensor {list(x.shape)}")
     shape = list(x.shape)
-    shape[dim] *= world_size
-    return moved.reshape(shape)
+    # [.., w*c, ..] -> [.., w, c, ..] -> [w, .., c, ..]: entry r is chunk r.
+    blocks = x.reshape(*shape[:dim], world_size, shape[dim] // world_size, *shape[dim + 1 :])
+    return start_scatter_blocks(blocks.movedim(dim, 0), group, world_size)
 
 
 def reduce_scatter_along(
     x: torch.Tensor, dim: int, group: dist.ProcessGroup, world_size: int
 ) -> torch.Tensor:
     """Sum ``x`` over the group and keep this rank's chunk along ``dim``."""
-    if world_size == 1:
-        return x
-    dim = normalize_dim(dim, x.dim())
-    check_divisible(x.shape[dim], world_size, f"dim {dim} of tensor {list(x.shape)}")
-    shape = list(x.shape)
-    chunk = shape[dim] // world_size
-    # [.., w*c, ..] -> [.., w, c, ..] -> [w, .., c, ..]: chunk r is contiguous block r.
-    blocks = x.reshape(*shape[:dim], world_size, chunk, *shape[dim + 1 :]).movedim(dim, 0)
-    out_shape = [*shape[:dim], chunk, *shape[dim + 1 :]]
-    out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-    send = blocks.contiguous()
-    _reduce_scatter_flat(out, send.view(world_size * out_shape[0], *out_shape[1:]), group=group)
-    return out
+    return start_reduce_scatter(x, dim, group, world_size).wait()
 
 
 def all_to_all_along(

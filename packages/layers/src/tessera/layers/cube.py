@@ -32,7 +32,13 @@ import torch
 
 from tessera.context import ParallelContext, ParallelMode
 
-from .collectives import all_gather_along, check_divisible, reduce_scatter_along
+from .autocast import autocast_dtype, computing_in
+from .collectives import (
+    check_divisible,
+    reduce_scatter_along,
+    start_all_gather,
+    start_reduce_scatter,
+)
 from .comm import apply_function, copy_to_group, gather_along_dim, split_along_dim
 from .context_access import GroupInfo, group_info
 from .dense import flat_weight
@@ -244,12 +250,14 @@ class _CubeLinear(torch.autograd.Function):
     For input layout with hidden axis ``A`` (local rank ``a``) and other axis ``B`` (``b``),
     on rank ``(x, a, b)``:
 
-    * forward: all-gather ``x`` over ``B`` along dim 0 (the ``q`` batch blocks ``b' q + x``),
-      all-gather ``W`` over WEIGHT along dim 0 (output features block ``b``), multiply
-      (a partial sum over the input-feature block ``a``), reduce-scatter over ``A`` along
-      dim 0 (batch block ``a q + x``, output features block ``b``: the other layout);
-    * backward: all-gather ``dy`` over ``A``; ``dx = dy W`` reduce-scattered over ``B``;
-      ``dW = dy^T x`` reduce-scattered over WEIGHT (summing the x ranks' batch blocks).
+    * forward: all-gather ``x`` over ``B`` along dim 0 (the ``q`` batch blocks ``b' q + x``)
+      and ``W`` over WEIGHT along dim 0 (output features block ``b``), both in flight at
+      once; multiply (a partial sum over the input-feature block ``a``); reduce-scatter over
+      ``A`` along dim 0 (batch block ``a q + x``, output features block ``b``: the other
+      layout);
+    * backward: the three gathers (``dy`` over ``A``, ``W`` over WEIGHT, ``x`` over ``B``)
+      posted together; ``dx = dy W`` reduce-scattered over ``B`` while ``dW = dy^T x`` is
+      computed, then reduce-scattered over WEIGHT (summing the x ranks' batch blocks).
     """
 
     @staticmethod
@@ -261,14 +269,16 @@ class _CubeLinear(torch.autograd.Function):
         across: GroupInfo,
         weight_axis: GroupInfo,
     ) -> torch.Tensor:
+        dtype = autocast_dtype(x)
+        x, weight = (x, weight) if dtype is None else (x.to(dtype), weight.to(dtype))
         ctx.groups = (hidden, across, weight_axis)
         ctx.save_for_backward(x, weight)
-        x_all = all_gather_along(x.detach(), 0, across.group, across.world_size)  # [b/q, .., in/q]
+        x_all = start_all_gather(x.detach(), 0, across.group, across.world_size)
         # A fused weight [fused, out/(fused q^2), in/q] is gathered part by part (dim -2).
-        w_all = all_gather_along(
-            weight.detach(), -2, weight_axis.group, weight_axis.world_size
-        )  # [out/q, in/q]
-        partial = torch.matmul(x_all, flat_weight(w_all).t())  # [b/q, .., out/q], partial sums
+        w_all = start_all_gather(weight.detach(), -2, weight_axis.group, weight_axis.world_size)
+        with computing_in(dtype, x.device):
+            # [b/q, .., in/q] @ [in/q, out/q] -> [b/q, .., out/q], partial sums over ``A``
+            partial = torch.matmul(x_all.wait(), flat_weight(w_all.wait()).t())
         return reduce_scatter_along(partial, 0, hidden.group, hidden.world_size)  # [b/q^2, ..]
 
     @staticmethod
@@ -277,20 +287,29 @@ class _CubeLinear(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         x, weight = ctx.saved_tensors
         hidden, across, weight_axis = ctx.groups
-        grad = grad.contiguous()
-        g_all = all_gather_along(grad, 0, hidden.group, hidden.world_size)  # [b/q, .., out/q]
-        w_all = all_gather_along(weight, -2, weight_axis.group, weight_axis.world_size)
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            dx_all = torch.matmul(g_all, flat_weight(w_all))  # [b/q, .., in/q], partial sums
-            grad_x = reduce_scatter_along(dx_all, 0, across.group, across.world_size)
-        if ctx.needs_input_grad[1]:
-            x_all = all_gather_along(x, 0, across.group, across.world_size)  # [b/q, .., in/q]
-            dw_all = g_all.reshape(-1, g_all.shape[-1]).t() @ x_all.reshape(-1, x.shape[-1])
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_all = start_all_gather(grad.contiguous(), 0, hidden.group, hidden.world_size)
+        w_all = (
+            start_all_gather(weight, -2, weight_axis.group, weight_axis.world_size)
+            if need_x
+            else None
+        )
+        x_all = start_all_gather(x, 0, across.group, across.world_size) if need_w else None
+        g = g_all.wait()  # [b/q, .., out/q]
+        grad_x = None
+        if w_all is not None:  # [b/q, .., in/q], partial sums over ``B``
+            dx_all = torch.matmul(g, flat_weight(w_all.wait()))
+            grad_x = start_reduce_scatter(dx_all, 0, across.group, across.world_size)
+        grad_w = None
+        if x_all is not None:
+            xs = x_all.wait()  # [b/q, .., in/q]
+            dw_all = g.reshape(-1, g.shape[-1]).t() @ xs.reshape(-1, xs.shape[-1])
+            gathered = list(weight.shape)  # the weight's shape gathered over WEIGHT (dim -2)
+            gathered[-2] *= weight_axis.world_size
             grad_w = reduce_scatter_along(
-                dw_all.view(w_all.shape), -2, weight_axis.group, weight_axis.world_size
+                dw_all.view(gathered), -2, weight_axis.group, weight_axis.world_size
             )  # [out/q^2, in/q]
-        return grad_x, grad_w, None, None, None
+        return None if grad_x is None else grad_x.wait(), grad_w, None, None, None
 
 
 def cube_linear(

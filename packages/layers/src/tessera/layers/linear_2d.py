@@ -2,10 +2,11 @@
 
 Xu et al. 2021, section 3.1: ``Y = X W`` with ``X`` ``[b, in]`` split into q x q blocks
 (batch by mesh row, features by mesh column) and ``W`` (``[in, out]`` in the paper's notation)
-into q x q blocks, computed by SUMMA (:func:`summa_ab`); the backward is ``dX = dY W^T``
-(:func:`summa_abt`) and ``dW = X^T dY`` (:func:`summa_atb`). Tesseract (Wang et al. 2021,
-section 3) runs the same product in each of ``depth`` layers on its share of the batch, with
-the weight blocks replicated across depth and their gradients summed over DEP.
+into q x q blocks, computed by SUMMA or by its variant that keeps the weights in place,
+whichever sends less for the shapes at hand (:mod:`tessera.layers.mesh_linear`); the backward
+is ``dX = dY W^T`` and ``dW = X^T dY``. Tesseract (Wang et al. 2021, section 3) runs the same
+product in each of ``depth`` layers on its share of the batch, with the weight blocks
+replicated across depth and their gradients summed over DEP.
 
 The weight keeps torch's layout ``[out, in]``: rank ``(i, j, k)`` holds ``W[out_j, in_i]``,
 the transpose of the paper's block ``(i, j)`` of ``W^T``, so ``ShardInfo`` says dim 0 is split
@@ -22,7 +23,7 @@ from .dense import dense_bias, dense_weight, flat_bias, flat_weight
 from .initializers import Initializer
 from .linear_1d import LinearOutput
 from .mesh import MeshModule
-from .summa import summa_ab
+from .mesh_linear import mesh_linear
 
 __all__ = ["Linear2D", "Linear2p5D", "MeshLinear"]
 
@@ -101,14 +102,15 @@ class MeshLinear(MeshModule):
         local_in = self.in_features // mesh.q
         mesh.check_local(x, -1, local_in, self.signature, name="in_features")
         lead = x.shape[:-1]
-        weight = flat_weight(mesh.over_depth(self.weight)).t()  # [in/q, out/q]: (i, j) of W^T
-        y = summa_ab(x.reshape(-1, local_in), weight, mesh.row, mesh.col)  # [m, out/q]
-        y = y.view(*lead, y.shape[-1])  # [b/(dq), ..., out/q]
+        weight = flat_weight(self.weight)  # [out/q, in/q]: W[out_j, in_i]
         local_bias = flat_bias(self.bias)
+        fused_bias = None if self.skip_bias_add else local_bias
+        y = mesh_linear(x.reshape(-1, local_in), weight, fused_bias, mesh)  # [m, out/q]
+        y = y.view(*lead, y.shape[-1])  # [b/(dq), ..., out/q]
+        if not self.skip_bias_add:
+            return y
         bias = None if local_bias is None else mesh.over_batch(local_bias)
-        if self.skip_bias_add:
-            return y, bias
-        return y if bias is None else y + bias
+        return y, bias
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 
 from tessera.context import ParallelContext, ParallelMode
 
@@ -39,6 +40,7 @@ __all__ = [
     "MESH_MODES",
     "Mesh",
     "MeshModule",
+    "MeshRanks",
     "gather_mesh_activation",
     "mesh_of",
     "split_mesh_activation",
@@ -47,6 +49,22 @@ __all__ = [
 
 #: The tensor modes whose layers run on a :class:`Mesh`.
 MESH_MODES = ("2d", "2.5d")
+
+
+@dataclass(frozen=True)
+class MeshRanks:
+    """The global ranks of this rank's q x q layer of the mesh, for sends between any two.
+
+    SUMMA needs only the ROW and COL groups; the variant that keeps the weights in place
+    (:mod:`tessera.layers.mesh_linear`) also sends blocks to transposed positions.
+
+    Attributes:
+        group: The TENSOR group (every send of the mesh goes through it).
+        grid: ``grid[i][j]`` is the global rank of mesh position ``(i, j)`` of this layer.
+    """
+
+    group: dist.ProcessGroup
+    grid: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -60,6 +78,8 @@ class Mesh:
         dep: The DEP group (same row and col; local rank = depth ``k``), ``None`` for 2D.
         batch: The ranks sharing ``j`` (local rank ``k * q + i``; size ``depth * q``): COL
             in 2D, XZ in 2.5D. An activation's batch is split over it.
+        ranks: Every position's global rank in this layer, or ``None`` when the context's
+            groups do not follow tessera's layout (then only SUMMA runs).
     """
 
     kind: str
@@ -67,6 +87,7 @@ class Mesh:
     col: GroupInfo
     dep: GroupInfo | None
     batch: GroupInfo
+    ranks: MeshRanks | None = None
 
     @property
     def q(self) -> int:
@@ -159,16 +180,37 @@ def mesh_of(context: ParallelContext, kind: str) -> Mesh:
             f"{context.config.tensor_mode!r}"
         )
     if kind == "2d":
+        row = group_info(context, ParallelMode.PARALLEL_2D_ROW)
         col = group_info(context, ParallelMode.PARALLEL_2D_COL)
-        return Mesh(kind, group_info(context, ParallelMode.PARALLEL_2D_ROW), col, None, col)
+        return Mesh(kind, row, col, None, col, _mesh_ranks(context, row, col, None))
+    row = group_info(context, ParallelMode.PARALLEL_2P5D_ROW)
+    col = group_info(context, ParallelMode.PARALLEL_2P5D_COL)
     dep = group_info(context, ParallelMode.PARALLEL_2P5D_DEP)
-    return Mesh(
-        kind,
-        group_info(context, ParallelMode.PARALLEL_2P5D_ROW),
-        group_info(context, ParallelMode.PARALLEL_2P5D_COL),
-        dep if dep.world_size > 1 else None,
-        group_info(context, ParallelMode.PARALLEL_2P5D_XZ),
-    )
+    depth = dep if dep.world_size > 1 else None
+    batch = group_info(context, ParallelMode.PARALLEL_2P5D_XZ)
+    return Mesh(kind, row, col, depth, batch, _mesh_ranks(context, row, col, dep))
+
+
+def _mesh_ranks(
+    context: ParallelContext, row: GroupInfo, col: GroupInfo, dep: GroupInfo | None
+) -> MeshRanks | None:
+    """This layer's rank grid, from the TENSOR group (ordered ``(k, i, j)``, see the layouts).
+
+    Checked against the ROW and COL groups; ``None`` if they disagree (a custom layout).
+    """
+    if not context.is_initialized(ParallelMode.TENSOR):
+        return None
+    q = row.world_size
+    tensor = context.get_ranks_in_group(ParallelMode.TENSOR)
+    layer = (0 if dep is None else dep.rank) * q * q
+    if len(tensor) < layer + q * q:
+        return None
+    grid = tuple(tuple(tensor[layer + i * q + j] for j in range(q)) for i in range(q))
+    same_row = dist.get_process_group_ranks(row.group) == list(grid[col.rank])
+    same_col = dist.get_process_group_ranks(col.group) == [line[row.rank] for line in grid]
+    if not (same_row and same_col):
+        return None
+    return MeshRanks(context.get_group(ParallelMode.TENSOR), grid)
 
 
 class MeshModule(GridModule):

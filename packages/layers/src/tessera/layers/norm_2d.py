@@ -1,11 +1,14 @@
 """2D and 2.5D LayerNorm: the hidden dim is split over the mesh row, so are the statistics.
 
-Xu et al. 2021, section 3.2 (LayerNorm in 2D): each rank holds ``[b/(depth q), ..., h/q]``;
-the mean and variance of a row of ``h`` values are sums over the ROW group (two all-reduces
-of one value per row, ``[m]``), and the backward needs the row sums of the gradient and of
-gradient * normalized input (one all-reduce of ``[2, m]``). The affine parameters ``[h/q]``
-(block ``j``) are used by every batch block, so their gradients are summed over the batch
-group (``copy_to_group``, inside autograd).
+Xu et al. 2021, section 3.2 (LayerNorm in 2D): each rank holds ``[b/(depth q), ..., h/q]``
+and the mean and variance of a row of ``h`` values combine the ROW group's slices. Here each
+rank computes its slice's mean and sum of squared deviations and one all-gather of ``[m, 2]``
+merges them (Chan, Golub and LeVeque 1979's pairwise update: exact, and as stable as two
+passes, where a single all-reduce of sums and sums of squares would cancel catastrophically).
+The backward needs the row sums of the gradient and of gradient * normalized input (one
+all-reduce of ``[m, 2]``). The affine parameters ``[h/q]`` (block ``j``) are used by every
+batch block, so their gradients are summed over the batch group, both in one all-reduce
+posted before the input gradient is computed.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from torch import nn
 from tessera.context import ParallelContext
 
 from .collectives import check_divisible
-from .comm import apply_function, copy_to_group
+from .comm import apply_function
 from .context_access import GroupInfo
 from .grid import GridModule
+from .inflight import start_all_reduce, start_gather_blocks
 from .initializers import Initializer, ones, zeros
 from .mesh import MeshModule
 
@@ -45,6 +49,26 @@ def _row_sum(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
     return out
 
 
+def _row_moments(
+    x: torch.Tensor, hidden: int, group: GroupInfo
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and biased variance ``[.., 1]`` of rows whose ``hidden`` values ``group`` splits.
+
+    Each rank's slice gives its mean and sum of squared deviations; one all-gather brings
+    every slice's pair, merged exactly (Chan et al. 1979): the sums of squares add, plus the
+    slice size times the squared distance of each slice's mean from the row's.
+    """
+    mean = x.mean(dim=-1, keepdim=True)  # [.., 1]
+    squares = (x - mean).square_().sum(dim=-1, keepdim=True)  # [.., 1]
+    if group.world_size == 1:
+        return mean, squares / hidden
+    pairs = start_gather_blocks(torch.cat((mean, squares), -1), group.group, group.world_size)
+    means, squares = pairs.wait().unbind(-1)  # [q, ..] each
+    mean = means.mean(0)
+    spread = (means - mean).square_().sum(0) * (hidden // group.world_size)
+    return mean.unsqueeze(-1), ((squares.sum(0) + spread) / hidden).unsqueeze(-1)
+
+
 class _LayerNormOverGroup(torch.autograd.Function):
     """LayerNorm (or RMSNorm) of rows whose last dim is split over a group (saves x-hat).
 
@@ -62,13 +86,18 @@ class _LayerNormOverGroup(torch.autograd.Function):
         eps: float,
         group: GroupInfo,
         rms: bool,
+        param_group: GroupInfo | None,
     ) -> torch.Tensor:
         x = x.detach()
-        centered = x.clone() if rms else x - _row_sum(x, group) / hidden  # [.., h/q]
-        var = _row_sum(centered * centered, group) / hidden  # [.., 1], biased as torch's
+        if rms:
+            centered = x.clone()  # [.., h/q]
+            var = _row_sum(centered * centered, group) / hidden  # [.., 1]
+        else:
+            mean, var = _row_moments(x, hidden, group)  # [.., 1] each, biased as torch's
+            centered = x - mean
         rstd = torch.rsqrt(var + eps)
         x_hat = centered.mul_(rstd)
-        ctx.hidden, ctx.group, ctx.rms = hidden, group, rms
+        ctx.hidden, ctx.group, ctx.rms, ctx.param_group = hidden, group, rms, param_group
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x_hat, rstd, weight)
         y = x_hat if weight is None else x_hat * weight
@@ -77,11 +106,17 @@ class _LayerNormOverGroup(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: Any, grad: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
+    ) -> tuple[
+        torch.Tensor, torch.Tensor | None, torch.Tensor | None, None, None, None, None, None
+    ]:
         x_hat, rstd, weight = ctx.saved_tensors
         lead = tuple(range(grad.dim() - 1))
-        grad_weight = (grad * x_hat).sum(dim=lead) if weight is not None else None
-        grad_bias = grad.sum(dim=lead) if ctx.has_bias else None
+        affine = [] if weight is None else [(grad * x_hat).sum(dim=lead)]
+        affine += [grad.sum(dim=lead)] if ctx.has_bias else []
+        summed = None  # the parameters' gradients, summed over the batch blocks in one call
+        if affine and ctx.param_group is not None:
+            group = ctx.param_group
+            summed = start_all_reduce(torch.cat(affine), group.group, group.world_size)
         g = grad if weight is None else grad * weight  # d loss / d x_hat, [.., h/q]
         sums = torch.cat((g.sum(dim=-1, keepdim=True), (g * x_hat).sum(dim=-1, keepdim=True)), -1)
         if ctx.group.world_size > 1:
@@ -89,7 +124,11 @@ class _LayerNormOverGroup(torch.autograd.Function):
         means = sums / ctx.hidden
         centered_g = g if ctx.rms else g - means[..., :1]
         grad_x = (centered_g - x_hat * means[..., 1:]) * rstd
-        return grad_x, grad_weight, grad_bias, None, None, None, None
+        if summed is not None:
+            affine = list(summed.wait().chunk(len(affine)))
+        grad_weight = affine[0] if weight is not None else None
+        grad_bias = affine[-1] if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
 def layer_norm_over_group(
@@ -101,6 +140,7 @@ def layer_norm_over_group(
     group: GroupInfo,
     *,
     rms: bool = False,
+    param_group: GroupInfo | None = None,
 ) -> torch.Tensor:
     """``F.layer_norm`` (``F.rms_norm`` with ``rms``) over ``hidden`` values split over ``group``.
 
@@ -112,8 +152,12 @@ def layer_norm_over_group(
         eps: Added to the variance.
         group: The ranks holding the other slices, in order.
         rms: Normalize by the root mean square only (no centering, ``bias`` is ``None``).
+        param_group: The ranks whose gradients of ``weight`` and ``bias`` are summed (the
+            batch blocks sharing them), in one all-reduce; ``None``: not summed here.
     """
-    return apply_function(_LayerNormOverGroup, x, weight, bias, hidden, eps, group, rms)
+    return apply_function(
+        _LayerNormOverGroup, x, weight, bias, hidden, eps, group, rms, param_group
+    )
 
 
 def check_norm_bias(bias: bool | None, rms: bool, owner: str) -> bool:
@@ -186,15 +230,16 @@ class GroupLayerNorm(GridModule):
     def normalize(self, x: torch.Tensor, split: GroupInfo, batch: GroupInfo) -> torch.Tensor:
         """LayerNorm of ``x`` ``[.., h/q]`` over ``split``.
 
-        Every batch block uses the parameters, so their gradients are summed over ``batch``.
+        Every batch block uses the parameters, so their gradients are summed over ``batch``
+        (one all-reduce for both).
         """
         grid = self.grid
         grid.check_local(
             x, -1, self.hidden // grid.q, f"{self.owner}({self.hidden})", name="normalized_shape"
         )
-        weight = None if self.weight is None else copy_to_group(self.weight, batch.group)
-        bias = None if self.bias is None else copy_to_group(self.bias, batch.group)
-        return layer_norm_over_group(x, weight, bias, self.hidden, self.eps, split, rms=self.RMS)
+        return layer_norm_over_group(
+            x, self.weight, self.bias, self.hidden, self.eps, split, rms=self.RMS, param_group=batch
+        )
 
 
 class MeshLayerNorm(GroupLayerNorm, MeshModule):

@@ -4,7 +4,7 @@ In layout ``"y"`` (``"z"``) rank ``(x, y, z)`` holds ``[b/q^2, ..., h/q]`` with 
 ``y`` (``z``); a row's mean and variance are sums over that axis's group (Bian et al. 2021
 normalize the same way; the reductions are :func:`layer_norm_over_group`'s, shared with 2D).
 The affine parameters ``[h/q]`` are used by every batch block, so their gradients are summed
-over the layout's batch group (``copy_to_group``, inside autograd).
+over the layout's batch group (one all-reduce inside the norm's backward).
 """
 
 from __future__ import annotations

@@ -1,0 +1,166 @@
+"""Collectives in flight, and the fastest way each backend moves a group's blocks.
+
+A kernel that posts a collective, multiplies, and only then waits hides the communication
+behind the matmul (with NCCL on its own stream; with gloo on gloo's worker threads). The
+functions here post and return a :class:`Pending`; ``wait()`` gives the result.
+
+Two exchanges carry almost all tensor-parallel traffic: *gather blocks* (every rank gets
+every rank's block: an all-gather) and *scatter blocks* (rank ``l`` gets the sum of every
+rank's block ``l``: a reduce-scatter). NCCL runs them as its collectives. gloo's all-gather
+and reduce-scatter go through staging copies and, for the reduce-scatter, a full reduction
+(measured here, 2 ranks, 4 MB blocks: all-gather 5.6 ms and reduce-scatter 10.2 ms against
+2.8 ms and 3.1 ms for the same blocks sent pairwise), so on gloo each rank sends each peer
+the block it needs, straight from its own memory, and sums what it receives in group-rank
+order. The bytes per rank are the same ``(w - 1)`` blocks either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Pending",
+    "start_all_reduce",
+    "start_gather_blocks",
+    "start_scatter_blocks",
+    "start_transfers",
+]
+
+_Collective = Callable[..., object]
+
+# torch >= 2.12 renamed the flat collectives; older versions only have the old names.
+_all_gather_flat: _Collective = getattr(dist, "all_gather_single", None) or (
+    dist.all_gather_into_tensor
+)
+_reduce_scatter_flat: _Collective = getattr(dist, "reduce_scatter_single", None) or (
+    dist.reduce_scatter_tensor
+)
+
+
+class Pending:
+    """Communication in flight: :meth:`wait` blocks until it is done and returns its result.
+
+    Args:
+        works: The handles of the posted operations (none if there was nothing to send).
+        finish: Builds the result once every operation is done.
+        keep: Tensors that must stay alive until then (the buffers being sent).
+    """
+
+    def __init__(
+        self,
+        works: Sequence[dist.Work],
+        finish: Callable[[], torch.Tensor],
+        keep: Sequence[torch.Tensor] = (),
+    ) -> None:
+        self._works, self._finish, self._keep = list(works), finish, keep
+
+    @classmethod
+    def done(cls, result: torch.Tensor) -> Pending:
+        """Communication that had nothing to do (a group of one rank)."""
+        return cls((), lambda: result)
+
+    def then(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pending:
+        """The same communication, its result passed through ``fn`` (a view or reshape)."""
+        return Pending((), lambda: fn(self.wait()))
+
+    def wait(self) -> torch.Tensor:
+        """Block until every operation is done; the result."""
+        for work in self._works:
+            work.wait()
+        self._works, self._keep = [], ()
+        return self._finish()
+
+
+def _work(handle: object) -> dist.Work:
+    """The handle an ``async_op=True`` call returned (typed: torch leaves it ``Any``)."""
+    assert isinstance(handle, dist.Work)
+    return handle
+
+
+def _pairwise(group: dist.ProcessGroup) -> bool:
+    """Whether blocks travel as pairwise sends (gloo) rather than as collectives."""
+    return dist.get_backend(group) == "gloo"
+
+
+def start_transfers(
+    sends: Sequence[tuple[int, torch.Tensor]],
+    recvs: Sequence[tuple[int, torch.Tensor]],
+    group: dist.ProcessGroup,
+) -> list[dist.Work]:
+    """Post point-to-point sends and receives ``(global rank, tensor)`` through ``group``.
+
+    Every peer must be a rank of ``group`` other than this one. Between two ranks, sends
+    arrive in the order they were posted.
+    """
+    ops = [dist.P2POp(dist.isend, tensor, peer, group) for peer, tensor in sends]
+    ops += [dist.P2POp(dist.irecv, tensor, peer, group) for peer, tensor in recvs]
+    return [_work(w) for w in dist.batch_isend_irecv(ops)] if ops else []
+
+
+def _exchange(
+    sends: Sequence[torch.Tensor | None],
+    recvs: Sequence[torch.Tensor | None],
+    group: dist.ProcessGroup,
+) -> list[dist.Work]:
+    """Post ``sends[l]`` to and ``recvs[l]`` from group rank ``l`` (``None``: nothing)."""
+    peers = [dist.get_global_rank(group, peer) for peer in range(len(sends))]
+    return start_transfers(
+        [(peer, t) for peer, t in zip(peers, sends, strict=True) if t is not None],
+        [(peer, t) for peer, t in zip(peers, recvs, strict=True) if t is not None],
+        group,
+    )
+
+
+def start_gather_blocks(block: torch.Tensor, group: dist.ProcessGroup, world_size: int) -> Pending:
+    """Post an all-gather; ``wait()`` gives ``[w, *block.shape]``, entry ``l`` from rank ``l``."""
+    block = block.contiguous()
+    if world_size == 1:
+        return Pending.done(block.unsqueeze(0))
+    out = torch.empty((world_size, *block.shape), dtype=block.dtype, device=block.device)
+    if not _pairwise(group):
+        flat = out.view(world_size * block.shape[0], *block.shape[1:]) if block.dim() else out
+        works = [_work(_all_gather_flat(flat, block, group=group, async_op=True))]
+        return Pending(works, lambda: out, (block,))
+    me = dist.get_rank(group)
+    out[me].copy_(block)
+    peers = [None if peer == me else block for peer in range(world_size)]
+    recvs = [None if peer == me else out[peer] for peer in range(world_size)]
+    return Pending(_exchange(peers, recvs, group), lambda: out, (block,))
+
+
+def start_scatter_blocks(
+    blocks: torch.Tensor, group: dist.ProcessGroup, world_size: int
+) -> Pending:
+    """Post a reduce-scatter of ``blocks`` ``[w, *s]``: ``wait()`` gives ``sum over ranks [l]``.
+
+    ``l`` is this rank's index in the group; the result has shape ``[*s]``.
+    """
+    if blocks.shape[0] != world_size:
+        raise ValueError(
+            f"scatter_blocks: {blocks.shape[0]} blocks for a group of {world_size} ranks"
+        )
+    blocks = blocks.contiguous()
+    if world_size == 1:
+        return Pending.done(blocks[0])
+    shape = blocks.shape[1:]
+    if not _pairwise(group):
+        out = torch.empty(shape, dtype=blocks.dtype, device=blocks.device)
+        send = blocks.view(world_size * shape[0], *shape[1:]) if len(shape) else blocks
+        works = [_work(_reduce_scatter_flat(out, send, group=group, async_op=True))]
+        return Pending(works, lambda: out, (blocks,))
+    me = dist.get_rank(group)
+    received = torch.empty_like(blocks)  # [w, *s]: entry l is rank l's block for this rank
+    received[me].copy_(blocks[me])
+    sends = [None if peer == me else blocks[peer] for peer in range(world_size)]
+    recvs = [None if peer == me else received[peer] for peer in range(world_size)]
+    return Pending(_exchange(sends, recvs, group), lambda: received.sum(0), (blocks,))
+
+
+def start_all_reduce(x: torch.Tensor, group: dist.ProcessGroup, world_size: int) -> Pending:
+    """Post a sum of ``x`` over the group, in place; ``wait()`` returns ``x``."""
+    if world_size == 1:
+        return Pending.done(x)
+    return Pending([_work(dist.all_reduce(x, group=group, async_op=True))], lambda: x)
