@@ -40,6 +40,7 @@ from tessera.context.launch import (
 )
 from tessera.context.layouts import Group, Groups, coordinates, global_rank
 from tessera.context.modes import ModeLike, ParallelMode
+from tessera.context.planner import LayoutEstimate, Machine, ModelShape, plan_layouts
 from tessera.context.seeds import (
     derive_seed,
     get_host_rng_state,
@@ -100,4 +101,9 @@ __all__ = [
     "ShardInfo",
     "set_shard_info",
     "get_shard_info",
+    # the layout planner (torch-free arithmetic; python -m tessera.context plan)
+    "ModelShape",
+    "Machine",
+    "LayoutEstimate",
+    "plan_layouts",
 ]

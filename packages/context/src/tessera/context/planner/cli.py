@@ -1,0 +1,149 @@
+"""``python -m tessera.context plan``: print the layouts that fit, fastest first.
+
+Example (one command line, wrapped here)::
+
+    python -m tessera.context plan --layers 24 --hidden 2048 --heads 16 --seq 1024
+        --vocab 50304 --batch 16 --world 16 --memory 16GiB --dtype fp16 --top 10
+
+The machine model is ``--flops/--bandwidth/--latency`` where given, else what ``--calibrate``
+measures on this machine, else a nominal accelerator node (``DEFAULT_MACHINE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from tessera.registry import ConfigError
+
+from .layouts import MODES
+from .machine import DEFAULT_MACHINE, Machine, calibrate
+from .precision import DTYPES
+from .rank import plan_layouts
+from .shapes import ModelShape
+from .table import format_header, format_rows
+from .units import parse_bytes
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``plan`` command's arguments."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tessera.context plan",
+        description=(
+            "List the data x pipeline x tensor layouts (with ZeRO stage and activation "
+            "checkpointing) under which a transformer fits a per-rank memory budget, "
+            "fastest first by a machine model."
+        ),
+    )
+    model = parser.add_argument_group("model and batch")
+    for name, text in (
+        ("layers", "transformer blocks"),
+        ("hidden", "model width h"),
+        ("heads", "attention heads"),
+        ("seq", "sequence length"),
+        ("vocab", "vocabulary size (0: blocks only, no embedding or head)"),
+        ("batch", "global batch in samples"),
+    ):
+        model.add_argument(f"--{name}", type=int, required=True, help=text)
+    model.add_argument("--ffn-multiple", type=int, default=4, help="MLP width / h (default 4)")
+    model.add_argument("--dropout", action="store_true", help="dropout p > 0 (saves its masks)")
+    job = parser.add_argument_group("job")
+    job.add_argument("--world", type=int, required=True, help="ranks in the job")
+    job.add_argument("--memory", required=True, help="bytes per rank, e.g. 16GiB, 80GB")
+    job.add_argument("--dtype", choices=DTYPES, default="fp32", help="fp32, or fp16/bf16 mixed")
+    job.add_argument("--mode", choices=MODES, help="only this tensor mode")
+    job.add_argument("--tensor", type=int, help="only this tensor size")
+    job.add_argument("--pipeline", type=int, help="only this pipeline size")
+    machine = parser.add_argument_group("machine model (default: a nominal accelerator node)")
+    machine.add_argument("--flops", type=float, help="flop/s of one rank")
+    machine.add_argument("--bandwidth", type=float, help="bytes/s one rank sends")
+    machine.add_argument("--latency", type=float, help="seconds per collective call")
+    machine.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine (a matmul and a 2-process gloo all-reduce, a few seconds)",
+    )
+    show = parser.add_argument_group("output")
+    show.add_argument("--top", type=int, default=20, help="fitting layouts shown (default 20)")
+    show.add_argument("--all", action="store_true", help="also list what does not fit, and why")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``plan`` command on ``argv`` (default ``sys.argv[1:]``); returns the exit code.
+
+    Bad input exits with status 2 and a message naming the flag and the arithmetic.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        shape = ModelShape(
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            seq=args.seq,
+            vocab=args.vocab,
+            batch=args.batch,
+            ffn_multiple=args.ffn_multiple,
+            dropout=args.dropout,
+        )
+        budget = parse_bytes(args.memory)
+        if args.top < 1:
+            raise ConfigError(f"top must be a positive int, got {args.top}")
+        machine, source = _machine(args)
+        estimates = plan_layouts(
+            shape,
+            args.world,
+            budget,
+            machine,
+            dtype=args.dtype,
+            mode=args.mode,
+            tensor=args.tensor,
+            pipeline=args.pipeline,
+        )
+    except ConfigError as error:
+        parser.error(_flagged(str(error)))
+    fitting = [e for e in estimates if e.fits]
+    others = [e for e in estimates if not e.fits]
+    print(format_header(shape, args.world, budget, machine, args.dtype, source))
+    shown = fitting[: args.top]
+    print(f"{len(fitting)} of {len(estimates)} layouts fit; the fastest {len(shown)}:")
+    if shown:
+        print(format_rows(shown))
+    else:
+        closest = others[0] if others else None
+        hint = f" The closest: {closest.layout.name}: {closest.problems[0]}." if closest else ""
+        print(f"No layout fits.{hint}")
+    if args.all and others:
+        print(f"\n{len(others)} layouts do not fit (smallest first):")
+        print(format_rows(others, first=len(fitting) + 1, why=True))
+    elif others:
+        print(f"({len(others)} layouts that do not fit are listed with --all.)")
+    return 0
+
+
+def _machine(args: argparse.Namespace) -> tuple[Machine, str]:
+    """The machine model from the flags, measured with ``--calibrate``, and whence it came."""
+    base, source = DEFAULT_MACHINE, "nominal default; --calibrate measures this one"
+    if args.calibrate:
+        base, source = calibrate(), "calibrated on this machine"
+    given = {k: getattr(args, k) for k in ("flops", "bandwidth", "latency")}
+    given = {k: v for k, v in given.items() if v is not None}
+    if given:
+        source = "given" if len(given) == 3 else f"{source}, given " + ", ".join(given)
+        return Machine(**{**base.__dict__, **given}), source
+    return base, source
+
+
+def _flagged(message: str) -> str:
+    """The planner's messages start with the key: spell it as the flag (``--world 12 ...``)."""
+    key, _, rest = message.partition(" ")
+    flag = "--" + key.replace("_", "-")
+    return f"{flag} {rest}" if key.isidentifier() else message
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""Communication of one training step, as the collectives each rank takes part in.
+
+Every collective is described once (:class:`Collective`) and read two ways:
+
+* ``contributed``: the bytes of this rank's own data entering the calls (the whole buffer of
+  an all-reduce, reduce or reduce-scatter, the input chunk of an all-gather, the source's
+  buffer of a broadcast, the payload of a send). That is what ``benchmarks/meters.py`` counts,
+  so the planner's figures can be checked against a measurement to the byte;
+* ``wire``: the bytes a rank sends under the usual bandwidth-optimal algorithms (Thakur,
+  Rabenseifner and Gropp 2005, "Optimization of Collective Communication Operations in
+  MPICH"): ``2 (n-1)/n S`` for an all-reduce, a broadcast (scatter, then all-gather) and a
+  reduce (reduce-scatter, then gather), ``(n-1)/n S`` for a reduce-scatter or all-gather of an
+  ``S``-byte buffer. The machine model prices these (``machine.py``).
+
+The collectives of each tensor mode come from its paper; see :func:`block_collectives`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layouts import Layout
+from .precision import FP32, Precision
+from .shapes import ModelShape
+
+__all__ = [
+    "KINDS",
+    "Collective",
+    "block_collectives",
+    "contributed_bytes",
+    "data_collectives",
+    "head_collectives",
+    "linear_collectives",
+    "pipeline_collectives",
+]
+
+#: The kinds of collective (and point-to-point send) the planner counts.
+KINDS: tuple[str, ...] = (
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "reduce",
+    "send",
+)
+
+#: torch's DistributedDataParallel fills gradient buckets of 25 MiB (``bucket_cap_mb``).
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Collective:
+    """``calls`` equal collectives over ``group`` ranks, each on an ``nbytes`` buffer.
+
+    Attributes:
+        kind: One of ``KINDS``.
+        group: Ranks in the group (the sender and receiver for ``send``: 2).
+        nbytes: One call's buffer: the all-reduce / reduce / broadcast buffer, the input of a
+            reduce-scatter, the output of an all-gather, the payload of a send.
+        calls: How many such calls a rank makes.
+        phase: ``"forward"``, ``"backward"`` or ``"step"`` (gradient synchronization).
+    """
+
+    kind: str
+    group: int
+    nbytes: int
+    calls: int = 1
+    phase: str = "forward"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Collective.kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.group < 2:
+            raise ValueError(f"Collective.group {self.group}: a collective needs 2 or more ranks")
+
+    @property
+    def contributed(self) -> int:
+        """Bytes of this rank's own data entering the calls (``meters.py``'s convention).
+
+        A broadcast counts only where this rank is the source: the planner's broadcasts
+        rotate the source through the group (SUMMA's panels), so ``calls / group`` of them.
+        """
+        if self.kind == "all_gather":
+            return self.calls * self.nbytes // self.group
+        if self.kind == "broadcast":
+            return self.calls * self.nbytes // self.group
+        return self.calls * self.nbytes
+
+    @property
+    def wire(self) -> float:
+        """Bytes this rank sends over all the calls, bandwidth-optimal algorithms."""
+        n = self.group
+        if self.kind == "send":
+            factor = 1.0
+        elif self.kind in ("reduce_scatter", "all_gather"):
+            factor = (n - 1) / n
+        else:  # all_reduce, broadcast, reduce
+            factor = 2 * (n - 1) / n
+        return self.calls * factor * self.nbytes
+
+
+def contributed_bytes(collectives: list[Collective], phase: str | None = None) -> int:
+    """The contributed bytes of ``collectives`` (of one ``phase`` only, if given)."""
+    return sum(c.contributed for c in collectives if phase in (None, c.phase))
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def linear_collectives(
+    layout: Layout, rows: int, n_in: int, n_out: int, precision: Precision
+) -> list[Collective]:
+    """One ``Linear(n_in, n_out)`` of a 2d, 2.5d or 3d layout on ``rows`` local rows.
+
+    2d and 2.5d (``q x q`` mesh, ``w = n_in n_out / q^2`` elements in a weight block,
+    ``x = rows n_in / q`` in an input block; Xu et al. 2021, section 3, and Wang et al. 2021,
+    section 3), SUMMA's three products:
+
+    * forward ``Y = X W``: ``q`` broadcasts of X blocks along the row, ``q`` of W blocks along
+      the column;
+    * ``dX = dY W^T``: ``q`` broadcasts of W blocks, ``q`` reduces of ``[rows, n_in/q]`` along
+      the row; ``dW = X^T dY``: ``q`` broadcasts of X blocks, ``q`` reduces of W blocks along
+      the column;
+    * the bias gradient ``[n_out/q]`` all-reduced over the batch group (``d q`` ranks), and
+      in 2.5d the weight gradient all-reduced over the ``d`` layers.
+
+    3d (``q^3`` cube; Bian et al. 2021, section 3): forward all-gathers of the input over
+    ``q`` batch blocks and of the weight over the weight axis, then a reduce-scatter of the
+    partial product ``[q rows, n_out/q]``; backward all-gathers of the output gradient, the
+    weight and the input, reduce-scatters of ``dX`` and of ``dW`` ``[n_out/q, n_in/q]``, and
+    the bias gradient all-reduced over the ``q^2`` batch group.
+    """
+    q, e, g = layout.side, precision.activation, precision.gradient
+    if layout.mode == "3d":
+        x_chunk, w_chunk = _ceil(rows * n_in, q), _ceil(n_in * n_out, q**3)
+        return [
+            Collective("all_gather", q, e * q * x_chunk),
+            Collective("all_gather", q, e * q * w_chunk),
+            Collective("reduce_scatter", q, e * rows * n_out),
+            Collective("all_gather", q, e * q * _ceil(rows * n_out, q), phase="backward"),
+            Collective("all_gather", q, e * q * w_chunk, phase="backward"),
+            Collective("reduce_scatter", q, e * rows * n_in, phase="backward"),
+            Collective("all_gather", q, e * q * x_chunk, phase="backward"),
+            Collective("reduce_scatter", q, e * _ceil(n_in * n_out, q * q), phase="backward"),
+            Collective("all_reduce", q * q, g * _ceil(n_out, q), phase="backward"),
+        ]
+    d = layout.depth
+    w, x = _ceil(n_in * n_out, q * q), _ceil(rows * n_in, q)
+    found = [
+        Collective("broadcast", q, e * x, q),
+        Collective("broadcast", q, e * w, q),
+        Collective("broadcast", q, e * w, q, "backward"),  # dX = dY W^T
+        Collective("reduce", q, e * x, q, "backward"),
+        Collective("broadcast", q, e * x, q, "backward"),  # dW = X^T dY
+        Collective("reduce", q, e * w, q, "backward"),
+        Collective("all_reduce", d * q, g * _ceil(n_out, q), phase="backward"),  # bias
+    ]
+    if d > 1:
+        found.append(Collective("all_reduce", d, g * w, phase="backward"))
+    return found
+
+
+def _layer_norm_collectives(
+    layout: Layout, rows: int, hidden: int, precision: Precision
+) -> list[Collective]:
+    """A LayerNorm whose hidden dim is split over ``q`` ranks (2d, 2.5d, 3d).
+
+    Forward: the mean and the variance ``[rows]`` all-reduced over the row; backward: the
+    two sums ``[rows, 2]`` of the input gradient over the row, and the weight and bias
+    gradients ``[h/q]`` over the batch group (the ``tensor / q`` ranks holding the same
+    hidden block).
+    """
+    q = layout.side
+    batch_group = layout.tensor // q
+    return [
+        Collective("all_reduce", q, FP32 * rows, 2),
+        Collective("all_reduce", q, FP32 * 2 * rows, phase="backward"),
+        Collective("all_reduce", batch_group, precision.gradient * _ceil(hidden, q), 2, "backward"),
+    ]
+
+
+def block_collectives(
+    shape: ModelShape, layout: Layout, samples: int, precision: Precision
+) -> list[Collective]:
+    """The collectives of one block's forward and backward on ``samples`` sequences.
+
+    * none: nothing (data parallelism synchronizes once per step: :func:`data_collectives`);
+    * 1d: ``g`` all-reduces ``[T, h]`` after proj and fc2 in the forward and ``f``
+      all-reduces of the qkv and fc1 input gradients in the backward (Shoeybi et al. 2019,
+      section 3, figure 4);
+    * 2d, 2.5d, 3d: the four linear layers (:func:`linear_collectives`) and the two
+      LayerNorms, on ``T / r`` local rows.
+
+    With activation checkpointing the forward's collectives run again in the backward's
+    recomputation; that is added by the caller.
+    """
+    tokens = samples * shape.seq
+    h, f = shape.hidden, shape.ffn
+    if layout.mode == "none":
+        return []
+    if layout.mode == "1d":
+        size = precision.activation * tokens * h
+        return [
+            Collective("all_reduce", layout.tensor, size, 2),
+            Collective("all_reduce", layout.tensor, size, 2, "backward"),
+        ]
+    rows = _ceil(tokens, layout.row_split)
+    found: list[Collective] = []
+    for n_in, n_out in ((h, 3 * h), (h, h), (h, f), (f, h)):  # qkv, proj, fc1, fc2
+        found += linear_collectives(layout, rows, n_in, n_out, precision)
+    for _ in range(2):
+        found += _layer_norm_collectives(layout, rows, h, precision)
+    return found
+
+
+def head_collectives(
+    shape: ModelShape, layout: Layout, samples: int, precision: Precision
+) -> list[Collective]:
+    """The embedding, final LayerNorm, head and loss of one microbatch (0 with ``vocab=0``).
+
+    1d (Megatron-LM): the vocab-parallel embedding's output all-reduced ``[T, h]``, the
+    head's input gradient all-reduced in the backward, and the loss's three ``[T]``
+    all-reduces (max, sum of exponentials, target logit). The meshes: the head is one more
+    ``Linear(h, V)`` of the mode, the final LayerNorm one more LayerNorm, and the loss's
+    statistics are all-reduced over the row.
+    """
+    if shape.vocab == 0 or layout.mode == "none":
+        return []
+    tokens = samples * shape.seq
+    if layout.mode == "1d":
+        p, size = layout.tensor, precision.activation * tokens * shape.hidden
+        return [
+            Collective("all_reduce", p, size),
+            Collective("all_reduce", p, FP32 * tokens, 3),
+            Collective("all_reduce", p, size, phase="backward"),
+        ]
+    rows = _ceil(tokens, layout.row_split)
+    return [
+        *linear_collectives(layout, rows, shape.hidden, shape.vocab, precision),
+        *_layer_norm_collectives(layout, rows, shape.hidden, precision),
+        Collective("all_reduce", layout.side, FP32 * rows, 3),
+    ]
+
+
+def pipeline_collectives(
+    shape: ModelShape, layout: Layout, samples: int, precision: Precision
+) -> list[Collective]:
+    """The sends of a middle pipeline stage for one microbatch of ``samples`` sequences.
+
+    Each tensor rank sends its own block of the activation ``[samples, s, h]`` forward and of
+    its gradient back (1d: the whole activation, which it holds replicated; GPipe, Huang et
+    al. 2019). The first and last stages send half of this.
+    """
+    if layout.pipeline == 1:
+        return []
+    size = precision.activation * _ceil(samples * shape.seq * shape.hidden, layout.activation_split)
+    return [
+        Collective("send", 2, size),
+        Collective("send", 2, size, phase="backward"),
+    ]
+
+
+def data_collectives(
+    layout: Layout, parameters: int, blocks: int, precision: Precision
+) -> list[Collective]:
+    """Gradient synchronization over the ``data`` replicas of a stage's ``parameters``.
+
+    Rajbhandari et al. 2020 (ZeRO, section 7): plain data parallelism and stage 2 move
+    ``2 Psi`` (an all-reduce; or a reduce-scatter of the gradients and an all-gather of the
+    parameters), stage 3 ``3 Psi`` (the parameters gathered for the forward and again for the
+    backward). Stage 1 follows torch's ``ZeroRedundancyOptimizer``, which tessera uses: the
+    all-reduce, then every rank's updated shard sent to the others (an all-gather's volume).
+    All-reduces go in 25 MiB buckets (DDP's default); FSDP2 (stages 2, 3) gathers per block.
+    """
+    n = layout.data
+    if n == 1:
+        return []
+    grads, params = precision.gradient * parameters, precision.parameter * parameters
+    buckets = max(1, _ceil(grads, BUCKET_BYTES))
+    units = blocks + 1  # one FSDP2 unit per block, and the root
+    if layout.zero == 0:
+        return [Collective("all_reduce", n, _ceil(grads, buckets), buckets, "step")]
+    if layout.zero == 1:
+        return [
+            Collective("all_reduce", n, _ceil(grads, buckets), buckets, "step"),
+            Collective("all_gather", n, _ceil(params, buckets), buckets, "step"),
+        ]
+    found = [
+        Collective("all_gather", n, _ceil(params, units), units, "forward"),
+        Collective("reduce_scatter", n, _ceil(grads, units), units, "backward"),
+    ]
+    if layout.zero == 3:
+        found.append(Collective("all_gather", n, _ceil(params, units), units, "backward"))
+    return found

@@ -1,0 +1,325 @@
+"""Layouts: data x pipeline x tensor mode x ZeRO stage x checkpointing, and which are possible.
+
+A layout is possible when tessera would build it: the tensor size fits the mode's mesh (checked
+by ``ParallelConfig`` itself, so the planner can never disagree with the launcher), the shape
+splits as the mode's layers split it, and the engine accepts the ZeRO stage. The divisibility
+each mode needs follows from how tessera-layers cuts the tensors:
+
+======  =========================================  =========================================
+mode    splits                                     so needs
+======  =========================================  =========================================
+1d      weights by rows or columns over ``p``      hidden, heads, vocab divisible by ``p``
+        (Megatron-LM, Shoeybi et al. 2019)
+2d      weights in ``q x q`` blocks, activations   hidden, heads, vocab divisible by ``q``;
+        ``[b/q, s, h/q]`` (Xu et al. 2021)         batch per replica by ``q``
+2.5d    the 2d mesh on ``d`` layers, activations   hidden, heads, vocab by ``q``; batch per
+        ``[b/(dq), s, h/q]`` (Wang et al. 2021)    replica by ``d q``
+3d      weights ``[out/q^2, in/q]``, activations   hidden and vocab by ``q^2``, heads by ``q``,
+        ``[b/q^2, s, h/q]`` (Bian et al. 2021)     batch per replica by ``q^2``
+======  =========================================  =========================================
+
+Every layout also needs ``batch`` divisible by ``data`` and ``pipeline <= layers`` (each stage
+holds at least one block), and ZeRO stages 2 and 3 (FSDP2) run only without a pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.registry import ConfigError
+
+from ..config import ParallelConfig
+from .shapes import ModelShape
+
+__all__ = [
+    "MODES",
+    "Layout",
+    "check_world",
+    "enumerate_layouts",
+    "layout_problems",
+    "microbatch_samples",
+    "microbatches",
+    "tensor_shapes",
+]
+
+#: The tensor modes the planner considers; ``"none"`` is no tensor parallelism.
+MODES: tuple[str, ...] = ("none", "1d", "2d", "2.5d", "3d")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the model on ``data * pipeline * tensor`` ranks.
+
+    Attributes:
+        data: Data-parallel replicas.
+        pipeline: Pipeline stages.
+        tensor: Ranks splitting each stage's tensors.
+        mode: ``"none"``, ``"1d"``, ``"2d"``, ``"2.5d"`` or ``"3d"``.
+        depth: 2.5d's depth ``d`` (``tensor = q * q * d``); 1 otherwise.
+        zero: ZeRO stage over the data-parallel ranks, 0 (off) to 3.
+        checkpoint: Whether every block's activations are recomputed in the backward.
+    """
+
+    data: int
+    pipeline: int
+    tensor: int
+    mode: str
+    depth: int = 1
+    zero: int = 0
+    checkpoint: bool = False
+
+    @property
+    def world(self) -> int:
+        """``data * pipeline * tensor``."""
+        return self.data * self.pipeline * self.tensor
+
+    @property
+    def side(self) -> int:
+        """The side ``q`` of the mode's mesh (2d ``q^2``, 2.5d ``q^2 d``, 3d ``q^3`` ranks).
+
+        For 1d it is the tensor size, for no tensor parallelism 1.
+        """
+        if self.mode == "2d":
+            return math.isqrt(self.tensor)
+        if self.mode == "2.5d":
+            return math.isqrt(self.tensor // self.depth)
+        if self.mode == "3d":
+            return next(c for c in range(1, self.tensor + 1) if c**3 >= self.tensor)
+        return self.tensor
+
+    @property
+    def row_split(self) -> int:
+        """Blocks a replica's batch is cut into by the tensor mode (its activations' rows)."""
+        q = self.side
+        return {"2d": q, "2.5d": self.depth * q, "3d": q * q}.get(self.mode, 1)
+
+    @property
+    def weight_split(self) -> int:
+        """Ranks one weight matrix is cut over (2.5d keeps ``d`` copies of a ``q^2`` cut)."""
+        q = self.side
+        return {"1d": q, "2d": q * q, "2.5d": q * q, "3d": q**3}.get(self.mode, 1)
+
+    @property
+    def activation_split(self) -> int:
+        """Ranks a block's activations are cut over: 1 for 1d (replicated between blocks)."""
+        if self.mode in ("2d", "2.5d", "3d"):
+            return self.tensor
+        return 1
+
+    @property
+    def tensor_name(self) -> str:
+        """``none``, ``1d(4)``, ``2d(4)``, ``2.5d(8,d=2)``, ``3d(8)``."""
+        if self.mode == "none":
+            return "none"
+        if self.mode == "2.5d":
+            return f"2.5d({self.tensor},d={self.depth})"
+        return f"{self.mode}({self.tensor})"
+
+    @property
+    def name(self) -> str:
+        """A short label: ``data 2 x pipe 1 x 2d(4), zero 1, ckpt``."""
+        text = f"data {self.data} x pipe {self.pipeline} x {self.tensor_name}, zero {self.zero}"
+        return text + (", ckpt" if self.checkpoint else "")
+
+    def parallel(self) -> dict[str, Any]:
+        """The ``parallel = dict(...)`` block that asks tessera for this layout."""
+        block: dict[str, Any] = {"data": self.data, "pipeline": self.pipeline}
+        if self.mode == "none":
+            block["tensor"] = 1
+        elif self.mode == "2.5d":
+            block["tensor"] = {"size": self.tensor, "mode": "2.5d", "depth": self.depth}
+        else:
+            block["tensor"] = {"size": self.tensor, "mode": self.mode}
+        return block
+
+
+def tensor_shapes(size: int, mode: str | None = None) -> list[tuple[str, int]]:
+    """The ``(mode, depth)`` pairs tessera accepts for ``size`` tensor ranks.
+
+    Asks ``ParallelConfig`` itself, so the rules are the launcher's. Degenerate meshes that
+    repeat a smaller layout are left out: a 1 x 1 mesh, 2.5d with depth 1 (that is 2d) or
+    with ``q = 1`` (a stack of single ranks).
+
+    Args:
+        size: Tensor ranks.
+        mode: Only this mode (default: every mode of ``MODES``).
+    """
+    if size == 1:
+        return [("none", 1)] if mode in (None, "none") else []
+    found: list[tuple[str, int]] = []
+    for kind in ("1d", "2d", "2.5d", "3d") if mode is None else (mode,):
+        depths = [d for d in range(2, size // 4 + 1) if size % d == 0] if kind == "2.5d" else [1]
+        for depth in depths:
+            try:
+                ParallelConfig(tensor_size=size, tensor_mode=kind, tensor_depth=depth)
+            except ConfigError:
+                continue
+            found.append((kind, depth))
+    return found
+
+
+def microbatches(shape: ModelShape, layout: Layout) -> int:
+    """Microbatches per step: one without a pipeline, else as many as the tensor mode allows.
+
+    A pipeline's bubble is ``(p - 1) / (m + p - 1)`` of the step (GPipe, Huang et al. 2019;
+    1F1B, Narayanan et al. 2021), so the planner cuts a replica's batch into the smallest
+    microbatches the tensor mode can split: ``row_split`` samples each.
+    """
+    if layout.pipeline == 1:
+        return 1
+    return max(1, shape.batch // layout.data // layout.row_split)
+
+
+def microbatch_samples(shape: ModelShape, layout: Layout) -> int:
+    """Samples in one microbatch of one replica (before the tensor mode splits it)."""
+    replica = -(-shape.batch // layout.data)
+    return -(-replica // microbatches(shape, layout))
+
+
+def layout_problems(shape: ModelShape, layout: Layout) -> list[str]:
+    """Why tessera could not run ``shape`` under ``layout`` (empty when it could).
+
+    Each problem names the quantity and shows the arithmetic, e.g. ``"hidden 2050 % 4 = 2:
+    1d(4) splits hidden over 4 ranks"``.
+    """
+    problems: list[str] = []
+    name = layout.tensor_name
+
+    def need(what: str, value: int, divisor: int, why: str) -> None:
+        if value % divisor != 0:
+            problems.append(f"{what} {value} % {divisor} = {value % divisor}: {why}")
+
+    need("batch", shape.batch, layout.data, f"{layout.data} replicas need equal shares")
+    if layout.pipeline > shape.layers:
+        problems.append(
+            f"pipeline {layout.pipeline} > layers {shape.layers}: every stage needs a block"
+        )
+    q = layout.side
+    if layout.mode == "1d":
+        for what, value in (("hidden", shape.hidden), ("heads", shape.heads)):
+            need(what, value, q, f"{name} splits {what} over {q} ranks")
+        if shape.vocab:
+            need("vocab", shape.vocab, q, f"{name}'s vocab-parallel embedding splits it by {q}")
+    elif layout.mode in ("2d", "2.5d", "3d"):
+        hidden_divisor = q * q if layout.mode == "3d" else q
+        need(
+            "hidden",
+            shape.hidden,
+            hidden_divisor,
+            f"{name} splits hidden over {hidden_divisor} ranks"
+            + (" (weights [out/q^2, in/q])" if layout.mode == "3d" else ""),
+        )
+        need("heads", shape.heads, q, f"{name} gives each of {q} hidden blocks whole heads")
+        if shape.vocab:
+            why = f"{name}'s embedding splits the vocabulary over {hidden_divisor} ranks"
+            need("vocab", shape.vocab, hidden_divisor, why)
+        if shape.batch % layout.data == 0:
+            per_replica = shape.batch // layout.data
+            need(
+                "batch per replica",
+                per_replica,
+                layout.row_split,
+                f"{name} splits each replica's batch into {layout.row_split} blocks",
+            )
+    if layout.zero >= 2 and layout.pipeline > 1:
+        problems.append(
+            f"zero stage {layout.zero} with pipeline {layout.pipeline}: tessera.engine shards "
+            "with FSDP2 only without a pipeline (use zero stage 1)"
+        )
+    return problems
+
+
+def enumerate_layouts(
+    shape: ModelShape,
+    world: int,
+    *,
+    mode: str | None = None,
+    tensor: int | None = None,
+    pipeline: int | None = None,
+) -> Iterator[Layout]:
+    """Every layout of ``world`` ranks, possible or not (see :func:`layout_problems`).
+
+    Pipelines longer than the model are never listed. ZeRO stages 1-3 are listed only with
+    more than one replica: with one they shard nothing and equal stage 0.
+
+    Args:
+        shape: The model (only its ``layers`` limit the pipeline here).
+        world: Ranks in the job.
+        mode: Only this tensor mode.
+        tensor: Only this tensor size.
+        pipeline: Only this pipeline size.
+
+    Raises:
+        ConfigError: the filters leave no data x pipeline x tensor product equal to ``world``,
+            or ask for more stages than blocks; the message names the key and shows the
+            arithmetic.
+    """
+    check_world(world, mode=mode, tensor=tensor, pipeline=pipeline)
+    if pipeline is not None and pipeline > shape.layers:
+        raise ConfigError(
+            f"pipeline {pipeline} > layers {shape.layers}: every stage needs at least one block"
+        )
+    for stages in _divisors(world):
+        if stages > shape.layers or pipeline not in (None, stages):
+            continue
+        for size in _divisors(world // stages):
+            if tensor not in (None, size):
+                continue
+            data = world // (stages * size)
+            for kind, depth in tensor_shapes(size, mode):
+                for zero in (0, 1, 2, 3) if data > 1 else (0,):
+                    for checkpoint in (False, True):
+                        yield Layout(data, stages, size, kind, depth, zero, checkpoint)
+
+
+def check_world(
+    world: int, *, mode: str | None = None, tensor: int | None = None, pipeline: int | None = None
+) -> None:
+    """Check that ``world`` and the filters allow at least one data x pipeline x tensor split.
+
+    Raises:
+        ConfigError: the message starts with the offending key and shows the arithmetic, e.g.
+            ``"world 12 is not data x pipeline x tensor for any layout with tensor 8 ..."``.
+    """
+    for key, value in (("world", world), ("tensor", tensor), ("pipeline", pipeline)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{key} must be a positive int, got {value!r}")
+        if value is not None and value < 1:
+            raise ConfigError(f"{key} must be a positive int, got {value!r}")
+    if mode is not None and mode not in MODES:
+        raise ConfigError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    model = (tensor or 1) * (pipeline or 1)
+    if world % model != 0:
+        parts = [f"{k} {v}" for k, v in (("pipeline", pipeline), ("tensor", tensor)) if v]
+        raise ConfigError(
+            f"world {world} is not data x pipeline x tensor for any layout with "
+            f"{' and '.join(parts)}: {world} % {model} = {world % model}"
+        )
+    if tensor is not None and mode is not None and not tensor_shapes(tensor, mode):
+        raise ConfigError(f"tensor {tensor} does not fit mode {mode}: {_mode_sizes(mode)}")
+    if mode is not None and tensor is None:
+        sizes = [t for t in _divisors(world // (pipeline or 1)) if tensor_shapes(t, mode)]
+        if not sizes:
+            raise ConfigError(
+                f"world {world} has no tensor size for mode {mode}"
+                + (f" with pipeline {pipeline}" if pipeline else "")
+                + f": {_mode_sizes(mode)}, dividing {world // (pipeline or 1)}"
+            )
+
+
+def _mode_sizes(mode: str) -> str:
+    """The tensor sizes a mode accepts, in words."""
+    return {
+        "none": "no tensor parallelism needs tensor 1",
+        "1d": "1d needs 2 or more ranks",
+        "2d": "2d needs q*q ranks (4, 9, 16, ...)",
+        "2.5d": "2.5d needs q*q*d ranks with q, d >= 2 (8, 12, 16, 18, ...)",
+        "3d": "3d needs q*q*q ranks (8, 27, 64, ...)",
+    }[mode]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,244 @@
+"""Per-rank bytes: parameters, gradients, optimizer state and saved activations.
+
+Parameters and their gradients and Adam state follow Rajbhandari et al. 2020 (ZeRO, section
+3.1 and 5: stage 1 shards the optimizer state over the ``N`` data-parallel ranks, stage 2 also
+the gradients, stage 3 also the parameters). A block's parameters per rank follow each mode's
+paper (see :func:`block_parameters`).
+
+Saved activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", section 4): per block ``T (8h + 2F) + A`` elements with ``T = b s`` tokens
+and ``A = b a s^2`` attention scores (``34 s b h + 5 a s^2 b`` bytes in their fp16 count with
+dropout), of which 1d keeps the ``4 T h`` outside its column/row-parallel regions whole on
+every rank, while 2d, 2.5d and 3d cut every activation over all ``P`` ranks. With activation
+checkpointing (their "full recomputation") a block keeps only its input, and one block's
+activations exist again while it is recomputed. Under a 1F1B pipeline the first stage holds
+``min(p, m)`` microbatches in flight (Narayanan et al. 2021).
+
+Divisions round up, so a layout that does not divide evenly (reported by
+:func:`~tessera.context.planner.layouts.layout_problems`) still gets a figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layouts import Layout, microbatch_samples, microbatches
+from .precision import FP32, Precision
+from .shapes import ModelShape
+
+__all__ = [
+    "MemoryBreakdown",
+    "block_activation_bytes",
+    "block_parameters",
+    "checkpointed_block_bytes",
+    "embedding_parameters",
+    "head_activation_bytes",
+    "rank_memory",
+    "stage_blocks",
+]
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one rank holds at its peak, by kind.
+
+    Attributes:
+        parameters: The model's parameters on this rank (plus, under ZeRO stage 3, the one
+            block gathered for its forward or backward).
+        gradients: Their gradients.
+        optimizer: Adam's state (and fp32 masters under mixed precision).
+        activations: Tensors saved for the backward, at the peak of a step.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        """The sum of the four."""
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def block_parameters(shape: ModelShape, layout: Layout) -> int:
+    """Parameter elements of one block on one rank.
+
+    * none: ``4h^2 + 2hF`` weights and ``9h + F`` vectors (``12h^2 + 13h`` for ``F = 4h``).
+    * 1d: qkv and fc1 split by output features with their biases, proj and fc2 by input
+      features, their biases and both LayerNorms whole on every rank: ``(4h^2 + 2hF)/p +
+      (3h + F)/p + 6h`` (Shoeybi et al. 2019, "Megatron-LM", section 3).
+    * 2d: every weight in ``q x q`` blocks, the ``[h]`` vectors split over the mesh row and
+      replicated over its column: ``(4h^2 + 2hF)/q^2 + (9h + F)/q`` (Xu et al. 2021, "An
+      Efficient 2D Method for Training Super-Large Deep Learning Models", section 3).
+    * 2.5d: the same on each of the ``d`` layers, which hold copies (Wang et al. 2021,
+      "Tesseract: Parallelize the Tensor Parallelism Efficiently", section 3).
+    * 3d: weights ``[out/q^2, in/q]``, a distinct ``1/q^3`` on every rank, vectors ``/q``
+      (Bian et al. 2021, "Maximizing Parallelism in Distributed Training for Huge Neural
+      Networks", section 3).
+    """
+    h, f = shape.hidden, shape.ffn
+    weights, vectors = shape.block_weights, shape.block_vectors
+    if layout.mode == "none":
+        return weights + vectors
+    if layout.mode == "1d":
+        p = layout.tensor
+        return _ceil(weights, p) + _ceil(3 * h + f, p) + 6 * h
+    return _ceil(weights, layout.weight_split) + _ceil(vectors, layout.side)
+
+
+def embedding_parameters(shape: ModelShape, layout: Layout, *, tables: int = 2) -> int:
+    """Elements of the token (and position) table and the final LayerNorm on one rank.
+
+    The token table is split as the mode splits a vocabulary (1d: rows over ``p``,
+    Megatron-LM's vocab-parallel embedding; the meshes: like a weight). The position table is
+    split like the token table except in 1d, which keeps it whole.
+
+    Args:
+        shape: The model.
+        layout: The layout.
+        tables: 2 for the first stage (token and position tables), 1 for the last stage of a
+            pipeline, which holds only its copy of the tied token table.
+    """
+    if shape.vocab == 0:
+        return 0
+    h, split = shape.hidden, layout.weight_split
+    token = _ceil(shape.vocab * h, split)
+    position = shape.seq * h if layout.mode == "1d" else _ceil(shape.seq * h, split)
+    norm = _ceil(2 * h, layout.side) if layout.activation_split > 1 else 2 * h
+    return token + (position if tables == 2 else 0) + norm
+
+
+def block_activation_bytes(
+    shape: ModelShape, layout: Layout, samples: int, precision: Precision
+) -> int:
+    """Bytes one block saves for its backward on one rank, for ``samples`` sequences.
+
+    ``samples`` is the microbatch of one replica (before the tensor mode splits it). In
+    elements, with ``T = samples * s`` and ``A = samples * heads * s^2``:
+
+    * none: ``T (8h + 2F) + A``: LayerNorm inputs ``2Th``, qkv and fc1 inputs ``2Th``,
+      contiguous q, k, v ``3Th``, proj input ``Th``, GeLU and fc2 inputs ``2TF``, softmax
+      output ``A``; plus LayerNorm mean and rstd ``4T`` in fp32;
+    * 1d: ``4Th + 4T`` whole on every rank, ``(4Th + 2TF + A)/p`` split (Korthikanti et al.
+      2022, section 4.2.1, "tensor parallel");
+    * 2d, 2.5d, 3d: ``(T (8h + 2F) + A)/P``, every activation in ``[T/r, h/q]`` blocks with
+      ``r`` the mode's batch split; tessera's LayerNorm saves ``x_hat`` and its rstd ``[T/r]``
+      (``2T/r`` fp32 for the two).
+
+    With ``shape.dropout`` the masks (one byte per element: ``A`` and ``2Th``, split as
+    their activations) and the attention dropout's output (``A``) are added, which gives
+    Korthikanti et al.'s ``34 s b h + 5 a s^2 b`` bytes in fp16.
+    """
+    h, f, e = shape.hidden, shape.ffn, precision.activation
+    tokens = samples * shape.seq
+    scores = samples * shape.heads * shape.seq * shape.seq
+    masks = scores + 2 * tokens * h if shape.dropout else 0  # bytes, one per element
+    dropped = scores if shape.dropout else 0  # elements: the attention dropout's output
+    if layout.mode == "none":
+        elements = tokens * (8 * h + 2 * f) + scores + dropped
+        return e * elements + masks + FP32 * 4 * tokens
+    if layout.mode == "1d":
+        p = layout.tensor
+        split = _ceil(tokens * (4 * h + 2 * f) + scores + dropped, p)
+        mask_bytes = _ceil(scores, p) + 2 * tokens * h if shape.dropout else 0
+        return e * (4 * tokens * h + split) + mask_bytes + FP32 * 4 * tokens
+    p = layout.activation_split
+    elements = _ceil(tokens * (8 * h + 2 * f) + scores + dropped, p)
+    rows = _ceil(tokens, layout.row_split)
+    return e * elements + _ceil(masks, p) + FP32 * 2 * rows
+
+
+def checkpointed_block_bytes(
+    shape: ModelShape, layout: Layout, samples: int, precision: Precision
+) -> int:
+    """Bytes a checkpointed block keeps: its input ``[T, h]`` (``/P`` on the meshes)."""
+    return precision.activation * _ceil(samples * shape.seq * shape.hidden, layout.activation_split)
+
+
+def head_activation_bytes(
+    shape: ModelShape, layout: Layout, samples: int, precision: Precision
+) -> int:
+    """Bytes the final LayerNorm, the head and the loss save, for ``samples`` sequences.
+
+    The inputs of the final LayerNorm and of the head (``2Th``, split as a block's), the
+    LayerNorm statistics, and the logits kept in fp32 for the cross-entropy, ``4 T V / t``
+    bytes with the vocabulary split over the tensor ranks (the output layer's term of
+    Korthikanti et al. 2022's total activation memory). 0 with ``vocab=0``.
+    """
+    if shape.vocab == 0:
+        return 0
+    tokens = samples * shape.seq
+    split = layout.activation_split
+    inputs = precision.activation * _ceil(2 * tokens * shape.hidden, split)
+    stats = FP32 * 2 * _ceil(tokens, layout.row_split)
+    vocab_split = layout.tensor if layout.mode != "none" else 1
+    return inputs + stats + FP32 * _ceil(tokens * shape.vocab, vocab_split)
+
+
+def stage_blocks(shape: ModelShape, layout: Layout) -> tuple[int, int]:
+    """Blocks on the first and on the last pipeline stage.
+
+    tessera's ``partition_uniform`` gives the first ``layers % p`` stages one block more.
+    """
+    p = layout.pipeline
+    first = _ceil(shape.layers, p)
+    last = shape.layers // p if p > 1 and shape.layers % p else first
+    return first, last
+
+
+def rank_memory(shape: ModelShape, layout: Layout, precision: Precision) -> MemoryBreakdown:
+    """The peak bytes of the fullest rank: the first or the last pipeline stage.
+
+    The first stage holds the embedding and, under 1F1B, ``min(p, m)`` microbatches of
+    activations; the last holds the head (a copy of the tied token table when ``p > 1``) and
+    one microbatch, plus the logits. Without a pipeline one rank holds everything.
+    """
+    m = microbatches(shape, layout)
+    samples = microbatch_samples(shape, layout)
+    first_blocks, last_blocks = stage_blocks(shape, layout)
+    single = layout.pipeline == 1
+    stages = [
+        (first_blocks, 2, min(layout.pipeline, m), single),
+        *([] if single else [(last_blocks, 1, 1, True)]),
+    ]
+    worst: MemoryBreakdown | None = None
+    for blocks, tables, in_flight, has_head in stages:
+        params = blocks * block_parameters(shape, layout) + embedding_parameters(
+            shape, layout, tables=tables
+        )
+        if layout.checkpoint:
+            kept = checkpointed_block_bytes(shape, layout, samples, precision)
+            activations = blocks * in_flight * kept
+            activations += block_activation_bytes(shape, layout, samples, precision)
+        else:
+            activations = (
+                blocks * in_flight * block_activation_bytes(shape, layout, samples, precision)
+            )
+        if has_head:
+            activations += head_activation_bytes(shape, layout, samples, precision)
+        breakdown = _sharded(shape, layout, precision, params, activations)
+        if worst is None or breakdown.total > worst.total:
+            worst = breakdown
+    assert worst is not None
+    return worst
+
+
+def _sharded(
+    shape: ModelShape, layout: Layout, precision: Precision, params: int, activations: int
+) -> MemoryBreakdown:
+    """Apply ZeRO's sharding over the ``data`` ranks to a stage's ``params`` elements."""
+    n, zero = layout.data, layout.zero
+    held = _ceil(params, n) if zero >= 3 else params
+    if zero >= 3:  # FSDP2 gathers one block at a time for its forward and backward
+        held += block_parameters(shape, layout)
+    return MemoryBreakdown(
+        parameters=precision.parameter * held,
+        gradients=precision.gradient * (_ceil(params, n) if zero >= 2 else params),
+        optimizer=precision.optimizer * (_ceil(params, n) if zero >= 1 else params),
+        activations=activations,
+    )

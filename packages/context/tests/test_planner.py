@@ -1,0 +1,463 @@
+"""The layout planner: its figures against measurement, its rules against tessera's, its CLI."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import math
+import pathlib
+
+import pytest
+
+from tessera.context import ConfigError, ParallelConfig
+from tessera.context.__main__ import main as context_main
+from tessera.context.planner import (
+    Layout,
+    Machine,
+    MemoryBreakdown,
+    ModelShape,
+    calibrate,
+    enumerate_layouts,
+    estimate_layout,
+    layout_problems,
+    parse_bytes,
+    plan_layouts,
+    precision_for,
+)
+from tessera.context.planner.comm import block_collectives, contributed_bytes
+from tessera.context.planner.layouts import tensor_shapes
+from tessera.context.planner.memory import block_activation_bytes, block_parameters
+from tessera.context.planner.rank import stage_steps
+
+GIB = 2**30
+FP32 = precision_for("fp32", 0)
+
+# ------------------------------------------------------------------ against measurement
+
+#: One pre-LN block, batch 8, seq 16, heads 4, hidden 128, fp32, per rank, one step.
+BENCH_BLOCK = ModelShape(layers=1, hidden=128, heads=4, seq=16, vocab=0, batch=8)
+
+#: Bytes per rank measured by benchmarks/bench_layers_memory_comm.py, run as
+#: ``cd benchmarks && ../.nox/bench/bin/python bench_layers_memory_comm.py --steps 2``:
+#: parameters, tensors saved for backward (SavedTensorMeter), bytes contributed to collectives
+#: in the forward and in the backward (TrafficCounter), and rank 0's collective calls by kind.
+#: The run printed KiB (none 774.5 / 1058.0; 1D(4) 195.9 / 458.0 / 128.0 + 128.0; 2D(4)
+#: 195.2 / 264.5 / 305.0 + 916.2; 2.5D(8,d=2) 195.2 / 132.2 / 248.5 + 939.8) and "Every
+#: figure equals its formula to the byte", so the bytes below are its formula() values.
+MEASURED: dict[str, tuple[Layout, int, int, int, int, dict[str, int]]] = {
+    "none": (Layout(1, 1, 1, "none"), 793088, 1083392, 0, 0, {}),
+    "1D(4)": (Layout(1, 1, 4, "1d"), 200576, 468992, 131072, 131072, {"all_reduce": 4}),
+    "2D(4)": (
+        Layout(1, 1, 4, "2d"),
+        199936,
+        270848,
+        312320,
+        938240,
+        {"all_reduce": 14, "broadcast": 32, "reduce": 16},
+    ),
+    "2.5D(8,d=2)": (
+        Layout(1, 1, 8, "2.5d", depth=2),
+        199936,
+        135424,
+        254464,
+        962304,
+        {"all_reduce": 18, "broadcast": 32, "reduce": 16},
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", list(MEASURED))
+def test_block_figures_equal_the_measured_bytes(mode: str) -> None:
+    layout, params, saved, fwd, bwd, calls = MEASURED[mode]
+    collectives = block_collectives(BENCH_BLOCK, layout, BENCH_BLOCK.batch, FP32)
+    assert 4 * block_parameters(BENCH_BLOCK, layout) == params
+    assert block_activation_bytes(BENCH_BLOCK, layout, BENCH_BLOCK.batch, FP32) == saved
+    assert contributed_bytes(collectives, "forward") == fwd
+    assert contributed_bytes(collectives, "backward") == bwd
+    by_kind: dict[str, int] = {}
+    for c in collectives:
+        by_kind[c.kind] = by_kind.get(c.kind, 0) + c.calls
+    assert by_kind == calls
+
+
+@pytest.mark.parametrize("mode", list(MEASURED))
+def test_whole_estimate_of_one_block_equals_the_measurement(mode: str) -> None:
+    """The path plan_layouts takes (stages, microbatches, ZeRO) gives the same bytes."""
+    layout, params, saved, fwd, bwd, _ = MEASURED[mode]
+    estimate = estimate_layout(BENCH_BLOCK, layout, memory_budget=GIB)
+    assert estimate.memory.parameters == params
+    assert estimate.memory.activations == saved
+    assert estimate.comm_bytes == fwd + bwd
+    assert estimate.fits
+
+
+def test_activations_follow_korthikanti_with_dropout_in_fp16() -> None:
+    """34 s b h + 5 a s^2 b bytes per block (their section 4.1), 1d: 10 sbh + 24 sbh/t + ..."""
+    s, b, h, a, t = 64, 4, 256, 8, 4
+    shape = ModelShape(layers=2, hidden=h, heads=a, seq=s, vocab=0, batch=b, dropout=True)
+    fp16 = precision_for("fp16", 0)
+    stats = 4 * 4 * s * b  # LayerNorm mean and rstd in fp32, which the paper leaves out
+    none = block_activation_bytes(shape, Layout(1, 1, 1, "none"), b, fp16)
+    assert none == 34 * s * b * h + 5 * a * s * s * b + stats
+    one_d = block_activation_bytes(shape, Layout(1, 1, t, "1d"), b, fp16)
+    assert one_d == 10 * s * b * h + 24 * s * b * h // t + 5 * a * s * s * b // t + stats
+
+
+# ------------------------------------------------------------------ tessera's rules
+
+
+@pytest.mark.parametrize("mode", ["1d", "2d", "2.5d", "3d"])
+def test_tensor_sizes_are_what_parallel_config_accepts(mode: str) -> None:
+    for size in range(2, 65):
+        depths = range(2, size + 1) if mode == "2.5d" else [1]
+        accepted = set()
+        for depth in depths:
+            try:
+                config = ParallelConfig(tensor_size=size, tensor_mode=mode, tensor_depth=depth)
+            except ConfigError:
+                continue
+            if config.tensor_dim > 1 or mode == "1d":  # a 1 x 1 mesh repeats another layout
+                accepted.add((mode, depth))
+        assert set(tensor_shapes(size, mode)) == accepted, size
+
+
+def test_every_layout_is_a_parallel_block_tessera_accepts() -> None:
+    shape = ModelShape(layers=8, hidden=256, heads=8, seq=32, vocab=512, batch=64)
+    for world in (1, 2, 4, 6, 8, 12, 16, 27, 32):
+        layouts = list(enumerate_layouts(shape, world))
+        assert layouts, world
+        for layout in layouts:
+            assert layout.data * layout.pipeline * layout.tensor == world
+            config = ParallelConfig.from_dict(layout.parallel(), world)
+            assert (config.data_size, config.pipeline_size, config.tensor_size) == (
+                layout.data,
+                layout.pipeline,
+                layout.tensor,
+            )
+            assert config.tensor_dim == layout.side
+
+
+def test_layout_counts_and_the_options_of_one_split() -> None:
+    shape = ModelShape(layers=2, hidden=64, heads=4, seq=8, vocab=0, batch=8)
+    layouts = list(enumerate_layouts(shape, 4))
+    # data x pipe x tensor: 4x1x1, 2x2x1, 2x1x2(1d), 1x2x2(1d), 1x1x4(1d, 2d); pipe 4 > layers 2
+    splits = {(x.data, x.pipeline, x.tensor_name) for x in layouts}
+    assert splits == {
+        (4, 1, "none"),
+        (2, 2, "none"),
+        (2, 1, "1d(2)"),
+        (1, 2, "1d(2)"),
+        (1, 1, "1d(4)"),
+        (1, 1, "2d(4)"),
+    }
+    # ZeRO 0-3 only with replicas; checkpointing on and off everywhere
+    assert len(layouts) == 3 * 8 + 3 * 2
+
+
+def _problems(layout: Layout, **changes: int) -> list[str]:
+    fields = dict(layers=4, hidden=128, heads=4, seq=16, vocab=1024, batch=16)
+    fields.update(changes)
+    return layout_problems(ModelShape(**fields), layout)
+
+
+def test_divisibility_rejects_what_tessera_rejects() -> None:
+    assert _problems(Layout(1, 1, 4, "1d")) == []
+    assert _problems(Layout(1, 1, 4, "1d"), heads=6, hidden=132) == [
+        "heads 6 % 4 = 2: 1d(4) splits heads over 4 ranks"
+    ]
+    assert _problems(Layout(1, 1, 2, "1d"), vocab=50257)[0].startswith("vocab 50257 % 2 = 1")
+    # 2d(9): q = 3 must divide hidden and heads
+    two_d = _problems(Layout(1, 1, 9, "2d"), batch=18)
+    assert [p.split(":")[0] for p in two_d] == [
+        "hidden 128 % 3 = 2",
+        "heads 4 % 3 = 1",
+        "vocab 1024 % 3 = 1",
+    ]
+    # 3d needs hidden divisible by q^2 (Linear3D's [out/q^2, in/q]), 2d by q only
+    assert _problems(Layout(1, 1, 4, "2d"), hidden=130, heads=2, vocab=1040) == []
+    three_d = _problems(Layout(1, 1, 8, "3d"), hidden=130, heads=2, vocab=1040)
+    assert [p.split(":")[0] for p in three_d] == ["hidden 130 % 4 = 2"]
+    # the batch of a replica is cut into d*q (2.5d) or q (2d) blocks
+    assert _problems(Layout(1, 1, 4, "2d"), batch=6) == []
+    deep = _problems(Layout(1, 1, 8, "2.5d", depth=2), batch=6)
+    assert deep == [
+        "batch per replica 6 % 4 = 2: 2.5d(8,d=2) splits each replica's batch into 4 blocks"
+    ]
+    assert _problems(Layout(4, 1, 1, "none"), batch=6)[0].startswith("batch 6 % 4 = 2")
+    assert _problems(Layout(1, 5, 1, "none"))[0].startswith("pipeline 5 > layers 4")
+    assert "FSDP2" in _problems(Layout(2, 2, 1, "none", zero=2))[0]
+    assert _problems(Layout(2, 2, 1, "none", zero=1)) == []
+
+
+def test_bad_input_names_the_key_and_the_arithmetic() -> None:
+    shape = ModelShape(layers=4, hidden=128, heads=4, seq=16, vocab=0, batch=16)
+    with pytest.raises(
+        ConfigError,
+        match=r"^world 12 is not data x pipeline x tensor for any "
+        r"layout with tensor 8: 12 % 8 = 4$",
+    ):
+        plan_layouts(shape, 12, GIB, tensor=8)
+    with pytest.raises(ConfigError, match=r"^tensor 6 does not fit mode 2d: 2d needs q\*q ranks"):
+        plan_layouts(shape, 12, GIB, mode="2d", tensor=6)
+    with pytest.raises(ConfigError, match=r"^world 12 has no tensor size for mode 3d"):
+        plan_layouts(shape, 12, GIB, mode="3d")
+    with pytest.raises(ConfigError, match=r"^pipeline 8 > layers 4: every stage needs"):
+        plan_layouts(shape, 16, GIB, pipeline=8)
+    with pytest.raises(ConfigError, match=r"^memory must be a positive number of bytes"):
+        plan_layouts(shape, 4, 0)
+    with pytest.raises(
+        ConfigError, match=r"^hidden 130 is not divisible by heads 4 \(130 % 4 = 2\)"
+    ):
+        ModelShape(layers=4, hidden=130, heads=4, seq=16, vocab=0, batch=16)
+    with pytest.raises(ConfigError, match=r"^layers must be a positive int, got 0"):
+        ModelShape(layers=0, hidden=128, heads=4, seq=16, vocab=0, batch=16)
+    with pytest.raises(ConfigError, match=r"^dtype 'fp8' is not one of fp32, fp16, bf16"):
+        plan_layouts(shape, 4, GIB, dtype="fp8")
+    with pytest.raises(ConfigError, match=r"^latency must be finite and >= 0"):
+        Machine(flops=1e12, bandwidth=1e10, latency=-1.0)
+
+
+def test_memory_amounts() -> None:
+    assert parse_bytes("16GiB") == 16 * GIB
+    assert parse_bytes("16 gb") == 16 * 10**9
+    assert parse_bytes("1.5MiB") == 3 * 2**19
+    assert parse_bytes("1e9") == 10**9
+    with pytest.raises(ConfigError, match=r"^memory '16XB' is not an amount of bytes"):
+        parse_bytes("16XB")
+
+
+# ------------------------------------------------------------------ memory behaviour
+
+SHAPE = ModelShape(layers=8, hidden=512, heads=8, seq=128, vocab=4096, batch=32)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_zero_divides_optimizer_state_then_gradients_then_parameters(dtype: str) -> None:
+    def memory(zero: int) -> MemoryBreakdown:
+        return estimate_layout(SHAPE, Layout(4, 1, 2, "1d", zero=zero), GIB, dtype=dtype).memory
+
+    plain, one, two, three = (memory(z) for z in range(4))
+    p0 = precision_for(dtype, 0)
+    elements = plain.parameters // p0.parameter
+    assert plain.optimizer == p0.optimizer * elements
+    assert one.optimizer == p0.optimizer * math.ceil(elements / 4)  # stage 1: / data size
+    assert (one.parameters, one.gradients) == (plain.parameters, plain.gradients)
+    # under stages 2 and 3 mixed precision is autocast over fp32 parameters (no masters)
+    p = precision_for(dtype, 2)
+    assert two.gradients == p.gradient * math.ceil(elements / 4)
+    assert two.optimizer == p.optimizer * math.ceil(elements / 4)
+    assert two.parameters == p.parameter * elements
+    block = block_parameters(SHAPE, Layout(4, 1, 2, "1d"))
+    assert three.parameters == p.parameter * (math.ceil(elements / 4) + block)
+    assert plain.total > one.total > three.total
+    assert plain.activations == one.activations == two.activations == three.activations
+
+
+def test_mixed_precision_counts_sixteen_bytes_per_parameter() -> None:
+    """ZeRO's 2 + 2 + 12 bytes (section 3.1), fp32's 4 + 4 + 8."""
+    layout = Layout(1, 1, 1, "none")
+    for dtype in ("fp16", "fp32"):
+        m = estimate_layout(SHAPE, layout, GIB, dtype=dtype).memory
+        assert m.parameters + m.gradients + m.optimizer == 16 * SHAPE.parameters
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(4, 1, 1, "none"),
+        Layout(1, 1, 4, "1d"),
+        Layout(1, 1, 4, "2d"),
+        Layout(1, 1, 8, "2.5d", 2),
+        Layout(1, 1, 8, "3d"),
+        Layout(1, 4, 1, "none"),
+    ],
+    ids=lambda x: x.tensor_name + f"-p{x.pipeline}",
+)
+def test_checkpointing_keeps_less(layout: Layout) -> None:
+    off = estimate_layout(SHAPE, layout, GIB)
+    on = estimate_layout(SHAPE, Layout(**{**layout.__dict__, "checkpoint": True}), GIB)
+    assert on.memory.activations < off.memory.activations / 2
+    assert on.memory.total < off.memory.total  # (a pipeline's fullest stage may change)
+    assert on.comm_bytes >= off.comm_bytes  # the recomputed forward communicates again
+
+
+def test_mesh_modes_cut_activations_by_all_ranks_and_1d_does_not() -> None:
+    none = block_activation_bytes(SHAPE, Layout(1, 1, 1, "none"), 8, FP32)
+    for layout in (Layout(1, 1, 4, "2d"), Layout(1, 1, 8, "2.5d", 2), Layout(1, 1, 8, "3d")):
+        cut = block_activation_bytes(SHAPE, layout, 8, FP32)
+        assert none / layout.tensor <= cut <= 1.01 * none / layout.tensor
+    # 1d keeps 4Th + 4T whole on every rank (Korthikanti et al. 2022, section 4.2.1)
+    assert block_activation_bytes(SHAPE, Layout(1, 1, 4, "1d"), 8, FP32) > 1.5 * none / 4
+
+
+def test_over_budget_layouts_come_last_with_the_reason() -> None:
+    found = plan_layouts(SHAPE, 8, 200 * 2**20)
+    fitting = [e for e in found if e.fits]
+    assert fitting and len(fitting) < len(found)
+    assert all(e.memory.total <= 200 * 2**20 for e in fitting)
+    assert found[: len(fitting)] == fitting
+    times = [e.step_seconds for e in fitting]
+    assert times == sorted(times)
+    over = [e for e in found if not e.fits and e.problems[0].startswith("needs")]
+    assert over and all(e.memory.total > 200 * 2**20 for e in over)
+    assert "> 200.0 MiB per rank (parameters" in over[0].problems[0]
+
+
+# ------------------------------------------------------------------ the machine model
+
+
+def test_step_time_is_monotone_in_the_machine() -> None:
+    base = Machine(flops=1e12, bandwidth=1e10, latency=1e-5)
+    faster = {
+        "flops": Machine(flops=2e12, bandwidth=1e10, latency=1e-5),
+        "bandwidth": Machine(flops=1e12, bandwidth=2e10, latency=1e-5),
+        "latency": Machine(flops=1e12, bandwidth=1e10, latency=1e-6),
+    }
+    layouts = [x for x in enumerate_layouts(SHAPE, 8) if not layout_problems(SHAPE, x)]
+    for layout in layouts:
+        slow = estimate_layout(SHAPE, layout, GIB, base).step_seconds
+        for better in faster.values():
+            assert estimate_layout(SHAPE, layout, GIB, better).step_seconds <= slow
+
+
+def test_ranking_follows_the_expensive_resource() -> None:
+    """Free communication ranks by compute; costly latency ranks by collective rounds."""
+    layouts = [x for x in enumerate_layouts(SHAPE, 4) if not layout_problems(SHAPE, x)]
+    compute_bound = Machine(flops=1e12, bandwidth=1e30, latency=0.0)
+    latency_bound = Machine(flops=1e30, bandwidth=1e30, latency=1.0)
+    by_compute = [estimate_layout(SHAPE, x, GIB, compute_bound) for x in layouts]
+    fastest = min(by_compute, key=lambda e: e.step_seconds)
+    assert fastest.layout.pipeline == 1 and not fastest.layout.checkpoint
+    for layout in layouts:
+        e = estimate_layout(SHAPE, layout, GIB, latency_bound)
+        (stage, *_) = stage_steps(SHAPE, layout, precision_for("fp32", layout.zero))
+        rounds = [c.calls * math.ceil(math.log2(c.group)) for c in stage.per_microbatch]
+        once = [c.calls * math.ceil(math.log2(c.group)) for c in stage.per_step]
+        if layout.pipeline == 1:  # ceil(log2 n) rounds of latency per call among n ranks
+            assert e.step_seconds == pytest.approx(sum(rounds) + sum(once))
+        elif layout.data == 1:  # the bubble: m + p - 1 microbatch slots
+            slots = e.microbatches + layout.pipeline - 1
+            assert e.step_seconds >= slots * sum(rounds)
+
+
+def test_calibration_measures_positive_numbers() -> None:
+    machine = calibrate(seconds=0.05)
+    assert machine.flops > 1e6 and machine.bandwidth > 1e5 and 0 < machine.latency < 1
+
+
+# ------------------------------------------------------------------ paper claim (docs)
+
+
+def test_2d_fits_the_papers_models_where_1d_and_data_parallelism_do_not() -> None:
+    """Xu et al. 2021: ~3B parameters on 4 x 16 GB and ~12B on 16 at batch 16, no ZeRO.
+
+    The same shapes as docs/choosing-a-layout.md; tensor parallelism alone (no pipeline).
+    """
+    cases = [
+        (ModelShape(layers=36, hidden=2560, heads=32, seq=2048, vocab=50304, batch=16), 4),
+        (ModelShape(layers=60, hidden=4096, heads=32, seq=1024, vocab=50304, batch=16), 16),
+    ]
+    for shape, world in cases:
+        found = plan_layouts(shape, world, 16 * GIB, dtype="fp16", pipeline=1)
+        fits = {e.layout.tensor_name for e in found if e.fits and e.layout.zero == 0}
+        assert f"2d({world})" in fits
+        assert f"1d({world})" not in fits and "none" not in fits
+
+
+# ------------------------------------------------------------------ the command line
+
+ARGS = ["--layers", "8", "--hidden", "512", "--heads", "8", "--seq", "128", "--vocab", "4096"]
+ARGS += ["--batch", "32", "--flops", "1e12", "--bandwidth", "1e10", "--latency", "1e-5"]
+
+
+def _run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = context_main(argv)
+        except SystemExit as exit_:
+            code = int(exit_.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_cli_prints_the_fitting_layouts_fastest_first() -> None:
+    code, out, _ = _run(["plan", *ARGS, "--world", "4", "--memory", "200MiB", "--top", "5"])
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("model: 8 layers, hidden 512, heads 8, seq 128, vocab 4096")
+    assert lines[1] == "job: 4 ranks, 200.0 MiB each"
+    assert lines[2] == "machine (given): 1e+12 flop/s, 1e+10 B/s, 1e-05 s per collective"
+    fit, total = (int(w) for w in lines[3].split()[0:3:2])
+    assert lines[3] == f"{fit} of {total} layouts fit; the fastest 5:"
+    header = lines[4].split()
+    assert header[:4] == ["#", "data", "pipe", "tensor"] and header[-1] == "step"
+    rows = [line.split() for line in lines[6:11]]
+    assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 5]
+    expected = plan_layouts(
+        ModelShape(layers=8, hidden=512, heads=8, seq=128, vocab=4096, batch=32),
+        4,
+        200 * 2**20,
+        Machine(flops=1e12, bandwidth=1e10, latency=1e-5),
+    )[:5]
+    assert [(int(r[1]), int(r[2]), r[3]) for r in rows] == [
+        (e.layout.data, e.layout.pipeline, e.layout.tensor_name) for e in expected
+    ]
+    assert lines[-1] == f"({total - fit} layouts that do not fit are listed with --all.)"
+
+
+def test_cli_all_lists_what_does_not_fit_and_why() -> None:
+    code, out, _ = _run(["plan", *ARGS, "--world", "4", "--memory", "100MiB", "--all"])
+    assert code == 0
+    assert "layouts do not fit (smallest first):" in out
+    assert "why not" in out and "> 100.0 MiB per rank" in out
+    code, out, _ = _run(["plan", *ARGS, "--world", "4", "--memory", "1MiB"])
+    assert "No layout fits. The closest:" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--world", "12", "--tensor", "8"],
+            "--world 12 is not data x pipeline x tensor for any layout with tensor 8: 12 % 8 = 4",
+        ),
+        (["--world", "4", "--memory", "16XB"], "--memory '16XB' is not an amount of bytes"),
+        (["--world", "0"], "--world must be a positive int, got 0"),
+        (["--world", "6", "--mode", "3d"], "--world 6 has no tensor size for mode 3d"),
+    ],
+)
+def test_cli_errors_name_the_flag(argv: list[str], message: str) -> None:
+    full = ["plan", *ARGS, "--memory", "1GiB", *argv]
+    code, _, err = _run(full)
+    assert code == 2
+    assert message in err
+
+
+def test_cli_heads_error_names_the_flag() -> None:
+    argv = [a if a != "8" else "7" for a in ARGS[:6]] + ARGS[6:]  # heads 7 (and layers 7)
+    code, _, err = _run(["plan", *argv, "--world", "4", "--memory", "1GiB"])
+    assert code == 2 and "--hidden 512 is not divisible by heads 7 (512 % 7 = 1)" in err
+
+
+def test_unknown_command_prints_the_commands() -> None:
+    code, _, err = _run(["nope"])
+    assert code == 2 and "unknown command 'nope'" in err and "plan" in err
+
+
+# ------------------------------------------------------------------ torch-free arithmetic
+
+
+def test_planner_modules_import_torch_only_inside_functions() -> None:
+    import tessera.context.planner as planner
+
+    folder = pathlib.Path(planner.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level only; calibrate() imports torch lazily
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n == "torch" or n.startswith("torch.") for n in names), path.name
