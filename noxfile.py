@@ -174,6 +174,19 @@ def bench(session: nox.Session) -> None:
     session.install(
         *(_path(p) + ("[transformers]" if p == "layers" else "") for p in PACKAGES if _has_code(p))
     )
+    # Colossal-AI for bench_colossal.py, in this environment only (never a package dependency).
+    # Its sdist declares torch<=2.5.1 and a stack of CUDA libraries: install it without
+    # dependencies, plus what the import path of its legacy layers needs (peft, accelerate and
+    # psutil through colossalai.interface / colossalai.accelerator, einops; transformers and the
+    # rest are already here). benchmarks/colossal_patches.py stubs the GaLore optimizers.
+    session.install(
+        "--no-deps",
+        "colossalai==0.5.0",
+        "peft==0.21.2",
+        "accelerate==1.15.0",
+        "psutil==7.2.2",
+        "einops==0.8.2",
+    )
     scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
     if not scripts:
         session.log("benchmarks/ holds no benchmark yet")
