@@ -42,6 +42,8 @@ from tessera.layers import (
     VocabParallelClassifier3D,
     VocabParallelCrossEntropyLoss3D,
     VocabParallelEmbedding3D,
+    choose_cube_algorithm,
+    cube_linear,
     cube_of,
     gather_activation,
     gather_full_state_dict,
@@ -437,9 +439,48 @@ def _errors(ctx: ParallelContext) -> None:
         head(torch.zeros(1, 2, 8))
 
 
+class _Forced(Linear3D):
+    """A Linear3D whose product runs the given variant."""
+
+    def __init__(self, *args: Any, algorithm: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.algorithm = algorithm
+
+    def forward(self, x: torch.Tensor) -> Any:
+        bias = None if self.bias is None else self.bias.reshape(-1)
+        return cube_linear(x, self.weight, self.cube, self.input_layout, self.algorithm, bias=bias)
+
+
+def _cube_linear(ctx: ParallelContext) -> None:
+    """Both variants of the product against torch, in both layouts; fused parts alike."""
+    x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(5))
+    for algorithm in ("gathered", "stationary"):
+        for layout, other in (("y", "z"), ("z", "y")):
+            name = f"cube_linear {algorithm} {layout}"
+            bias = layout == "y"
+            par = _Forced(H, 12, bias, input_layout=layout, algorithm=algorithm, context=ctx)
+            ref = nn.Linear(H, 12, bias=bias)
+            check(name, ref, par, x, ctx, in_layout=layout, out_layout=other)
+    # Fused q, k, v parts: the stationary variant equals the gathered one exactly.
+    results = {}
+    for algorithm in ("gathered", "stationary"):
+        torch.manual_seed(3)
+        layer = _Forced(H, 24, fused=3, algorithm=algorithm, context=ctx)  # with a bias
+        xb = block(x, ctx, "y").clone().requires_grad_()
+        out = layer(xb)
+        (out * torch.arange(out.numel()).view(out.shape).sin()).sum().backward()
+        results[algorithm] = (out.detach(), layer.weight.grad, layer.bias.grad, xb.grad)
+    for got, want in zip(results["stationary"], results["gathered"], strict=True):
+        assert got is not None and want is not None
+        torch.testing.assert_close(got, want, **TOL)
+    assert choose_cube_algorithm(2, 4, 4, 2, backward=True) == "gathered"
+    assert choose_cube_algorithm(1, 4, 4, 2, backward=True) == "stationary"
+
+
 def _all() -> dict[str, Any]:
     ctx = create_context(dict(parallel=dict(tensor=dict(size=8, mode="3d"))), timeout=120.0)
     try:
+        _cube_linear(ctx)
         layers = _layers(ctx)
         layers += _dispatch_skip_bias_add(ctx)
         names = _blocks(ctx)

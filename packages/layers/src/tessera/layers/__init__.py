@@ -45,7 +45,8 @@ from tessera.layers.cross_entropy import (
     VocabParallelCrossEntropyLoss1D,
     vocab_parallel_cross_entropy,
 )
-from tessera.layers.cube import LAYOUTS_3D, Cube, CubeModule, Layout3D, cube_linear, cube_of
+from tessera.layers.cube import LAYOUTS_3D, Cube, CubeModule, Layout3D, cube_of
+from tessera.layers.cube_matmul import choose_cube_algorithm, cube_linear
 from tessera.layers.dispatch import (
     IMPLEMENTATIONS,
     Accuracy,
@@ -100,7 +101,7 @@ from tessera.layers.loss_3d import (
     VocabParallelCrossEntropyLoss3D,
 )
 from tessera.layers.mesh import Mesh, MeshModule, mesh_of
-from tessera.layers.mesh_linear import choose_algorithm, mesh_linear
+from tessera.layers.mesh_matmul import choose_algorithm, mesh_linear
 from tessera.layers.norm_1d import LayerNorm1D, RMSNorm1D
 from tessera.layers.norm_2d import (
     LayerNorm2D,
@@ -220,6 +221,7 @@ __all__ = [
     "LAYOUTS_3D",
     "cube_of",
     "cube_linear",
+    "choose_cube_algorithm",
     # sequence parallelism (Li et al. 2021; DeepSpeed-Ulysses)
     "RingSelfAttention",
     "AttentionImpl",

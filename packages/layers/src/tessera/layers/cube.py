@@ -17,8 +17,9 @@ Activation layouts (``Layout3D``). An activation ``[b, ..., h]`` is split in two
   (over ``PARALLEL_3D_INPUT_X_WEIGHT``).
 
 No two ranks hold the same elements. A linear layer maps one layout to the other
-(:func:`cube_linear`): its input features lie on the input layout's hidden axis ``A``, its
-output features on the other axis ``B``, so consecutive layers alternate ``"y" -> "z" -> "y"``.
+(:mod:`tessera.layers.cube_matmul`): its input features lie on the input layout's hidden axis
+``A``, its output features on the other axis ``B``, so consecutive layers alternate ``"y" ->
+"z" -> "y"``.
 Each layer says which layout it takes (``Linear3D(..., input_layout=...)``); nothing is
 flipped behind the user's back, so two models built in one process cannot interfere.
 """
@@ -26,22 +27,15 @@ flipped behind the user's back, so two models built in one process cannot interf
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from tessera.context import ParallelContext, ParallelMode
 
-from .autocast import autocast_dtype, computing_in
-from .collectives import (
-    check_divisible,
-    reduce_scatter_along,
-    start_all_gather,
-    start_reduce_scatter,
-)
-from .comm import apply_function, copy_to_group, gather_along_dim, split_along_dim
+from .collectives import check_divisible
+from .comm import copy_to_group, gather_along_dim, split_along_dim
 from .context_access import GroupInfo, group_info
-from .dense import flat_weight
 from .grid import GridModule
 from .input_checks import check_block_dim
 
@@ -51,7 +45,6 @@ __all__ = [
     "CubeModule",
     "Layout3D",
     "check_marked_layout",
-    "cube_linear",
     "cube_of",
     "mark_layout",
     "gather_cube_activation",
@@ -239,104 +232,6 @@ class CubeModule(GridModule):
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""
         return f"q={self.cube.q}"
-
-
-# ---------------------------------------------------------------------------- the matmul
-
-
-class _CubeLinear(torch.autograd.Function):
-    """``y = x W^T`` on the cube, saving only the local blocks (re-gathered in backward).
-
-    For input layout with hidden axis ``A`` (local rank ``a``) and other axis ``B`` (``b``),
-    on rank ``(x, a, b)``:
-
-    * forward: all-gather ``x`` over ``B`` along dim 0 (the ``q`` batch blocks ``b' q + x``)
-      and ``W`` over WEIGHT along dim 0 (output features block ``b``), both in flight at
-      once; multiply (a partial sum over the input-feature block ``a``); reduce-scatter over
-      ``A`` along dim 0 (batch block ``a q + x``, output features block ``b``: the other
-      layout);
-    * backward: the three gathers (``dy`` over ``A``, ``W`` over WEIGHT, ``x`` over ``B``)
-      posted together; ``dx = dy W`` reduce-scattered over ``B`` while ``dW = dy^T x`` is
-      computed, then reduce-scattered over WEIGHT (summing the x ranks' batch blocks).
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        hidden: GroupInfo,
-        across: GroupInfo,
-        weight_axis: GroupInfo,
-    ) -> torch.Tensor:
-        dtype = autocast_dtype(x)
-        x, weight = (x, weight) if dtype is None else (x.to(dtype), weight.to(dtype))
-        ctx.groups = (hidden, across, weight_axis)
-        ctx.save_for_backward(x, weight)
-        x_all = start_all_gather(x.detach(), 0, across.group, across.world_size)
-        # A fused weight [fused, out/(fused q^2), in/q] is gathered part by part (dim -2).
-        w_all = start_all_gather(weight.detach(), -2, weight_axis.group, weight_axis.world_size)
-        with computing_in(dtype, x.device):
-            # [b/q, .., in/q] @ [in/q, out/q] -> [b/q, .., out/q], partial sums over ``A``
-            partial = torch.matmul(x_all.wait(), flat_weight(w_all.wait()).t())
-        return reduce_scatter_along(partial, 0, hidden.group, hidden.world_size)  # [b/q^2, ..]
-
-    @staticmethod
-    def backward(
-        ctx: Any, grad: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
-        x, weight = ctx.saved_tensors
-        hidden, across, weight_axis = ctx.groups
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g_all = start_all_gather(grad.contiguous(), 0, hidden.group, hidden.world_size)
-        w_all = (
-            start_all_gather(weight, -2, weight_axis.group, weight_axis.world_size)
-            if need_x
-            else None
-        )
-        x_all = start_all_gather(x, 0, across.group, across.world_size) if need_w else None
-        g = g_all.wait()  # [b/q, .., out/q]
-        grad_x = None
-        if w_all is not None:  # [b/q, .., in/q], partial sums over ``B``
-            dx_all = torch.matmul(g, flat_weight(w_all.wait()))
-            grad_x = start_reduce_scatter(dx_all, 0, across.group, across.world_size)
-        grad_w = None
-        if x_all is not None:
-            xs = x_all.wait()  # [b/q, .., in/q]
-            dw_all = g.reshape(-1, g.shape[-1]).t() @ xs.reshape(-1, xs.shape[-1])
-            gathered = list(weight.shape)  # the weight's shape gathered over WEIGHT (dim -2)
-            gathered[-2] *= weight_axis.world_size
-            grad_w = reduce_scatter_along(
-                dw_all.view(gathered), -2, weight_axis.group, weight_axis.world_size
-            )  # [out/q^2, in/q]
-        return None if grad_x is None else grad_x.wait(), grad_w, None, None, None
-
-
-def cube_linear(
-    x: torch.Tensor, weight: torch.Tensor, cube: Cube, input_layout: Layout3D
-) -> torch.Tensor:
-    """``x W^T`` from blocks; the result is in the other layout.
-
-    Args:
-        x: ``[b/q^2, ..., in/q]`` in ``input_layout``.
-        weight: ``[out/q^2, in/q]``: output features split over (other axis, WEIGHT),
-            input features over ``input_layout``'s hidden axis (torch's ``[out, in]``).
-        cube: The cube.
-        input_layout: ``"y"`` or ``"z"``.
-
-    Returns:
-        ``[b/q^2, ..., out/q]`` in the other layout.
-    """
-    if x.dim() < 2:
-        raise ValueError(f"cube_linear: the input must be [batch, ..., in], got {list(x.shape)}")
-    return apply_function(
-        _CubeLinear,
-        x,
-        weight,
-        cube.hidden(input_layout),
-        cube.across(input_layout),
-        cube.weight,
-    )
 
 
 # ---------------------------------------------------------------------------- activations

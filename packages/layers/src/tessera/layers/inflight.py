@@ -24,6 +24,7 @@ import torch.distributed as dist
 __all__ = [
     "Pending",
     "start_all_reduce",
+    "start_all_to_all_blocks",
     "start_gather_blocks",
     "start_scatter_blocks",
     "start_transfers",
@@ -157,6 +158,28 @@ def start_scatter_blocks(
     sends = [None if peer == me else blocks[peer] for peer in range(world_size)]
     recvs = [None if peer == me else received[peer] for peer in range(world_size)]
     return Pending(_exchange(sends, recvs, group), lambda: received.sum(0), (blocks,))
+
+
+def start_all_to_all_blocks(
+    blocks: torch.Tensor, group: dist.ProcessGroup, world_size: int
+) -> Pending:
+    """Post ``blocks[l]`` ``[w, *s]`` to rank ``l``; ``wait()`` gives what each rank sent here."""
+    if blocks.shape[0] != world_size:
+        raise ValueError(
+            f"all_to_all_blocks: {blocks.shape[0]} blocks for a group of {world_size} ranks"
+        )
+    blocks = blocks.contiguous()
+    if world_size == 1:
+        return Pending.done(blocks)
+    received = torch.empty_like(blocks)
+    if not _pairwise(group):
+        works = [_work(dist.all_to_all_single(received, blocks, group=group, async_op=True))]
+        return Pending(works, lambda: received, (blocks,))
+    me = dist.get_rank(group)
+    received[me].copy_(blocks[me])
+    sends = [None if peer == me else blocks[peer] for peer in range(world_size)]
+    recvs = [None if peer == me else received[peer] for peer in range(world_size)]
+    return Pending(_exchange(sends, recvs, group), lambda: received, (blocks,))
 
 
 def start_all_reduce(x: torch.Tensor, group: dist.ProcessGroup, world_size: int) -> Pending:

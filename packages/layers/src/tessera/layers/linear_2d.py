@@ -3,7 +3,7 @@
 Xu et al. 2021, section 3.1: ``Y = X W`` with ``X`` ``[b, in]`` split into q x q blocks
 (batch by mesh row, features by mesh column) and ``W`` (``[in, out]`` in the paper's notation)
 into q x q blocks, computed by SUMMA or by its variant that keeps the weights in place,
-whichever sends less for the shapes at hand (:mod:`tessera.layers.mesh_linear`); the backward
+whichever sends less for the shapes at hand (:mod:`tessera.layers.mesh_matmul`); the backward
 is ``dX = dY W^T`` and ``dW = X^T dY``. Tesseract (Wang et al. 2021, section 3) runs the same
 product in each of ``depth`` layers on its share of the batch, with the weight blocks
 replicated across depth and their gradients summed over DEP.
@@ -23,7 +23,7 @@ from .dense import dense_bias, dense_weight, flat_bias, flat_weight
 from .initializers import Initializer
 from .linear_1d import LinearOutput
 from .mesh import MeshModule
-from .mesh_linear import mesh_linear
+from .mesh_matmul import mesh_linear
 
 __all__ = ["Linear2D", "Linear2p5D", "MeshLinear"]
 

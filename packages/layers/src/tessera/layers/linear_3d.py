@@ -24,10 +24,10 @@ from .cube import (
     Layout3D,
     check_layout,
     check_marked_layout,
-    cube_linear,
     mark_layout,
     other_layout,
 )
+from .cube_matmul import cube_linear
 from .dense import dense_bias, dense_weight, flat_bias
 from .initializers import Initializer
 from .linear_1d import LinearOutput
@@ -123,16 +123,17 @@ class Linear3D(CubeModule):
             "a layer after a parallel='col' Linear takes layout 'z' (parallel='row', "
             "input_layout='z')",
         )
-        y = cube_linear(x, self.weight, cube, self.input_layout)  # [b/q^2, ..., out/q]
         local_bias = flat_bias(self.bias)
+        if not self.skip_bias_add:  # the bias's gradient rides in the product's collectives
+            y = cube_linear(x, self.weight, cube, self.input_layout, bias=local_bias)
+            return mark_layout(y, self.output_layout)  # [b/q^2, ..., out/q]
+        y = cube_linear(x, self.weight, cube, self.input_layout)
         bias = (
             None
             if local_bias is None
             else copy_to_group(local_bias, cube.batch(self.output_layout).group)
         )
-        if self.skip_bias_add:
-            return mark_layout(y, self.output_layout), bias
-        return mark_layout(y if bias is None else y + bias, self.output_layout)
+        return mark_layout(y, self.output_layout), bias
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""

@@ -56,7 +56,7 @@ class MeshRanks:
     """The global ranks of this rank's q x q layer of the mesh, for sends between any two.
 
     SUMMA needs only the ROW and COL groups; the variant that keeps the weights in place
-    (:mod:`tessera.layers.mesh_linear`) also sends blocks to transposed positions.
+    (:mod:`tessera.layers.mesh_matmul`) also sends blocks to transposed positions.
 
     Attributes:
         group: The TENSOR group (every send of the mesh goes through it).

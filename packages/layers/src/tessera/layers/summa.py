@@ -29,7 +29,7 @@ matmul. The price is memory: a gathered operand holds ``q`` blocks while it is u
 block per operand at ``q = 2``.
 
 The products know only a ROW and a COL group. In 2.5D each depth layer runs them on its own
-groups. The linear layers run their own product (:mod:`tessera.layers.mesh_linear`), which
+groups. The linear layers run their own product (:mod:`tessera.layers.mesh_matmul`), which
 fuses the bias and the sum across depth, and may keep the weights in place instead.
 """
 
