@@ -11,9 +11,12 @@ shapes under every mode, gloo on CPU. Per rank it measures, for one training ste
     shim around ``torch.distributed``'s functions, installed in the worker processes only:
     see ``meters.TrafficCounter`` for what "contributes" means per collective);
 
-and prints each next to the formula of the paper behind the mode (stated at the end of the
-output), as a fraction of the single-process figure. Then the step time of 2D(4) against 1D(4)
-on the same block, steps alternating. Prints goals, asserts nothing.
+and prints each next to its formula (stated at the end of the output): the papers' for
+parameters and activations, for communication the algorithms tessera runs (2D/2.5D: the
+variant of SUMMA that ``tessera.layers.choose_algorithm`` picks for each Linear, printed),
+as a fraction of the single-process figure. Every rank is compared with the formula of its
+position (a 2D/2.5D rank on the mesh diagonal sends less). Then the step time of 2D(4)
+against 1D(4) on the same block, steps alternating. Prints goals, asserts nothing.
 
     python benchmarks/bench_layers_memory_comm.py [--steps 20] [--hidden 128]
 """
@@ -26,6 +29,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -91,10 +95,34 @@ class Figures:
 
 
 LINEARS = ((1, 3), (1, 1), (1, 4), (4, 1))  # (in, out) in units of h: qkv, proj, fc1, fc2
+LINEAR_NAMES = ("qkv", "proj", "fc1", "fc2")
 
 
-def formula(mode: str, h: int) -> Figures:
-    """The papers' per-rank figures for ``mode`` (elements * 4 bytes); see FORMULAS."""
+def variant(rows: int, in_block: int) -> str:
+    """The 2D/2.5D Linear's variant in training, restated from ``choose_algorithm``.
+
+    The weights stay when they would send more than the outputs (``2 m out/q < 3 in out/q^2``,
+    i.e. ``2m < 3 in/q``); otherwise SUMMA moves them (see ``tessera.layers.mesh_linear()``).
+    """
+    return "stationary" if 2 * rows < 3 * in_block else "summa"
+
+
+def on_diagonal(mode: str, rank: int) -> bool:
+    """Whether tensor rank ``rank`` sits at mesh position ``(i, i)`` (row == col)."""
+    _, _, q, _ = MODES[mode]
+    if q == 0:
+        return False
+    t = rank % (q * q)  # 2D: row * q + col; 2.5D: dep * q^2 + row * q + col
+    return t // q == t % q
+
+
+def formula(mode: str, h: int, diagonal: bool = False) -> Figures:
+    """The per-rank figures of ``mode`` from its algorithms (elements * 4 bytes); see FORMULAS.
+
+    ``diagonal``: the rank sits at mesh position ``(i, i)``, which sends one input block fewer
+    in each of the weights-stay variant's point-to-point exchanges (one of the ranks its block
+    goes to is itself). The other ranks are the busiest.
+    """
     _, p, q, d = MODES[mode]
     t, a = BATCH * SEQ, BATCH * HEADS * SEQ * SEQ  # tokens, attention-score elements
     if mode == "none":
@@ -109,14 +137,21 @@ def formula(mode: str, h: int) -> Figures:
     fwd = bwd = 0
     for i, o in LINEARS:
         n_in, n_out = i * h, o * h
-        w = n_in * n_out // (q * q)  # one weight block
-        fwd += m * n_in // q + w  # summa_ab: own X block along the row, own W block along the col
-        bwd += w + m * n_in  # dX = summa_abt: own W block; q reduces of [m, in/q]
-        bwd += m * n_in // q + q * w  # dW = summa_atb: own X block; q reduces of [in/q, out/q]
-        bwd += n_out // q + (w if d > 1 else 0)  # bias over the batch group; W over depth
-    for _ in range(2):  # LayerNorms: mean and variance [m] forward, [m, 2] backward, over ROW
-        fwd += 2 * m
-        bwd += 2 * m + 2 * h // q  # + weight and bias [h/q] over the batch group
+        x, y = m * n_in // q, m * n_out // q  # input and output blocks
+        w, b = n_in * n_out // (q * q), n_out // q  # weight and bias blocks
+        if variant(m, n_in // q) == "stationary":
+            c = q - 1 if diagonal else q  # the ranks of mesh row j, less this one
+            fwd += c * x + (q - 1) * y  # X to the ranks multiplying it; partial Y scattered
+            bwd += (q - 1) * y + 2 * c * x  # dY gathered; X sent again; partial dX sent back
+        else:  # SUMMA: every exchange over q ranks sends q - 1 blocks
+            fwd += (q - 1) * (x + w)  # X gathered along the row, W along the column
+            bwd += (q - 1) * (w + x)  # both gathered again
+            bwd += (q - 1) * (w + b) + (q - 1) * x  # dW (db packed) and dX reduce-scattered
+        if d > 1:
+            bwd += w + b  # dW and db summed over depth in one all-reduce
+    for _ in range(2):  # LayerNorms
+        fwd += (q - 1) * 2 * m  # (mean, M2) [m, 2] gathered over the row
+        bwd += 2 * m + 2 * h // q  # row sums [m, 2] over the row; dweight, dbias over batch
     return Figures(FP32 * params, FP32 * saved, FP32 * fwd, FP32 * bwd)
 
 
@@ -141,17 +176,29 @@ q x q (x d), m = T/(d*q) rows per rank. Block: 12h^2 weights, 13h biases + Layer
                 Wang et al.); tessera's LayerNorm saves x-hat [m, h/q] and rstd [m]
   comm     1D   fwd 2Th, bwd 2Th: all-reduce after proj and fc2 (g), and of the input
                 gradients of qkv and fc1 (f) (Megatron-LM, section 3, Figure 4)
-           2D   per Linear(in, out), W block w = in*out/q^2: fwd m*in/q + w (SUMMA Y = XW: this
-                rank's X block broadcast along its row once, its W block along its column once);
-                bwd w + m*in (dX = dY W^T: W block broadcast once, q reduces of [m, in/q] along
-                the row) + m*in/q + q*w (dW = X^T dY: X block broadcast once, q reduces of a
-                W block along the column) + out/q (bias gradient all-reduced over the batch
-                group); per LayerNorm fwd 2m, bwd 2m + 2h/q (Xu et al. 2021, section 3)
-           2.5D the same on each depth layer with m = T/(dq), plus w per Linear in the backward:
-                the weight gradient all-reduced over depth (Wang et al. 2021, section 3)
+           2D   per Linear(in, out), blocks X = m*in/q (input), Y = m*out/q (output),
+                W = in*out/q^2 (weight), b = out/q (bias). tessera.layers.mesh_linear runs the
+                variant of SUMMA (van de Geijn and Watts 1997) that sends less: the weights
+                stay when 2m < 3 in/q (choose_algorithm in training), else they travel. On
+                gloo a gather or reduce-scatter over q ranks sends each of the other q-1 its
+                block (batch_isend_irecv), q-1 blocks.
+                weights stay: fwd c*X + (q-1)*Y (this rank's X block to the c ranks of mesh
+                row j that multiply it, c = q, or q-1 at a diagonal rank (i, i); the partial
+                outputs reduce-scattered over the column); bwd (q-1)*Y + 2c*X (dY gathered
+                over the column, X sent again, the partial dX sent back); dW, db complete.
+                weights travel (SUMMA, Xu et al. 2021): fwd (q-1)(X + W) (X gathered along
+                the row, W along the column); bwd (q-1)(W + X) (gathered again), (q-1)(W + b)
+                (dW with db packed into each chunk, reduce-scattered over the column), (q-1)X
+                (dX reduce-scattered over the row).
+                per LayerNorm fwd (q-1)*2m ((mean, M2) [m, 2] gathered over the row, merged
+                as Chan et al. 1979), bwd 2m + 2h/q (one all-reduce of the row sums [m, 2]
+                over the row, one of the weight and bias gradients over the batch group)
+           2.5D the same on each depth layer with m = T/(dq), plus W + b per Linear in the
+                backward: weight and bias gradients summed over depth in one all-reduce
+                (Wang et al. 2021, section 3)
 Contributed bytes: the bytes of this rank's own data entering a call (whole buffer of an
 all-reduce / reduce / reduce-scatter, input chunk of an all-gather, the source's buffer of a
-broadcast); see benchmarks/meters.py."""
+broadcast, the tensors of a batch_isend_irecv's isends); see benchmarks/meters.py."""
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -289,14 +336,13 @@ def report(h: int, measured: dict[str, list[dict[str, Any]]], times: dict[str, f
             f"{per_rank([f.comm_fwd for f in figs]):>8} {per_rank([f.comm_bwd for f in figs]):>8} "
             f"{kib(want.comm):>8} {ratio:>12}"
         )
-        for name, got, exp in (
-            ("params", params, want.params),
-            ("saved", saved, want.saved),
-            ("comm fwd", max(f.comm_fwd for f in figs), want.comm_fwd),
-            ("comm bwd", max(f.comm_bwd for f in figs), want.comm_bwd),
-        ):
-            if got != exp:
-                notes.append(f"{mode} {name}: measured {got} B, formula {exp} B ({got - exp:+d} B)")
+        for rank, got in enumerate(figs):  # every rank against the formula of its position
+            exp = formula(mode, h, on_diagonal(mode, rank))
+            for name in ("params", "saved", "comm_fwd", "comm_bwd"):
+                g, e = getattr(got, name), getattr(exp, name)
+                if g != e:
+                    where = f"{mode} rank {rank} {name.replace('_', ' ')}"
+                    notes.append(f"{where}: measured {g} B, formula {e} B ({g - e:+d} B)")
     print(
         "\nGoals: saved activations of 2D and 2.5D <= 1.15 x (single-process / P) "
         "(the /(1/P) column); 1D keeps full activations outside its parallel regions; "
@@ -315,6 +361,7 @@ def report(h: int, measured: dict[str, list[dict[str, Any]]], times: dict[str, f
     )
     for note in notes:
         print("  " + note)
+    print(variants_note(h, list(measured)))
     print("\nCollectives per step, rank 0 (calls, KiB contributed):")
     for mode, ranks in measured.items():
         calls = ranks[0]["calls"]
@@ -332,18 +379,61 @@ def report(h: int, measured: dict[str, list[dict[str, Any]]], times: dict[str, f
     print("\n" + FORMULAS)
 
 
+def variants_note(h: int, modes: list[str]) -> str:
+    """Which variant each Linear runs under the mesh modes, and whether tessera agrees."""
+    from tessera.layers import choose_algorithm
+
+    lines = ["\nLinear variants (rows m per rank against in/q; weights stay when 2m < 3 in/q):"]
+    for mode in modes:
+        _, _, q, d = MODES[mode]
+        if q == 0:
+            continue
+        m = BATCH * SEQ // (d * q)
+        picked = [variant(m, i * h // q) for i, _ in LINEARS]
+        agree = picked == [choose_algorithm(m, i * h // q, backward=True) for i, _ in LINEARS]
+        text = ", ".join(f"{n} {v}" for n, v in zip(LINEAR_NAMES, picked, strict=True))
+        lines.append(
+            f"  {mode:<12} m = {m}: {text} ("
+            + ("as tessera.layers.choose_algorithm" if agree else "choose_algorithm DIFFERS")
+            + ")"
+        )
+    return "\n".join(lines)
+
+
+def two_d_elements(h: int, q: int) -> Fraction:
+    """Elements the busiest rank of a q x q 2D mesh sends per block, LayerNorms aside.
+
+    Per Linear, weights staying: ``3q X + 2(q-1) Y = 3 T in/q + 2(q-1) T out/q^2``; SUMMA:
+    ``(q-1)(3X + 3W + b)``. With ``m = T/q`` the choice ``2m < 3 in/q`` is ``T < 1.5 in``.
+    """
+    t, total = BATCH * SEQ, Fraction(0)
+    for i, o in LINEARS:
+        n_in, n_out = i * h, o * h
+        if variant(t, n_in) == "stationary":
+            total += Fraction(3 * t * n_in, q) + Fraction(2 * (q - 1) * t * n_out, q * q)
+        else:
+            total += Fraction((q - 1) * 3 * (t * n_in + n_in * n_out), q * q)
+            total += Fraction((q - 1) * n_out, q)
+    return total
+
+
 def volume_note(h: int) -> str:
-    """Why 2D(4) sends more than 1D(4) here, from the formulas (no measurement involved)."""
+    """2D(4)'s bytes against 1D(4)'s, from the formulas (no measurement involved)."""
     t, q = BATCH * SEQ, MODES["2D(4)"][2]
     two, one = formula("2D(4)", h).comm, formula("1D(4)", h).comm
-    weights = FP32 * 12 * h * h * (q + 2) // (q * q)
+    stay = [n for n, (i, _) in zip(LINEAR_NAMES, LINEARS, strict=True) if 2 * t < 3 * i * h]
+    below = next((s for s in range(2, 1025) if two_d_elements(h, s) < 4 * t * h), None)
+    cross = f"less from q = {below} on" if below else "more for every q up to 1024"
+    kept = "all four" if len(stay) == len(LINEARS) else ", ".join(stay) or "none"
     return (
-        f"\nVolume: 2D(4) contributes {two / one:.2f}x the bytes of 1D(4). Summing the 2D "
-        "formula over the block gives (q+2)/q^2 * (12h^2 + 7Th) plus LayerNorm and bias "
-        f"vectors, against 1D's 4Th; the weight term is {weights / two:.0%} of it here "
-        f"(T = b*s = {t}, h = {h}). At q = 2 it always exceeds 4Th; it falls as 1/q while "
-        "1D's stays 4Th, so 2D sends less than 1D from q = 4 on once T > 3.3h (Xu et al.'s "
-        "case: large meshes)."
+        f"\nVolume: 2D(4) contributes {two / one:.2f}x the bytes of 1D(4) (T = b*s = {t}, "
+        f"h = {h}). In 2D m = T/q, so a Linear keeps its weights exactly when T < 1.5 in, "
+        f"whatever q (here: {kept}). Then "
+        "the busiest rank sends 3q input blocks and 2(q-1) output blocks, 3T in/q + "
+        "2(q-1) T out/q^2, and no weight; under SUMMA (q-1)(3T in + 3 in out)/q^2 + "
+        "(q-1) out/q, the weights travelling. Summed over the block (LayerNorm statistics "
+        f"aside) against 1D's 4Th: {float(two_d_elements(h, q) / (4 * t * h)):.2f}x at q = {q}, "
+        f"{cross}."
     )
 
 

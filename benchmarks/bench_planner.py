@@ -10,7 +10,9 @@ The planner (``tessera.context.planner``) predicts each layout's step from a mac
 measured two ways: (a) ``calibrate()``, the planner's own short run (a matmul on one thread, a
 2-rank gloo all-reduce), with the flop rate scaled by cores / ranks since the 4 ranks share the
 cores; (b) the same three numbers measured on the 4 worker ranks themselves, all at once,
-before the timed steps (the machine as the job sees it, oversubscribed). Printed: predicted and
+before the timed steps (the machine as the job sees it, oversubscribed). Both are gloo
+machines (``Machine.backend``: 2D's blocks travel as pairwise sends, as they do here), so the
+calls and bytes printed are what ``meters.TrafficCounter`` would count. Printed: predicted and
 measured times, both rankings and Spearman's rank correlation. Prints, asserts nothing.
 
     python benchmarks/bench_planner.py [--steps 10] [--hidden 256]
@@ -22,6 +24,7 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -171,7 +174,7 @@ def ranks_machine(per_rank: list[dict[str, Any]]) -> Machine:
     small = max(r["machine"]["small"] for r in per_rank)
     large = max(r["machine"]["large"] for r in per_rank)
     wire = 2 * (WORLD - 1) / WORLD * 4 * 2**20
-    return Machine(flops, wire / max(large - small, 1e-9), small / 2)
+    return Machine(flops, wire / max(large - small, 1e-9), small / 2, "gloo")
 
 
 def predict(shape: ModelShape, machine: Machine) -> dict[str, float]:
@@ -201,7 +204,7 @@ def main() -> None:
     calibrated = calibrate()
     cores = os.cpu_count() or 1
     share = min(1.0, cores / WORLD)  # the ranks beyond the cores share them
-    machine_a = Machine(calibrated.flops * share, calibrated.bandwidth, calibrated.latency)
+    machine_a = replace(calibrated, flops=calibrated.flops * share)
     took = time.perf_counter() - start
 
     per_rank = run_ranks(worker, WORLD, h, args.steps, args.warmup)
@@ -233,7 +236,7 @@ def main() -> None:
     pa, pb = predicted["(a) calibrate()"], predicted["(b) on the ranks"]
     ra, rb = rank_of["(a) calibrate()"], rank_of["(b) on the ranks"]
     for i, name in enumerate(names):
-        e = estimate_layout(shape, LAYOUTS[name][1], memory_budget=2**40)
+        e = estimate_layout(shape, LAYOUTS[name][1], memory_budget=2**40, machine=machine_a)
         print(
             f"{name:<16} {e.collectives:>5} {e.comm_bytes / 1024:>9.1f} | "
             f"{pa[name] * 1e3:>7.2f}ms {ra[i]:>4g} | {pb[name] * 1e3:>7.2f}ms {rb[i]:>4g} | "

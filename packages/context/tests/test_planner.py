@@ -7,12 +7,14 @@ import contextlib
 import io
 import math
 import pathlib
+from dataclasses import replace
 
 import pytest
 
 from tessera.context import ConfigError, ParallelConfig
 from tessera.context.__main__ import main as context_main
 from tessera.context.planner import (
+    DEFAULT_MACHINE,
     Layout,
     Machine,
     MemoryBreakdown,
@@ -25,10 +27,16 @@ from tessera.context.planner import (
     plan_layouts,
     precision_for,
 )
-from tessera.context.planner.comm import block_collectives, contributed_bytes
+from tessera.context.planner.comm import (
+    block_collectives,
+    contributed_bytes,
+    linear_collectives,
+    mesh_algorithm,
+)
 from tessera.context.planner.layouts import tensor_shapes
 from tessera.context.planner.memory import block_activation_bytes, block_parameters
 from tessera.context.planner.rank import stage_steps
+from tessera.context.planner.units import format_bytes
 
 GIB = 2**30
 FP32 = precision_for("fp32", 0)
@@ -38,58 +46,141 @@ FP32 = precision_for("fp32", 0)
 #: One pre-LN block, batch 8, seq 16, heads 4, hidden 128, fp32, per rank, one step.
 BENCH_BLOCK = ModelShape(layers=1, hidden=128, heads=4, seq=16, vocab=0, batch=8)
 
+#: The machine of that benchmark: gloo, whose ranks send a group's blocks pairwise.
+GLOO = replace(DEFAULT_MACHINE, backend="gloo")
+
+#: The benchmark counts torch.distributed's function names; the planner calls a batch of
+#: point-to-point sends (``batch_isend_irecv``) a ``send``.
+PLANNER_KIND = {"batch_isend_irecv": "send"}
+
+Measured = tuple[Layout, int, int, int, int, dict[str, int]]
+
 #: Bytes per rank measured by benchmarks/bench_layers_memory_comm.py, run as
 #: ``cd benchmarks && ../.nox/bench/bin/python bench_layers_memory_comm.py --steps 2``:
 #: parameters, tensors saved for backward (SavedTensorMeter), bytes contributed to collectives
-#: in the forward and in the backward (TrafficCounter), and rank 0's collective calls by kind.
-#: The run printed KiB (none 774.5 / 1058.0; 1D(4) 195.9 / 458.0 / 128.0 + 128.0; 2D(4)
-#: 195.2 / 264.5 / 305.0 + 916.2; 2.5D(8,d=2) 195.2 / 132.2 / 248.5 + 939.8) and "Every
-#: figure equals its formula to the byte", so the bytes below are its formula() values.
-MEASURED: dict[str, tuple[Layout, int, int, int, int, dict[str, int]]] = {
+#: in the forward and in the backward (TrafficCounter; the busiest rank: under 2D/2.5D a rank
+#: off the mesh diagonal), and rank 0's collective calls by kind. The run printed KiB (none
+#: 774.5 / 1058.0; 1D(4) 195.9 / 458.0 / 128.0 + 128.0; 2D(4) 195.2 / 264.5 / 257.0..369.0 +
+#: 370.0..594.0; 2.5D(8,d=2) 195.2 / 132.2 / 128.5..184.5 + 379.8..491.8), rank 0's calls
+#: (1D(4) all_reduce 4; 2D(4) all_reduce 4, batch_isend_irecv 22; 2.5D(8,d=2) all_reduce 8,
+#: batch_isend_irecv 22) and "Every figure equals its formula to the byte" (every rank against
+#: the formula of its mesh position), so the bytes below are its formula() values. Every 2D
+#: and 2.5D Linear keeps its weights here (m = 64 or 32 rows < 1.5 in/q).
+MEASURED: dict[str, Measured] = {
     "none": (Layout(1, 1, 1, "none"), 793088, 1083392, 0, 0, {}),
     "1D(4)": (Layout(1, 1, 4, "1d"), 200576, 468992, 131072, 131072, {"all_reduce": 4}),
     "2D(4)": (
         Layout(1, 1, 4, "2d"),
         199936,
         270848,
-        312320,
-        938240,
-        {"all_reduce": 14, "broadcast": 32, "reduce": 16},
+        377856,
+        608256,
+        {"all_reduce": 4, "batch_isend_irecv": 22},
     ),
     "2.5D(8,d=2)": (
         Layout(1, 1, 8, "2.5d", depth=2),
         199936,
         135424,
-        254464,
-        962304,
-        {"all_reduce": 18, "broadcast": 32, "reduce": 16},
+        188928,
+        503552,
+        {"all_reduce": 8, "batch_isend_irecv": 22},
     ),
 }
 
+#: The same block at hidden 32 (``... bench_layers_memory_comm.py --steps 1 --hidden 32``),
+#: where qkv, proj and fc1 run SUMMA (m = 64 or 32 rows >= 1.5 in/q = 24) and fc2 keeps its
+#: weights (1.5 in/q = 96). The run printed KiB (2D(4) 12.8 / 72.5 / 41.0..57.0 +
+#: 77.8..109.8; 2.5D(8,d=2) 12.8 / 36.2 / 24.5..32.5 + 59.8..75.8), rank 0's calls (2D(4)
+#: all_reduce 4, batch_isend_irecv 25; 2.5D(8,d=2) all_reduce 8, batch_isend_irecv 25) and
+#: "Every figure equals its formula to the byte".
+BENCH_BLOCK_32 = replace(BENCH_BLOCK, hidden=32)
+MEASURED_32: dict[str, Measured] = {
+    "2D(4)": (
+        Layout(1, 1, 4, "2d"),
+        13120,
+        74240,
+        58368,
+        112384,
+        {"all_reduce": 4, "batch_isend_irecv": 25},
+    ),
+    "2.5D(8,d=2)": (
+        Layout(1, 1, 8, "2.5d", depth=2),
+        13120,
+        37120,
+        33280,
+        77632,
+        {"all_reduce": 8, "batch_isend_irecv": 25},
+    ),
+}
 
-@pytest.mark.parametrize("mode", list(MEASURED))
-def test_block_figures_equal_the_measured_bytes(mode: str) -> None:
-    layout, params, saved, fwd, bwd, calls = MEASURED[mode]
-    collectives = block_collectives(BENCH_BLOCK, layout, BENCH_BLOCK.batch, FP32)
-    assert 4 * block_parameters(BENCH_BLOCK, layout) == params
-    assert block_activation_bytes(BENCH_BLOCK, layout, BENCH_BLOCK.batch, FP32) == saved
+CASES = [(BENCH_BLOCK, *MEASURED[mode]) for mode in MEASURED]
+CASES += [(BENCH_BLOCK_32, *MEASURED_32[mode]) for mode in MEASURED_32]
+CASE_IDS = list(MEASURED) + [f"{mode}-hidden32" for mode in MEASURED_32]
+
+
+@pytest.mark.parametrize(
+    ("shape", "layout", "params", "saved", "fwd", "bwd", "calls"), CASES, ids=CASE_IDS
+)
+def test_block_figures_equal_the_measured_bytes(
+    shape: ModelShape,
+    layout: Layout,
+    params: int,
+    saved: int,
+    fwd: int,
+    bwd: int,
+    calls: dict[str, int],
+) -> None:
+    collectives = block_collectives(shape, layout, shape.batch, FP32, backend="gloo")
+    assert 4 * block_parameters(shape, layout) == params
+    assert block_activation_bytes(shape, layout, shape.batch, FP32) == saved
     assert contributed_bytes(collectives, "forward") == fwd
     assert contributed_bytes(collectives, "backward") == bwd
     by_kind: dict[str, int] = {}
     for c in collectives:
         by_kind[c.kind] = by_kind.get(c.kind, 0) + c.calls
-    assert by_kind == calls
+    assert by_kind == {PLANNER_KIND.get(kind, kind): n for kind, n in calls.items()}
 
 
-@pytest.mark.parametrize("mode", list(MEASURED))
-def test_whole_estimate_of_one_block_equals_the_measurement(mode: str) -> None:
+@pytest.mark.parametrize(
+    ("shape", "layout", "params", "saved", "fwd", "bwd", "calls"), CASES, ids=CASE_IDS
+)
+def test_whole_estimate_of_one_block_equals_the_measurement(
+    shape: ModelShape,
+    layout: Layout,
+    params: int,
+    saved: int,
+    fwd: int,
+    bwd: int,
+    calls: dict[str, int],
+) -> None:
     """The path plan_layouts takes (stages, microbatches, ZeRO) gives the same bytes."""
-    layout, params, saved, fwd, bwd, _ = MEASURED[mode]
-    estimate = estimate_layout(BENCH_BLOCK, layout, memory_budget=GIB)
+    estimate = estimate_layout(shape, layout, memory_budget=GIB, machine=GLOO)
     assert estimate.memory.parameters == params
     assert estimate.memory.activations == saved
     assert estimate.comm_bytes == fwd + bwd
+    assert estimate.collectives == sum(calls.values())
     assert estimate.fits
+
+
+def test_mesh_linear_variant_follows_tessera_rule() -> None:
+    """Weights stay while 2 rows < 3 in/q (tessera.layers.choose_algorithm in training)."""
+    assert mesh_algorithm(95, 64) == "stationary"  # 190 < 192
+    assert mesh_algorithm(96, 64) == "summa"  # 192 = 192
+    layout = Layout(1, 1, 4, "2d")
+    stay = linear_collectives(layout, 95, 128, 128, FP32)
+    travel = linear_collectives(layout, 96, 128, 128, FP32)
+    assert {c.kind for c in stay} == {"send", "reduce_scatter", "all_gather"}  # NCCL
+    assert {c.kind for c in travel} == {"all_gather", "reduce_scatter"}
+
+
+def test_nccl_and_gloo_move_the_same_bytes_on_the_wire() -> None:
+    """Pairwise sends and NCCL's collectives differ in calls' kinds and contributed bytes only."""
+    for layout in (Layout(1, 1, 4, "2d"), Layout(1, 1, 8, "2.5d", 2), Layout(1, 1, 8, "3d")):
+        for shape in (BENCH_BLOCK, BENCH_BLOCK_32):
+            nccl = block_collectives(shape, layout, shape.batch, FP32, backend="nccl")
+            gloo = block_collectives(shape, layout, shape.batch, FP32, backend="gloo")
+            assert sum(c.wire for c in nccl) == pytest.approx(sum(c.wire for c in gloo))
+            assert sum(c.calls for c in nccl) == sum(c.calls for c in gloo)
 
 
 def test_activations_follow_korthikanti_with_dropout_in_fp16() -> None:
@@ -387,7 +478,7 @@ def test_cli_prints_the_fitting_layouts_fastest_first() -> None:
     lines = out.splitlines()
     assert lines[0].startswith("model: 8 layers, hidden 512, heads 8, seq 128, vocab 4096")
     assert lines[1] == "job: 4 ranks, 200.0 MiB each"
-    assert lines[2] == "machine (given): 1e+12 flop/s, 1e+10 B/s, 1e-05 s per collective"
+    assert lines[2] == "machine (given): 1e+12 flop/s, 1e+10 B/s, 1e-05 s per collective, nccl"
     fit, total = (int(w) for w in lines[3].split()[0:3:2])
     assert lines[3] == f"{fit} of {total} layouts fit; the fastest 5:"
     header = lines[4].split()
@@ -404,6 +495,21 @@ def test_cli_prints_the_fitting_layouts_fastest_first() -> None:
         (e.layout.data, e.layout.pipeline, e.layout.tensor_name) for e in expected
     ]
     assert lines[-1] == f"({total - fit} layouts that do not fit are listed with --all.)"
+
+
+def test_cli_backend_sets_how_mesh_blocks_travel() -> None:
+    argv = ["plan", *ARGS, "--world", "4", "--memory", "1GiB", "--mode", "2d", "--top", "1"]
+    runs = {backend: _run([*argv, "--backend", backend])[1] for backend in ("nccl", "gloo")}
+    assert runs["gloo"].splitlines()[2].endswith(" s per collective, gloo")
+    shape = ModelShape(layers=8, hidden=512, heads=8, seq=128, vocab=4096, batch=32)
+    machine = Machine(flops=1e12, bandwidth=1e10, latency=1e-5)
+    for backend, out in runs.items():  # the same calls, fewer bytes contributed pairwise
+        best = plan_layouts(shape, 4, GIB, replace(machine, backend=backend), mode="2d")[0]
+        row = out.splitlines()[6].split()
+        assert row[-5:-2] == [*format_bytes(best.comm_bytes).split(), str(best.collectives)]
+    assert runs["nccl"].splitlines()[6] != runs["gloo"].splitlines()[6]
+    with pytest.raises(ConfigError, match=r"^backend 'mpi' is not one of nccl, gloo$"):
+        replace(machine, backend="mpi")
 
 
 def test_cli_all_lists_what_does_not_fit_and_why() -> None:

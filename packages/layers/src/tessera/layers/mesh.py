@@ -13,10 +13,10 @@ So 2D *is* 2.5D with depth 1, and every 2D/2.5D layer is written once against :c
   ``j``: rank ``(i, j, k)`` holds ``[b / (depth q), ..., h / q]``. The ranks sharing ``j``
   (the COL group in 2D, the XZ group in 2.5D) are the *batch group*;
 * a weight is split in two dims over ROW and COL; in 2.5D every depth layer holds the same
-  blocks (replicated over DEP), and the forward routes the weight through
-  ``copy_to_group(weight, DEP)``, whose backward sums the depth layers' partial gradients
-  (Tesseract's all-reduce of weight gradients across depth, done inside autograd so ``.grad``
-  is complete after backward).
+  blocks (replicated over DEP), and the depth layers' partial gradients are summed inside
+  autograd, so ``.grad`` is complete after backward (Tesseract's all-reduce of weight
+  gradients across depth): a ``Linear``'s product does it in one all-reduce with its bias
+  (:mod:`tessera.layers.mesh_matmul`), tables go through :meth:`Mesh.over_depth`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ Example (one command line, wrapped here)::
         --vocab 50304 --batch 16 --world 16 --memory 16GiB --dtype fp16 --top 10
 
 The machine model is ``--flops/--bandwidth/--latency`` where given, else what ``--calibrate``
-measures on this machine, else a nominal accelerator node (``DEFAULT_MACHINE``).
+measures on this machine, else a nominal accelerator node (``DEFAULT_MACHINE``); its backend
+is ``--backend`` where given, else gloo with ``--calibrate``, else NCCL.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tessera.registry import ConfigError
 
+from .comm import BACKENDS
 from .layouts import MODES
 from .machine import DEFAULT_MACHINE, Machine, calibrate
 from .precision import DTYPES
@@ -61,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     machine.add_argument("--flops", type=float, help="flop/s of one rank")
     machine.add_argument("--bandwidth", type=float, help="bytes/s one rank sends")
     machine.add_argument("--latency", type=float, help="seconds per collective call")
+    machine.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help="how tessera moves tensor-parallel blocks: NCCL's all-gathers and reduce-scatters "
+        "or gloo's pairwise sends (default: gloo with --calibrate, else nccl)",
+    )
     machine.add_argument(
         "--calibrate",
         action="store_true",
@@ -130,6 +139,8 @@ def _machine(args: argparse.Namespace) -> tuple[Machine, str]:
     base, source = DEFAULT_MACHINE, "nominal default; --calibrate measures this one"
     if args.calibrate:
         base, source = calibrate(), "calibrated on this machine"
+    if args.backend is not None:
+        base = replace(base, backend=args.backend)
     given = {k: getattr(args, k) for k in ("flops", "bandwidth", "latency")}
     given = {k: v for k, v in given.items() if v is not None}
     if given:

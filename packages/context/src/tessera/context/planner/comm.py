@@ -10,9 +10,16 @@ Every collective is described once (:class:`Collective`) and read two ways:
   Rabenseifner and Gropp 2005, "Optimization of Collective Communication Operations in
   MPICH"): ``2 (n-1)/n S`` for an all-reduce, a broadcast (scatter, then all-gather) and a
   reduce (reduce-scatter, then gather), ``(n-1)/n S`` for a reduce-scatter or all-gather of an
-  ``S``-byte buffer. The machine model prices these (``machine.py``).
+  ``S``-byte buffer, the payload of a send. The machine model prices these (``machine.py``).
 
-The collectives of each tensor mode come from its paper; see :func:`block_collectives`.
+The collectives of each tensor mode are those of the algorithms tessera-layers runs, after
+the mode's paper; see :func:`block_collectives`. Two exchanges carry most of the tensor-parallel
+traffic, and how they travel depends on the backend (``tessera.layers.inflight``): *gather
+blocks* (every rank gets every rank's block) and *scatter blocks* (rank ``l`` gets the sum of
+every rank's block ``l``). NCCL runs them as an all-gather and a reduce-scatter; gloo sends
+each of the other ``n - 1`` ranks its block, all posted at once in one ``batch_isend_irecv``
+(a ``send`` here). The bytes on the wire are the same ``n - 1`` blocks either way; the bytes
+contributed and the kinds of call differ.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from .precision import FP32, Precision
 from .shapes import ModelShape
 
 __all__ = [
+    "BACKENDS",
     "KINDS",
     "Collective",
     "block_collectives",
@@ -31,6 +39,7 @@ __all__ = [
     "data_collectives",
     "head_collectives",
     "linear_collectives",
+    "mesh_algorithm",
     "pipeline_collectives",
 ]
 
@@ -44,6 +53,10 @@ KINDS: tuple[str, ...] = (
     "send",
 )
 
+#: How a group's blocks travel: ``"nccl"`` (all-gathers and reduce-scatters) or ``"gloo"``
+#: (pairwise sends); see the module docstring.
+BACKENDS: tuple[str, ...] = ("nccl", "gloo")
+
 #: torch's DistributedDataParallel fills gradient buckets of 25 MiB (``bucket_cap_mb``).
 BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -53,10 +66,11 @@ class Collective:
     """``calls`` equal collectives over ``group`` ranks, each on an ``nbytes`` buffer.
 
     Attributes:
-        kind: One of ``KINDS``.
-        group: Ranks in the group (the sender and receiver for ``send``: 2).
+        kind: One of ``KINDS``; ``"send"`` is a batch of point-to-point sends posted together
+            (one ``batch_isend_irecv``).
+        group: Ranks in the group (for ``send``: 2, a sender and a receiver at a time).
         nbytes: One call's buffer: the all-reduce / reduce / broadcast buffer, the input of a
-            reduce-scatter, the output of an all-gather, the payload of a send.
+            reduce-scatter, the output of an all-gather, every tensor one batch of sends sends.
         calls: How many such calls a rank makes.
         phase: ``"forward"``, ``"backward"`` or ``"step"`` (gradient synchronization).
     """
@@ -108,80 +122,135 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _gather(backend: str, group: int, block: int, phase: str = "forward") -> Collective:
+    """Every rank's ``block`` bytes to every rank of ``group`` (gather blocks)."""
+    if backend == "gloo":
+        return Collective("send", 2, (group - 1) * block, phase=phase)
+    return Collective("all_gather", group, group * block, phase=phase)
+
+
+def _scatter(backend: str, group: int, block: int, phase: str = "forward") -> Collective:
+    """``group`` blocks of ``block`` bytes summed over ``group``, rank ``l`` keeping block ``l``."""
+    if backend == "gloo":
+        return Collective("send", 2, (group - 1) * block, phase=phase)
+    return Collective("reduce_scatter", group, group * block, phase=phase)
+
+
+def mesh_algorithm(rows: int, in_block: int) -> str:
+    """The variant a 2d / 2.5d ``Linear`` runs in training on ``rows`` rows, ``in/q`` features.
+
+    ``"stationary"`` (the weights stay) when ``2 rows < 3 in_block``, else ``"summa"`` (the
+    weights travel): ``tessera.layers.choose_algorithm`` with a backward, which compares the
+    elements each variant sends (``2 Y < 3 W`` with ``Y = rows n_out/q`` and ``W = n_in
+    n_out/q^2``).
+    """
+    return "stationary" if 2 * rows < 3 * in_block else "summa"
+
+
 def linear_collectives(
-    layout: Layout, rows: int, n_in: int, n_out: int, precision: Precision
+    layout: Layout,
+    rows: int,
+    n_in: int,
+    n_out: int,
+    precision: Precision,
+    backend: str = "nccl",
 ) -> list[Collective]:
     """One ``Linear(n_in, n_out)`` of a 2d, 2.5d or 3d layout on ``rows`` local rows.
 
-    2d and 2.5d (``q x q`` mesh, ``w = n_in n_out / q^2`` elements in a weight block,
-    ``x = rows n_in / q`` in an input block; Xu et al. 2021, section 3, and Wang et al. 2021,
-    section 3), SUMMA's three products:
+    2d and 2.5d (``q x q`` mesh; ``tessera.layers.mesh_linear()``): with blocks ``X = rows
+    n_in/q`` (input), ``Y = rows n_out/q`` (output), ``W = n_in n_out/q^2`` (weight) and ``b =
+    n_out/q`` (bias), the variant of SUMMA (van de Geijn and Watts 1997) that sends less
+    (:func:`mesh_algorithm`):
 
-    * forward ``Y = X W``: ``q`` broadcasts of X blocks along the row, ``q`` of W blocks along
-      the column;
-    * ``dX = dY W^T``: ``q`` broadcasts of W blocks, ``q`` reduces of ``[rows, n_in/q]`` along
-      the row; ``dW = X^T dY``: ``q`` broadcasts of X blocks, ``q`` reduces of W blocks along
-      the column;
-    * the bias gradient ``[n_out/q]`` all-reduced over the batch group (``d q`` ranks), and
-      in 2.5d the weight gradient all-reduced over the ``d`` layers.
+    * the weights stay: forward, the input block sent to the ``q`` ranks of a mesh row that
+      multiply it (``q X``, one send fewer on the diagonal; the planner counts the busiest
+      rank), the partial outputs ``[q, rows, n_out/q]`` scattered over the column; backward,
+      the output gradient gathered over the column, the input sent again and the partial
+      input gradients sent back (``q X`` each); the weight and bias gradients are complete;
+    * the weights travel (SUMMA, Xu et al. 2021, section 3): forward, the input gathered along
+      the row and the weight along the column; backward, both gathered again, the weight
+      gradient (each chunk carrying the partial bias gradient) scattered over the column and
+      the input gradient over the row;
+    * 2.5d (Wang et al. 2021, section 3): the weight and bias gradients also summed over the
+      ``d`` layers in one all-reduce.
 
-    3d (``q^3`` cube; Bian et al. 2021, section 3): forward all-gathers of the input over
-    ``q`` batch blocks and of the weight over the weight axis, then a reduce-scatter of the
-    partial product ``[q rows, n_out/q]``; backward all-gathers of the output gradient, the
-    weight and the input, reduce-scatters of ``dX`` and of ``dW`` ``[n_out/q, n_in/q]``, and
-    the bias gradient all-reduced over the ``q^2`` batch group.
+    3d (``q^3`` cube; Bian et al. 2021, section 3; ``tessera.layers.cube_linear()``'s operands
+    travel): forward, the input gathered over ``q`` batch blocks and the weight over the
+    weight axis, then the partial product ``[q rows, n_out/q]`` scattered; backward, the
+    output gradient, the weight and the input gathered, ``dX`` and ``dW`` scattered, and the
+    bias gradient all-reduced over the ``q^2`` batch group.
+
+    Gathers and scatters are all-gathers and reduce-scatters under ``backend="nccl"``, sends
+    to each other rank under ``"gloo"`` (see the module docstring). Gradients inside these
+    products are in the compute dtype (``precision.activation``).
     """
     q, e, g = layout.side, precision.activation, precision.gradient
     if layout.mode == "3d":
-        x_chunk, w_chunk = _ceil(rows * n_in, q), _ceil(n_in * n_out, q**3)
+        x, y = _ceil(rows * n_in, q), _ceil(rows * n_out, q)  # [rows, n_in/q], [rows, n_out/q]
+        w = _ceil(n_in * n_out, q**3)  # [n_out/q^2, n_in/q]
         return [
-            Collective("all_gather", q, e * q * x_chunk),
-            Collective("all_gather", q, e * q * w_chunk),
-            Collective("reduce_scatter", q, e * rows * n_out),
-            Collective("all_gather", q, e * q * _ceil(rows * n_out, q), phase="backward"),
-            Collective("all_gather", q, e * q * w_chunk, phase="backward"),
-            Collective("reduce_scatter", q, e * rows * n_in, phase="backward"),
-            Collective("all_gather", q, e * q * x_chunk, phase="backward"),
-            Collective("reduce_scatter", q, e * _ceil(n_in * n_out, q * q), phase="backward"),
+            _gather(backend, q, e * x),
+            _gather(backend, q, e * w),
+            _scatter(backend, q, e * y),
+            _gather(backend, q, e * y, "backward"),
+            _gather(backend, q, e * w, "backward"),
+            _gather(backend, q, e * x, "backward"),
+            _scatter(backend, q, e * x, "backward"),
+            _scatter(backend, q, e * w, "backward"),
             Collective("all_reduce", q * q, g * _ceil(n_out, q), phase="backward"),
         ]
-    d = layout.depth
-    w, x = _ceil(n_in * n_out, q * q), _ceil(rows * n_in, q)
-    found = [
-        Collective("broadcast", q, e * x, q),
-        Collective("broadcast", q, e * w, q),
-        Collective("broadcast", q, e * w, q, "backward"),  # dX = dY W^T
-        Collective("reduce", q, e * x, q, "backward"),
-        Collective("broadcast", q, e * x, q, "backward"),  # dW = X^T dY
-        Collective("reduce", q, e * w, q, "backward"),
-        Collective("all_reduce", d * q, g * _ceil(n_out, q), phase="backward"),  # bias
-    ]
-    if d > 1:
-        found.append(Collective("all_reduce", d, g * w, phase="backward"))
+    x, y = _ceil(rows * n_in, q), _ceil(rows * n_out, q)
+    w, b = _ceil(n_in * n_out, q * q), _ceil(n_out, q)
+    if mesh_algorithm(rows, n_in // q) == "stationary":
+        found = [
+            Collective("send", 2, e * q * x),
+            _scatter(backend, q, e * y),
+            _gather(backend, q, e * y, "backward"),
+            Collective("send", 2, e * q * x, phase="backward"),
+            Collective("send", 2, e * q * x, phase="backward"),
+        ]
+    else:
+        found = [
+            _gather(backend, q, e * x),
+            _gather(backend, q, e * w),
+            _gather(backend, q, e * w, "backward"),
+            _gather(backend, q, e * x, "backward"),
+            _scatter(backend, q, e * (w + b), "backward"),
+            _scatter(backend, q, e * x, "backward"),
+        ]
+    if layout.depth > 1:
+        found.append(Collective("all_reduce", layout.depth, e * (w + b), phase="backward"))
     return found
 
 
 def _layer_norm_collectives(
-    layout: Layout, rows: int, hidden: int, precision: Precision
+    layout: Layout, rows: int, hidden: int, precision: Precision, backend: str
 ) -> list[Collective]:
     """A LayerNorm whose hidden dim is split over ``q`` ranks (2d, 2.5d, 3d).
 
-    Forward: the mean and the variance ``[rows]`` all-reduced over the row; backward: the
-    two sums ``[rows, 2]`` of the input gradient over the row, and the weight and bias
-    gradients ``[h/q]`` over the batch group (the ``tensor / q`` ranks holding the same
+    Forward: each slice's mean and sum of squared deviations ``[rows, 2]`` gathered over the
+    row (merged as Chan et al. 1979); backward: the two sums ``[rows, 2]`` of the input
+    gradient all-reduced over the row, and the weight and bias gradients ``[2h/q]``
+    all-reduced together over the batch group (the ``tensor / q`` ranks holding the same
     hidden block).
     """
     q = layout.side
     batch_group = layout.tensor // q
     return [
-        Collective("all_reduce", q, FP32 * rows, 2),
+        _gather(backend, q, FP32 * 2 * rows),
         Collective("all_reduce", q, FP32 * 2 * rows, phase="backward"),
-        Collective("all_reduce", batch_group, precision.gradient * _ceil(hidden, q), 2, "backward"),
+        Collective(
+            "all_reduce", batch_group, precision.gradient * 2 * _ceil(hidden, q), 1, "backward"
+        ),
     ]
 
 
 def block_collectives(
-    shape: ModelShape, layout: Layout, samples: int, precision: Precision
+    shape: ModelShape,
+    layout: Layout,
+    samples: int,
+    precision: Precision,
+    backend: str = "nccl",
 ) -> list[Collective]:
     """The collectives of one block's forward and backward on ``samples`` sequences.
 
@@ -190,7 +259,7 @@ def block_collectives(
       all-reduces of the qkv and fc1 input gradients in the backward (Shoeybi et al. 2019,
       section 3, figure 4);
     * 2d, 2.5d, 3d: the four linear layers (:func:`linear_collectives`) and the two
-      LayerNorms, on ``T / r`` local rows.
+      LayerNorms, on ``T / r`` local rows, their blocks moved as ``backend`` moves them.
 
     With activation checkpointing the forward's collectives run again in the backward's
     recomputation; that is added by the caller.
@@ -208,22 +277,27 @@ def block_collectives(
     rows = _ceil(tokens, layout.row_split)
     found: list[Collective] = []
     for n_in, n_out in ((h, 3 * h), (h, h), (h, f), (f, h)):  # qkv, proj, fc1, fc2
-        found += linear_collectives(layout, rows, n_in, n_out, precision)
+        found += linear_collectives(layout, rows, n_in, n_out, precision, backend)
     for _ in range(2):
-        found += _layer_norm_collectives(layout, rows, h, precision)
+        found += _layer_norm_collectives(layout, rows, h, precision, backend)
     return found
 
 
 def head_collectives(
-    shape: ModelShape, layout: Layout, samples: int, precision: Precision
+    shape: ModelShape,
+    layout: Layout,
+    samples: int,
+    precision: Precision,
+    backend: str = "nccl",
 ) -> list[Collective]:
     """The embedding, final LayerNorm, head and loss of one microbatch (0 with ``vocab=0``).
 
     1d (Megatron-LM): the vocab-parallel embedding's output all-reduced ``[T, h]``, the
     head's input gradient all-reduced in the backward, and the loss's three ``[T]``
-    all-reduces (max, sum of exponentials, target logit). The meshes: the head is one more
-    ``Linear(h, V)`` of the mode, the final LayerNorm one more LayerNorm, and the loss's
-    statistics are all-reduced over the row.
+    all-reduces (max, sum of exponentials, target logit). The meshes: the head is priced as
+    one more ``Linear(h, V)`` of the mode (tessera's classifiers gather their tied table
+    instead), the final LayerNorm as one more LayerNorm, and the loss's statistics are
+    all-reduced over the row.
     """
     if shape.vocab == 0 or layout.mode == "none":
         return []
@@ -237,8 +311,8 @@ def head_collectives(
         ]
     rows = _ceil(tokens, layout.row_split)
     return [
-        *linear_collectives(layout, rows, shape.hidden, shape.vocab, precision),
-        *_layer_norm_collectives(layout, rows, shape.hidden, precision),
+        *linear_collectives(layout, rows, shape.hidden, shape.vocab, precision, backend),
+        *_layer_norm_collectives(layout, rows, shape.hidden, precision, backend),
         Collective("all_reduce", layout.side, FP32 * rows, 3),
     ]
 

@@ -3,9 +3,10 @@
 A step's time is estimated with the alpha-beta model of collectives (Hockney 1994; Thakur,
 Rabenseifner and Gropp 2005): a collective call among ``n`` ranks costs a latency ``alpha`` per
 round of a tree or recursive-doubling algorithm, ``ceil(log2 n)`` rounds (one between two
-ranks), every byte a rank sends ``1 / bandwidth``, and compute costs ``flops / rate``. Nothing
-overlaps: tessera's tensor-parallel collectives block the computation that needs them. The
-model ranks layouts; it does not promise their absolute time.
+ranks, and one for a batch of sends posted together), every byte a rank sends
+``1 / bandwidth``, and compute costs ``flops / rate``. Nothing overlaps in the model (tessera's
+layers post some communication before an independent matmul; the model does not credit it).
+The model ranks layouts; it does not promise their absolute time.
 
 :func:`calibrate` measures the three numbers on this machine: a matmul's rate, and the latency
 and bandwidth of a 2-rank gloo all-reduce. It imports torch inside the function only, so the
@@ -21,7 +22,7 @@ from typing import Any
 
 from tessera.registry import ConfigError
 
-from .comm import Collective
+from .comm import BACKENDS, Collective
 
 __all__ = ["DEFAULT_MACHINE", "Machine", "calibrate"]
 
@@ -35,17 +36,23 @@ class Machine:
         bandwidth: Bytes per second one rank sends in a collective.
         latency: Seconds a collective call between two ranks costs regardless of its size
             (``ceil(log2 n)`` times that among ``n`` ranks).
+        backend: ``"nccl"`` or ``"gloo"``: how tessera moves a group's blocks there
+            (all-gathers and reduce-scatters, or pairwise sends; ``comm.py``), which sets the
+            kinds of call and the bytes contributed, not the bytes on the wire.
 
     Raises:
-        ConfigError: a number is not finite and positive (latency may be 0); the message
-            starts with its name.
+        ConfigError: a number is not finite and positive (latency may be 0), or the backend
+            is unknown; the message starts with its name.
     """
 
     flops: float
     bandwidth: float
     latency: float
+    backend: str = "nccl"
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
         for name in ("flops", "bandwidth", "latency"):
             value = getattr(self, name)
             low_ok = value >= 0 if name == "latency" else value > 0
@@ -66,16 +73,17 @@ class Machine:
 
 
 #: A nominal accelerator node, used when neither the numbers nor ``--calibrate`` are given:
-#: 50 Tflop/s reached in matmuls, 50 GB/s per rank in collectives, 20 us per call.
+#: 50 Tflop/s reached in matmuls, 50 GB/s per rank in collectives, 20 us per call, NCCL.
 DEFAULT_MACHINE = Machine(flops=5e13, bandwidth=5e10, latency=2e-5)
 
 
 def calibrate(collectives: bool = True, threads: int = 1, seconds: float = 0.5) -> Machine:
     """Measure this machine: a matmul's flop rate and a gloo all-reduce's latency, bandwidth.
 
-    Takes about ``seconds`` for the matmul and, with ``collectives``, well under a second
-    more (plus importing torch, if nothing has). The matmul runs on CPU in fp32 with
-    ``threads`` threads, as one rank of the benchmarks does.
+    The machine it returns has backend ``"gloo"`` (what it measured) with ``collectives``,
+    else ``DEFAULT_MACHINE``'s. Takes about ``seconds`` for the matmul and, with
+    ``collectives``, well under a second more (plus importing torch, if nothing has). The
+    matmul runs on CPU in fp32 with ``threads`` threads, as one rank of the benchmarks does.
 
     Args:
         collectives: Also time the all-reduce; otherwise bandwidth and latency are
@@ -88,9 +96,10 @@ def calibrate(collectives: bool = True, threads: int = 1, seconds: float = 0.5) 
     """
     flops = _matmul_rate(threads, seconds)
     if not collectives:
-        return Machine(flops, DEFAULT_MACHINE.bandwidth, DEFAULT_MACHINE.latency)
+        base = DEFAULT_MACHINE
+        return Machine(flops, base.bandwidth, base.latency, base.backend)
     latency, bandwidth = _all_reduce_costs()
-    return Machine(flops, bandwidth, latency)
+    return Machine(flops, bandwidth, latency, "gloo")
 
 
 def _matmul_rate(threads: int, seconds: float, n: int = 256) -> float:

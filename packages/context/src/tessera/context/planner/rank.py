@@ -102,16 +102,20 @@ class StageStep:
         return microbatches * sum(c.calls for c in self.per_microbatch) + once
 
 
-def stage_steps(shape: ModelShape, layout: Layout, precision: Precision) -> list[StageStep]:
+def stage_steps(
+    shape: ModelShape, layout: Layout, precision: Precision, backend: str = "nccl"
+) -> list[StageStep]:
     """The first pipeline stage's step and, with a pipeline, the last one's.
 
     A microbatch's compute is three forwards (four with checkpointing) of the stage's blocks,
     and three of the head on the last stage, split evenly over the tensor ranks. With
-    checkpointing the forward's tensor-parallel collectives run again in the backward.
+    checkpointing the forward's tensor-parallel collectives run again in the backward (the
+    recomputation runs with gradients enabled, so a mesh ``Linear`` picks the same variant).
+    ``backend`` moves the tensor modes' blocks (``comm.py``).
     """
     samples = microbatch_samples(shape, layout)
     passes = 4 if layout.checkpoint else 3
-    one_block = block_collectives(shape, layout, samples, precision)
+    one_block = block_collectives(shape, layout, samples, precision, backend)
     if layout.checkpoint:  # the recomputed forward communicates again
         one_block += [c for c in one_block if c.phase == "forward"]
     first, last = stage_blocks(shape, layout)
@@ -124,7 +128,7 @@ def stage_steps(shape: ModelShape, layout: Layout, precision: Precision) -> list
         talk = [_times(c, blocks) for c in one_block]
         if has_head:
             flops += 3 * shape.head_forward_flops(samples)
-            talk += head_collectives(shape, layout, samples, precision)
+            talk += head_collectives(shape, layout, samples, precision, backend)
         talk += pipeline_collectives(shape, layout, samples, precision)
         parameters = blocks * block_parameters(shape, layout)
         parameters += embedding_parameters(shape, layout, tables=tables)
@@ -151,12 +155,13 @@ def estimate_layout(
     The step time is ``(m + p - 1)`` times the slowest stage's microbatch (compute plus its
     tensor-parallel and pipeline collectives: the bubble of a 1F1B or GPipe pipeline;
     Narayanan et al. 2021), plus that stage's gradient synchronization. The communication
-    figures are the slowest stage's.
+    figures are the slowest stage's, with the tensor modes' blocks moved as ``machine.backend``
+    moves them.
     """
     precision = precision_for(dtype, layout.zero)
     memory = rank_memory(shape, layout, precision)
     m = microbatches(shape, layout)
-    steps = stage_steps(shape, layout, precision)
+    steps = stage_steps(shape, layout, precision, machine.backend)
 
     def step_time(stage: StageStep) -> float:
         microbatch, sync = stage.seconds(machine)

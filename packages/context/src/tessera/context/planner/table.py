@@ -44,7 +44,7 @@ def format_header(
         f"model: {model} ({shape.parameters / 1e9:.2f} B parameters), {dtype}, Adam\n"
         f"job: {world} ranks, {format_bytes(memory_budget)} each\n"
         f"machine ({source}): {machine.flops:.3g} flop/s, {machine.bandwidth:.3g} B/s, "
-        f"{machine.latency:.3g} s per collective"
+        f"{machine.latency:.3g} s per collective, {machine.backend}"
     )
 
 
