@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["autocast_dtype", "computing_in"]
+__all__ = ["autocast_dtype", "cast_operands", "computing_in"]
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -25,6 +25,16 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     if not torch.is_autocast_enabled(device):
         return None
     return torch.get_autocast_dtype(device)
+
+
+def cast_operands(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.dtype | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A linear layer's operands in the dtype ``F.linear`` computes in (and that dtype)."""
+    dtype = autocast_dtype(x)
+    if dtype is None:
+        return None, x, weight, bias
+    return dtype, x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 @contextlib.contextmanager

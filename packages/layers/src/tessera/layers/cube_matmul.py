@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from .autocast import autocast_dtype, computing_in
+from .autocast import cast_operands, computing_in
 from .collectives import start_all_gather, start_reduce_scatter
 from .comm import apply_function
 from .cube import Cube, Layout3D, other_layout
@@ -98,10 +98,7 @@ class _CubeLinearFunction(torch.autograd.Function):
         cube: Cube,
         layout: Layout3D,
     ) -> torch.Tensor:
-        dtype = autocast_dtype(x)
-        if dtype is not None:
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
+        dtype, x, weight, bias = cast_operands(x, weight, bias)
         ctx.cube, ctx.layout, ctx.has_bias = cube, layout, bias is not None
         ctx.save_for_backward(x, weight)
         lead = x.shape[:-1]

@@ -11,15 +11,19 @@ Weights keep torch's layout ``[out, in]``: a column-parallel weight holds rows
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from tessera.context import ParallelContext
 
+from .autocast import cast_operands, computing_in
 from .base import Module1D
 from .collectives import check_divisible
 from .comm import (
+    apply_function,
     copy_to_group,
     gather_along_dim,
     reduce_from_group,
@@ -27,6 +31,7 @@ from .comm import (
     split_along_dim,
 )
 from .dense import dense_bias, dense_weight, flat_bias, flat_weight
+from .inflight import start_all_reduce
 from .initializers import Initializer
 from .input_checks import check_input_dim
 
@@ -54,6 +59,44 @@ def _check_row_input(
         check_input_dim(
             x, in_features, owner, "in_features", hint=" (parallel_input=False: the whole input)"
         )
+
+
+class _ColumnLinear(torch.autograd.Function):
+    """Megatron's ``f`` and a column-parallel ``F.linear`` in one, the backward overlapped.
+
+    The input gradient ``dy W`` is computed first and its all-reduce posted; the weight and
+    bias gradients are computed while it travels (as Megatron-LM overlaps its input-gradient
+    all-reduce, Narayanan et al. 2021, section 4.1). ``copy_to_group`` followed by
+    ``F.linear`` would all-reduce only after both gradients are done.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        dtype, x, weight, bias = cast_operands(x, weight, bias)
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        with computing_in(dtype, x.device):
+            return F.linear(x.detach(), weight.detach(), None if bias is None else bias.detach())
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # [.., in], partial: this rank's output features only
+            size = dist.get_world_size(ctx.group)
+            grad_x = start_all_reduce(grad.matmul(weight), ctx.group, size)
+        flat = grad.reshape(-1, grad.shape[-1])  # [tokens, out/p]
+        grad_w = flat.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return None if grad_x is None else grad_x.wait(), grad_w, grad_b, None
 
 
 class Linear1DCol(Module1D):
@@ -142,13 +185,15 @@ class Linear1DCol(Module1D):
             hint=" (a column-parallel input holds every feature)",
         )
         group = self.tp.group
-        if self.sequence_parallel:
-            x = gather_along_dim(x, self.SEQUENCE_DIM, group, partial_grad=True)  # [b, s, in]
-        else:
-            x = copy_to_group(x, group)  # f
         local_bias = flat_bias(self.bias)
         bias = None if self.skip_bias_add else local_bias
-        y = F.linear(x, flat_weight(self.weight), bias)  # [.., out/p]
+        if self.sequence_parallel:
+            x = gather_along_dim(x, self.SEQUENCE_DIM, group, partial_grad=True)  # [b, s, in]
+            y = F.linear(x, flat_weight(self.weight), bias)  # [.., out/p]
+        elif self.tp.world_size > 1:  # f, its all-reduce overlapped with the weight gradient
+            y = apply_function(_ColumnLinear, x, flat_weight(self.weight), bias, group)
+        else:
+            y = F.linear(x, flat_weight(self.weight), bias)
         if self.gather_output:
             y = gather_along_dim(y, -1, group)  # [.., out]
             if self.skip_bias_add and self.bias is not None:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 
-from .autocast import autocast_dtype, computing_in
+from .autocast import cast_operands, computing_in
 from .comm import apply_function
 from .context_access import GroupInfo
 from .inflight import Pending, start_all_reduce, start_transfers
@@ -52,16 +52,6 @@ def choose_algorithm(rows: int, in_block: int, *, backward: bool) -> Algorithm:
     if backward:
         return "stationary" if 2 * rows < 3 * in_block else "summa"
     return "stationary" if rows < in_block else "summa"
-
-
-def _cast(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.dtype | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Under autocast, the operands in the dtype ``F.linear`` computes in."""
-    dtype = autocast_dtype(x)
-    if dtype is None:
-        return None, x, weight, bias
-    return dtype, x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 class _DepthSum:
@@ -107,7 +97,7 @@ class _MeshLinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         mesh: Mesh,
     ) -> torch.Tensor:
-        dtype, x, weight, bias = _cast(x, weight, bias)
+        dtype, x, weight, bias = cast_operands(x, weight, bias)
         ctx.mesh, ctx.has_bias = mesh, bias is not None
         ctx.save_for_backward(x, weight)
         with computing_in(dtype, x.device):
