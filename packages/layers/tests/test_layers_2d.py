@@ -89,7 +89,7 @@ def _summa(ctx: ParallelContext) -> None:
 
 
 def _mesh_linear(ctx: ParallelContext) -> None:
-    """Both variants of the linear product, with and without bias and input gradient."""
+    """Every variant of the linear product, with and without bias and input gradient."""
     m = mesh(ctx)
     i, j, q = m.col.rank, m.row.rank, m.q
     g = torch.Generator().manual_seed(11)
@@ -101,8 +101,10 @@ def _mesh_linear(ctx: ParallelContext) -> None:
 
     for algorithm, bias, input_grad in [
         ("summa", True, True),
+        ("streamed", True, True),
         ("stationary", True, True),
         ("summa", False, False),
+        ("streamed", False, True),
         ("stationary", False, False),
     ]:
         xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
@@ -125,7 +127,7 @@ def _mesh_linear(ctx: ParallelContext) -> None:
         else:
             assert xp.grad is None
     # Under autocast both variants compute in bf16, and the gradients come back in fp32.
-    for algorithm in ("summa", "stationary"):
+    for algorithm in ("summa", "streamed", "stationary"):
         wp = w.chunk(q, 0)[j].chunk(q, 1)[i].clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = L.mesh_linear(rows(x), wp, None, m, algorithm)

@@ -26,9 +26,11 @@ the batch and the weight and bias gradients are summed across depth in one all-r
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from .autocast import cast_operands, computing_in
 from .comm import apply_function
@@ -39,8 +41,10 @@ from .summa import gather_blocks, scatter_blocks
 
 __all__ = ["Algorithm", "choose_algorithm", "mesh_linear"]
 
-#: ``"summa"``: the weights travel; ``"stationary"``: the weights stay (see the module).
-Algorithm = Literal["summa", "stationary"]
+#: ``"summa"``: the weights travel, each operand's panels in one gather; ``"streamed"``: the
+#: same, panel by panel, one step ahead (what SUMMA runs on meshes larger than 2 x 2, where
+#: holding every panel would cost ``q`` blocks); ``"stationary"``: the weights stay.
+Algorithm = Literal["summa", "streamed", "stationary"]
 
 
 def choose_algorithm(rows: int, in_block: int, *, backward: bool) -> Algorithm:
@@ -160,6 +164,98 @@ class _SummaLinear(_MeshLinearFunction):
         return _finish(grad_x, depth_sum, need_w)
 
 
+# ---------------------------------------------------------------------------- panel by panel
+
+
+def _panels(block: torch.Tensor, group: GroupInfo) -> Iterator[torch.Tensor]:
+    """Rank ``l``'s ``block`` for ``l = 0 .. q-1``, step ``l + 1``'s broadcast in flight.
+
+    SUMMA's own schedule (van de Geijn and Watts 1997): one broadcast per step, from the rank
+    owning the panel, posted a step ahead so it travels while the previous panel multiplies;
+    at most two panels are held (the one in use and the next).
+    """
+
+    def post(step: int) -> Pending:
+        panel = block if group.rank == step else torch.empty_like(block)
+        src = dist.get_global_rank(group.group, step)
+        work = dist.broadcast(panel, src=src, group=group.group, async_op=True)
+        assert isinstance(work, dist.Work)
+        return Pending([work], lambda: panel)
+
+    block = block.contiguous()
+    ahead = post(0)
+    for step in range(group.world_size):
+        current, ahead = ahead, (post(step + 1) if step + 1 < group.world_size else ahead)
+        yield current.wait()
+
+
+def _reduce_into(
+    parts: Iterator[torch.Tensor], group: GroupInfo, keep: torch.Tensor
+) -> torch.Tensor:
+    """Sum partial ``l`` over ``group`` into rank ``l``; this rank's sum lands in ``keep``.
+
+    At most two reduces are in flight: step ``l``'s is waited for before step ``l + 2`` posts.
+    """
+    in_flight: list[Pending] = []
+    for step, part in enumerate(parts):
+        target = keep if group.rank == step else part
+        if target is keep:
+            keep.copy_(part)
+        dst = dist.get_global_rank(group.group, step)
+        work = dist.reduce(target, dst=dst, group=group.group, async_op=True)
+        assert isinstance(work, dist.Work)
+        in_flight.append(Pending([work], lambda: keep))
+        if len(in_flight) > 1:
+            in_flight.pop(0).wait()
+    for pending in in_flight:
+        pending.wait()
+    return keep
+
+
+class _StreamedSummaLinear(_MeshLinearFunction):
+    """SUMMA panel by panel, two panels per operand at any ``q``.
+
+    The forward broadcasts ``x_il`` along the row and ``W[out_j, in_l]`` along the column step
+    by step; the backward broadcasts the weight panels again and reduces each step's partial
+    input gradient into rank ``(i, l)``, and broadcasts the input panels and reduces each
+    partial weight gradient into rank ``(l, j)``; the bias gradient is all-reduced over COL.
+    """
+
+    @staticmethod
+    def product(x: torch.Tensor, weight: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        """``x W^T``, summed over the steps ``l``."""
+        out = x.new_zeros(x.shape[0], weight.shape[0])  # [m, n/q]
+        for x_panel, w_panel in zip(_panels(x, mesh.row), _panels(weight, mesh.col), strict=True):
+            out.addmm_(x_panel, w_panel.t())  # x_il W[out_j, in_l]^T
+        return out
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        mesh: Mesh = ctx.mesh
+        grad = grad.contiguous()  # [m, n/q]
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        grad_b = None
+        if need_b:  # every batch block of the column used the bias block
+            grad_b = start_all_reduce(grad.sum(0), mesh.col.group, mesh.col.world_size)
+        grad_x = None
+        if need_x:  # dx_il = sum_j dy_ij W[out_j, in_l], into rank (i, l)
+            partials = (grad @ w_panel for w_panel in _panels(weight, mesh.col))
+            grad_x = _reduce_into(partials, mesh.row, torch.empty_like(x))
+        depth_sum = None
+        if need_w or need_b:  # dW[out_j, in_l] = sum_i dy_ij^T x_il, into rank (l, j)
+            grad_w = weight.new_empty(0)
+            if need_w:
+                partials = (grad.t() @ x_panel for x_panel in _panels(x, mesh.row))
+                grad_w = _reduce_into(partials, mesh.col, torch.empty_like(weight))
+            bias = None if grad_b is None else grad_b.wait()
+            depth_sum = _DepthSum(grad_w, bias, mesh.dep)
+        return _finish(Pending.done(grad_x) if grad_x is not None else None, depth_sum, need_w)
+
+
 # ---------------------------------------------------------------------------- weights stay
 
 
@@ -259,6 +355,7 @@ def _finish(
 
 _ALGORITHMS: dict[Algorithm, type[torch.autograd.Function]] = {
     "summa": _SummaLinear,
+    "streamed": _StreamedSummaLinear,
     "stationary": _StationaryLinear,
 }
 
@@ -278,7 +375,8 @@ def mesh_linear(
         bias: ``[out/q]``, the block ``b[out_j]``, or ``None``. Its gradient is summed over
             the batch group (every batch block uses it).
         mesh: The mesh.
-        algorithm: ``"summa"`` or ``"stationary"``; default: :func:`choose_algorithm`'s.
+        algorithm: ``"summa"``, ``"streamed"`` or ``"stationary"``; default:
+            :func:`choose_algorithm`'s, with ``"summa"`` streamed on meshes larger than 2 x 2.
 
     Returns:
         ``[m, out/q]``, block ``(i, j)`` of the output.
@@ -292,6 +390,8 @@ def mesh_linear(
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
         algorithm = choose_algorithm(x.shape[0], x.shape[1], backward=backward)
+        if algorithm == "summa" and mesh.q > 2:
+            algorithm = "streamed"  # hold two panels per operand, not q
     if algorithm == "stationary" and mesh.ranks is None:
         algorithm = "summa"  # the groups do not follow tessera's layout: no rank grid
     return apply_function(_ALGORITHMS[algorithm], x, weight, bias, mesh)
