@@ -108,6 +108,20 @@ def _check_ops() -> int:
     return checks + 2
 
 
+def _check_ops_over_collectives() -> int:
+    """The same checks with blocks moved by collectives (NCCL's path) instead of pairwise."""
+    import tessera.layers.inflight as inflight
+
+    pairwise = inflight._pairwise
+    inflight._pairwise = lambda group: False  # type: ignore[assignment]
+    try:
+        return _check_ops()
+    finally:
+        inflight._pairwise = pairwise  # type: ignore[assignment]
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_comm_ops_forward_and_backward(dist, world: int) -> None:
-    assert dist.run(_check_ops, world_size=world, timeout=60.0) == [20] * world
+@pytest.mark.parametrize("transport", ["pairwise", "collectives"])
+def test_comm_ops_forward_and_backward(dist, world: int, transport: str) -> None:
+    check = _check_ops if transport == "pairwise" else _check_ops_over_collectives
+    assert dist.run(check, world_size=world, timeout=60.0) == [20] * world

@@ -461,18 +461,29 @@ def _cube_linear(ctx: ParallelContext) -> None:
             par = _Forced(H, 12, bias, input_layout=layout, algorithm=algorithm, context=ctx)
             ref = nn.Linear(H, 12, bias=bias)
             check(name, ref, par, x, ctx, in_layout=layout, out_layout=other)
-    # Fused q, k, v parts: the stationary variant equals the gathered one exactly.
-    results = {}
-    for algorithm in ("gathered", "stationary"):
+    # Fused q, k, v parts: the stationary variant equals the gathered one, with blocks moved
+    # pairwise (gloo's path) and by collectives (NCCL's path).
+    import tessera.layers.inflight as inflight
+
+    def run(algorithm: str) -> tuple[torch.Tensor | None, ...]:
         torch.manual_seed(3)
         layer = _Forced(H, 24, fused=3, algorithm=algorithm, context=ctx)  # with a bias
         xb = block(x, ctx, "y").clone().requires_grad_()
         out = layer(xb)
         (out * torch.arange(out.numel()).view(out.shape).sin()).sum().backward()
-        results[algorithm] = (out.detach(), layer.weight.grad, layer.bias.grad, xb.grad)
-    for got, want in zip(results["stationary"], results["gathered"], strict=True):
-        assert got is not None and want is not None
-        torch.testing.assert_close(got, want, **TOL)
+        return out.detach(), layer.weight.grad, layer.bias.grad, xb.grad
+
+    gathered, stationary = run("gathered"), run("stationary")
+    pairwise = inflight._pairwise
+    inflight._pairwise = lambda group: False  # type: ignore[assignment]
+    try:
+        over_collectives = run("stationary")
+    finally:
+        inflight._pairwise = pairwise  # type: ignore[assignment]
+    for want, *got in zip(gathered, stationary, over_collectives, strict=True):
+        assert want is not None and all(g is not None for g in got)
+        for g in got:
+            torch.testing.assert_close(g, want, **TOL)
     assert choose_cube_algorithm(2, 4, 4, 2, backward=True) == "gathered"
     assert choose_cube_algorithm(1, 4, 4, 2, backward=True) == "stationary"
 
