@@ -461,6 +461,12 @@ def _cube_linear(ctx: ParallelContext) -> None:
             par = _Forced(H, 12, bias, input_layout=layout, algorithm=algorithm, context=ctx)
             ref = nn.Linear(H, 12, bias=bias)
             check(name, ref, par, x, ctx, in_layout=layout, out_layout=other)
+    # A layer that keeps the layout: the product's output swapped with the mirror rank.
+    for layout in ("y", "z"):
+        keep = Linear3D(H, 12, input_layout=layout, output_layout=layout, context=ctx)
+        check(f"keep {layout}", nn.Linear(H, 12), keep, x, ctx, in_layout=layout, out_layout=layout)
+    with pytest.raises(ValueError, match="skip_bias_add returns the bias block"):
+        Linear3D(H, 12, skip_bias_add=True, output_layout="y", context=ctx)
     # Fused q, k, v parts: the stationary variant equals the gathered one, with blocks moved
     # pairwise (gloo's path) and by collectives (NCCL's path).
     import tessera.layers.inflight as inflight

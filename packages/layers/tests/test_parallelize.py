@@ -104,17 +104,14 @@ def _models_match_reference(tensor: dict[str, Any]) -> dict[str, Any]:
         losses = {name: _lm_matches_reference(build(), ctx) for name, build in LMS.items()}
         if ctx.config.tensor_mode in ("1d", "2d", "sequence"):  # a model without a plan
             losses["qwen2 (inferred plan)"] = _lm_matches_reference(qwen2_lm(), ctx)
-        if ctx.config.tensor_mode == "3d":  # a per-sample mask cannot follow rows into layout z
-            padded = torch.ones_like(token_ids())
-            padded[0, -2:] = 0
+        if ctx.config.tensor_mode == "3d":  # per-row positions cannot follow rows into "z"
+            ids = token_ids()
+            positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
             lm = parallelize(gpt2_lm(), context=ctx)
-            with pytest.raises(ValueError, match="per-sample attention_mask"):
-                lm(token_ids(), attention_mask=padded)
-        if ctx.config.tensor_mode == "3d":  # BERT's head transform keeps the layout: no 3d
-            with pytest.raises(ValueError, match=r"role 'dense'.*3d cannot give"):
-                parallelize(bert_mlm(), context=ctx)
-        else:
-            losses["bert"] = _lm_matches_reference(bert_mlm(), ctx)
+            with pytest.raises(ValueError, match="per-sample position_ids"):
+                lm(ids, position_ids=positions)
+        # Under 3d BERT's head transform keeps the layout: its output swaps with the mirror rank.
+        losses["bert"] = _lm_matches_reference(bert_mlm(), ctx)
         if ctx.config.tensor_mode == "sequence":  # the class token lives on one rank's chunk
             with pytest.raises(ValueError, match="reads the class token"):
                 parallelize(vit_classifier(), context=ctx)(images()[0])

@@ -27,16 +27,18 @@ flipped behind the user's back, so two models built in one process cannot interf
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from tessera.context import ParallelContext, ParallelMode
 
 from .collectives import check_divisible
-from .comm import copy_to_group, gather_along_dim, split_along_dim
+from .comm import apply_function, copy_to_group, gather_along_dim, split_along_dim
 from .context_access import GroupInfo, group_info
 from .grid import GridModule
+from .inflight import start_transfers
 from .input_checks import check_block_dim
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "gather_cube_activation",
     "split_cube_activation",
     "split_cube_batch",
+    "switch_cube_layout",
 ]
 
 #: The cube axis that splits an activation's hidden dim.
@@ -67,6 +70,9 @@ class Cube:
         output: PARALLEL_3D_OUTPUT (varies z; local rank z).
         input_x_weight: same z, local rank ``y q + x``: the batch group of layout ``"z"``.
         output_x_weight: same y, local rank ``z q + x``: the batch group of layout ``"y"``.
+        mirror: ``(TENSOR group, global rank of (x, z, y))``: the rank holding, in the other
+            layout, the block this rank holds; ``None`` when the context's groups do not
+            follow tessera's layout.
     """
 
     weight: GroupInfo
@@ -74,6 +80,7 @@ class Cube:
     output: GroupInfo
     input_x_weight: GroupInfo
     output_x_weight: GroupInfo
+    mirror: tuple[dist.ProcessGroup, int] | None = None
 
     @property
     def q(self) -> int:
@@ -149,13 +156,72 @@ def cube_of(context: ParallelContext) -> Cube:
             "3d layers need a context with tensor mode '3d', but its tensor mode is "
             f"{context.config.tensor_mode!r}"
         )
+    weight = group_info(context, ParallelMode.PARALLEL_3D_WEIGHT)
+    inputs = group_info(context, ParallelMode.PARALLEL_3D_INPUT)
+    output = group_info(context, ParallelMode.PARALLEL_3D_OUTPUT)
     return Cube(
-        weight=group_info(context, ParallelMode.PARALLEL_3D_WEIGHT),
-        input=group_info(context, ParallelMode.PARALLEL_3D_INPUT),
-        output=group_info(context, ParallelMode.PARALLEL_3D_OUTPUT),
+        weight=weight,
+        input=inputs,
+        output=output,
         input_x_weight=group_info(context, ParallelMode.PARALLEL_3D_INPUT_X_WEIGHT),
         output_x_weight=group_info(context, ParallelMode.PARALLEL_3D_OUTPUT_X_WEIGHT),
+        mirror=_mirror(context, weight.rank, inputs.rank, output.rank, weight.world_size),
     )
+
+
+def _mirror(
+    context: ParallelContext, x: int, y: int, z: int, q: int
+) -> tuple[dist.ProcessGroup, int] | None:
+    """The TENSOR group and the global rank of ``(x, z, y)`` (tensor rank ``z q^2 + y q + x``)."""
+    if not context.is_initialized(ParallelMode.TENSOR):
+        return None
+    tensor = context.get_ranks_in_group(ParallelMode.TENSOR)
+    if len(tensor) != q**3 or context.get_local_rank(ParallelMode.TENSOR) != z * q * q + y * q + x:
+        return None
+    return context.get_group(ParallelMode.TENSOR), tensor[y * q * q + z * q + x]
+
+
+class _SwapLayout(torch.autograd.Function):
+    """Exchange blocks with the mirror rank; the backward exchanges the gradients back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, peer: int) -> torch.Tensor:
+        ctx.group, ctx.peer = group, peer
+        return _swap(x, group, peer)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _swap(grad, ctx.group, ctx.peer), None, None
+
+
+def _swap(x: torch.Tensor, group: dist.ProcessGroup, peer: int) -> torch.Tensor:
+    if peer == dist.get_rank():
+        return x.clone()
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    for work in start_transfers([(peer, x)], [(peer, out)], group):
+        work.wait()
+    return out
+
+
+def switch_cube_layout(x: torch.Tensor, cube: Cube, layout: Layout3D) -> torch.Tensor:
+    """``[b/q^2, ..., h/q]`` in ``layout`` -> the same activation in the other layout.
+
+    In layout ``"z"`` rank ``(x, y, z)`` holds batch block ``y q + x`` and hidden block ``z``;
+    in ``"y"`` it holds batch block ``z q + x`` and hidden block ``y``: the block it needs is
+    held by ``(x, z, y)``, so the two ranks swap (the diagonal keeps its own).
+
+    Raises:
+        ValueError: the context's groups do not follow tessera's 3d layout.
+    """
+    if cube.mirror is None:
+        raise ValueError(
+            "switch_cube_layout: the context's TENSOR group does not follow tessera's 3d layout "
+            "(tensor rank z q^2 + y q + x), so the mirror rank is unknown"
+        )
+    group, peer = cube.mirror
+    out = apply_function(_SwapLayout, x, group, peer)
+    return mark_layout(out, other_layout(layout))
 
 
 def check_layout(layout: str, owner: str) -> Layout3D:

@@ -26,6 +26,7 @@ from .cube import (
     check_marked_layout,
     mark_layout,
     other_layout,
+    switch_cube_layout,
 )
 from .cube_matmul import cube_linear
 from .dense import dense_bias, dense_weight, flat_bias
@@ -52,6 +53,10 @@ class Linear3D(CubeModule):
         bias_initializer: Fills the full ``[out]`` bias (torch's default).
         input_layout: ``"y"`` (default: the layout between blocks, e.g. a first MLP layer or
             qkv) or ``"z"`` (the output of a ``"y"`` layer, e.g. a second MLP layer or proj).
+        output_layout: Default: the other layout. The input's layout makes a layer that keeps
+            the layout (a head's transform, BERT's ``cls.predictions.transform.dense``): its
+            output is swapped with the mirror rank's (:func:`switch_cube_layout`), one
+            exchange of the output block.
         fused: The output is this many equal parts (q, k, v), each split over the cube on its
             own (see :class:`~tessera.layers.Linear1DCol`); weight ``[fused, out/(fused q^2),
             in/q]``.
@@ -70,12 +75,23 @@ class Linear3D(CubeModule):
         bias_initializer: Initializer | None = None,
         *,
         input_layout: Layout3D = "y",
+        output_layout: Layout3D | None = None,
         fused: int = 1,
         device: torch.device | str | None = None,
         context: ParallelContext | None = None,
     ) -> None:
         super().__init__(context, device)
         self.input_layout: Layout3D = check_layout(input_layout, self.owner)
+        self._output_layout = (
+            other_layout(self.input_layout)
+            if output_layout is None
+            else check_layout(output_layout, self.owner)
+        )
+        if self._output_layout == self.input_layout and skip_bias_add:
+            raise ValueError(
+                f"{self.owner}: skip_bias_add returns the bias block of the product's layout, "
+                f"which output_layout={output_layout!r} switches away from; add the bias here"
+            )
         cube = self.cube
         self.in_features, self.out_features = in_features, out_features
         self.skip_bias_add, self.fused = skip_bias_add, fused
@@ -103,8 +119,8 @@ class Linear3D(CubeModule):
 
     @property
     def output_layout(self) -> Layout3D:
-        """The layout of the output: the other one."""
-        return other_layout(self.input_layout)
+        """The layout of the output: the other one, unless ``output_layout`` kept the input's."""
+        return self._output_layout
 
     @property
     def signature(self) -> str:
@@ -126,6 +142,8 @@ class Linear3D(CubeModule):
         local_bias = flat_bias(self.bias)
         if not self.skip_bias_add:  # the bias's gradient rides in the product's collectives
             y = cube_linear(x, self.weight, cube, self.input_layout, bias=local_bias)
+            if self.output_layout == self.input_layout:  # back to the input's layout
+                return switch_cube_layout(y, cube, other_layout(self.input_layout))
             return mark_layout(y, self.output_layout)  # [b/q^2, ..., out/q]
         y = cube_linear(x, self.weight, cube, self.input_layout)
         bias = (

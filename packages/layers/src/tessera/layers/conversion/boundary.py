@@ -52,15 +52,19 @@ def _split_rows(name: str, value: Any, context: ParallelContext) -> Any:
         return value
     if name == "position_ids" and value.shape[0] == 1:
         return value  # one row of positions, broadcast over the batch
-    if context.config.tensor_mode == "3d" and name in ("attention_mask", "position_ids"):
+    if context.config.tensor_mode == "3d" and name == "attention_mask":
         # Attention runs on a column layer's output, in layout "z", whose rows are not the
-        # rows of layout "y" that split_batch keeps: a per-row mask would land on other samples.
-        if name == "attention_mask" and bool(value.all()):
+        # rows of layout "y" that split_batch keeps: the mask takes layout "z"'s rows.
+        if bool(value.all()):
             return None  # nothing masked: the causal mask alone
+        rows = cube_of(context).batch("z")
+        check_divisible(value.shape[0], rows.world_size, f"attention_mask {list(value.shape)}")
+        return value.chunk(rows.world_size, 0)[rows.rank]
+    if context.config.tensor_mode == "3d" and name == "position_ids":
         raise ValueError(
-            f"under tensor mode '3d' a per-sample {name} cannot follow the rows into attention "
-            "(layout 'z' holds other samples than layout 'y'); pass sequences without padding "
-            "and one row of position_ids"
+            "under tensor mode '3d' per-sample position_ids cannot follow the rows into "
+            "attention (layout 'z' holds other samples than layout 'y', where the embeddings "
+            "read them); pass one row of position_ids"
         )
     return split_batch(value, context)
 

@@ -313,18 +313,19 @@ class Converter:
     def dense(self, name: str, module: nn.Module) -> nn.Module:
         """``dense``: a linear layer that keeps the layout between blocks.
 
-        Raises:
-            ValueError: under 3D, whose linear layers always switch the layout.
+        Under 3D the product switches to layout ``"z"`` and the output is swapped back to
+        ``"y"`` with the mirror rank (``Linear3D(output_layout="y")``).
         """
         if self.mode == "1d":
             linear_shape(name, module, "dense")
             return module  # replicated activations in, replicated out
         if self.mode == "3d":
-            raise ValueError(
-                f"parallelize: {name!r} has role 'dense' (a linear layer that keeps the layout "
-                "between blocks), which 3d cannot give: each 3d linear layer switches between "
-                "layouts 'y' and 'z'. Use a 1d, 2d or 2.5d layout for this model"
-            )
+            shape = linear_shape(name, module, "dense")
+            weight = _tensor(module, "weight")
+            dims = (shape.in_features, shape.out_features, shape.bias)
+            new = Linear3D(*dims, input_layout="y", output_layout="y", **self._made_like(weight))
+            forms = {"weight": FullForm(tuple(weight.shape), transposed=True)}
+            return _adopt(new, module, forms if shape.transposed else {})
         return self.linear(name, module, "dense")
 
     def attention(self, name: str, module: nn.Module) -> nn.Module:
