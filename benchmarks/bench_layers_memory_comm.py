@@ -1,4 +1,4 @@
-"""Memory and communication per rank of one transformer block: none, 1D(4), 2D(4), 2.5D(8, d=2).
+"""Per-rank memory and communication of one block: none, 1D(4), 2D(4), 2.5D(8,d=2), 3D(8).
 
 One pre-LN block (LayerNorm, qkv, softmax attention, proj, LayerNorm, fc1, GeLU, fc2, dropout
 p=0 so no masks are saved) written once with tessera's dispatching layers, the same global
@@ -13,12 +13,16 @@ shapes under every mode, gloo on CPU. Per rank it measures, for one training ste
 
 and prints each next to its formula (stated at the end of the output): the papers' for
 parameters and activations, for communication the algorithms tessera runs (2D/2.5D: the
-variant of SUMMA that ``tessera.layers.choose_algorithm`` picks for each Linear, printed),
-as a fraction of the single-process figure. Every rank is compared with the formula of its
-position (a 2D/2.5D rank on the mesh diagonal sends less). Then the step time of 2D(4)
+variant of SUMMA that ``tessera.layers.choose_algorithm`` picks for each Linear; 3D: the
+variant of the cube product that ``tessera.layers.choose_cube_algorithm`` picks; both
+printed), as a fraction of the single-process figure. Every rank is compared with the formula
+of its position (a 2D/2.5D rank on the mesh diagonal sends less). Then the step time of 2D(4)
 against 1D(4) on the same block, steps alternating. Prints goals, asserts nothing.
 
-    python benchmarks/bench_layers_memory_comm.py [--steps 20] [--hidden 128]
+The 4-rank modes run in one set of 4 processes, the 8-rank ones (2.5D, 3D) in one set of 8;
+``--modes`` picks some (``none`` is always measured: it is the base of the fractions).
+
+    python benchmarks/bench_layers_memory_comm.py [--steps 20] [--hidden 128] [--modes '3D(8)' ...]
 """
 
 from __future__ import annotations
@@ -41,13 +45,20 @@ BATCH, SEQ, HEADS = 8, 16, 4
 FP32 = 4  # bytes per element
 TIMEOUT = timedelta(seconds=120)
 
-#: name -> (tensor config, P, q, depth); q = depth = 0 for 1D / none.
+#: name -> (tensor config, P, q, depth); q = depth = 0 for 1D / none; 3D: q = cube side.
 MODES: dict[str, tuple[dict[str, Any] | None, int, int, int]] = {
     "none": (None, 1, 0, 0),
     "1D(4)": (dict(size=4, mode="1d"), 4, 0, 0),
     "2D(4)": (dict(size=4, mode="2d"), 4, 2, 1),
     "2.5D(8,d=2)": (dict(size=8, mode="2.5d", depth=2), 8, 2, 2),
+    "3D(8)": (dict(size=8, mode="3d"), 8, 2, 1),
 }
+
+
+def is_cube(mode: str) -> bool:
+    """Whether ``mode`` is 3D (a q x q x q cube rather than a q x q mesh)."""
+    config = MODES[mode][0]
+    return config is not None and config["mode"] == "3d"
 
 
 class Block(nn.Module):
@@ -107,10 +118,22 @@ def variant(rows: int, in_block: int) -> str:
     return "stationary" if 2 * rows < 3 * in_block else "summa"
 
 
+def cube_variant(rows: int, in_block: int, out_block: int, q: int) -> str:
+    """The 3D Linear's variant in training, restated from ``choose_cube_algorithm``.
+
+    With ``n`` rows, ``k = in/q`` features and ``o = out/q^2`` weight rows per rank the
+    weights stay when ``3 q n k + 2 n o < 3 o k`` (the elements each variant sends in a step,
+    ``(q^2 - 1)(3nk + 2no)`` against ``(q - 1)(3nk + 2noq + 3ok)``, divided by ``q - 1``,
+    bias gradients aside); otherwise the operands travel (see ``tessera.layers.cube_linear``).
+    """
+    n, k, o = rows, in_block, out_block
+    return "stationary" if 3 * q * n * k + 2 * n * o < 3 * o * k else "gathered"
+
+
 def on_diagonal(mode: str, rank: int) -> bool:
     """Whether tensor rank ``rank`` sits at mesh position ``(i, i)`` (row == col)."""
     _, _, q, _ = MODES[mode]
-    if q == 0:
+    if q == 0 or is_cube(mode):  # every rank of the cube sends the same
         return False
     t = rank % (q * q)  # 2D: row * q + col; 2.5D: dep * q^2 + row * q + col
     return t // q == t % q
@@ -131,6 +154,8 @@ def formula(mode: str, h: int, diagonal: bool = False) -> Figures:
         params = 12 * h * h // p + 7 * h // p + 6 * h
         saved = 4 * t * h + 4 * t + (12 * t * h + a) // p
         return Figures(FP32 * params, FP32 * saved, FP32 * 2 * t * h, FP32 * 2 * t * h)
+    if is_cube(mode):
+        return cube_formula(h, p, q)
     m = t // (d * q)  # rows of a rank's activation block
     params = 12 * h * h // (q * q) + 13 * h // q
     saved = (16 * t * h + a) // p + 2 * m
@@ -155,9 +180,35 @@ def formula(mode: str, h: int, diagonal: bool = False) -> Figures:
     return Figures(FP32 * params, FP32 * saved, FP32 * fwd, FP32 * bwd)
 
 
+def cube_formula(h: int, p: int, q: int) -> Figures:
+    """3D's per-rank figures (every rank alike); see FORMULAS."""
+    t, a = BATCH * SEQ, BATCH * HEADS * SEQ * SEQ
+    n = t // (q * q)  # rows of a rank's activation block
+    params = 12 * h * h // p + 13 * h // q
+    saved = (16 * t * h + a) // p + 2 * n
+    fwd = bwd = 0
+    for i, o in LINEARS:
+        k, r = i * h // q, o * h // (q * q)  # input features, weight rows per rank
+        x, w, y = n * k, r * k, n * q * r  # input, weight and output blocks
+        if cube_variant(n, k, r, q) == "stationary":
+            plane = q * q - 1  # the other ranks of the input (output) plane
+            fwd += plane * (x + n * r)  # X gathered over the input plane; partials all-to-all
+            bwd += plane * (n * r + 2 * x)  # dY all-to-all back; X again; partial dX scattered
+            bwd += (q - 1) * r  # the complete bias slices gathered over WEIGHT
+        else:  # operands travel: every exchange over q ranks sends q - 1 blocks
+            fwd += (q - 1) * (x + w + y)  # X over the batch axis, W over WEIGHT; Y scattered
+            bwd += (q - 1) * (y + w + x)  # dY, W and X gathered again
+            bwd += (q - 1) * x + (q - 1) * (w + q * r)  # dX; dW with db [out/q] in each chunk
+    for _ in range(2):  # LayerNorms: hidden axis of q ranks, batch group of q^2
+        fwd += (q - 1) * 2 * n
+        bwd += 2 * n + 2 * h // q
+    return Figures(FP32 * params, FP32 * saved, FP32 * fwd, FP32 * bwd)
+
+
 FORMULAS = """\
 Formulas (elements; x4 bytes). T = b*s tokens, A = b*heads*s^2 scores, P ranks, 2D/2.5D mesh
-q x q (x d), m = T/(d*q) rows per rank. Block: 12h^2 weights, 13h biases + LayerNorm vectors.
+q x q (x d), m = T/(d*q) rows per rank; 3D cube q x q x q, n = T/q^2 rows per rank. Block:
+12h^2 weights, 13h biases + LayerNorm vectors.
   params   none 12h^2 + 13h
            1D   12h^2/P + 7h/P + 6h: qkv/fc1 split by output with their biases, proj/fc2 by
                 input, their biases and both LayerNorms replicated (Shoeybi et al. 2019,
@@ -167,6 +218,10 @@ q x q (x d), m = T/(d*q) rows per rank. Block: 12h^2 weights, 13h biases + Layer
                 for Training Super-Large Deep Learning Models", section 3)
            2.5D the same per depth layer, weights replicated over depth: P = q^2 d ranks hold
                 d copies (Wang et al. 2021, "Tesseract", section 3)
+           3D   12h^2/P + 13h/q: weights [out/q^2, in/q], a distinct 1/P on every rank, [h]
+                vectors split over one cube axis, replicated over the other two (Bian et al.
+                2021, "Maximizing Parallelism in Distributed Training for Huge Neural
+                Networks", section 3)
   saved    none 16Th + A + 4T: LN inputs 2Th, qkv/fc1 inputs 2Th, contiguous q,k,v 3Th,
                 proj input Th, GeLU input 4Th, fc2 input 4Th, softmax output A, LN mean+rstd 4T
            1D   4Th + 4T + (12Th + A)/P: outside the column/row-parallel regions (LayerNorm
@@ -174,6 +229,8 @@ q x q (x d), m = T/(d*q) rows per rank. Block: 12h^2 weights, 13h biases + Layer
                 Korthikanti et al. 2022, section 4.2.1, "tensor parallel" case)
            2D, 2.5D (16Th + A)/P + 2m: every activation in [T/(dq), h/q] blocks (Xu et al.,
                 Wang et al.); tessera's LayerNorm saves x-hat [m, h/q] and rstd [m]
+           3D   (16Th + A)/P + 2n: every activation in [T/q^2, h/q] blocks (Bian et al.), the
+                LayerNorm as 2D; at q = 2, 2n = 4T/P: exactly single-process / P
   comm     1D   fwd 2Th, bwd 2Th: all-reduce after proj and fc2 (g), and of the input
                 gradients of qkv and fc1 (f) (Megatron-LM, section 3, Figure 4)
            2D   per Linear(in, out), blocks X = m*in/q (input), Y = m*out/q (output),
@@ -196,6 +253,24 @@ q x q (x d), m = T/(d*q) rows per rank. Block: 12h^2 weights, 13h biases + Layer
            2.5D the same on each depth layer with m = T/(dq), plus W + b per Linear in the
                 backward: weight and bias gradients summed over depth in one all-reduce
                 (Wang et al. 2021, section 3)
+           3D   per Linear(in, out), n rows, k = in/q features, o = out/q^2 weight rows per
+                rank; blocks X = n*k (input), W = o*k (weight), Y = n*q*o (output [n, out/q]).
+                tessera.layers.cube_linear runs the variant that sends less: the weights stay
+                when 3qnk + 2no < 3ok (choose_cube_algorithm in training), else the operands
+                travel. On gloo every gather, scatter and all-to-all over w ranks sends w-1
+                blocks (batch_isend_irecv).
+                operands travel (Bian et al. 2021): fwd (q-1)(X + W + Y) (X gathered over the
+                other batch axis, W over WEIGHT, the partial [qn, out/q] reduce-scattered over
+                the hidden axis); bwd (q-1)(Y + W + X) (gathered again), (q-1)X (dX reduce-
+                scattered), (q-1)(W + q*o) (dW reduce-scattered over WEIGHT, each chunk
+                carrying the partial db [out/q]).
+                weights stay: fwd (q^2-1)(X + n*o) (X gathered over the input plane, the q^2
+                ranks of its batch group; the partials [q^2, n, o] all-to-all over the output
+                plane); bwd (q^2-1)(n*o + 2X) (dY all-to-all back, X gathered again, the
+                partial dX reduce-scattered over the input plane), (q-1)*o (the complete db
+                slices gathered over WEIGHT); dW complete where it is.
+                per LayerNorm as 2D with n rows: fwd (q-1)*2n, bwd 2n + 2h/q (over the hidden
+                axis, q ranks; the weight and bias gradients over the batch group, q^2)
 Contributed bytes: the bytes of this rank's own data entering a call (whole buffer of an
 all-reduce / reduce / reduce-scatter, input chunk of an all-gather, the source's buffer of a
 broadcast, the tensors of a batch_isend_irecv's isends); see benchmarks/meters.py."""
@@ -286,7 +361,7 @@ def worker(rank: int, world: int, port: int, modes: list[str], h: int, steps: in
     }
     built = {m: build(h, ctx) for m, ctx in contexts.items()}
     result: dict[str, Any] = {m: measure(*built[m], counter) for m in modes}
-    if steps > 0 and len(modes) == 2:
+    if steps > 0:  # main asks for it with modes == ["1D(4)", "2D(4)"] only
         result["time"] = time_steps(built, steps)
     for ctx in contexts.values():
         ctx.destroy()
@@ -344,15 +419,22 @@ def report(h: int, measured: dict[str, list[dict[str, Any]]], times: dict[str, f
                     where = f"{mode} rank {rank} {name.replace('_', ' ')}"
                     notes.append(f"{where}: measured {g} B, formula {e} B ({g - e:+d} B)")
     print(
-        "\nGoals: saved activations of 2D and 2.5D <= 1.15 x (single-process / P) "
-        "(the /(1/P) column); 1D keeps full activations outside its parallel regions; "
-        "communication = the formula (meas/formula 1.000)."
+        "\nGoals: saved activations of 2D and 2.5D <= 1.15 x (single-process / P), of 3D "
+        "= single-process / P (the /(1/P) column); 1D keeps full activations outside its "
+        "parallel regions; communication = the formula (meas/formula 1.000)."
     )
-    for mode in ("2D(4)", "2.5D(8,d=2)"):
+    for mode in ("2D(4)", "2.5D(8,d=2)", "3D(8)"):
         if mode in measured:
             p = MODES[mode][1]
-            x = max(r["figures"]["saved"] for r in measured[mode]) / (base.saved / p)
-            verdict = "met" if x <= 1.15 else "MISSED"
+            most = max(r["figures"]["saved"] for r in measured[mode])
+            x = most / (base.saved / p)
+            if is_cube(mode):
+                exact = most * p == base.saved
+                verdict = (
+                    "met (to the byte)" if exact else f"MISSED ({most * p - base.saved:+d} B x P)"
+                )
+            else:
+                verdict = "met" if x <= 1.15 else "MISSED"
             print(f"  {mode}: saved = {x:.3f} x (single-process / P): {verdict}")
     print(
         "\nMeasured against formula, exactly (bytes):"
@@ -380,13 +462,33 @@ def report(h: int, measured: dict[str, list[dict[str, Any]]], times: dict[str, f
 
 
 def variants_note(h: int, modes: list[str]) -> str:
-    """Which variant each Linear runs under the mesh modes, and whether tessera agrees."""
-    from tessera.layers import choose_algorithm
+    """Which variant each Linear runs under the mesh and cube modes, and whether tessera agrees."""
+    from tessera.layers import choose_algorithm, choose_cube_algorithm
 
-    lines = ["\nLinear variants (rows m per rank against in/q; weights stay when 2m < 3 in/q):"]
+    lines = [
+        "\nLinear variants (2D/2.5D: m rows per rank against in/q, weights stay when 2m < 3 "
+        "in/q;\n3D: n rows, k = in/q, o = out/q^2 per rank, weights stay when 3qnk + 2no < 3ok):"
+    ]
     for mode in modes:
         _, _, q, d = MODES[mode]
         if q == 0:
+            continue
+        if is_cube(mode):
+            n = BATCH * SEQ // (q * q)
+            blocks = [(i * h // q, o * h // (q * q)) for i, o in LINEARS]
+            picked = [cube_variant(n, k, o, q) for k, o in blocks]
+            tessera = [choose_cube_algorithm(n, k, o, q, backward=True) for k, o in blocks]
+            text = ", ".join(
+                f"{name} {v} ({3 * q * n * k + 2 * n * o} {'<' if v == 'stationary' else '>='} "
+                f"{3 * o * k})"
+                for name, v, (k, o) in zip(LINEAR_NAMES, picked, blocks, strict=True)
+            )
+            agree = "as tessera.layers.choose_cube_algorithm"
+            lines.append(
+                f"  {mode:<12} n = {n}: {text}\n{'':<15}("
+                + (agree if picked == tessera else "choose_cube_algorithm DIFFERS")
+                + ")"
+            )
             continue
         m = BATCH * SEQ // (d * q)
         picked = [variant(m, i * h // q) for i, _ in LINEARS]
@@ -439,19 +541,31 @@ def volume_note(h: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps of 1D(4) and 2D(4)")
+    parser.add_argument(
+        "--steps", type=int, default=20, help="timed steps of 1D(4) and 2D(4) (0: no timing)"
+    )
     parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=[m for m in MODES if m != "none"],
+        default=[m for m in MODES if m != "none"],
+        help="the tensor modes to measure (default: all); none is always measured",
+    )
     args = parser.parse_args()
     h = args.hidden
     torch.set_num_threads(1)
     block, x = build(h, None)
     measured: dict[str, list[dict[str, Any]]] = {"none": [measure(block, x, None)]}
-    four = run_ranks(worker, 4, ["1D(4)", "2D(4)"], h, args.steps)
-    for mode in ("1D(4)", "2D(4)"):
-        measured[mode] = [r[mode] for r in four]
-    eight = run_ranks(worker, 8, ["2.5D(8,d=2)"], h, 0)
-    measured["2.5D(8,d=2)"] = [r["2.5D(8,d=2)"] for r in eight]
-    times = {k: max(r["time"][k] for r in four) for k in ("1D(4)", "2D(4)")}
+    times: dict[str, float] = {}
+    for world in sorted({MODES[m][1] for m in args.modes}):  # one set of processes per size
+        modes = [m for m in MODES if m in args.modes and MODES[m][1] == world]
+        timed = args.steps if world == 4 and modes == ["1D(4)", "2D(4)"] else 0
+        ranks = run_ranks(worker, world, modes, h, timed)
+        for mode in modes:
+            measured[mode] = [r[mode] for r in ranks]
+        if timed:
+            times = {k: max(r["time"][k] for r in ranks) for k in ("1D(4)", "2D(4)")}
     report(h, measured, times)
 
 

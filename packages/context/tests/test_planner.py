@@ -30,6 +30,7 @@ from tessera.context.planner import (
 from tessera.context.planner.comm import (
     block_collectives,
     contributed_bytes,
+    cube_algorithm,
     linear_collectives,
     mesh_algorithm,
 )
@@ -59,13 +60,16 @@ Measured = tuple[Layout, int, int, int, int, dict[str, int]]
 #: ``cd benchmarks && ../.nox/bench/bin/python bench_layers_memory_comm.py --steps 2``:
 #: parameters, tensors saved for backward (SavedTensorMeter), bytes contributed to collectives
 #: in the forward and in the backward (TrafficCounter; the busiest rank: under 2D/2.5D a rank
-#: off the mesh diagonal), and rank 0's collective calls by kind. The run printed KiB (none
-#: 774.5 / 1058.0; 1D(4) 195.9 / 458.0 / 128.0 + 128.0; 2D(4) 195.2 / 264.5 / 257.0..369.0 +
-#: 370.0..594.0; 2.5D(8,d=2) 195.2 / 132.2 / 128.5..184.5 + 379.8..491.8), rank 0's calls
-#: (1D(4) all_reduce 4; 2D(4) all_reduce 4, batch_isend_irecv 22; 2.5D(8,d=2) all_reduce 8,
-#: batch_isend_irecv 22) and "Every figure equals its formula to the byte" (every rank against
-#: the formula of its mesh position), so the bytes below are its formula() values. Every 2D
-#: and 2.5D Linear keeps its weights here (m = 64 or 32 rows < 1.5 in/q).
+#: off the mesh diagonal; every 3D rank sends the same), and rank 0's collective calls by
+#: kind. The run printed KiB (none 774.5 / 1058.0; 1D(4) 195.9 / 458.0 / 128.0 + 128.0; 2D(4)
+#: 195.2 / 264.5 / 257.0..369.0 + 370.0..594.0; 2.5D(8,d=2) 195.2 / 132.2 / 128.5..184.5 +
+#: 379.8..491.8; 3D(8) 99.2 / 132.2 / 224.5 + 363.2), rank 0's calls (1D(4) all_reduce 4;
+#: 2D(4) all_reduce 4, batch_isend_irecv 22; 2.5D(8,d=2) all_reduce 8, batch_isend_irecv 22;
+#: 3D(8) all_reduce 4, batch_isend_irecv 32) and "Every figure equals its formula to the
+#: byte" (every rank against the formula of its mesh position), so the bytes below are its
+#: formula() values. Every 2D and 2.5D Linear keeps its weights here (m = 64 or 32 rows < 1.5
+#: in/q); under 3D (n = 32 rows, k = in/q, o = out/q^2) fc1 keeps its weights (3qnk + 2no =
+#: 20480 < 3ok = 24576) and qkv (18432 = 18432), proj and fc2 move their operands.
 MEASURED: dict[str, Measured] = {
     "none": (Layout(1, 1, 1, "none"), 793088, 1083392, 0, 0, {}),
     "1D(4)": (Layout(1, 1, 4, "1d"), 200576, 468992, 131072, 131072, {"all_reduce": 4}),
@@ -85,14 +89,23 @@ MEASURED: dict[str, Measured] = {
         503552,
         {"all_reduce": 8, "batch_isend_irecv": 22},
     ),
+    "3D(8)": (
+        Layout(1, 1, 8, "3d"),
+        101632,
+        135424,
+        229888,
+        371968,
+        {"all_reduce": 4, "batch_isend_irecv": 32},
+    ),
 }
 
 #: The same block at hidden 32 (``... bench_layers_memory_comm.py --steps 1 --hidden 32``),
-#: where qkv, proj and fc1 run SUMMA (m = 64 or 32 rows >= 1.5 in/q = 24) and fc2 keeps its
-#: weights (1.5 in/q = 96). The run printed KiB (2D(4) 12.8 / 72.5 / 41.0..57.0 +
-#: 77.8..109.8; 2.5D(8,d=2) 12.8 / 36.2 / 24.5..32.5 + 59.8..75.8), rank 0's calls (2D(4)
-#: all_reduce 4, batch_isend_irecv 25; 2.5D(8,d=2) all_reduce 8, batch_isend_irecv 25) and
-#: "Every figure equals its formula to the byte".
+#: where qkv, proj and fc1 run SUMMA (m = 64 or 32 rows >= 1.5 in/q = 24), fc2 keeps its
+#: weights (1.5 in/q = 96) and every 3D Linear moves its operands (3qnk + 2no >= 3ok). The
+#: run printed KiB (2D(4) 12.8 / 72.5 / 41.0..57.0 + 77.8..109.8; 2.5D(8,d=2) 12.8 / 36.2 /
+#: 24.5..32.5 + 59.8..75.8; 3D(8) 6.8 / 36.2 / 38.5 + 59.3), rank 0's calls (2D(4)
+#: all_reduce 4, batch_isend_irecv 25; 2.5D(8,d=2) all_reduce 8, batch_isend_irecv 25; 3D(8)
+#: all_reduce 4, batch_isend_irecv 34) and "Every figure equals its formula to the byte".
 BENCH_BLOCK_32 = replace(BENCH_BLOCK, hidden=32)
 MEASURED_32: dict[str, Measured] = {
     "2D(4)": (
@@ -111,11 +124,37 @@ MEASURED_32: dict[str, Measured] = {
         77632,
         {"all_reduce": 8, "batch_isend_irecv": 25},
     ),
+    "3D(8)": (
+        Layout(1, 1, 8, "3d"),
+        6976,
+        37120,
+        39424,
+        60736,
+        {"all_reduce": 4, "batch_isend_irecv": 34},
+    ),
+}
+
+#: 3D(8) at hidden 384 (``... bench_layers_memory_comm.py --steps 0 --hidden 384 --modes
+#: '3D(8)'``), where every 3D Linear keeps its weights (e.g. fc2: 3qnk + 2no = 153600 < 3ok =
+#: 221184). The run printed KiB 3D(8) 873.8 / 388.2 / 828.5 + 1338.9, rank 0's calls
+#: all_reduce 4, batch_isend_irecv 26, and "Every figure equals its formula to the byte".
+BENCH_BLOCK_384 = replace(BENCH_BLOCK, hidden=384)
+MEASURED_384: dict[str, Measured] = {
+    "3D(8)": (
+        Layout(1, 1, 8, "3d"),
+        894720,
+        397568,
+        848384,
+        1371008,
+        {"all_reduce": 4, "batch_isend_irecv": 26},
+    ),
 }
 
 CASES = [(BENCH_BLOCK, *MEASURED[mode]) for mode in MEASURED]
 CASES += [(BENCH_BLOCK_32, *MEASURED_32[mode]) for mode in MEASURED_32]
+CASES += [(BENCH_BLOCK_384, *MEASURED_384[mode]) for mode in MEASURED_384]
 CASE_IDS = list(MEASURED) + [f"{mode}-hidden32" for mode in MEASURED_32]
+CASE_IDS += [f"{mode}-hidden384" for mode in MEASURED_384]
 
 
 @pytest.mark.parametrize(
@@ -173,10 +212,27 @@ def test_mesh_linear_variant_follows_tessera_rule() -> None:
     assert {c.kind for c in travel} == {"all_gather", "reduce_scatter"}
 
 
+def test_cube_linear_variant_follows_tessera_rule() -> None:
+    """Weights stay while 3qnk + 2no < 3ok (tessera.layers.choose_cube_algorithm in training)."""
+    # qkv of the benchmark's block at hidden 128 on 3d(8): n = 32 rows, k = 64, o = 96
+    assert cube_algorithm(32, 64, 96, 2) == "gathered"  # 18432 = 18432
+    assert cube_algorithm(32, 64, 97, 2) == "stationary"  # 18496 < 18624
+    layout = Layout(1, 1, 8, "3d")
+    stay = linear_collectives(layout, 32, 128, 4 * 128, FP32)  # fc1: o = 128
+    travel = linear_collectives(layout, 32, 128, 3 * 128, FP32)
+    assert {c.kind for c in stay} == {"all_gather", "all_to_all", "reduce_scatter"}  # NCCL
+    assert {c.kind for c in travel} == {"all_gather", "reduce_scatter"}
+    # the weights-stay variant's exchanges span a plane of q^2 ranks, the bias's gather q
+    assert sorted(c.group for c in stay) == [2, 4, 4, 4, 4, 4]
+    # an all-to-all contributes the blocks addressed to the others: [q^2, n, o] less its own
+    (forward,) = [c for c in stay if c.kind == "all_to_all" and c.phase == "forward"]
+    assert forward.contributed == 4 * 3 * 32 * 128
+
+
 def test_nccl_and_gloo_move_the_same_bytes_on_the_wire() -> None:
     """Pairwise sends and NCCL's collectives differ in calls' kinds and contributed bytes only."""
     for layout in (Layout(1, 1, 4, "2d"), Layout(1, 1, 8, "2.5d", 2), Layout(1, 1, 8, "3d")):
-        for shape in (BENCH_BLOCK, BENCH_BLOCK_32):
+        for shape in (BENCH_BLOCK, BENCH_BLOCK_32, BENCH_BLOCK_384):
             nccl = block_collectives(shape, layout, shape.batch, FP32, backend="nccl")
             gloo = block_collectives(shape, layout, shape.batch, FP32, backend="gloo")
             assert sum(c.wire for c in nccl) == pytest.approx(sum(c.wire for c in gloo))

@@ -16,10 +16,11 @@ The collectives of each tensor mode are those of the algorithms tessera-layers r
 the mode's paper; see :func:`block_collectives`. Two exchanges carry most of the tensor-parallel
 traffic, and how they travel depends on the backend (``tessera.layers.inflight``): *gather
 blocks* (every rank gets every rank's block) and *scatter blocks* (rank ``l`` gets the sum of
-every rank's block ``l``). NCCL runs them as an all-gather and a reduce-scatter; gloo sends
-each of the other ``n - 1`` ranks its block, all posted at once in one ``batch_isend_irecv``
-(a ``send`` here). The bytes on the wire are the same ``n - 1`` blocks either way; the bytes
-contributed and the kinds of call differ.
+every rank's block ``l``), and 3d's weights-stay variant adds *all-to-all blocks* (rank ``l``
+gets every rank's block ``l``). NCCL runs them as an all-gather, a reduce-scatter and an
+all-to-all; gloo sends each of the other ``n - 1`` ranks its block, all posted at once in one
+``batch_isend_irecv`` (a ``send`` here). The bytes on the wire are the same ``n - 1`` blocks
+either way; the bytes contributed and the kinds of call differ.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "Collective",
     "block_collectives",
     "contributed_bytes",
+    "cube_algorithm",
     "data_collectives",
     "head_collectives",
     "linear_collectives",
@@ -48,6 +50,7 @@ KINDS: tuple[str, ...] = (
     "all_reduce",
     "reduce_scatter",
     "all_gather",
+    "all_to_all",
     "broadcast",
     "reduce",
     "send",
@@ -70,7 +73,8 @@ class Collective:
             (one ``batch_isend_irecv``).
         group: Ranks in the group (for ``send``: 2, a sender and a receiver at a time).
         nbytes: One call's buffer: the all-reduce / reduce / broadcast buffer, the input of a
-            reduce-scatter, the output of an all-gather, every tensor one batch of sends sends.
+            reduce-scatter or an all-to-all, the output of an all-gather, every tensor one
+            batch of sends sends.
         calls: How many such calls a rank makes.
         phase: ``"forward"``, ``"backward"`` or ``"step"`` (gradient synchronization).
     """
@@ -93,11 +97,14 @@ class Collective:
 
         A broadcast counts only where this rank is the source: the planner's broadcasts
         rotate the source through the group (SUMMA's panels), so ``calls / group`` of them.
+        An all-to-all counts the blocks addressed to the other ranks, ``(n-1)/n`` of its input.
         """
         if self.kind == "all_gather":
             return self.calls * self.nbytes // self.group
         if self.kind == "broadcast":
             return self.calls * self.nbytes // self.group
+        if self.kind == "all_to_all":
+            return self.calls * self.nbytes * (self.group - 1) // self.group
         return self.calls * self.nbytes
 
     @property
@@ -106,7 +113,7 @@ class Collective:
         n = self.group
         if self.kind == "send":
             factor = 1.0
-        elif self.kind in ("reduce_scatter", "all_gather"):
+        elif self.kind in ("reduce_scatter", "all_gather", "all_to_all"):
             factor = (n - 1) / n
         else:  # all_reduce, broadcast, reduce
             factor = 2 * (n - 1) / n
@@ -136,6 +143,13 @@ def _scatter(backend: str, group: int, block: int, phase: str = "forward") -> Co
     return Collective("reduce_scatter", group, group * block, phase=phase)
 
 
+def _all_to_all(backend: str, group: int, block: int, phase: str = "forward") -> Collective:
+    """``group`` blocks of ``block`` bytes, block ``l`` to rank ``l`` of ``group`` (all-to-all)."""
+    if backend == "gloo":
+        return Collective("send", 2, (group - 1) * block, phase=phase)
+    return Collective("all_to_all", group, group * block, phase=phase)
+
+
 def mesh_algorithm(rows: int, in_block: int) -> str:
     """The variant a 2d / 2.5d ``Linear`` runs in training on ``rows`` rows, ``in/q`` features.
 
@@ -145,6 +159,20 @@ def mesh_algorithm(rows: int, in_block: int) -> str:
     n_out/q^2``).
     """
     return "stationary" if 2 * rows < 3 * in_block else "summa"
+
+
+def cube_algorithm(rows: int, in_block: int, out_block: int, q: int) -> str:
+    """The variant a 3d ``Linear`` runs in training on ``rows`` rows (``tessera.layers``' rule).
+
+    ``"stationary"`` (the weights stay) when ``3 q n k + 2 n o < 3 o k``, else ``"gathered"``
+    (the operands travel), with ``n = rows``, ``k = in/q`` (``in_block``) and ``o = out/q^2``
+    (``out_block``): ``tessera.layers.choose_cube_algorithm`` with a backward, which compares
+    the elements each variant sends in a step, ``(q^2 - 1)(3 n k + 2 n o)`` against ``(q -
+    1)(3 n k + 2 n o q + 3 o k)`` (the bias gradient's ``(q - 1) o`` or ``(q - 1) q o``
+    aside).
+    """
+    n, k, o = rows, in_block, out_block
+    return "stationary" if 3 * q * n * k + 2 * n * o < 3 * o * k else "gathered"
 
 
 def linear_collectives(
@@ -174,31 +202,29 @@ def linear_collectives(
     * 2.5d (Wang et al. 2021, section 3): the weight and bias gradients also summed over the
       ``d`` layers in one all-reduce.
 
-    3d (``q^3`` cube; Bian et al. 2021, section 3; ``tessera.layers.cube_linear()``'s operands
-    travel): forward, the input gathered over ``q`` batch blocks and the weight over the
-    weight axis, then the partial product ``[q rows, n_out/q]`` scattered; backward, the
-    output gradient, the weight and the input gathered, ``dX`` and ``dW`` scattered, and the
-    bias gradient all-reduced over the ``q^2`` batch group.
+    3d (``q^3`` cube; ``tessera.layers.cube_linear()``), with ``n = rows`` rows, ``k =
+    n_in/q`` input features and ``o = n_out/q^2`` weight rows per rank, the variant that sends
+    less (:func:`cube_algorithm`):
+
+    * the operands travel (Bian et al. 2021, section 3): forward, the input ``[n, k]``
+      gathered over the ``q`` ranks of the other batch axis and the weight ``[o, k]`` over the
+      weight axis, the partial product ``[q n, n_out/q]`` scattered over the hidden axis;
+      backward, the output gradient, the weight and the input gathered again, ``dX``
+      scattered over the batch axis and ``dW`` over the weight axis, each chunk carrying the
+      partial bias gradient ``[n_out/q]``;
+    * the weights stay: forward, the input gathered over the input plane (the ``q^2`` ranks
+      of its batch group) and the partial outputs ``[q^2, n, o]`` sent all-to-all over the
+      output plane; backward, the output gradient all-to-all back, the input gathered again,
+      the partial ``dX`` ``[q^2, n, k]`` scattered over the input plane, ``dW`` complete, and
+      the complete bias slices ``[o]`` gathered over the weight axis.
 
     Gathers and scatters are all-gathers and reduce-scatters under ``backend="nccl"``, sends
     to each other rank under ``"gloo"`` (see the module docstring). Gradients inside these
     products are in the compute dtype (``precision.activation``).
     """
-    q, e, g = layout.side, precision.activation, precision.gradient
+    q, e = layout.side, precision.activation
     if layout.mode == "3d":
-        x, y = _ceil(rows * n_in, q), _ceil(rows * n_out, q)  # [rows, n_in/q], [rows, n_out/q]
-        w = _ceil(n_in * n_out, q**3)  # [n_out/q^2, n_in/q]
-        return [
-            _gather(backend, q, e * x),
-            _gather(backend, q, e * w),
-            _scatter(backend, q, e * y),
-            _gather(backend, q, e * y, "backward"),
-            _gather(backend, q, e * w, "backward"),
-            _gather(backend, q, e * x, "backward"),
-            _scatter(backend, q, e * x, "backward"),
-            _scatter(backend, q, e * w, "backward"),
-            Collective("all_reduce", q * q, g * _ceil(n_out, q), phase="backward"),
-        ]
+        return _cube_linear_collectives(q, rows, n_in, n_out, e, backend)
     x, y = _ceil(rows * n_in, q), _ceil(rows * n_out, q)
     w, b = _ceil(n_in * n_out, q * q), _ceil(n_out, q)
     if mesh_algorithm(rows, n_in // q) == "stationary":
@@ -221,6 +247,34 @@ def linear_collectives(
     if layout.depth > 1:
         found.append(Collective("all_reduce", layout.depth, e * (w + b), phase="backward"))
     return found
+
+
+def _cube_linear_collectives(
+    q: int, rows: int, n_in: int, n_out: int, e: int, backend: str
+) -> list[Collective]:
+    """A 3d ``Linear(n_in, n_out)`` on ``rows`` rows, ``e`` bytes per element (see above)."""
+    k, o, plane = _ceil(n_in, q), _ceil(n_out, q * q), q * q
+    x, w = rows * k, o * k  # [n, k] input block, [o, k] weight block
+    if cube_algorithm(rows, k, o, q) == "stationary":
+        return [
+            _gather(backend, plane, e * x),
+            _all_to_all(backend, plane, e * rows * o),
+            _all_to_all(backend, plane, e * rows * o, "backward"),
+            _gather(backend, plane, e * x, "backward"),
+            _gather(backend, q, e * o, "backward"),
+            _scatter(backend, plane, e * x, "backward"),
+        ]
+    y, b = rows * q * o, q * o  # [n, n_out/q] output block, [n_out/q] bias
+    return [
+        _gather(backend, q, e * x),
+        _gather(backend, q, e * w),
+        _scatter(backend, q, e * y),
+        _gather(backend, q, e * y, "backward"),
+        _gather(backend, q, e * w, "backward"),
+        _gather(backend, q, e * x, "backward"),
+        _scatter(backend, q, e * x, "backward"),
+        _scatter(backend, q, e * (w + b), "backward"),
+    ]
 
 
 def _layer_norm_collectives(
