@@ -7,7 +7,7 @@ Python standard library's source, character by character. Nothing in this script
 layout: ``parallelize`` converts the model for the config's tensor mode (cutting every shard
 from the plain model's weights), ``causal_lm_loss`` takes the split logits, and the engine
 adds data parallelism, gradient handlers and clipping. With a pipeline, ``pipeline_layers``
-restates the (Llama) model as layers and ``build_pipeline_model`` keeps this rank's stage.
+restates the model (Llama, GPT-2) as layers and ``build_pipeline_model`` keeps this rank's stage.
 Every layout starts from the same weights and reads the same batches, so the loss curves
 agree with one process
 (``examples/hf/parity.py`` runs them side by side). At the end the full state dict is

@@ -1,5 +1,6 @@
 # Pipeline x 1D: 2 stages (1F1B, 4 microbatches), each split over 2 tensor ranks (4 ranks).
-# Pipelines take the Llama (--set model.kind=llama): its head is not tied to its embedding.
+# GPT-2 (--set model.kind=gpt2) works too: its head, tied to the embedding, sits on the last
+# stage, a copy of the first stage's embedding; the engine sums the two copies' gradients.
 parallel = dict(pipeline=2, tensor=dict(size=2, mode="1d"))
 model = dict(kind="llama")
 NUM_MICRO_BATCHES = 4

@@ -143,3 +143,18 @@ def test_is_frozen_and_hashable() -> None:
     with pytest.raises(AttributeError):
         info.offsets = (1,)  # type: ignore[misc]
     assert hash(info) == hash(ShardInfo((2,), (0,), (2,), ((),)))
+
+
+def test_pipeline_shared_mark() -> None:
+    """The tie key layers write on a weight two stages hold; a second, other key is refused."""
+    from tessera.context import mark_pipeline_shared, pipeline_shared_key
+
+    weight = torch.nn.Parameter(torch.zeros(4, 2))
+    assert pipeline_shared_key(weight) is None
+    mark_pipeline_shared(weight, "transformer.wte.weight")
+    mark_pipeline_shared(weight, "transformer.wte.weight")  # the same key again: fine
+    assert pipeline_shared_key(weight) == "transformer.wte.weight"
+    with pytest.raises(ValueError, match=r"\[4, 2\] is already tied under 'transformer.wte"):
+        mark_pipeline_shared(weight, "lm_head.weight")
+    with pytest.raises(ValueError, match="non-empty string"):
+        mark_pipeline_shared(torch.zeros(1), "")

@@ -111,25 +111,36 @@ def _tied_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
 
 
-def _pipeline_tied(clip: float) -> dict[str, Any]:
+def _pipeline_tied(clip: float, built_by: str) -> dict[str, Any]:
+    """Two stages sharing a weight; the handler configured by hand, or added by initialize."""
     ctx = create_context(dict(parallel=dict(pipeline=2)), timeout=60)  # dp2 x pp2 on 4 ranks
     try:
         d, p = ctx.get_local_rank(M.DATA), ctx.get_local_rank(M.PIPELINE)
         # the last stage starts from a different copy: the handler must equalize them
         stage: nn.Module = _Stage0(_tied_w(0)) if p == 0 else _Stage1(_tied_w(99))
         mark_pipeline_shared(stage.w, "embedding")
-        handlers = [
-            DataParallelGradientHandler(stage, context=ctx),
-            PipelineSharedModuleGradientHandler(stage, context=ctx),
-        ]
-        engine = Engine(
-            stage,
-            torch.optim.SGD(stage.parameters(), lr=0.1),
-            nn.MSELoss(),
-            gradient_handlers=handlers,
-            clip_grad_norm=clip,
-            context=ctx,
-        )
+        optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
+        if built_by == "initialize":  # no handler configured: every pipeline job gets it
+            config = dict(NUM_MICRO_BATCHES=1, clip_grad_norm=clip)
+            engine, *_ = initialize(stage, optimizer, nn.MSELoss(), config=config, context=ctx)
+            handlers = engine.gradient_handlers
+            assert [type(h) for h in handlers] == [
+                DataParallelGradientHandler,
+                PipelineSharedModuleGradientHandler,
+            ]
+        else:
+            handlers = [
+                DataParallelGradientHandler(stage, context=ctx),
+                PipelineSharedModuleGradientHandler(stage, context=ctx),
+            ]
+            engine = Engine(
+                stage,
+                optimizer,
+                nn.MSELoss(),
+                gradient_handlers=handlers,
+                clip_grad_norm=clip,
+                context=ctx,
+            )
         peer = ctx.get_next_global_rank(M.PIPELINE)
         for step in range(2):
             x, t = _tied_data(step)
@@ -159,9 +170,15 @@ def _pipeline_tied(clip: float) -> dict[str, Any]:
         ctx.destroy()
 
 
-@pytest.mark.parametrize("clip", [0.0, 0.05], ids=["noclip", "clip"])
-def test_pipeline_shared_handler_ties_first_and_last_stage(dist: Any, clip: float) -> None:
-    results = dist.run(_pipeline_tied, world_size=4, args=(clip,), timeout=120)
+@pytest.mark.parametrize(
+    ("clip", "built_by"),
+    [(0.0, "hand"), (0.05, "hand"), (0.0, "initialize")],
+    ids=["noclip", "clip", "added-by-initialize"],
+)
+def test_pipeline_shared_handler_ties_first_and_last_stage(
+    dist: Any, clip: float, built_by: str
+) -> None:
+    results = dist.run(_pipeline_tied, world_size=4, args=(clip, built_by), timeout=120)
     s0, s1 = _Stage0(_tied_w(0)), _Stage1(_tied_w(0))
     s1.w = s0.w  # one tied parameter in the single-process reference
     params = [s0.w, s0.b, s1.c]

@@ -94,7 +94,8 @@ def test_pipeline_engine_equals_single_process(dist: Any, case: str) -> None:
     seen: set[int] = set()
     for r in results:
         assert r["schedule"] == schedule
-        assert r["handlers"] == (["DataParallelGradientHandler"] if world == 4 else [])
+        data = ["DataParallelGradientHandler"] if world == 4 else []
+        assert r["handlers"] == [*data, "PipelineSharedModuleGradientHandler"]
         for idx, params in r["layers"].items():
             seen.add(idx)
             for got, want in zip(params, ref[idx].parameters(), strict=True):

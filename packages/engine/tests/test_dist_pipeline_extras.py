@@ -192,7 +192,10 @@ def test_zero1_with_pipeline_equals_reference_and_splits_state(dist: Any) -> Non
     _check_layers(results, _reference("adam", 3)[0], 1e-5)
     for r in results:
         assert r["optimizer"] == "ZeroRedundancyOptimizer"
-        assert r["handlers"] == ["DataParallelGradientHandler"]
+        assert r["handlers"] == [
+            "DataParallelGradientHandler",
+            "PipelineSharedModuleGradientHandler",
+        ]
     for stage in (0, 1):
         held = [r for r in results if r["stage"] == stage]
         # the two data ranks of a stage split that stage's Adam state between them

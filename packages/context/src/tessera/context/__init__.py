@@ -48,6 +48,7 @@ from tessera.context.seeds import (
     set_seed,
 )
 from tessera.context.shard import ShardInfo, get_shard_info, set_shard_info
+from tessera.context.tied import PIPELINE_SHARED_ATTR, mark_pipeline_shared, pipeline_shared_key
 from tessera.registry import ConfigError
 
 __all__ = [
@@ -101,6 +102,10 @@ __all__ = [
     "ShardInfo",
     "set_shard_info",
     "get_shard_info",
+    # weights tied across pipeline stages
+    "PIPELINE_SHARED_ATTR",
+    "mark_pipeline_shared",
+    "pipeline_shared_key",
     # the layout planner (torch-free arithmetic; python -m tessera.context plan)
     "ModelShape",
     "Machine",

@@ -18,7 +18,9 @@ offload=False)``           and optimizer state sharded, 3: also parameters; offl
 ``gradient_accumulation``  N micro-steps per optimizer (and lr-scheduler) step
 ``clip_grad_norm``         clip to this global norm (ShardInfo-aware, every layout)
 ``gradient_handlers``      ``[dict(type="DataParallelGradientHandler"), ...]``; default:
-                           torch DDP for plain data parallelism, else the matching handler
+                           torch DDP for plain data parallelism, else the matching handler;
+                           with a pipeline, ``PipelineSharedModuleGradientHandler`` is always
+                           added (weights tied across stages, ``mark_pipeline_shared``)
 ``ddp=dict(...)``          extra keywords of DistributedDataParallel
 ``schedule=dict(type=..)`` a schedule from the SCHEDULES registry; default: see below
 ``NUM_MICRO_BATCHES``,     with pipeline size > 1: ``PipelineSchedule`` (1F1B), or
@@ -70,6 +72,7 @@ from .engine import Engine
 from .gradient_handlers import (
     BaseGradientHandler,
     DataParallelGradientHandler,
+    PipelineSharedModuleGradientHandler,
     SequenceParallelGradientHandler,
 )
 from .loss_scaler import DynamicLossScaler
@@ -299,6 +302,13 @@ def _initialize(
                 forward_model = nn.parallel.DistributedDataParallel(
                     forward_model, process_group=ctx.get_group(ParallelMode.DATA), **ddp_kwargs
                 )
+        if pipeline_size > 1 and not any(
+            isinstance(h, PipelineSharedModuleGradientHandler) for h in handlers
+        ):
+            # weights tied across stages (mark_pipeline_shared): without their summed gradient
+            # the copies would drift apart, silently; a job without ties pays one small
+            # exchange at construction, nothing per step
+            handlers.append(PipelineSharedModuleGradientHandler(forward_model, optimizer, ctx))
     if zero_stage == 1:
         assert ctx is not None
         optimizer = zero_redundancy_optimizer(optimizer, ctx)

@@ -7,7 +7,8 @@ a group made of exactly those two ranks (per data and tensor coordinate), as Meg
 with its embedding group (Narayanan et al. 2021), gives both copies the full gradient, and
 identical initial values plus identical updates keep them equal.
 
-Mark the copies with ``mark_pipeline_shared(param, key)`` on both stages; the keys pair them.
+Mark the copies with ``mark_pipeline_shared(param, key)`` (tessera.context, re-exported here) on
+both stages; the keys pair them. ``initialize`` adds this handler to every pipeline job.
 """
 
 from __future__ import annotations
@@ -16,20 +17,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.context import ParallelContext
+from tessera.context import (
+    PIPELINE_SHARED_ATTR,
+    ParallelContext,
+    mark_pipeline_shared,
+    pipeline_shared_key,
+)
 
 from ..buckets import all_reduce_coalesced, broadcast_coalesced
 from .base import BaseGradientHandler, ModelLike
 
 __all__ = ["PIPELINE_SHARED_ATTR", "PipelineSharedModuleGradientHandler", "mark_pipeline_shared"]
-
-#: The attribute ``mark_pipeline_shared`` sets on a parameter: its tie key.
-PIPELINE_SHARED_ATTR = "_tessera_pipeline_shared"
-
-
-def mark_pipeline_shared(param: torch.Tensor, key: str = "embedding") -> None:
-    """Mark ``param`` as this stage's copy of the weight tied under ``key``."""
-    setattr(param, PIPELINE_SHARED_ATTR, key)
 
 
 class PipelineSharedModuleGradientHandler(BaseGradientHandler):
@@ -60,8 +58,8 @@ class PipelineSharedModuleGradientHandler(BaseGradientHandler):
             raise RuntimeError("PipelineSharedModuleGradientHandler needs a ParallelContext")
         shared: dict[str, nn.Parameter] = {}
         for p in self.parameters():
-            key = getattr(p, PIPELINE_SHARED_ATTR, None)
-            if isinstance(key, str):
+            key = pipeline_shared_key(p)
+            if key is not None:
                 if key in shared and shared[key] is not p:
                     raise RuntimeError(f"two parameters on this stage are marked with key {key!r}")
                 shared[key] = p

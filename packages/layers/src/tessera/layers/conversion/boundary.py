@@ -11,6 +11,9 @@ A model someone else wrote takes full inputs. ``parallelize`` installs hooks so 
 * Under 1D sequence parallelism (Korthikanti et al. 2022) the input of the plan's first block
   is split along the sequence and the output of its last module gathered, so the norms and
   residual adds in between run on ``[b, s/p, h]``.
+* ``"images"`` models (a ViT) take the whole batch of images; under ``'sequence'`` each rank
+  embeds them whole, its blocks run on its chunk of the tokens, and the final norm's output
+  is gathered so the head reads the class token (:func:`_install_token_span`).
 
 Language-model logits stay split (by vocabulary in 1D, by batch on the mesh) and
 :func:`causal_lm_loss` computes the loss from them without gathering.
@@ -47,7 +50,13 @@ __all__ = ["causal_lm_loss", "gather_logits", "install_boundary", "token_loss"]
 BATCH_KWARGS = ("input_ids", "attention_mask", "token_type_ids")
 
 
-def _split_rows(name: str, value: Any, context: ParallelContext) -> Any:
+def rank_rows(name: str, value: Any, context: ParallelContext) -> Any:
+    """This rank's rows of the model input ``name`` under a mode that splits the batch.
+
+    Non-tensors pass unchanged, as does one row of ``position_ids`` (broadcast over the
+    batch). Under 3d an ``attention_mask`` takes layout ``"z"``'s rows and is ``None`` when
+    nothing is padded.
+    """
     if not isinstance(value, torch.Tensor):
         return value
     if name == "position_ids" and value.shape[0] == 1:
@@ -72,13 +81,12 @@ def _split_rows(name: str, value: Any, context: ParallelContext) -> Any:
 def _image_inputs(
     args: tuple[Any, ...], kwargs: dict[str, Any], context: ParallelContext, mode: str, owner: str
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Images: this rank's rows where the mode splits the batch, else the whole batch."""
-    if mode == "sequence":
-        raise ValueError(
-            f"{owner} under tensor mode 'sequence': an image classifier reads the class token, "
-            "which lives on one rank's chunk of the sequence; use a 1d, 2d, 2.5d or 3d layout"
-        )
-    if mode == "1d":
+    """Images: this rank's rows where the mode splits the batch, else the whole batch.
+
+    Under ``'sequence'`` every rank embeds the whole images; the tokens are split after the
+    embedding (:func:`_install_token_span`).
+    """
+    if mode in ("1d", "sequence"):
         return args, kwargs
     if args:
         args = (split_batch(args[0], context), *args[1:])
@@ -173,14 +181,21 @@ def install_boundary(
                 "inputs_embeds (the embedding makes the mode's layout)"
             )
         args = tuple(
-            _split_rows("input_ids", a, context) if i == 0 else a for i, a in enumerate(args)
+            rank_rows("input_ids", a, context) if i == 0 else a for i, a in enumerate(args)
         )
         for key in (*BATCH_KWARGS, "position_ids"):
             if key in kwargs:
-                kwargs[key] = _split_rows(key, kwargs[key], context)
+                kwargs[key] = rank_rows(key, kwargs[key], context)
         return args, kwargs
 
     model.register_forward_pre_hook(before, with_kwargs=True)
+    if plan.boundary == "images" and mode == "sequence":
+        if plan.sequence_span is None:
+            raise ValueError(
+                f"parallelize: the {plan.name} names no sequence_span (the blocks whose tokens "
+                "tensor mode 'sequence' splits), so its images cannot run under 'sequence'"
+            )
+        _install_token_span(model, plan.sequence_span, context)
     if plan.boundary == "features":
 
         def after(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -267,6 +282,46 @@ def _install_sequence_span(
     last.register_forward_hook(leave)
 
 
+def _install_token_span(model: nn.Module, span: tuple[str, str], context: ParallelContext) -> None:
+    """Tensor mode 'sequence' for a model that makes its tokens itself (a ViT).
+
+    Every rank embeds the whole image (patches, class token, positions); the input of
+    ``span[0]`` keeps this rank's chunk of the tokens and the output of ``span[1]`` is
+    gathered whole, so the head reads the class token wherever it lives.
+
+    The gradients follow the convention of the sequence handler (each rank's gradient is N
+    times its share; the handler sums over SEQUENCE and divides by N): the split is a plain
+    slice (its backward pads this rank's chunk with zeros: the embedding's gradient is this
+    rank's tokens' share), and the gather's backward reduce-scatters (every rank's head
+    computed the same loss, so each chunk gets N times its gradient).
+    """
+    group = context.get_group(ParallelMode.SEQUENCE)
+    world = context.get_world_size(ParallelMode.SEQUENCE)
+    rank = context.get_local_rank(ParallelMode.SEQUENCE)
+    first, last = (model.get_submodule(name) for name in span)
+
+    def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x, replace = _hidden_states(args, kwargs, span[0])
+        check_divisible(
+            x.shape[1],
+            world,
+            f"tensor mode 'sequence': the {x.shape[1]} tokens of {list(x.shape)} (patches and "
+            "class token)",
+        )
+        return replace(x.chunk(world, 1)[rank])  # [b, s/N, h]
+
+    def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if not isinstance(output, torch.Tensor):
+            raise ValueError(
+                f"tensor mode 'sequence': {span[1]!r} returned {type(output).__name__}; the end "
+                "of a sequence_span of an image model must return the hidden states"
+            )
+        return gather_along_dim(output, 1, group, partial_grad=True)  # [b, s, h]
+
+    first.register_forward_pre_hook(enter, with_kwargs=True)
+    last.register_forward_hook(leave)
+
+
 def causal_lm_loss(
     logits: torch.Tensor,
     input_ids: torch.Tensor,
@@ -308,7 +363,8 @@ def token_loss(
     Args:
         logits: ``[b, s, V]`` without tensor parallelism, ``[b, s, V/p]`` (split by
             vocabulary) in 1D, ``[b/(depth q), s, V]`` in 2D/2.5D, ``[b/q^2, s, V]`` in 3D,
-            ``[b, s/N, V]`` under ``'sequence'``.
+            ``[b, s/N, V]`` under ``'sequence'`` (an image classifier's ``[b, C]`` whole
+            there: it read the gathered class token).
         targets: The whole batch's target ids, aligned with the logits' leading dims
             (``[b, s]``, or ``[b]`` for one class per sample).
         ignore_index: Targets that count for nothing.
@@ -321,7 +377,8 @@ def token_loss(
     ctx = current_or_none(context)
     mode = tensor_mode(ctx)
     local = targets
-    if ctx is not None and mode == "sequence":
+    whole = mode == "sequence" and logits.dim() == 2  # one class per sample: every token read
+    if ctx is not None and mode == "sequence" and not whole:
         local = split_sequence_activation(targets, ctx)
     elif ctx is not None and mode in ("2d", "2.5d", "3d"):
         local = split_batch(targets, ctx)
@@ -330,7 +387,7 @@ def token_loss(
             f"token loss under tensor mode {mode!r}: logits {list(logits.shape)} do not match "
             f"this rank's targets {list(local.shape)} (pass the whole batch's targets)"
         )
-    if ctx is None or mode is None:
+    if ctx is None or mode is None or whole:
         return F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), local.reshape(-1), ignore_index=ignore_index
         )
@@ -392,6 +449,8 @@ def gather_logits(logits: torch.Tensor, *, context: ParallelContext | None = Non
             return logits.detach()
         if mode == "1d":
             return gather_along_dim(logits, -1, ctx.get_group(ParallelMode.PARALLEL_1D))
+        if mode == "sequence" and logits.dim() == 2:
+            return logits.detach()  # [b, C]: an image classifier's, whole on every rank
         if mode == "sequence":
             return gather_along_dim(logits, 1, ctx.get_group(ParallelMode.SEQUENCE))
         grid = cube_of(ctx) if mode == "3d" else mesh_of(ctx, mode)

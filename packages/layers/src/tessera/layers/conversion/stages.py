@@ -1,14 +1,23 @@
-"""A parallelized transformers language model as a sequence of layers, for pipeline stages.
+"""A parallelized transformers model as a sequence of layers, for pipeline stages.
 
 A pipeline (``tessera.pipeline.build_pipeline_model``) cuts a model given as a sequence of
-layers, each taking and returning one tensor. transformers' models are one ``forward`` that
-also computes positions, masks and rotary embeddings, so :func:`pipeline_layers` re-states a
-Llama as ``[embed, layer 0, ..., layer N-1, head]``: the embedding takes the token ids (and
-applies the model's boundary: this rank's rows where the mode splits the batch), each decoder
-layer recomputes what it needs from its input's length (positions from 0, the causal mask, the
-rotary embedding), and the head is the final norm and the vocabulary projection. The layers
-hold the model's own modules, so the parameters are the same tensors; :func:`original_names`
-maps the sequence's names back to the model's for full state dicts.
+layers. transformers' models are one ``forward`` that also computes positions, masks and rotary
+embeddings, so :func:`pipeline_layers` restates one as ``[embed, layer 0, ..., layer N-1,
+head]``, holding the model's own modules (the parameters are the same tensors):
+
+* ``embed`` takes what the model takes (token ids, or a dict of ``input_ids``,
+  ``attention_mask``, ``token_type_ids``; or images) and applies the model's boundary: this
+  rank's rows where the mode splits the batch, a padding mask in the rows attention runs on.
+* each layer recomputes from its input what every layer needs alike (positions from 0, the
+  causal or padding mask, the rotary embedding); the only side input that travels between
+  stages is a padding mask, as ``(hidden, mask)`` (the pipeline's payloads carry tuples);
+* ``head`` is what the model does after its last block (final norm, the vocabulary or class
+  projection).
+
+Families, found by their modules: Llama-style causal LMs (Llama, Mistral, Qwen2), GPT-2,
+BERT's masked LM and the ViT classifier. A head tied to the token embedding is marked
+``mark_pipeline_shared``: the first and the last stage each hold a copy, and the engine sums
+the two gradients (Narayanan et al. 2021), so the copies train as the one tied weight.
 
 Tensor modes: 1D without sequence parallelism, 2D, 2.5D and 3D (the activations between
 stages are the mode's blocks, the same shape on every stage).
@@ -16,15 +25,19 @@ stages are the mode's blocks, the same shape on every stage).
 
 from __future__ import annotations
 
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from tessera.context import ParallelContext
+from tessera.context import ParallelContext, mark_pipeline_shared
 
 from ..activations import split_batch
 from .api import CONTEXT_ATTR
+from .boundary import rank_rows
 from .dropout import fork_each_layer
 
 __all__ = ["original_names", "pipeline_layers"]
@@ -32,99 +45,290 @@ __all__ = ["original_names", "pipeline_layers"]
 #: The modes whose activations between stages keep the same layout and length everywhere.
 STAGE_MODES = (None, "1d", "2d", "2.5d", "3d")
 
+#: What flows between stages: the hidden states, with the padding mask when one was given.
+Carried = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a transformers model class keeps what its stages need.
+
+    Attributes:
+        name: For messages.
+        inner: The base model's attribute on the task model (``"model"``, ``"transformer"``).
+        embeds: The base model's modules that make the first hidden states, in call order.
+        blocks: Where the ``nn.ModuleList`` of repeated blocks sits under the base model, the
+            first path that exists (transformers releases moved some).
+        final: Base-model modules applied after the last block (a final norm), or none.
+        head: The task model's head module.
+        inputs: ``"tokens"`` or ``"images"``.
+        mask: The attention mask each block takes: ``"causal"``, ``"bidirectional"``, none.
+        rotary: The base model's rotary embedding module, or none.
+    """
+
+    name: str
+    inner: str
+    embeds: tuple[str, ...]
+    blocks: tuple[str, ...]
+    final: tuple[str, ...]
+    head: str
+    inputs: Literal["tokens", "images"]
+    mask: Literal["causal", "bidirectional"] | None
+    rotary: str | None = None
+
+    def fits(self, model: nn.Module) -> bool:
+        """Whether ``model`` holds every module this family names."""
+        inner = getattr(model, self.inner, None)
+        if not isinstance(inner, nn.Module) or not isinstance(
+            getattr(model, self.head, None), nn.Module
+        ):
+            return False
+        rotary = (self.rotary,) if self.rotary else ()
+        found = dict(inner.named_modules(remove_duplicate=False))
+        return isinstance(self.blocks_of(inner), nn.ModuleList) and all(
+            n in found for n in (*self.embeds, *self.final, *rotary)
+        )
+
+    def blocks_of(self, inner: nn.Module) -> nn.Module | None:
+        """The base model's list of repeated blocks (``None``: not found)."""
+        found = dict(inner.named_modules(remove_duplicate=False))
+        return next((found[path] for path in self.blocks if path in found), None)
+
+
+#: The families pipeline_layers knows, tried in order.
+FAMILIES = (
+    Family(
+        name="Llama-style causal LM",
+        inner="model",
+        embeds=("embed_tokens",),
+        blocks=("layers",),
+        final=("norm",),
+        head="lm_head",
+        inputs="tokens",
+        mask="causal",
+        rotary="rotary_emb",
+    ),
+    Family(
+        name="GPT-2",
+        inner="transformer",
+        embeds=("wte", "wpe", "drop"),
+        blocks=("h",),
+        final=("ln_f",),
+        head="lm_head",
+        inputs="tokens",
+        mask="causal",
+    ),
+    Family(
+        name="BERT masked LM",
+        inner="bert",
+        embeds=("embeddings",),
+        blocks=("encoder.layer",),
+        final=(),
+        head="cls",
+        inputs="tokens",
+        mask="bidirectional",
+    ),
+    Family(
+        name="ViT classifier",
+        inner="vit",
+        embeds=("embeddings",),
+        blocks=("layers", "encoder.layer"),
+        final=("layernorm",),
+        head="classifier",
+        inputs="images",
+        mask=None,
+    ),
+)
+
+
+def _adopt(stage: nn.Module, root: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
+    """Register ``root``'s submodules ``names`` on ``stage``, each under its last component.
+
+    A stage's parameter names then end like the model's. Returns the modules in order.
+    """
+    modules = [root.get_submodule(n) for n in names]
+    for name, module in zip(names, modules, strict=True):
+        stage.add_module(name.rsplit(".", 1)[-1], module)
+    return modules
+
 
 class EmbedStage(nn.Module):
-    """Token ids ``[b, s]`` (the whole batch) -> the first layer's input, in the mode's layout."""
+    """The model's input -> the first block's input, in the mode's layout.
 
-    def __init__(self, embed_tokens: nn.Module, context: ParallelContext | None) -> None:
+    Token models take ids ``[b, s]`` or a dict of ``input_ids`` ``[b, s]``, ``attention_mask``
+    ``[b, s]`` (1: a token, 0: padding) and ``token_type_ids`` ``[b, s]``, always the whole
+    batch; image models take pixels ``[b, C, H, W]``. Returns ``[b', s, h']`` or, when a
+    padding mask was given (always for BERT), ``([b', s, h'], [b', s])``.
+    """
+
+    def __init__(self, family: Family, inner: nn.Module, context: ParallelContext | None) -> None:
         super().__init__()
-        self.embed_tokens = embed_tokens
+        self.family = family
+        _adopt(self, inner, family.embeds)
         self._context = [context]  # not a module attribute torch would traverse
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[b, s]`` -> ``[b', s, h']``."""
+    def forward(self, inputs: torch.Tensor | Mapping[str, torch.Tensor]) -> Carried:
+        """See the class docstring."""
         context = self._context[0]
-        if context is not None and context.config.tensor_mode not in (None, "1d"):
-            input_ids = split_batch(input_ids, context)  # this rank's rows
-        out: torch.Tensor = self.embed_tokens(input_ids)
+        mode = None if context is None else context.config.tensor_mode
+        splitting = context if mode not in (None, "1d") else None  # the mesh and cube modes
+        if self.family.inputs == "images":
+            pixels = inputs if isinstance(inputs, torch.Tensor) else inputs["pixel_values"]
+            if splitting is not None:
+                pixels = split_batch(pixels, splitting)  # [b', C, H, W]: this rank's images
+            out: torch.Tensor = self.get_submodule("embeddings")(pixels)
+            return out
+        given = {"input_ids": inputs} if isinstance(inputs, torch.Tensor) else dict(inputs)
+        unknown = sorted(set(given) - {"input_ids", "attention_mask", "token_type_ids"})
+        if unknown or "input_ids" not in given:
+            raise ValueError(
+                f"pipeline_layers ({self.family.name}): the first stage takes input_ids [b, s] or "
+                "a dict of input_ids, attention_mask and token_type_ids; got keys "
+                f"{sorted(given)}"
+            )
+        local = (
+            given
+            if splitting is None
+            else {k: rank_rows(k, v, splitting) for k, v in given.items()}
+        )
+        ids = local["input_ids"]  # [b', s]
+        hidden = self._embed(ids, local.get("token_type_ids"))
+        # A mask given travels on every microbatch (one payload structure), BERT's always.
+        if "attention_mask" not in local and self.family.mask != "bidirectional":
+            return hidden
+        mask = local.get("attention_mask")  # [b', s]; under 3d None when nothing is padded
+        return hidden, torch.ones_like(ids) if mask is None else mask
+
+    def _embed(self, ids: torch.Tensor, token_types: torch.Tensor | None) -> torch.Tensor:
+        """``[b', s]`` ids -> ``[b', s, h']``, as the family's base model does it."""
+        modules = dict(self.named_children())
+        if self.family.name == "GPT-2":
+            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)  # [1, s]
+            hidden = modules["wte"](ids) + modules["wpe"](positions)
+            if token_types is not None:
+                hidden = hidden + modules["wte"](token_types)
+            out: torch.Tensor = modules["drop"](hidden)
+            return out
+        if "embeddings" in modules:  # BERT
+            out = modules["embeddings"](input_ids=ids, token_type_ids=token_types)
+            return out
+        out = modules["embed_tokens"](ids)
         return out
 
 
-class DecoderStage(nn.Module):
-    """One decoder layer: its positions, causal mask and rotary embedding from its input."""
+class BlockStage(nn.Module):
+    """One repeated block: its positions, attention mask and rotary embedding from its input."""
 
-    def __init__(self, layer: nn.Module, rotary: nn.Module, config: Any) -> None:
+    def __init__(self, family: Family, layer: nn.Module, inner: nn.Module) -> None:
         super().__init__()
+        self.family = family
         self.layer = layer
+        rotary = inner.get_submodule(family.rotary) if family.rotary else None
         self._rotary = [rotary]  # shared by every layer, holds no parameters
-        self._config = config
+        self._config = getattr(inner, "config", None)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[b', s, h']`` -> ``[b', s, h']``."""
-        from transformers.masking_utils import create_causal_mask
-
+    def forward(self, carried: Carried) -> Carried:
+        """``[b', s, h']`` (with its ``[b', s]`` padding mask) -> the same."""
+        hidden, padding = carried if isinstance(carried, tuple) else (carried, None)
+        kwargs: dict[str, Any] = {}
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # [1, s]
-        mask = create_causal_mask(
-            config=self._config,
-            inputs_embeds=hidden,
-            attention_mask=None,
-            cache=None,
-            position_ids=positions,
-        )
-        rotary = self._rotary[0](hidden, position_ids=positions)
-        out = self.layer(
-            hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary
-        )
+        if self.family.mask is not None:
+            kwargs["attention_mask"] = self._attention_mask(hidden, padding, positions)
+        if self.family.mask == "causal":
+            kwargs["position_ids"] = positions
+        rotary = self._rotary[0]
+        if rotary is not None:
+            kwargs["position_embeddings"] = rotary(hidden, position_ids=positions)
+        out = self.layer(hidden, **kwargs)
         result: torch.Tensor = out[0] if isinstance(out, tuple) else out
-        return result
+        return result if padding is None else (result, padding)
+
+    def _attention_mask(
+        self, hidden: torch.Tensor, padding: torch.Tensor | None, positions: torch.Tensor
+    ) -> Any:
+        """The mask transformers' attention takes, built as the base model builds it."""
+        from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+
+        if self.family.mask == "causal":
+            return create_causal_mask(
+                config=self._config,
+                inputs_embeds=hidden,
+                attention_mask=padding,
+                cache=None,
+                position_ids=positions,
+            )
+        return create_bidirectional_mask(
+            config=self._config, inputs_embeds=hidden, attention_mask=padding
+        )
 
 
 class HeadStage(nn.Module):
-    """The final norm and the vocabulary projection: ``[b', s, h']`` -> logits."""
+    """After the last block: ``[b', s, h']`` -> the logits the parallelized model returns.
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+    Language models: ``[b', s, V']`` (see ``causal_lm_loss`` and ``token_loss``); the ViT
+    classifier: ``[b', C']`` from the class token.
+    """
+
+    def __init__(self, family: Family, inner: nn.Module, head: nn.Module) -> None:
         super().__init__()
-        self.norm = norm
-        self.lm_head = lm_head
+        self.family = family
+        self._final = _adopt(self, inner, family.final)
+        self.add_module(family.head, head)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits as the parallelized model returns them (see ``causal_lm_loss``)."""
-        out: torch.Tensor = self.lm_head(self.norm(hidden))
+    def forward(self, carried: Carried) -> torch.Tensor:
+        """See the class docstring."""
+        hidden = carried[0] if isinstance(carried, tuple) else carried
+        for module in self._final:
+            hidden = module(hidden)
+        if self.family.inputs == "images":
+            hidden = hidden[:, 0, :]  # [b', h']: the class token
+        out: torch.Tensor = self.get_submodule(self.family.head)(hidden)
         return out
 
 
 def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None) -> nn.Sequential:
-    """``model`` (a transformers ``LlamaForCausalLM``, parallelized or not) as layers.
+    """``model`` (a transformers model, parallelized or not) as ``[embed, blocks..., head]``.
 
     Args:
-        model: The model; ``parallelize`` it first for tensor parallelism.
+        model: A Llama-style causal LM (Llama, Mistral, Qwen2), ``GPT2LMHeadModel``,
+            ``BertForMaskedLM`` or ``ViTForImageClassification``; ``parallelize`` it first for
+            tensor parallelism.
         context: The ParallelContext (default: the model's, from ``parallelize``, else none).
 
+    Returns:
+        An ``nn.Sequential`` of ``embed``, ``layer0`` ... ``layer{N-1}``, ``head``, holding the
+        model's modules. Weights the head shares with the embedding are marked
+        ``mark_pipeline_shared`` (key: the weight's name in ``model``).
+
     Raises:
-        TypeError: the model is not a Llama-style causal LM (``model.embed_tokens``,
-            ``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``).
-        ValueError: its head is tied to its embedding (stages would each hold a copy), or the
-            tensor mode's activations change length inside the model (1D sequence
-            parallelism, 'sequence').
+        TypeError: the model is none of the families above.
+        ValueError: the tensor mode's activations change length inside the model (1D
+            sequence parallelism, ``'sequence'``), or a weight is shared between other layers
+            than the embedding and the head.
     """
-    inner = getattr(model, "model", None)
-    lm_head = getattr(model, "lm_head", None)
-    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-    if (
-        not isinstance(inner, nn.Module)
-        or not isinstance(lm_head, nn.Module)
-        or not all(hasattr(inner, a) for a in needed)
-    ):
+    family = next((f for f in FAMILIES if f.fits(model)), None)
+    if family is None:
+        known = ", ".join(f.name for f in FAMILIES)
         raise TypeError(
-            f"pipeline_layers takes a Llama-style causal language model (model.embed_tokens, "
-            f"model.layers, model.norm, model.rotary_emb, lm_head); got {type(model).__name__}"
-        )
-    if getattr(lm_head, "weight", None) is getattr(inner.embed_tokens, "weight", 0):
-        raise ValueError(
-            "pipeline_layers: the head is tied to the token embedding, and the first and last "
-            "stages would each hold a copy; build the model with tie_word_embeddings=False"
+            f"pipeline_layers knows these model families: {known}; {type(model).__name__} has "
+            "the modules of none of them (e.g. model.embed_tokens, model.layers, model.norm, "
+            "model.rotary_emb and lm_head for a Llama-style causal LM)"
         )
     ctx = context if context is not None else _context_of(model)
+    _check_mode(ctx)
+    inner = model.get_submodule(family.inner)
+    blocks = family.blocks_of(inner)
+    assert isinstance(blocks, nn.ModuleList)  # family.fits
+    layers: list[tuple[str, nn.Module]] = [("embed", EmbedStage(family, inner, ctx))]
+    layers += [(f"layer{i}", BlockStage(family, layer, inner)) for i, layer in enumerate(blocks)]
+    layers.append(("head", HeadStage(family, inner, model.get_submodule(family.head))))
+    sequential = nn.Sequential(OrderedDict(layers))
+    _mark_tied(sequential, model)
+    fork_each_layer(model, sequential)  # dropout on split activations: a mask per rank
+    return sequential
+
+
+def _check_mode(ctx: ParallelContext | None) -> None:
     mode = None if ctx is None else ctx.config.tensor_mode
     sequence_parallel = ctx is not None and bool(ctx.config.tensor_args.get("sequence_parallel"))
     if mode not in STAGE_MODES or sequence_parallel:
@@ -134,19 +338,32 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
             "split along the sequence, which the pipeline stages cannot carry yet; use 1d "
             "(without sequence_parallel), 2d, 2.5d or 3d"
         )
-    embed, blocks, norm, rotary = (inner.get_submodule(a) for a in needed)
-    assert isinstance(blocks, nn.ModuleList), "model.layers must be an nn.ModuleList"
-    layers: list[tuple[str, nn.Module]] = [("embed", EmbedStage(embed, ctx))]
-    layers += [
-        (f"layer{i}", DecoderStage(layer, rotary, getattr(inner, "config", None)))
-        for i, layer in enumerate(blocks)
-    ]
-    layers.append(("head", HeadStage(norm, lm_head)))
-    from collections import OrderedDict
 
-    sequential = nn.Sequential(OrderedDict(layers))
-    fork_each_layer(model, sequential)  # dropout on split activations: a mask per rank
-    return sequential
+
+def _mark_tied(layers: nn.Sequential, model: nn.Module) -> None:
+    """Mark each parameter the first and the last layer share (a tied head) for the engine.
+
+    The key is the parameter's first name in ``model``, the same on both stages.
+    """
+    owners: dict[int, list[str]] = {}
+    distinct: dict[int, nn.Parameter] = {}
+    for layer_name, layer in layers.named_children():
+        for p in layer.parameters():
+            owners.setdefault(id(p), []).append(layer_name)
+            distinct[id(p)] = p
+    first_name = {id(p): n for n, p in model.named_parameters()}  # a tied weight: its first name
+    order = [name for name, _ in layers.named_children()]
+    first, last = order[0], order[-1]
+    for key, p in distinct.items():
+        held_by, name = owners[key], first_name.get(key, "a parameter")
+        if len(held_by) < 2:
+            continue
+        if held_by != [first, last]:
+            raise ValueError(
+                f"pipeline_layers: {name} is shared by layers {held_by}; only the embedding "
+                "and the head may share a weight across stages"
+            )
+        mark_pipeline_shared(p, name)
 
 
 def _context_of(model: nn.Module) -> ParallelContext | None:
@@ -156,9 +373,32 @@ def _context_of(model: nn.Module) -> ParallelContext | None:
 
 
 def original_names(layers: nn.Module, model: nn.Module) -> dict[str, str]:
-    """``{name in layers (or a stage of them): name in model}`` of every parameter and buffer."""
-    by_id: dict[int, str] = {}
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        by_id.setdefault(id(tensor), name)
+    """``{name in layers (or a stage of them): name in model}`` of every parameter and buffer.
+
+    A tensor the model holds under several names (a head tied to the embedding) maps to the
+    name whose trailing components agree most with the layers' name (``head.lm_head.weight``
+    -> ``lm_head.weight``, ``embed.wte.weight`` -> ``transformer.wte.weight``).
+    """
+    by_id: dict[int, list[str]] = {}
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        by_id.setdefault(id(tensor), []).append(name)
     state = layers.state_dict(keep_vars=True)
-    return {name: by_id[id(t)] for name, t in state.items() if id(t) in by_id}
+    names: dict[str, str] = {}
+    for name, tensor in state.items():
+        if id(tensor) in by_id:
+            candidates = by_id[id(tensor)]
+            names[name] = max(candidates, key=lambda candidate: _common_tail(candidate, name))
+    return names
+
+
+def _common_tail(a: str, b: str) -> int:
+    """How many trailing dotted components ``a`` and ``b`` share."""
+    count = 0
+    for x, y in zip(reversed(a.split(".")), reversed(b.split(".")), strict=False):
+        if x != y:
+            break
+        count += 1
+    return count
