@@ -110,7 +110,7 @@ def _check_ops() -> int:
 
 def _check_ops_over_collectives() -> int:
     """The same checks with blocks moved by collectives (NCCL's path) instead of pairwise."""
-    import tessera.layers.inflight as inflight
+    import tessera.layers.comm.inflight as inflight
 
     pairwise = inflight._pairwise
     inflight._pairwise = lambda group: False  # type: ignore[assignment]

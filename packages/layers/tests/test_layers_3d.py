@@ -469,7 +469,7 @@ def _cube_linear(ctx: ParallelContext) -> None:
         Linear3D(H, 12, skip_bias_add=True, output_layout="y", context=ctx)
     # Fused q, k, v parts: the stationary variant equals the gathered one, with blocks moved
     # pairwise (gloo's path) and by collectives (NCCL's path).
-    import tessera.layers.inflight as inflight
+    import tessera.layers.comm.inflight as inflight
 
     def run(algorithm: str) -> tuple[torch.Tensor | None, ...]:
         torch.manual_seed(3)

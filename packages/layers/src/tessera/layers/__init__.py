@@ -7,19 +7,7 @@ context's tensor mode (1D, 2D, 2.5D, 3D, sequence), or plain torch without tenso
 parallelism. See the package README for the contract every layer keeps.
 """
 
-from tessera.layers.accuracy import VocabParallelAccuracy1D, vocab_parallel_argmax
-from tessera.layers.activations import gather_activation, split_activation, split_batch
-from tessera.layers.base import Module1D, ParallelModule
-from tessera.layers.checkpointing import checkpoint
-from tessera.layers.classifier_1d import Classifier1D, VocabParallelClassifier1D
-from tessera.layers.classifier_2d import (
-    Classifier2D,
-    Classifier2p5D,
-    VocabParallelClassifier2D,
-    VocabParallelClassifier2p5D,
-)
-from tessera.layers.classifier_3d import Classifier3D, VocabParallelClassifier3D
-from tessera.layers.comm import (
+from tessera.layers.comm.ops import (
     all_to_all,
     broadcast,
     copy_to_group,
@@ -28,7 +16,6 @@ from tessera.layers.comm import (
     reduce_scatter_along_dim,
     split_along_dim,
 )
-from tessera.layers.context_access import GroupInfo, group_info
 from tessera.layers.conversion import (
     BUILTIN_PLANS,
     ROLES,
@@ -41,13 +28,22 @@ from tessera.layers.conversion import (
     pipeline_layers,
     token_loss,
 )
-from tessera.layers.cross_entropy import (
-    VocabParallelCrossEntropyLoss1D,
-    vocab_parallel_cross_entropy,
+from tessera.layers.cube.classifier import Classifier3D, VocabParallelClassifier3D
+from tessera.layers.cube.dropout import Dropout3D, SequenceDropout, ShardedDropout
+from tessera.layers.cube.embedding import Embedding3D, VocabParallelEmbedding3D
+from tessera.layers.cube.layout import LAYOUTS_3D, Cube, CubeModule, Layout3D, cube_of
+from tessera.layers.cube.linear import Linear3D
+from tessera.layers.cube.loss import (
+    Accuracy3D,
+    CrossEntropyLoss3D,
+    VocabParallelAccuracy3D,
+    VocabParallelCrossEntropyLoss3D,
 )
-from tessera.layers.cube import LAYOUTS_3D, Cube, CubeModule, Layout3D, cube_of
-from tessera.layers.cube_matmul import choose_cube_algorithm, cube_linear
-from tessera.layers.dispatch import (
+from tessera.layers.cube.matmul import choose_cube_algorithm, cube_linear
+from tessera.layers.cube.norm import LayerNorm3D, RMSNorm3D
+from tessera.layers.cube.patch_embedding import PatchEmbedding3D
+from tessera.layers.dispatch.activations import gather_activation, split_activation, split_batch
+from tessera.layers.dispatch.layers import (
     IMPLEMENTATIONS,
     Accuracy,
     Classifier,
@@ -58,33 +54,22 @@ from tessera.layers.dispatch import (
     Linear,
     PatchEmbedding,
 )
-from tessera.layers.dropout_1d import Dropout1D
-from tessera.layers.dropout_2d import Dropout2D, Dropout2p5D
-from tessera.layers.dropout_3d import Dropout3D, SequenceDropout, ShardedDropout
-from tessera.layers.embedding_1d import Embedding1D, VocabParallelEmbedding1D
-from tessera.layers.embedding_2d import (
+from tessera.layers.mesh.classifier import (
+    Classifier2D,
+    Classifier2p5D,
+    VocabParallelClassifier2D,
+    VocabParallelClassifier2p5D,
+)
+from tessera.layers.mesh.dropout import Dropout2D, Dropout2p5D
+from tessera.layers.mesh.embedding import (
     Embedding2D,
     Embedding2p5D,
     VocabParallelEmbedding2D,
     VocabParallelEmbedding2p5D,
 )
-from tessera.layers.embedding_3d import Embedding3D, VocabParallelEmbedding3D
-from tessera.layers.errors import ModeNotImplementedError
-from tessera.layers.full_form import FullForm, get_full_form, set_full_form
-from tessera.layers.initializers import (
-    Initializer,
-    fan_in_uniform,
-    kaiming_uniform,
-    normal,
-    ones,
-    uniform,
-    xavier_uniform,
-    zeros,
-)
-from tessera.layers.linear_1d import Linear1DCol, Linear1DRow, LinearOutput
-from tessera.layers.linear_2d import Linear2D, Linear2p5D
-from tessera.layers.linear_3d import Linear3D
-from tessera.layers.loss_2d import (
+from tessera.layers.mesh.layout import Mesh, MeshModule, mesh_of
+from tessera.layers.mesh.linear import Linear2D, Linear2p5D
+from tessera.layers.mesh.loss import (
     Accuracy2D,
     Accuracy2p5D,
     CrossEntropyLoss2D,
@@ -94,44 +79,55 @@ from tessera.layers.loss_2d import (
     VocabParallelCrossEntropyLoss2D,
     VocabParallelCrossEntropyLoss2p5D,
 )
-from tessera.layers.loss_3d import (
-    Accuracy3D,
-    CrossEntropyLoss3D,
-    VocabParallelAccuracy3D,
-    VocabParallelCrossEntropyLoss3D,
-)
-from tessera.layers.mesh import Mesh, MeshModule, mesh_of
-from tessera.layers.mesh_matmul import choose_algorithm, mesh_linear
-from tessera.layers.norm_1d import LayerNorm1D, RMSNorm1D
-from tessera.layers.norm_2d import (
-    LayerNorm2D,
-    LayerNorm2p5D,
-    RMSNorm2D,
-    RMSNorm2p5D,
-    layer_norm_over_group,
-)
-from tessera.layers.norm_3d import LayerNorm3D, RMSNorm3D
-from tessera.layers.patch_embedding_1d import PatchEmbedding1D
-from tessera.layers.patch_embedding_2d import PatchEmbedding2D, PatchEmbedding2p5D
-from tessera.layers.patch_embedding_3d import PatchEmbedding3D
-from tessera.layers.patch_embedding_sequence import SequencePatchEmbedding
-from tessera.layers.ring_attention import AttentionImpl, RingSelfAttention
-from tessera.layers.ring_ops import Ring, ring_av, ring_of, ring_qk
-from tessera.layers.sequence import (
+from tessera.layers.mesh.matmul import choose_algorithm, mesh_linear
+from tessera.layers.mesh.norm import LayerNorm2D, LayerNorm2p5D, RMSNorm2D, RMSNorm2p5D
+from tessera.layers.mesh.patch_embedding import PatchEmbedding2D, PatchEmbedding2p5D
+from tessera.layers.mesh.summa import summa_ab, summa_abt, summa_atb
+from tessera.layers.parallel_1d.classifier import Classifier1D, VocabParallelClassifier1D
+from tessera.layers.parallel_1d.dropout import Dropout1D
+from tessera.layers.parallel_1d.embedding import Embedding1D, VocabParallelEmbedding1D
+from tessera.layers.parallel_1d.linear import Linear1DCol, Linear1DRow
+from tessera.layers.parallel_1d.norm import LayerNorm1D, RMSNorm1D
+from tessera.layers.parallel_1d.patch_embedding import PatchEmbedding1D
+from tessera.layers.sequence.attention import AttentionImpl, RingSelfAttention
+from tessera.layers.sequence.patch_embedding import SequencePatchEmbedding
+from tessera.layers.sequence.replicated import (
     SequenceAccuracy,
     gather_sequence_activation,
     mark_sequence_replicated,
     split_sequence_activation,
 )
-from tessera.layers.serial import (
+from tessera.layers.sequence.ring_ops import Ring, ring_av, ring_of, ring_qk
+from tessera.layers.shared.accuracy import VocabParallelAccuracy1D, vocab_parallel_argmax
+from tessera.layers.shared.base import Module1D, ParallelModule
+from tessera.layers.shared.checkpointing import checkpoint
+from tessera.layers.shared.context_access import GroupInfo, group_info
+from tessera.layers.shared.cross_entropy import (
+    VocabParallelCrossEntropyLoss1D,
+    vocab_parallel_cross_entropy,
+)
+from tessera.layers.shared.dense import LinearOutput
+from tessera.layers.shared.errors import ModeNotImplementedError
+from tessera.layers.shared.initializers import (
+    Initializer,
+    fan_in_uniform,
+    kaiming_uniform,
+    normal,
+    ones,
+    uniform,
+    xavier_uniform,
+    zeros,
+)
+from tessera.layers.shared.norm_over_group import layer_norm_over_group
+from tessera.layers.shared.serial import (
     SerialAccuracy,
     SerialClassifier,
     SerialLinear,
     SerialPatchEmbedding,
 )
-from tessera.layers.shards import new_parameter, shard_info
-from tessera.layers.state_dict import gather_full_state_dict, load_full_state_dict
-from tessera.layers.summa import summa_ab, summa_abt, summa_atb
+from tessera.layers.shared.shards import new_parameter, shard_info
+from tessera.layers.state.full_form import FullForm, get_full_form, set_full_form
+from tessera.layers.state.state_dict import gather_full_state_dict, load_full_state_dict
 
 __all__ = [
     # models someone else wrote

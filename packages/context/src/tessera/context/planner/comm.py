@@ -14,7 +14,7 @@ Every collective is described once (:class:`Collective`) and read two ways:
 
 The collectives of each tensor mode are those of the algorithms tessera-layers runs, after
 the mode's paper; see :func:`block_collectives`. Two exchanges carry most of the tensor-parallel
-traffic, and how they travel depends on the backend (``tessera.layers.inflight``): *gather
+traffic, and how they travel depends on the backend (``tessera.layers.comm.inflight``): *gather
 blocks* (every rank gets every rank's block) and *scatter blocks* (rank ``l`` gets the sum of
 every rank's block ``l``), and 3d's weights-stay variant adds *all-to-all blocks* (rank ``l``
 gets every rank's block ``l``). NCCL runs them as an all-gather, a reduce-scatter and an

@@ -14,9 +14,9 @@ from torch import nn
 
 from tessera.context import ParallelContext, get_shard_info
 
-from ..context_access import current_or_none, sequence_parallel_default, tensor_mode
-from ..errors import ModeNotImplementedError
-from ..ring_attention import AttentionImpl
+from ..sequence.attention import AttentionImpl
+from ..shared.context_access import current_or_none, sequence_parallel_default, tensor_mode
+from ..shared.errors import ModeNotImplementedError
 from .boundary import install_boundary
 from .converters import Converter
 from .dropout import install_dropout_streams

@@ -30,17 +30,17 @@ from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode
 
-from ..activations import gather_activation, split_activation, split_batch
-from ..collectives import check_divisible
-from ..comm import gather_along_dim, split_along_dim
-from ..context_access import current_or_none, tensor_mode
-from ..cross_entropy import vocab_parallel_cross_entropy
-from ..cube import cube_of
-from ..errors import ModeNotImplementedError
-from ..loss_2d import CrossEntropyLoss2D, CrossEntropyLoss2p5D
-from ..loss_3d import CrossEntropyLoss3D
-from ..mesh import mesh_of
-from ..sequence import split_sequence_activation
+from ..comm.collectives import check_divisible
+from ..comm.ops import gather_along_dim, split_along_dim
+from ..cube.layout import cube_of
+from ..cube.loss import CrossEntropyLoss3D
+from ..dispatch.activations import gather_activation, split_activation, split_batch
+from ..mesh.layout import mesh_of
+from ..mesh.loss import CrossEntropyLoss2D, CrossEntropyLoss2p5D
+from ..sequence.replicated import split_sequence_activation
+from ..shared.context_access import current_or_none, tensor_mode
+from ..shared.cross_entropy import vocab_parallel_cross_entropy
+from ..shared.errors import ModeNotImplementedError
 from .plan import Plan
 from .sequence import KEY_PADDING_ATTRIBUTE, KeyPadding
 
@@ -104,7 +104,7 @@ def _sequence_inputs(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Tensor mode 'sequence': this rank's chunk of every token, with global positions.
 
-    A padding mask goes to the attention layers through ``padding`` (sequence.py), not
+    A padding mask goes to the attention layers through ``padding`` (conversion/sequence.py), not
     through transformers.
     """
     ids = args[0] if args else kwargs.get("input_ids")

@@ -5,7 +5,7 @@ loads its shard from the plain module's ``state_dict`` through :func:`load_full_
 so the shard is cut from the existing values, never re-initialized. Where the plain module
 holds a parameter in another form than tessera's (transformers' ``Conv1D`` stores
 ``[in, out]``; a fused q/k/v projection is kept as ``[3, out/3, in]``), the parameter gets a
-:class:`~tessera.layers.full_form.FullForm`, so full state dicts still speak the original
+:class:`~tessera.layers.state.full_form.FullForm`, so full state dicts still speak the original
 form.
 
 Modes: ``"1d"`` (Megatron-LM, Shoeybi et al. 2019, with sequence parallelism by Korthikanti et
@@ -22,26 +22,26 @@ from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode
 
-from ..classifier_1d import VocabParallelClassifier1D
-from ..classifier_2d import Classifier2D, Classifier2p5D
-from ..classifier_3d import Classifier3D
-from ..cube import Layout3D, cube_of
-from ..embedding_1d import VocabParallelEmbedding1D
-from ..embedding_2d import Embedding2D, Embedding2p5D
-from ..embedding_3d import Embedding3D
-from ..full_form import FullForm, set_full_form
-from ..initializers import Initializer
-from ..linear_1d import Linear1DCol, Linear1DRow
-from ..linear_2d import Linear2D, Linear2p5D
-from ..linear_3d import Linear3D
-from ..mesh import mesh_of
-from ..norm_1d import LayerNorm1D, RMSNorm1D
-from ..norm_2d import LayerNorm2D, LayerNorm2p5D, RMSNorm2D, RMSNorm2p5D
-from ..norm_3d import LayerNorm3D, RMSNorm3D
-from ..patch_embedding_1d import PatchEmbedding1D
-from ..patch_embedding_2d import PatchEmbedding2D, PatchEmbedding2p5D
-from ..patch_embedding_3d import PatchEmbedding3D
-from ..state_dict import load_full_state_dict
+from ..cube.classifier import Classifier3D
+from ..cube.embedding import Embedding3D
+from ..cube.layout import Layout3D, cube_of
+from ..cube.linear import Linear3D
+from ..cube.norm import LayerNorm3D, RMSNorm3D
+from ..cube.patch_embedding import PatchEmbedding3D
+from ..mesh.classifier import Classifier2D, Classifier2p5D
+from ..mesh.embedding import Embedding2D, Embedding2p5D
+from ..mesh.layout import mesh_of
+from ..mesh.linear import Linear2D, Linear2p5D
+from ..mesh.norm import LayerNorm2D, LayerNorm2p5D, RMSNorm2D, RMSNorm2p5D
+from ..mesh.patch_embedding import PatchEmbedding2D, PatchEmbedding2p5D
+from ..parallel_1d.classifier import VocabParallelClassifier1D
+from ..parallel_1d.embedding import VocabParallelEmbedding1D
+from ..parallel_1d.linear import Linear1DCol, Linear1DRow
+from ..parallel_1d.norm import LayerNorm1D, RMSNorm1D
+from ..parallel_1d.patch_embedding import PatchEmbedding1D
+from ..shared.initializers import Initializer
+from ..state.full_form import FullForm, set_full_form
+from ..state.state_dict import load_full_state_dict
 from .patch import PatchEmbeddingAdapter, patch_sizes
 
 __all__ = ["Converter", "LinearShape", "linear_shape"]

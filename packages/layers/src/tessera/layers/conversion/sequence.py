@@ -29,9 +29,14 @@ from torch import nn
 
 from tessera.context import ParallelContext
 
-from ..context_access import GroupInfo
-from ..ring_attention import AttentionImpl, attend_over_sequence, gather_key_mask, sequence_group
-from ..sequence import mark_sequence_replicated
+from ..sequence.attention import (
+    AttentionImpl,
+    attend_over_sequence,
+    gather_key_mask,
+    sequence_group,
+)
+from ..sequence.replicated import mark_sequence_replicated
+from ..shared.context_access import GroupInfo
 
 __all__ = [
     "ATTENTION_NAME",

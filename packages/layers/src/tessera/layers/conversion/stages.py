@@ -35,7 +35,7 @@ from torch import nn
 
 from tessera.context import ParallelContext, mark_pipeline_shared
 
-from ..activations import split_batch
+from ..dispatch.activations import split_batch
 from .api import CONTEXT_ATTR
 from .boundary import rank_rows
 from .dropout import fork_each_layer

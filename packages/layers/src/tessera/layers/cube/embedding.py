@@ -1,0 +1,85 @@
+"""3D embeddings: the table split over the INPUT x WEIGHT face, the output in layout ``"y"``.
+
+Token ids arrive split like the batch of layout ``"y"`` (``[b/q^2, s]``, block ``z q + x``,
+use ``split_batch``); the output is ``[b/q^2, s, D/q]`` with embedding block ``y``. Both
+tables are replicated over the OUTPUT axis (whose ranks hold other batch blocks), so their
+gradients are summed over it (``copy_to_group``). Bian et al. 2021 keep every weight on one
+face of the cube in the same way.
+
+* ``Embedding3D`` splits the embedding dim into ``q^2`` blocks (block ``y q + x``:
+  ``[V, D/q^2]``); the forward all-gathers them over WEIGHT into ``[V, D/q]`` (block ``y``)
+  and looks up the local ids; the backward reduce-scatters the table gradient over WEIGHT.
+* ``VocabParallelEmbedding3D`` splits the vocabulary into ``q^2`` blocks (``[V/q^2, D]``),
+  all-gathers them over WEIGHT into vocabulary block ``y`` ``[V/q, D]``, looks up the local
+  ids it owns and reduce-scatters the partial vectors over INPUT along the embedding dim
+  (Megatron-LM's vocabulary-parallel lookup along the INPUT axis): each rank gets the sum
+  over vocabulary blocks, for its embedding block ``y``.
+
+The two tables are split exactly like the weights of ``Classifier3D`` and
+``VocabParallelClassifier3D``, so a language-model head can share them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.context import ParallelContext
+
+from ..comm.collectives import check_divisible
+from ..comm.ops import reduce_scatter_along_dim
+from ..grid.embedding import GridEmbedding
+from ..shared.initializers import Initializer
+from ..shared.tables import EmbeddingTable
+from .layout import CubeModule
+
+__all__ = ["Embedding3D", "VocabParallelEmbedding3D"]
+
+
+class Embedding3D(GridEmbedding, CubeModule):
+    """Embedding with the embedding dim split over INPUT x WEIGHT: weight ``[V, D/q^2]``.
+
+    Input ids ``[b/q^2, s]`` (``split_batch``); output ``[b/q^2, s, D/q]`` in layout ``"y"``.
+    Arguments and implementation: :class:`~tessera.layers.grid.embedding.GridEmbedding`'s.
+    """
+
+
+class VocabParallelEmbedding3D(EmbeddingTable, CubeModule):
+    """Embedding with the vocabulary split over INPUT x WEIGHT: weight ``[V/q^2, D]``.
+
+    Input ids ``[b/q^2, s]`` (``split_batch``); output ``[b/q^2, s, D/q]`` in layout ``"y"``.
+
+    Args: as :class:`Embedding3D`, with V divisible by ``q * q`` and D by q.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        dtype: torch.dtype | None = None,
+        weight_initializer: Initializer | None = None,
+        *,
+        device: torch.device | str | None = None,
+        context: ParallelContext | None = None,
+    ) -> None:
+        super().__init__(context, device)
+        cube = self.cube
+        check_divisible(num_embeddings, cube.q * cube.q, f"{self.owner} num_embeddings (q * q)")
+        check_divisible(embedding_dim, cube.q, f"{self.owner} embedding_dim")
+        self.make_table(
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            dtype,
+            weight_initializer,
+            splits={0: cube.table_modes},
+            replicated=cube.table_replicated,
+        )  # [V/q^2, D]: block y * q + x
+        self.own_vocab_rows(cube.input.rank, num_embeddings // cube.q)  # vocabulary block y
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """See the class docstring for shapes."""
+        self.check_batch_block(ids)
+        weight = self.gather_table(self.weight, 0)  # [V/q, D]: vocabulary block y
+        out = self.lookup_own_rows(ids, weight)  # [b/q^2, s, D], partial
+        return reduce_scatter_along_dim(out, -1, self.cube.input.group)  # [b/q^2, s, D/q]

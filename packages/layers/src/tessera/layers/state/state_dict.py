@@ -1,0 +1,198 @@
+"""Full (single-process) state dicts for tensor-parallel modules, from ``ShardInfo`` alone.
+
+Nothing here knows a layer class or a tensor mode: a parameter's ShardInfo says where its
+block sits in the full tensor, so loading slices the full tensor, and gathering collects every
+tensor rank's blocks (one all-gather per dtype) and writes each at its offsets. 2D, 2.5D and
+3D layers get both for free as long as they attach a ShardInfo to what they split.
+A parameter that ``parallelize`` converted from another form (a transposed ``Conv1D``, fused
+q/k/v) carries a :class:`~tessera.layers.state.full_form.FullForm`: both functions speak the
+original model's form, so its state dict goes in and comes out unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from tessera.context import ParallelContext, ParallelMode, ShardInfo, get_shard_info
+
+from ..comm.collectives import all_gather_along
+from ..shared.base import ParallelModule
+from ..shared.context_access import resolve_context
+from .full_form import get_full_form
+
+__all__ = ["gather_full_state_dict", "load_full_state_dict"]
+
+
+def load_full_state_dict(
+    module: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True
+) -> None:
+    """Copy each rank's block of a full (single-process) state dict into ``module``.
+
+    No communication: every rank reads the full tensors and keeps what its ShardInfo says.
+    Every shape is checked before anything is copied.
+
+    Args:
+        module: A model built from tessera layers (any mix of parallel and plain modules).
+        state_dict: The plain torch model's ``state_dict()`` (same names, full shapes).
+        strict: Require the same keys on both sides (as ``nn.Module.load_state_dict``).
+
+    Raises:
+        KeyError: ``strict`` and keys are missing or unexpected.
+        ValueError: a tensor's shape is not the full shape the module expects.
+    """
+    own = module.state_dict(keep_vars=True)
+    if strict:
+        missing = sorted(set(own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise KeyError(
+                f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}"
+            )
+    plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name, target in own.items():
+        if name not in state_dict:
+            continue
+        full = state_dict[name]
+        info = get_shard_info(target)
+        expected = info.global_shape if info is not None else tuple(target.shape)
+        form = get_full_form(target)
+        if form is not None:
+            try:
+                full = form.from_original(full, expected)
+            except ValueError as err:
+                raise ValueError(f"load_full_state_dict: {name!r}: {err}") from None
+        if tuple(full.shape) != expected:
+            raise ValueError(
+                f"load_full_state_dict: {name!r} has shape {list(full.shape)}, the module "
+                f"expects the full shape {list(expected)}"
+            )
+        plan.append((target, full[info.slices] if info is not None else full))
+    with torch.no_grad():
+        for target, block in plan:
+            target.copy_(block)
+
+
+def _find_context(module: nn.Module) -> ParallelContext | None:
+    for sub in module.modules():
+        if isinstance(sub, ParallelModule):
+            return sub.context
+    return None
+
+
+def _meta(info: ShardInfo) -> list[int]:
+    return [*info.offsets, *info.local_shape]
+
+
+def gather_full_state_dict(
+    module: nn.Module, *, context: ParallelContext | None = None
+) -> dict[str, torch.Tensor]:
+    """The full (single-process) state dict of ``module``, on every tensor rank.
+
+    Exact: ``load_full_state_dict(m, gather_full_state_dict(m))`` changes nothing, and the
+    result loads into the plain torch model. Collective over the TENSOR group: every tensor
+    rank must call it.
+
+    Args:
+        module: A model built from tessera layers.
+        context: The context whose TENSOR group holds the blocks; default the context of the
+            first tessera layer in ``module``, else the current one. Under ZeRO-2/3 the
+            parameters are also gathered over DATA, so every data rank must call it too.
+
+    Raises:
+        ValueError: the ranks hold different sets of blocks, or the blocks of a tensor do not
+            cover it (a parameter split over a mode outside the TENSOR group).
+    """
+    own = _whole_over_data(module.state_dict(keep_vars=True))
+    result = _gather_tessera_form(module, own, context)
+    for name, t in own.items():
+        form = get_full_form(t)
+        if form is not None:
+            result[name] = form.to_original(result[name])
+    return result
+
+
+def _whole_over_data(own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ZeRO-3 (FSDP2) keeps each parameter as a DTensor sharded over DATA: gather those.
+
+    Collective over DATA: under ZeRO-2/3 every data rank must call ``gather_full_state_dict``
+    (calling it on data rank 0 only would wait forever for the others).
+    The tessera marks (ShardInfo, FullForm) stay those of the parameter.
+    """
+    from torch.distributed.tensor import DTensor
+
+    whole: dict[str, torch.Tensor] = {}
+    for name, t in own.items():
+        if isinstance(t, DTensor):
+            full = t.full_tensor()
+            for key, value in vars(t).items():
+                if key.startswith("_tessera_"):
+                    setattr(full, key, value)
+            t = full
+        whole[name] = t
+    return whole
+
+
+def _gather_tessera_form(
+    module: nn.Module, own: dict[str, torch.Tensor], context: ParallelContext | None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of ``own`` in tessera's full form (one all-gather per dtype)."""
+    result = {name: t.detach().clone() for name, t in own.items()}
+    # Tied parameters appear under several names: gather each tensor once.
+    sharded: dict[int, tuple[list[str], torch.Tensor, ShardInfo]] = {}
+    for name, t in own.items():
+        info = get_shard_info(t)
+        if info is not None and info.is_sharded:
+            sharded.setdefault(id(t), ([], t, info))[0].append(name)
+    if not sharded:
+        return result
+
+    ctx = context or _find_context(module) or resolve_context(None)
+    group = ctx.get_group(ParallelMode.TENSOR)
+    world = ctx.get_world_size(ParallelMode.TENSOR)
+    by_dtype: dict[torch.dtype, list[tuple[list[str], torch.Tensor, ShardInfo]]] = {}
+    for entry in sharded.values():
+        by_dtype.setdefault(entry[1].dtype, []).append(entry)
+
+    for dtype in sorted(by_dtype, key=str):
+        entries = by_dtype[dtype]
+        device = entries[0][1].device
+        meta = torch.tensor([v for _, _, i in entries for v in _meta(i)], dtype=torch.int64)
+        flat = torch.cat([t.detach().reshape(-1) for _, t, _ in entries])
+        header = torch.tensor([flat.numel(), meta.numel()], dtype=torch.int64, device=device)
+        headers = all_gather_along(header, 0, group, world).view(world, 2)
+        if not bool((headers == header).all()):
+            raise ValueError(
+                "gather_full_state_dict: tensor ranks hold different shards "
+                f"(numel, metadata length) per rank: {headers.tolist()}"
+            )
+        metas = all_gather_along(meta.to(device), 0, group, world).view(world, -1).cpu()
+        flats = all_gather_along(flat, 0, group, world).view(world, -1)
+        pos_meta = pos_flat = 0
+        for names, t, info in entries:
+            ndim = len(info.global_shape)
+            numel = t.numel()
+            full = torch.empty(info.global_shape, dtype=dtype, device=device)
+            seen: set[tuple[int, ...]] = set()
+            covered = 0
+            for rank in range(world):
+                m = metas[rank, pos_meta : pos_meta + 2 * ndim].tolist()
+                offsets, shape = tuple(m[:ndim]), tuple(m[ndim:])
+                block = flats[rank, pos_flat : pos_flat + numel].view(shape)
+                full[tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))] = block
+                if offsets not in seen:
+                    seen.add(offsets)
+                    covered += numel
+            if covered != info.global_numel:
+                raise ValueError(
+                    f"gather_full_state_dict: the blocks of {names[0]!r} on the {world} tensor "
+                    f"ranks cover {covered} of its {info.global_numel} elements; it is split "
+                    f"over {info.sharded_modes}, which must lie inside the TENSOR group"
+                )
+            for name in names:
+                result[name] = full if name == names[0] else full.clone()
+            pos_meta += 2 * ndim
+            pos_flat += numel
+    return result
