@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -327,22 +330,29 @@ def _tied_head_with_fewer_classes(ctx: ParallelContext) -> None:
         VocabParallelClassifier1D(H, 8, vocab.weight, context=ctx)
 
 
-def _all_layer_checks(tp: int) -> dict[str, int]:
-    plain = with_context(tp, _layers_plain)
-    streamed = with_context(tp, _streamed_row)
-    with_context(tp, _tied_head_with_fewer_classes)
-    with_context(tp, _skip_bias_add)
-    skip = with_context(tp, _dispatch_skip_bias_add)
-    skip += with_context(tp, _dispatch_skip_bias_add, sp=True)
-    sp = with_context(tp, _layers_sequence_parallel, sp=True)
-    return {"plain": plain, "sequence_parallel": sp, "skip_bias_add": skip, "streamed": streamed}
+#: Every check, each run as its own test: ``(body, sequence_parallel, what it returns per tp)``
+#: (``None``: the body asserts everything itself).
+CHECKS: dict[str, tuple[Callable[[ParallelContext], Any], bool, dict[int, int] | None]] = {
+    "plain": (_layers_plain, False, {2: 13, 4: 13}),
+    "streamed_row": (_streamed_row, False, {2: 3, 4: 3}),  # every call took the streamed path
+    "tied_head_with_fewer_classes": (_tied_head_with_fewer_classes, False, None),
+    "skip_bias_add": (_skip_bias_add, False, None),
+    "dispatch_skip_bias_add": (_dispatch_skip_bias_add, False, {2: 3, 4: 3}),
+    "dispatch_skip_bias_add_sp": (_dispatch_skip_bias_add, True, {2: 3, 4: 3}),
+    "sequence_parallel": (_layers_sequence_parallel, True, {2: 8, 4: 7}),
+}
 
 
+def _run_check(tp: int, check: str) -> Any:
+    body, sp, _ = CHECKS[check]
+    return with_context(tp, body, sp=sp)
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
 @pytest.mark.parametrize("tp", [2, 4])
-def test_every_1d_layer_matches_torch(dist, tp: int) -> None:
-    results = dist.run(_all_layer_checks, world_size=tp, args=(tp,), timeout=120.0)
-    assert results[0]["plain"] == 13
-    assert results[0]["sequence_parallel"] == (8 if tp == 2 else 7)
-    assert results[0]["skip_bias_add"] == 6
-    assert results[0]["streamed"] == 3  # every inference call went through the streamed path
+def test_every_1d_layer_matches_torch(dist, tp: int, check: str) -> None:
+    results = dist.run(_run_check, world_size=tp, args=(tp, check), timeout=120.0)
+    expected = CHECKS[check][2]
+    if expected is not None:
+        assert results[0] == expected[tp]
     assert all(r == results[0] for r in results)

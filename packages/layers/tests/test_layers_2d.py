@@ -1,12 +1,14 @@
 """2D (4 ranks) and 2.5D (4 ranks depth 1, 8 ranks depth 2) against the torch reference.
 
-One ``dist.run`` per configuration runs every check: each layer's output and gradients, the
-SUMMA products, the paper's Listing 1, a transformer block from the dispatching layers, the
-losses and metrics, the state-dict round trip, the activation maps and the size errors.
+Each check is its own test (one ``dist.run`` on a fresh context, the worker pool reused):
+each layer's output and gradients, the SUMMA products, the paper's Listing 1, a transformer
+block from the dispatching layers, the losses and metrics, the state-dict round trip, the
+activation maps and the size errors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -458,42 +460,48 @@ def _errors(ctx: ParallelContext) -> None:
         head(torch.zeros(1, 2, 8))
 
 
-def _all(config: str) -> dict[str, Any]:
-    def body(ctx: ParallelContext) -> dict[str, Any]:
-        _mesh_coordinates(ctx)
-        _summa(ctx)
-        _mesh_linear(ctx)
-        layers = _layers(ctx)
-        _dispatch_skip_bias_add(ctx)
-        _listing_one(ctx)
-        names = _block(ctx)
-        _loss_and_accuracy(ctx)
-        _language_model_heads(ctx)
-        local = _state_dict(ctx)
-        _activations(ctx)
-        _errors(ctx)
-        return {"layers": layers, "block": names, "param_elements": local}
-
-    result: dict[str, Any] = with_mesh(config, body)
-    return result
+#: Every check, each run as its own test on a fresh context: one failure hides no other. A
+#: check returns what its test asserts about it, or None.
+CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
+    "coordinates": _mesh_coordinates,
+    "summa": _summa,
+    "mesh_linear": _mesh_linear,
+    "layers": _layers,
+    "dispatch_skip_bias_add": _dispatch_skip_bias_add,
+    "listing_one": _listing_one,
+    "block": _block,
+    "loss_and_accuracy": _loss_and_accuracy,
+    "language_model_heads": _language_model_heads,
+    "state_dict": _state_dict,
+    "activations": _activations,
+    "errors": _errors,
+}
 
 
+def _run_check(config: str, check: str) -> Any:
+    return with_mesh(config, CHECKS[check])
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_mesh_layers_match_torch(dist, config: str) -> None:
+def test_mesh_layers_match_torch(dist, config: str, check: str) -> None:
     mode, size, _ = CONFIGS[config]
-    results = dist.run(_all, world_size=size, args=(config,), timeout=300.0)
+    results = dist.run(_run_check, world_size=size, args=(config, check), timeout=120.0)
     suffix = "2D" if mode == "2d" else "2p5D"
-    assert all(r["layers"] == 10 for r in results)
-    assert results[0]["block"] == [
-        f"LayerNorm{suffix}",
-        f"Linear{suffix}",
-        f"Dropout{suffix}",
-        f"Linear{suffix}",
-        f"Dropout{suffix}",
-        f"LayerNorm{suffix}",
-        f"Linear{suffix}",
-        f"Linear{suffix}",
-        f"Dropout{suffix}",
-    ]
-    # every rank holds the same number of parameter elements: about 1/q^2 of the model
-    assert len({r["param_elements"] for r in results}) == 1
+    if check == "layers":
+        assert all(r == 10 for r in results)
+    elif check == "block":
+        assert results[0] == [
+            f"LayerNorm{suffix}",
+            f"Linear{suffix}",
+            f"Dropout{suffix}",
+            f"Linear{suffix}",
+            f"Dropout{suffix}",
+            f"LayerNorm{suffix}",
+            f"Linear{suffix}",
+            f"Linear{suffix}",
+            f"Dropout{suffix}",
+        ]
+    elif check == "state_dict":
+        # every rank holds the same number of parameter elements: about 1/q^2 of the model
+        assert len(set(results)) == 1

@@ -1,6 +1,7 @@
 """3D tensor parallelism on 8 ranks (q = 2) against the torch reference.
 
-One ``dist.run`` runs every check (8 processes share two CPU cores): each layer's output,
+Each check is its own test (one ``dist.run`` on a fresh context, the 8 workers reused): each
+layer's output,
 parameter and input gradients, a Megatron MLP and a transformer block from the dispatching
 layers (alternating layouts), two models built in one process, the losses and metrics, tied
 language-model heads, the state-dict round trip, the activation maps, dropout streams and the
@@ -9,6 +10,7 @@ errors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -494,40 +496,53 @@ def _cube_linear(ctx: ParallelContext) -> None:
     assert choose_cube_algorithm(1, 4, 4, 2, backward=True) == "stationary"
 
 
-def _all() -> dict[str, Any]:
+def _layers_and_dispatch(ctx: ParallelContext) -> int:
+    return _layers(ctx) + _dispatch_skip_bias_add(ctx)
+
+
+#: Every check, each run as its own test on a fresh context: one failure hides no other. A
+#: check returns what its test asserts about it, or None.
+CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
+    "cube_linear": _cube_linear,
+    "layers": _layers_and_dispatch,
+    "blocks": _blocks,
+    "two_models": _two_models,
+    "loss_and_accuracy": _loss_and_accuracy,
+    "language_model_heads": _language_model_heads,
+    "state_dict": _state_dict,
+    "activations": _activations,
+    "errors": _errors,
+}
+
+
+def _run_check(check: str) -> Any:
     ctx = create_context(dict(parallel=dict(tensor=dict(size=8, mode="3d"))), timeout=120.0)
     try:
-        _cube_linear(ctx)
-        layers = _layers(ctx)
-        layers += _dispatch_skip_bias_add(ctx)
-        names = _blocks(ctx)
-        _two_models(ctx)
-        _loss_and_accuracy(ctx)
-        _language_model_heads(ctx)
-        total = _state_dict(ctx)
-        _activations(ctx)
-        _errors(ctx)
-        return {"layers": layers, "block": names, "param_elements": total}
+        return CHECKS[check](ctx)
     finally:
         ctx.destroy()
 
 
-def test_3d_layers_match_torch(dist) -> None:
-    results = dist.run(_all, world_size=8, timeout=600.0)
-    assert all(r["layers"] == 13 for r in results)
-    assert results[0]["block"] == [
-        "LayerNorm3D",
-        "Linear3D",
-        "Dropout3D",
-        "Linear3D",
-        "Dropout3D",
-        "LayerNorm3D",
-        "Linear3D",
-        "Linear3D",
-        "Dropout3D",
-    ]
-    # every rank holds the same number of parameter elements
-    assert len({r["param_elements"] for r in results}) == 1
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_3d_layers_match_torch(dist, check: str) -> None:
+    results = dist.run(_run_check, world_size=8, args=(check,), timeout=300.0)
+    if check == "layers":
+        assert all(r == 13 for r in results)
+    elif check == "blocks":
+        assert results[0] == [
+            "LayerNorm3D",
+            "Linear3D",
+            "Dropout3D",
+            "Linear3D",
+            "Dropout3D",
+            "LayerNorm3D",
+            "Linear3D",
+            "Linear3D",
+            "Dropout3D",
+        ]
+    elif check == "state_dict":
+        # every rank holds the same number of parameter elements
+        assert len(set(results)) == 1
 
 
 def test_3d_dispatch_table_has_every_layer() -> None:

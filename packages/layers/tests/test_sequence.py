@@ -1,6 +1,7 @@
 """Sequence parallelism on 2 and 4 ranks against torch attention on the full sequence.
 
-One ``dist.run`` per size runs every check: the ring products, ``RingSelfAttention`` (ring
+Each check is its own test (one ``dist.run`` on a fresh context, the workers reused): the
+ring products, ``RingSelfAttention`` (ring
 and all-to-all, causal or not, several heads), a transformer block from the dispatching
 layers, the ``ShardInfo`` marks, losses and metrics, activation maps, dropout streams and
 errors. Parameter gradients are compared after summing the ranks' partial gradients over
@@ -10,6 +11,7 @@ SEQUENCE, as the engine's sequence-parallel gradient handler does.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -380,34 +382,44 @@ def _errors(ctx: ParallelContext) -> None:
         RingSelfAttention(8, 2, context=ctx)(torch.zeros(2, 4, 6))
 
 
-def _all(size: int) -> dict[str, Any]:
+#: Every check, each run as its own test on a fresh context: one failure hides no other. A
+#: check returns what its test asserts about it, or None.
+CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
+    "ring_products": _ring_products,
+    "attention": _attention,
+    "block": _block,
+    "patch_embedding": _patch_embedding,
+    "skip_bias_add": _skip_bias_add,
+    "losses_and_activations": _losses_and_activations,
+    "errors": _errors,
+}
+
+
+def _run_check(size: int, check: str) -> Any:
     ctx = create_context(dict(parallel=dict(tensor=dict(size=size, mode="sequence"))), timeout=60.0)
     try:
-        _ring_products(ctx)
-        cases = _attention(ctx)
-        names = _block(ctx)
-        patches = _patch_embedding(ctx)
-        _skip_bias_add(ctx)
-        _losses_and_activations(ctx)
-        _errors(ctx)
-        return {"cases": cases, "block": names, "patch_embedding": patches}
+        return CHECKS[check](ctx)
     finally:
         ctx.destroy()
 
 
+@pytest.mark.parametrize("check", list(CHECKS))
 @pytest.mark.parametrize("size", [2, 4])
-def test_sequence_parallel_matches_torch(dist, size: int) -> None:
-    results = dist.run(_all, world_size=size, args=(size,), timeout=300.0)
-    assert all(r["cases"] == 10 for r in results)
-    assert all(r["patch_embedding"] == (3 if size == 2 else 2) for r in results)
-    assert results[0]["block"] == [
-        "LayerNorm",
-        "RingSelfAttention",
-        "SequenceDropout",
-        "LayerNorm",
-        "Linear",
-        "Linear",
-    ]
+def test_sequence_parallel_matches_torch(dist, size: int, check: str) -> None:
+    results = dist.run(_run_check, world_size=size, args=(size, check), timeout=120.0)
+    if check == "attention":
+        assert all(r == 10 for r in results)
+    elif check == "patch_embedding":
+        assert all(r == (3 if size == 2 else 2) for r in results)
+    elif check == "block":
+        assert results[0] == [
+            "LayerNorm",
+            "RingSelfAttention",
+            "SequenceDropout",
+            "LayerNorm",
+            "Linear",
+            "Linear",
+        ]
 
 
 def test_ring_attention_needs_a_sequence_context(dist) -> None:

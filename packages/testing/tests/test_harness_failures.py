@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,3 +154,57 @@ def test_bad_arguments_fail_before_any_process_starts(dist: DistributedRunner) -
         dist.run(_pid, world_size=0)
     with pytest.raises(ValueError, match="timeout must be > 0"):
         dist.run(_pid, world_size=1, timeout=0)
+
+
+#: A test process of its own: a pool of 2 workers busy in a task that never returns soon.
+_BUSY_PARENT = """
+import os, sys, time
+from tessera.testing import DistributedRunner
+
+def busy(path):
+    with open(f"{path}.{os.getpid()}", "w"):
+        pass
+    time.sleep(120)
+
+if __name__ == "__main__":
+    DistributedRunner().run(busy, world_size=2, args=(sys.argv[1],), timeout=150)
+"""
+
+
+def test_workers_exit_with_a_killed_test_process(tmp_path: Path) -> None:
+    """A test process killed with SIGKILL (no atexit) leaves no worker behind, even one busy."""
+    script = tmp_path / "busy_parent.py"
+    script.write_text(_BUSY_PARENT)
+    marker = tmp_path / "worker"
+    parent = subprocess.Popen([sys.executable, str(script), str(marker)], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("worker.*"))) < 2:  # both workers inside the task
+            assert parent.poll() is None, "the test process ended before its workers ran"
+            assert time.monotonic() < deadline, "the workers never started"
+            time.sleep(0.2)
+        workers = [int(p.suffix[1:]) for p in tmp_path.glob("worker.*")]
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in workers if _alive(pid)], "workers outlived the test process"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie awaiting its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (macOS): signal 0 only says whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
