@@ -279,6 +279,52 @@ def test_ranks_reading_different_batch_sizes_are_reported_on_the_first_step(dist
     assert seen["steps_before_error"] == 2  # checked again after optimizer step 2
 
 
+def _drifting_replicas() -> dict[str, Any]:
+    """Two data replicas reading different rows: with their gradients summed they stay equal;
+    without (no gradient handler) each trains its own model, found after the step."""
+    from tessera.engine import DataParallelGradientHandler, Engine
+
+    ctx = create_context({"parallel": {}}, timeout=30, heartbeat_interval=0)
+    rank = tdist.get_rank()
+
+    def train(summed: bool) -> None:
+        torch.manual_seed(0)  # equal replicas to start from
+        model = nn.Linear(4, 2)
+        handlers = [DataParallelGradientHandler(model, context=ctx)] if summed else []
+        engine = Engine(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            nn.MSELoss(),
+            gradient_handlers=handlers,
+            check_agreement_every=1,
+            context=ctx,
+        )
+        for _ in range(2):
+            x, y = torch.full((2, 4), float(rank + 1)), torch.zeros(2, 2)  # rows per rank
+            engine.zero_grad()
+            engine.backward(engine.criterion(engine(x), y))
+            engine.step()
+
+    try:
+        return {
+            "summed": _outcome(lambda: train(True)),
+            "not summed": _outcome(lambda: train(False)),
+        }
+    finally:
+        ctx.destroy()
+
+
+def test_replicas_drifting_apart_are_found_after_the_step(dist: Any) -> None:
+    results = dist.run(_drifting_replicas, world_size=2, timeout=90)
+    assert results[0] == results[1]
+    assert results[0]["summed"] == {"outcome": "finished"}
+    drifted = results[0]["not summed"]
+    assert drifted["outcome"] == "ValueError", drifted
+    message = drifted["message"]
+    assert "after optimizer step 1 the data ranks [0, 1] hold different values" in message
+    assert "weight: rank 0 has (" in message and "bias: rank 0 has (" in message
+
+
 def test_debug_flag_from_config_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from tessera.engine.consistency import DEBUG_ENV, debug_enabled
 

@@ -30,7 +30,9 @@ from tessera.layers import (
     SerialLinear,
     SerialPatchEmbedding,
     gather_activation,
+    register_implementation,
     split_activation,
+    unregister_implementation,
 )
 from tessera.registry import LAYERS
 
@@ -154,13 +156,12 @@ def _sequence_mode() -> str:
         for layer, factory in FACTORIES.items():
             assert factory(ctx) is not None, layer
         assert type(FACTORIES["PatchEmbedding"](ctx)) is SequencePatchEmbedding
-        row = IMPLEMENTATIONS["PatchEmbedding"]
-        builder = row.pop("sequence")
+        builder = unregister_implementation("PatchEmbedding", "sequence")
         try:
             with pytest.raises(ModeNotImplementedError) as info:
                 FACTORIES["PatchEmbedding"](ctx)
         finally:
-            row["sequence"] = builder
+            register_implementation("PatchEmbedding", "sequence", builder)
         assert info.value.layer == "PatchEmbedding" and info.value.mode == "sequence"
         assert type(FACTORIES["PatchEmbedding"](ctx)) is SequencePatchEmbedding
         return str(info.value)
@@ -200,6 +201,31 @@ def _all() -> str:
 def test_every_mode_has_every_layer() -> None:
     for layer, row in IMPLEMENTATIONS.items():
         assert sorted(row) == ["1d", "2.5d", "2d", "3d", "sequence"], layer
+
+
+def test_the_table_changes_only_through_registration() -> None:
+    """IMPLEMENTATIONS is a read-only view; register_implementation checks what it is given."""
+    with pytest.raises(TypeError):
+        IMPLEMENTATIONS["Linear"]["mine"] = lambda ctx, **kw: nn.Identity()  # type: ignore[index]
+
+    def mine(context: object, **kwargs: object) -> nn.Module:
+        return nn.Identity()
+
+    register_implementation("Linear", "mine", mine)
+    try:
+        assert IMPLEMENTATIONS["Linear"]["mine"] is mine  # the view is live
+        with pytest.raises(ValueError, match=r"'Linear' already has a builder for .*'mine'"):
+            register_implementation("Linear", "mine", mine)
+        register_implementation("Linear", "mine", mine, replace=True)
+    finally:
+        assert unregister_implementation("Linear", "mine") is mine
+    assert "mine" not in IMPLEMENTATIONS["Linear"]
+    with pytest.raises(KeyError, match=r"'Linaer' is not a dispatching layer; they are Linear"):
+        register_implementation("Linaer", "mine", mine)
+    with pytest.raises(TypeError, match="must be callable"):
+        register_implementation("Linear", "mine", 3)  # type: ignore[arg-type]
+    with pytest.raises(KeyError, match=r"no builder for tensor mode 'mine'"):
+        unregister_implementation("Linear", "mine")
 
 
 def test_modes_without_layers_raise_and_sizes_are_checked(dist) -> None:

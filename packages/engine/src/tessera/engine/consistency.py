@@ -19,8 +19,11 @@ parameter across the ranks holding the same values (data replicas, and tensor ra
 a parameter is replicated: a tensor rank seeded differently would otherwise train its own
 model). On the first step (and every ``check_agreement`` steps): the batch's structure, shapes
 and dtypes across all ranks (every data, pipeline and tensor rank reads a batch of the same
-shapes). Debug mode (``debug=True`` in the configuration or ``TESSERA_DEBUG=1``) compares the
-batch on every step.
+shapes). Every ``check_agreement`` steps, after the optimizer: the replicated parameters still
+agree (:func:`check_replicas_in_step`, to a relative 1e-5: replicas that drift apart, from a
+gradient summed on some ranks only or a parameter updated on one, train different models).
+Debug mode (``debug=True`` in the configuration or ``TESSERA_DEBUG=1``) compares the batch on
+every step.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
@@ -43,6 +47,7 @@ __all__ = [
     "agree_on_batch",
     "agree_on_call",
     "check_config_agreement",
+    "check_replicas_in_step",
     "check_model_agreement",
     "check_parameter_checksums",
     "checks_batch",
@@ -236,6 +241,70 @@ def check_parameter_checksums(modules: Sequence[nn.Module], ctx: ParallelContext
         # Every rank must take part in each gather: the list of modes is the same on every
         # rank of a replica (same model), and a mode with no group here is skipped everywhere.
         _agree(by_mode[mode_name], ctx, mode, "parameter values", hint)
+
+
+#: How far apart (relative) the checksums of replicas may be after training steps: replicas
+#: stay bitwise equal on deterministic kernels, and nondeterministic ones (atomics on GPU)
+#: differ by rounding, far below this.
+REPLICA_RTOL = 1e-5
+
+
+def check_replicas_in_step(
+    modules: Sequence[nn.Module], ctx: ParallelContext, step: int, rtol: float = REPLICA_RTOL
+) -> None:
+    """Replicated parameters still hold equal values after optimizer step ``step``.
+
+    The same groups as :func:`check_parameter_checksums` (data replicas; tensor ranks over
+    which a parameter is replicated), parameters only (a buffer such as BatchNorm's running
+    mean may differ per data replica by design), compared to a relative ``rtol``. Every rank
+    of a group gathers every rank's checksums, so all raise the same error.
+
+    Raises:
+        ValueError: naming the group, the step and the first parameters that differ.
+    """
+    tensors = [(name, t) for name, t, is_param in _named_tensors(modules) if is_param]
+    sums = {name: _checksum(t) for name, t in tensors}
+    groups: dict[str, list[str]] = {_replica_mode(ctx).value: [name for name, _ in tensors]}
+    for name, tensor in tensors:
+        for mode in _replicated_modes(ctx, tensor):
+            groups.setdefault(mode, []).append(name)
+    for mode_name in sorted(groups):
+        try:
+            mode = ParallelMode(mode_name)
+        except ValueError:  # a custom mode: its groups are not DATA-like, skip it
+            continue
+        group = _cpu_group(ctx, mode)
+        if group is None:
+            continue
+        mine = [(name, sums[name]) for name in groups[mode_name]]
+        everyone = _gather(mine, group)
+        lines = _drifted(everyone, ctx.get_ranks_in_group(mode), rtol)
+        if lines:
+            raise ValueError(
+                f"after optimizer step {step} the {mode.value} ranks "
+                f"{ctx.get_ranks_in_group(mode)} hold different values of replicated "
+                "parameters (a gradient summed on some ranks only, or a parameter updated on "
+                "one: each rank now trains its own model):\n" + "\n".join(lines)
+            )
+
+
+def _drifted(
+    everyone: Sequence[Sequence[tuple[str, tuple[float, float]]]], ranks: Sequence[int], rtol: float
+) -> list[str]:
+    """Lines naming the parameters whose checksums differ from the first rank's."""
+    reference = dict(everyone[0])
+    lines: list[str] = []
+    for rank, found in zip(ranks[1:], everyone[1:], strict=True):
+        for name, sums in found:
+            want = reference.get(name)
+            if want is not None and all(
+                math.isclose(a, b, rel_tol=rtol, abs_tol=1e-12)
+                for a, b in zip(want, sums, strict=True)
+            ):
+                continue
+            if len(lines) < _MAX_SHOWN:
+                lines.append(f"  {name}: rank {ranks[0]} has {want}, rank {rank} has {sums}")
+    return lines
 
 
 def _signature(value: Any) -> Any:

@@ -42,7 +42,7 @@ from torch import nn
 from tessera.context import ParallelContext, ParallelMode
 
 from .clipping import clip_grad_norm
-from .consistency import agree_on_call, checks_batch
+from .consistency import agree_on_call, check_replicas_in_step, checks_batch
 from .context_lookup import resolve_context
 from .gradient_handlers.base import BaseGradientHandler
 from .guarding import guarded
@@ -124,8 +124,9 @@ class Engine:
             and warn). Default: ``"skip"`` with a loss scaler (whose overflow skip it is; a
             ``"raise"`` then applies to non-finite losses only), else ``"raise"``.
         check_agreement_every: Compare the batch's shapes across all ranks at the first
-            forward and then every this many optimizer steps (0: the first forward only;
-            ``None``: never).
+            forward and then every this many optimizer steps, and after those steps also the
+            replicated parameters' values (0: the batch at the first forward only; ``None``:
+            never).
         context: The ParallelContext (default: the current one, or none).
     """
 
@@ -521,7 +522,22 @@ class Engine:
         every = self.check_agreement_every
         if every and self.global_step % every == 0:
             self._agreement_due = True
+            self._check_replicas()
         return True
+
+    def _check_replicas(self) -> None:
+        """Replicated parameters still agree (every ``check_agreement_every`` steps).
+
+        Skipped under ZeRO-2/3: FSDP2 shards the parameters, so replicas hold no copies.
+        """
+        ctx = self._context
+        if ctx is None or ctx.world_size < 2 or self._sync_setters:
+            return
+        modules = [
+            m.module if isinstance(m, nn.parallel.DistributedDataParallel) else m
+            for m in self._modules
+        ]
+        check_replicas_in_step(modules, ctx, self.global_step)
 
     def _apply_nonfinite_policy(
         self, losses: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]

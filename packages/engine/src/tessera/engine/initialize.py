@@ -30,7 +30,8 @@ offload=False)``           and optimizer state sharded, 3: also parameters; offl
                            (default; ``NonFiniteError`` on every rank), ``"skip"`` (every
                            rank skips it; the default under fp16) or ``"warn"`` (skip, warn)
 ``check_agreement=True``   every rank's batch has the same shapes, checked on the first
-                           step; an int N: also every N optimizer steps; False: never
+                           step; an int N: also every N optimizer steps, and after those
+                           steps the replicated parameters still agree; False: never
 ``debug=True``             more cross-rank checks (also ``TESSERA_DEBUG=1``): batch shapes
                            every step
 =========================  ================================================================

@@ -53,6 +53,8 @@ from tessera.layers.dispatch.layers import (
     LayerNorm,
     Linear,
     PatchEmbedding,
+    register_implementation,
+    unregister_implementation,
 )
 from tessera.layers.mesh.classifier import (
     Classifier2D,
@@ -154,6 +156,8 @@ __all__ = [
     "CrossEntropyLoss",
     "Accuracy",
     "IMPLEMENTATIONS",
+    "register_implementation",
+    "unregister_implementation",
     "ModeNotImplementedError",
     # 1D (Megatron-LM)
     "Linear1DCol",

@@ -287,7 +287,9 @@ def _install_token_span(model: nn.Module, span: tuple[str, str], context: Parall
 
     Every rank embeds the whole image (patches, class token, positions); the input of
     ``span[0]`` keeps this rank's chunk of the tokens and the output of ``span[1]`` is
-    gathered whole, so the head reads the class token wherever it lives.
+    gathered whole, so the head reads the class token wherever it lives. Tokens that do not
+    divide by the ranks (a ViT's N_p + 1) are padded at the end with zeros that every
+    attention masks as keys (the model's :class:`KeyPadding`) and that the gather drops.
 
     The gradients follow the convention of the sequence handler (each rank's gradient is N
     times its share; the handler sums over SEQUENCE and divides by N): the split is a plain
@@ -299,16 +301,24 @@ def _install_token_span(model: nn.Module, span: tuple[str, str], context: Parall
     world = context.get_world_size(ParallelMode.SEQUENCE)
     rank = context.get_local_rank(ParallelMode.SEQUENCE)
     first, last = (model.get_submodule(name) for name in span)
+    padding = getattr(model, KEY_PADDING_ATTRIBUTE, None)
+    tokens = [0]  # the batch in flight's own length, before padding
 
     def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         x, replace = _hidden_states(args, kwargs, span[0])
-        check_divisible(
-            x.shape[1],
-            world,
-            f"tensor mode 'sequence': the {x.shape[1]} tokens of {list(x.shape)} (patches and "
-            "class token)",
-        )
-        return replace(x.chunk(world, 1)[rank])  # [b, s/N, h]
+        batch, length = x.shape[0], x.shape[1]
+        tokens[0], pad = length, -length % world
+        if pad and padding is None:
+            raise ValueError(
+                f"tensor mode 'sequence': the {length} tokens of {list(x.shape)} (patches and "
+                f"class token) do not divide by {world} ranks, and no attention converted by "
+                "parallelize can mask padding"
+            )
+        if padding is not None:  # zero tokens at the end, masked as keys, dropped at the end
+            mask = torch.arange(length + pad, device=x.device) < length  # [s + pad]
+            padding.set(mask.expand(batch, -1).chunk(world, 1)[rank] if pad else None)
+        x = F.pad(x, (0, 0, 0, pad)) if pad else x  # [b, s + pad, h]
+        return replace(x.chunk(world, 1)[rank])  # [b, (s + pad)/N, h]
 
     def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if not isinstance(output, torch.Tensor):
@@ -316,7 +326,8 @@ def _install_token_span(model: nn.Module, span: tuple[str, str], context: Parall
                 f"tensor mode 'sequence': {span[1]!r} returned {type(output).__name__}; the end "
                 "of a sequence_span of an image model must return the hidden states"
             )
-        return gather_along_dim(output, 1, group, partial_grad=True)  # [b, s, h]
+        whole = gather_along_dim(output, 1, group, partial_grad=True)  # [b, s + pad, h]
+        return whole[:, : tokens[0]]  # [b, s, h]
 
     first.register_forward_pre_hook(enter, with_kwargs=True)
     last.register_forward_hook(leave)

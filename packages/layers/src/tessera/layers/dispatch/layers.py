@@ -2,8 +2,10 @@
 
 ``Linear(...)``, ``LayerNorm(...)`` ... build the implementation of the context's tensor mode:
 plain torch without tensor parallelism (no context, or ``tensor_mode is None``), the mode's
-class otherwise, looked up in ``IMPLEMENTATIONS[layer][mode]``. A mode without an entry raises
-:class:`ModeNotImplementedError`: never a silent fallback to an unparallel layer. The 2D and
+class otherwise, looked up in ``IMPLEMENTATIONS[layer][mode]`` (a read-only view; a mode of
+your own, or your own class for a mode, goes in with :func:`register_implementation`). A mode
+without an entry raises :class:`ModeNotImplementedError`: never a silent fallback to an
+unparallel layer. The 2D and
 2.5D builders live in ``dispatch/grid.py`` (one builder per layer serves both), the '3d' and
 'sequence' ones in ``dispatch/cube_sequence.py``. Every layer has an implementation in every mode.
 
@@ -17,7 +19,8 @@ implicitly, so two models built in one process never interfere.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -43,6 +46,8 @@ from .grid import MESH_BUILDERS
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "register_implementation",
+    "unregister_implementation",
     "Accuracy",
     "Classifier",
     "CrossEntropyLoss",
@@ -65,7 +70,7 @@ def _build(layer: str, context: ParallelContext | None, **kwargs: Any) -> nn.Mod
     mode = tensor_mode(ctx)
     if ctx is None or mode is None:
         return None
-    table = IMPLEMENTATIONS[layer]
+    table = _TABLE[layer]
     if mode not in table:
         raise ModeNotImplementedError(layer, mode, table)
     return table[mode](ctx, **kwargs)
@@ -527,8 +532,9 @@ def _modes(layer: str, one_d: Builder) -> dict[str, Builder]:
     return {"1d": one_d, **{mode: MESH_BUILDERS[layer] for mode in MESH_MODES}}
 
 
-#: layer -> tensor mode -> builder. Part 3 adds '3d' and 'sequence'.
-IMPLEMENTATIONS: dict[str, dict[str, Builder]] = {
+#: layer -> tensor mode -> builder, the table itself: changed only through
+#: :func:`register_implementation` and :func:`unregister_implementation`.
+_TABLE: dict[str, dict[str, Builder]] = {
     "Linear": _modes("Linear", _linear_1d),
     "LayerNorm": _modes("LayerNorm", _layer_norm_1d),
     "Embedding": _modes("Embedding", _embedding_1d),
@@ -538,13 +544,63 @@ IMPLEMENTATIONS: dict[str, dict[str, Builder]] = {
     "CrossEntropyLoss": _modes("CrossEntropyLoss", _cross_entropy_1d),
     "Accuracy": _modes("Accuracy", _accuracy_1d),
 }
+for _mode, _builders in (("3d", BUILDERS_3D), ("sequence", SEQUENCE_BUILDERS)):
+    for _layer, _builder in _builders.items():  # part 3: see cube_sequence.py
+        _TABLE[_layer][_mode] = _builder
+
+#: layer -> tensor mode -> builder, read-only (a live view of the table).
+IMPLEMENTATIONS: Mapping[str, Mapping[str, Builder]] = MappingProxyType(
+    {layer: MappingProxyType(row) for layer, row in _TABLE.items()}
+)
 
 
-def _add_mode(mode: str, builders: dict[str, Builder]) -> None:
-    """Add ``mode``'s column to the table (part 3: '3d' and 'sequence', see cube_sequence.py)."""
-    for layer, builder in builders.items():
-        IMPLEMENTATIONS[layer][mode] = builder
+def register_implementation(
+    layer: str, mode: str, builder: Builder, *, replace: bool = False
+) -> None:
+    """Make the dispatching ``layer`` build ``builder(context, **its arguments)`` under ``mode``.
+
+    For a tensor mode of your own (registered with the context's initializers), or your own
+    class for one of tessera's modes.
+
+    Args:
+        layer: A dispatching layer's name (``"Linear"``, ``"LayerNorm"``, ...).
+        mode: The tensor mode (``config.tensor_mode``).
+        builder: Called with the context and the dispatching layer's arguments; returns the
+            module.
+        replace: Allow replacing a builder already registered for ``(layer, mode)``.
+
+    Raises:
+        KeyError: ``layer`` is not a dispatching layer (the message lists them).
+        ValueError: ``(layer, mode)`` has a builder already and ``replace`` is false.
+        TypeError: ``builder`` is not callable.
+    """
+    row = _row(layer)
+    if not callable(builder):
+        raise TypeError(
+            f"register_implementation({layer!r}, {mode!r}): the builder must be callable, got "
+            f"{type(builder).__name__}"
+        )
+    if mode in row and not replace:
+        raise ValueError(
+            f"register_implementation: {layer!r} already has a builder for tensor mode {mode!r} "
+            f"({getattr(row[mode], '__qualname__', row[mode])}); pass replace=True to replace it"
+        )
+    row[mode] = builder
 
 
-_add_mode("3d", BUILDERS_3D)
-_add_mode("sequence", SEQUENCE_BUILDERS)
+def unregister_implementation(layer: str, mode: str) -> Builder:
+    """Remove and return ``layer``'s builder for ``mode`` (the layer then raises under it).
+
+    Raises:
+        KeyError: ``layer`` is not a dispatching layer, or has no builder for ``mode``.
+    """
+    row = _row(layer)
+    if mode not in row:
+        raise KeyError(f"{layer!r} has no builder for tensor mode {mode!r} (it has {sorted(row)})")
+    return row.pop(mode)
+
+
+def _row(layer: str) -> dict[str, Builder]:
+    if layer not in _TABLE:
+        raise KeyError(f"{layer!r} is not a dispatching layer; they are {', '.join(_TABLE)}")
+    return _TABLE[layer]
