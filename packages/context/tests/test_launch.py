@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from tessera.context import (
     ConfigError,
+    LaunchOptions,
     ParallelMode,
     get_context,
     has_context,
@@ -56,9 +57,10 @@ def _launch_at(host: str) -> dict[str, Any]:
         world_size=int(os.environ["WORLD_SIZE"]),
         host=host,
         port=int(os.environ["MASTER_PORT"]),
-        seed=11,
-        timeout=60,
+        options=LaunchOptions(seed=11, timeout=600),
+        timeout=60,  # a keyword wins over the options
     )
+    assert ctx.timeout.total_seconds() == 60
     return _check_and_destroy(ctx)
 
 
@@ -278,3 +280,20 @@ def test_ranks_with_different_layouts_fail_at_the_rendezvous(dist: Any) -> None:
 
 def _initialized() -> bool:
     return dist.is_initialized() or has_context()
+
+
+def test_launch_options_are_checked_once_for_every_launcher() -> None:
+    """One options object for the four launchers; bad values and keywords fail before launching."""
+    assert LaunchOptions().seed == 1024
+    with pytest.raises(ValueError, match=r"heartbeat_interval must be a non-negative number"):
+        LaunchOptions(heartbeat_interval=-1.0)
+    with pytest.raises(ValueError, match=r"timeout must be a positive number of seconds, got 0"):
+        LaunchOptions(timeout=0)
+    with pytest.raises(ValueError, match=r"rendezvous_timeout must be a positive number"):
+        LaunchOptions(rendezvous_timeout=-3)
+    with pytest.raises(ValueError, match=r"seed must be an int, got 1.5"):
+        LaunchOptions(seed=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['sed'\]; the launch"):
+        launch({}, 0, 1, "127.0.0.1", 1, sed=3)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"options must be a LaunchOptions, got 'gloo'"):
+        launch({}, 0, 1, "127.0.0.1", 1, "gloo")  # type: ignore[arg-type]

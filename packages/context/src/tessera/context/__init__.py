@@ -38,6 +38,7 @@ from tessera.context.launch import (
     launch_from_slurm,
     launch_from_torch,
 )
+from tessera.context.launch_options import LaunchOptions
 from tessera.context.layouts import Group, Groups, coordinates, global_rank
 from tessera.context.modes import ModeLike, ParallelMode
 from tessera.context.planner import LayoutEstimate, Machine, ModelShape, plan_layouts
@@ -81,6 +82,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "launch",
     "launch_from_torch",
+    "LaunchOptions",
     "launch_from_slurm",
     "launch_from_openmpi",
     "get_context",

@@ -19,7 +19,7 @@ import contextlib
 import os
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,10 @@ from .context import (
     create_context,
     load_config,
 )
-from .failures import DEFAULT_HEARTBEAT_INTERVAL
+from .launch_options import LaunchKeywords, LaunchOptions
+
+if TYPE_CHECKING:  # PEP 692 keywords (typing.Unpack is 3.11+); only the type checker reads it
+    from typing_extensions import Unpack
 
 __all__ = ["launch", "launch_from_openmpi", "launch_from_slurm", "launch_from_torch"]
 
@@ -238,12 +241,10 @@ def launch(
     world_size: int,
     host: str,
     port: int,
-    backend: str | None = None,
+    options: LaunchOptions | None = None,
+    *,
     local_rank: int | None = None,
-    seed: int = 1024,
-    timeout: float | timedelta | None = None,
-    heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
-    rendezvous_timeout: float | timedelta | None = None,
+    **keywords: Unpack[LaunchKeywords],
 ) -> ParallelContext:
     """Initialize torch.distributed, build the context, seed, and make the context current.
 
@@ -253,26 +254,18 @@ def launch(
         world_size: Number of processes in the job.
         host: Address of rank 0: IPv4 (``127.0.0.1``), IPv6 (``::1``) or a host name.
         port: Free TCP port on ``host`` for the rendezvous store.
-        backend: ``'nccl'`` or ``'gloo'``; default NCCL when CUDA is available, else gloo.
+        options: Backend, seed, timeouts and heartbeats (:class:`LaunchOptions`); the same
+            fields may be given as keywords, which win.
         local_rank: Index of this process on its node (picks ``cuda:<local_rank>``); default
             ``rank % torch.cuda.device_count()``.
-        seed: Base seed (see ``ParallelContext.reseed``).
-        timeout: Seconds or timedelta for every collective (default ``DEFAULT_TIMEOUT``, five
-            minutes), and for the rendezvous unless ``rendezvous_timeout`` is given. A rank
-            waiting on a failed peer raises ``RankFailedError`` at the latest when its
-            collective times out; on a dead or stopped peer much sooner, from the heartbeats
-            (see ``ParallelContext.guard``).
-        heartbeat_interval: Seconds between heartbeats in the rendezvous store, which let
-            the other ranks name a rank that died without raising, and abort the groups when a
-            rank stops answering for three intervals; None or 0 turns them off.
-        rendezvous_timeout: Seconds or timedelta the rendezvous waits for every rank (default
-            ``timeout`` when given, else 30 minutes): processes may start far apart, while
-            collectives can then run under a short ``timeout``.
+        **keywords: Fields of :class:`LaunchOptions` (``backend``, ``seed``, ``timeout``,
+            ``heartbeat_interval``, ``rendezvous_timeout``).
 
     Raises:
         ConfigError: invalid configuration (before any network traffic), or ranks launched
             with different parallel layouts (at the rendezvous, before any group exists).
-        ValueError: rank, world size or port out of range.
+        ValueError: rank, world size, port or a launch option out of range.
+        TypeError: an unknown keyword, or options that are not a LaunchOptions.
         RuntimeError: already launched, or the rendezvous failed (with the missing ranks).
     """
     return _launch(
@@ -281,14 +274,10 @@ def launch(
         world_size,
         host,
         port,
-        backend,
         local_rank,
-        seed,
-        timeout,
+        LaunchOptions.resolve(options, keywords, "launch"),
         agent_store=False,
         attempt="0",
-        heartbeat_interval=heartbeat_interval,
-        rendezvous_timeout=rendezvous_timeout,
     )
 
 
@@ -298,16 +287,14 @@ def _launch(
     world_size: int,
     host: str,
     port: int,
-    backend: str | None,
     local_rank: int | None,
-    seed: int,
-    timeout: float | timedelta | None,
+    options: LaunchOptions,
     *,
     agent_store: bool,
     attempt: str,
-    heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
-    rendezvous_timeout: float | timedelta | None = None,
 ) -> ParallelContext:
+    backend, seed, timeout = options.backend, options.seed, options.timeout
+    heartbeat_interval, rendezvous_timeout = options.heartbeat_interval, options.rendezvous_timeout
     full = load_config(config)
     parallel = ParallelConfig.from_dict(full.get("parallel"), world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -398,14 +385,15 @@ def _env_int(name: str, launcher: str) -> int:
 
 def launch_from_torch(
     config: ConfigLike,
-    backend: str | None = None,
-    seed: int = 1024,
-    timeout: float | timedelta | None = None,
-    heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
-    rendezvous_timeout: float | timedelta | None = None,
+    options: LaunchOptions | None = None,
+    **keywords: Unpack[LaunchKeywords],
 ) -> ParallelContext:
-    """Launch from torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT."""
+    """Launch from torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT.
+
+    ``options`` and ``keywords`` as for :func:`launch`.
+    """
     name = "launch_from_torch"
+    resolved = LaunchOptions.resolve(options, keywords, name)
     host = os.environ.get("MASTER_ADDR")
     if host is None:
         raise RuntimeError(f"{name}: environment variable MASTER_ADDR is not set (use torchrun)")
@@ -415,12 +403,8 @@ def launch_from_torch(
         world_size=_env_int("WORLD_SIZE", name),
         host=host,
         port=_env_int("MASTER_PORT", name),
-        backend=backend,
         local_rank=_env_int("LOCAL_RANK", name),
-        seed=seed,
-        timeout=timeout,
-        heartbeat_interval=heartbeat_interval,
-        rendezvous_timeout=rendezvous_timeout,
+        options=resolved,
         # torchrun's agent already hosts a store on MASTER_PORT: every rank is a client of it,
         # and keys are kept apart per restart.
         agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
@@ -432,51 +416,33 @@ def launch_from_slurm(
     config: ConfigLike,
     host: str,
     port: int,
-    backend: str | None = None,
-    seed: int = 1024,
-    timeout: float | timedelta | None = None,
-    heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
-    rendezvous_timeout: float | timedelta | None = None,
+    options: LaunchOptions | None = None,
+    **keywords: Unpack[LaunchKeywords],
 ) -> ParallelContext:
-    """Launch from srun's environment: SLURM_PROCID, SLURM_NPROCS, SLURM_LOCALID."""
+    """Launch from srun's environment: SLURM_PROCID, SLURM_NPROCS, SLURM_LOCALID.
+
+    ``options`` and ``keywords`` as for :func:`launch`.
+    """
     size_var = "SLURM_NPROCS" if "SLURM_NPROCS" in os.environ else "SLURM_NTASKS"
-    return _launch_from_env(
-        "launch_from_slurm",
-        ("SLURM_PROCID", size_var, "SLURM_LOCALID"),
-        config,
-        host,
-        port,
-        backend=backend,
-        seed=seed,
-        timeout=timeout,
-        heartbeat_interval=heartbeat_interval,
-        rendezvous_timeout=rendezvous_timeout,
-    )
+    resolved = LaunchOptions.resolve(options, keywords, "launch_from_slurm")
+    variables = ("SLURM_PROCID", size_var, "SLURM_LOCALID")
+    return _launch_from_env("launch_from_slurm", variables, config, host, port, resolved)
 
 
 def launch_from_openmpi(
     config: ConfigLike,
     host: str,
     port: int,
-    backend: str | None = None,
-    seed: int = 1024,
-    timeout: float | timedelta | None = None,
-    heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
-    rendezvous_timeout: float | timedelta | None = None,
+    options: LaunchOptions | None = None,
+    **keywords: Unpack[LaunchKeywords],
 ) -> ParallelContext:
-    """Launch from mpirun's environment: OMPI_COMM_WORLD_RANK/_SIZE/_LOCAL_RANK."""
-    return _launch_from_env(
-        "launch_from_openmpi",
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-        config,
-        host,
-        port,
-        backend=backend,
-        seed=seed,
-        timeout=timeout,
-        heartbeat_interval=heartbeat_interval,
-        rendezvous_timeout=rendezvous_timeout,
-    )
+    """Launch from mpirun's environment: OMPI_COMM_WORLD_RANK/_SIZE/_LOCAL_RANK.
+
+    ``options`` and ``keywords`` as for :func:`launch`.
+    """
+    resolved = LaunchOptions.resolve(options, keywords, "launch_from_openmpi")
+    variables = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")
+    return _launch_from_env("launch_from_openmpi", variables, config, host, port, resolved)
 
 
 def _launch_from_env(
@@ -485,7 +451,7 @@ def _launch_from_env(
     config: ConfigLike,
     host: str,
     port: int,
-    **options: Any,
+    options: LaunchOptions,
 ) -> ParallelContext:
     """``launch`` with rank, world size and local rank read from a scheduler's variables."""
     rank_var, size_var, local_var = variables
@@ -495,6 +461,6 @@ def _launch_from_env(
         world_size=_env_int(size_var, name),
         host=host,
         port=port,
+        options=options,
         local_rank=_env_int(local_var, name),
-        **options,
     )
