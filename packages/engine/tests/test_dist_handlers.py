@@ -121,7 +121,7 @@ def _pipeline_tied(clip: float, built_by: str) -> dict[str, Any]:
         mark_pipeline_shared(stage.w, "embedding")
         optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
         if built_by == "initialize":  # no handler configured: every pipeline job gets it
-            config = dict(NUM_MICRO_BATCHES=1, clip_grad_norm=clip)
+            config = dict(num_microbatches=1, clip_grad_norm=clip)  # NUM_MICRO_BATCHES's name
             engine, *_ = initialize(stage, optimizer, nn.MSELoss(), config=config, context=ctx)
             handlers = engine.gradient_handlers
             assert [type(h) for h in handlers] == [

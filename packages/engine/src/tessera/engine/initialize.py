@@ -23,9 +23,10 @@ offload=False)``           and optimizer state sharded, 3: also parameters; offl
                            added (weights tied across stages, ``mark_pipeline_shared``)
 ``ddp=dict(...)``          extra keywords of DistributedDataParallel
 ``schedule=dict(type=..)`` a schedule from the SCHEDULES registry; default: see below
-``NUM_MICRO_BATCHES``,     with pipeline size > 1: ``PipelineSchedule`` (1F1B), or
-``NUM_CHUNKS``,            ``InterleavedPipelineSchedule`` when NUM_CHUNKS > 1, from
-``TENSOR_SHAPE``           tessera.pipeline
+``num_microbatches``,      with pipeline size > 1: ``PipelineSchedule`` (1F1B), or
+``num_chunks``,            ``InterleavedPipelineSchedule`` when num_chunks > 1, from
+``tensor_shape``           tessera.pipeline (Colossal-AI's ``NUM_MICRO_BATCHES``,
+                           ``NUM_CHUNKS``, ``TENSOR_SHAPE`` are accepted as aliases)
 ``nonfinite="raise"``      a step whose loss or gradients hold inf/NaN: ``"raise"``
                            (default; ``NonFiniteError`` on every rank), ``"skip"`` (every
                            rank skips it; the default under fp16) or ``"warn"`` (skip, warn)
@@ -127,8 +128,9 @@ def sync_replicated_parameters(
 def _pipeline_schedule(settings: EngineSettings, ctx: ParallelContext) -> StepSchedule:
     if settings.micro_batches is None:
         raise ConfigError(
-            f"pipeline size is {ctx.pipeline_size} but the config has no NUM_MICRO_BATCHES: "
-            "set NUM_MICRO_BATCHES (and NUM_CHUNKS for the interleaved schedule)"
+            f"pipeline size is {ctx.pipeline_size} but the config has no num_microbatches "
+            "(NUM_MICRO_BATCHES): set num_microbatches (and num_chunks for the interleaved "
+            "schedule)"
         )
     from tessera.pipeline import InterleavedPipelineSchedule, PipelineSchedule
 

@@ -27,6 +27,7 @@ from tessera.context import ConfigError
 from .loss_scaler import DynamicLossScaler
 
 __all__ = [
+    "ALIASES",
     "ENGINE_CONFIG_KEYS",
     "NONFINITE_POLICIES",
     "PRECISION_MODES",
@@ -44,6 +45,9 @@ ENGINE_CONFIG_KEYS = (
     "gradient_handlers",
     "ddp",
     "schedule",
+    "num_microbatches",
+    "num_chunks",
+    "tensor_shape",
     "NUM_MICRO_BATCHES",
     "NUM_CHUNKS",
     "TENSOR_SHAPE",
@@ -51,6 +55,14 @@ ENGINE_CONFIG_KEYS = (
     "nonfinite",
     "check_agreement",
 )
+
+#: The pipeline keys, snake_case as the schedules' own arguments, and the upper-case
+#: spelling of Colossal-AI's configurations, accepted as an alias so those configs still run.
+ALIASES = {
+    "num_microbatches": "NUM_MICRO_BATCHES",
+    "num_chunks": "NUM_CHUNKS",
+    "tensor_shape": "TENSOR_SHAPE",
+}
 
 #: Top-level keys other tessera packages read (the context, the pipeline builder).
 _OTHER_PACKAGES_KEYS = ("parallel", "model")
@@ -68,7 +80,6 @@ _NESTED_KEYS = {
     "min_scale": "fp16",
     "max_scale": "fp16",
     "offload": "zero",
-    "num_microbatches": "schedule (or NUM_MICRO_BATCHES)",
 }
 
 _FP16_KEYS = (
@@ -157,7 +168,9 @@ def read_engine_settings(cfg: Mapping[str, Any], *, debug: bool = False) -> Engi
             "(FSDP2 shards the model's own parameters); use zero.stage 1, which shards the "
             f"masters and their optimizer state, or {key}=dict(mode='torch') with stage {stage}"
         )
-    micro = _read_int(cfg, "NUM_MICRO_BATCHES", 1) if "NUM_MICRO_BATCHES" in cfg else None
+    micro_key = _spelled(cfg, "num_microbatches")
+    micro = _read_int(cfg, micro_key, 1) if micro_key in cfg else None
+    tensor_shape_key = _spelled(cfg, "tensor_shape")
     return EngineSettings(
         autocast_dtype=dtype,
         master_dtype=master,
@@ -170,8 +183,8 @@ def read_engine_settings(cfg: Mapping[str, Any], *, debug: bool = False) -> Engi
         ddp=_read_mapping(cfg, "ddp"),
         schedule=_read_schedule(cfg),
         micro_batches=micro,
-        chunks=_read_int(cfg, "NUM_CHUNKS", 1),
-        tensor_shape=cfg.get("TENSOR_SHAPE"),
+        chunks=_read_int(cfg, _spelled(cfg, "num_chunks"), 1),
+        tensor_shape=cfg.get(tensor_shape_key),
         debug=debug,
         nonfinite=_read_nonfinite(cfg, fp16=scaler is not None),
         agreement_every=_read_agreement(cfg),
@@ -184,7 +197,8 @@ def read_engine_settings(cfg: Mapping[str, Any], *, debug: bool = False) -> Engi
 def check_misspelt_keys(cfg: Mapping[str, Any]) -> None:
     """Refuse a top-level key that is a near miss of a known one, or belongs in a block."""
     known = (*ENGINE_CONFIG_KEYS, *_OTHER_PACKAGES_KEYS)
-    lowered = {k.lower(): k for k in known}
+    canonical = {alias: key for key, alias in ALIASES.items()}
+    lowered = {k.lower(): canonical.get(k, k) for k in known}  # suggest the snake_case name
     for key in cfg:
         if not isinstance(key, str) or key in known:
             continue
@@ -200,6 +214,20 @@ def check_misspelt_keys(cfg: Mapping[str, Any]) -> None:
                 f"(the engine reads {', '.join(ENGINE_CONFIG_KEYS)}; keys of your own are "
                 "allowed when they are not this close to one of these)"
             )
+
+
+def _spelled(cfg: Mapping[str, Any], key: str) -> str:
+    """How ``cfg`` spells ``key``: itself, or its upper-case alias when only that is given.
+
+    Raises:
+        ConfigError: both spellings are given, with different values.
+    """
+    alias = ALIASES[key]
+    if key in cfg and alias in cfg and cfg[key] != cfg[alias]:
+        raise ConfigError(
+            f"{key}={cfg[key]!r} and its alias {alias}={cfg[alias]!r} disagree; give one of them"
+        )
+    return alias if alias in cfg and key not in cfg else key
 
 
 def _check_block_keys(block: str, value: Mapping[str, Any], known: Sequence[str]) -> None:
