@@ -1,8 +1,8 @@
-"""The dataflow engine behind the simulator, and the pass that makes action lists deadlock-free.
+"""The dataflow run behind the simulator, and the pass that makes action lists deadlock-free.
 
-Each rank's list is cut into steps (:func:`tessera.pipeline.split_steps`); the engine evaluates
-them as a max-plus dataflow system, so the order in which ranks are visited never changes a
-result. See :mod:`tessera.pipeline.simulator` for the model of time.
+Each rank's list is cut into steps (:func:`tessera.pipeline.split_steps`); a
+:class:`DataflowRun` evaluates them as a max-plus dataflow system, so the order in which ranks
+are visited never changes a result. See :mod:`tessera.pipeline.simulator` for the model of time.
 
 Deadlock freedom (:func:`make_deadlock_free`). With NCCL a send may wait until its receive is
 posted, and point-to-point operations on one communicator run in order, so a rank blocked in a
@@ -32,7 +32,7 @@ from tessera.pipeline.actions import (
 from tessera.pipeline.errors import DeadlockError, ScheduleError
 from tessera.pipeline.timeline import TimelineEvent
 
-__all__ = ["SendMode", "Engine", "make_deadlock_free"]
+__all__ = ["DataflowRun", "SendMode", "make_deadlock_free"]
 
 SendMode = Literal["eager", "rendezvous"]
 
@@ -41,7 +41,7 @@ SendMode = Literal["eager", "rendezvous"]
 _Message = tuple[str, int, int]
 
 
-class Engine:
+class DataflowRun:
     """Runs per-rank action lists on the model of time (one use: call :meth:`run` once).
 
     Args:
@@ -340,7 +340,7 @@ def make_deadlock_free(
             (their data dependencies are circular).
     """
     unit = {ActionKind.F: 1.0, ActionKind.B: 1.0, ActionKind.W: 1.0}
-    engine = Engine(
+    run = DataflowRun(
         table,
         num_chunks=num_chunks,
         splits_backward=splits_backward,
@@ -349,5 +349,5 @@ def make_deadlock_free(
         sends="rendezvous",
         repair=True,
     )
-    engine.run()
-    return engine.table()
+    run.run()
+    return run.table()

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tessera.pipeline.actions import Action, ActionKind
-from tessera.pipeline.dataflow import Engine, SendMode
+from tessera.pipeline.dataflow import DataflowRun, SendMode
 from tessera.pipeline.schedule import Schedule, check_actions
 from tessera.pipeline.timeline import TimelineEvent, events_of_rank
 
@@ -147,7 +147,7 @@ def simulate_table(
         raise ValueError("the action table has no ranks")
     cost = _resolve_costs(costs)
     backward = cost["B"] if splits_backward else cost["B"] + cost["W"]
-    engine = Engine(
+    run = DataflowRun(
         table,
         num_chunks=num_chunks,
         splits_backward=splits_backward,
@@ -160,16 +160,16 @@ def simulate_table(
         sends=sends,
         hold_activations=not forward_only,
     )
-    engine.run()
+    run.run()
     p = len(table)
-    makespan = max(engine.clock)
-    idle = tuple(makespan - busy for busy in engine.busy)
+    makespan = max(run.clock)
+    idle = tuple(makespan - busy for busy in run.busy)
     bubble = sum(idle) / (p * makespan) if makespan > 0 else 0.0
     return SimulationResult(
         num_stages=p,
         makespan=makespan,
         bubble_fraction=bubble,
         idle_time=idle,
-        peak_activations=tuple(n / num_chunks for n in engine.peak),
-        timeline=tuple(sorted(engine.events, key=lambda e: (e.rank, e.start, e.end))),
+        peak_activations=tuple(n / num_chunks for n in run.peak),
+        timeline=tuple(sorted(run.events, key=lambda e: (e.rank, e.start, e.end))),
     )
