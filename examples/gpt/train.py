@@ -78,7 +78,7 @@ def main() -> None:
 
     ctx = launch_from_torch(cfg, seed=cfg.seed)
     layers = build_gpt(vocab.size, **model_cfg)
-    chunks = int(cfg.get("NUM_CHUNKS", 1))
+    chunks = int(cfg.get("num_chunks", cfg.get("NUM_CHUNKS", 1)))  # or Colossal-AI's spelling
     model: Any = (
         build_pipeline_model(layers, num_chunks=chunks) if ctx.pipeline_size > 1 else layers
     )

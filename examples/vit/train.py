@@ -139,7 +139,7 @@ def main() -> None:
     if ctx.config.tensor_mode == "sequence":
         full = to_ring_layout(full, model_cfg["heads"])
     layers = build_vit(**model_cfg)
-    chunks = int(cfg.get("NUM_CHUNKS", 1))
+    chunks = int(cfg.get("num_chunks", cfg.get("NUM_CHUNKS", 1)))  # or Colossal-AI's spelling
     model: Any = (
         build_pipeline_model(layers, num_chunks=chunks) if ctx.pipeline_size > 1 else layers
     )

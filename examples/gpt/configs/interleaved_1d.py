@@ -2,5 +2,5 @@
 #   torchrun --nproc-per-node 4 examples/gpt/train.py \
 #       --config examples/gpt/configs/interleaved_1d.py
 parallel = dict(pipeline=2, tensor=dict(size=2, mode="1d"))
-NUM_MICRO_BATCHES = 4
-NUM_CHUNKS = 2
+num_microbatches = 4
+num_chunks = 2

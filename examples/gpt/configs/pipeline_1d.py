@@ -2,4 +2,4 @@
 # over 2 tensor ranks; the embedding and the logits are split over the vocabulary.
 #   torchrun --nproc-per-node 4 examples/gpt/train.py --config examples/gpt/configs/pipeline_1d.py
 parallel = dict(pipeline=2, tensor=dict(size=2, mode="1d"))
-NUM_MICRO_BATCHES = 4
+num_microbatches = 4

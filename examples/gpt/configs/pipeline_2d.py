@@ -2,4 +2,4 @@
 # SUMMA mesh; vocab-parallel embedding and logits split the vocabulary over the mesh.
 #   torchrun --nproc-per-node 8 examples/gpt/train.py --config examples/gpt/configs/pipeline_2d.py
 parallel = dict(pipeline=2, tensor=dict(size=4, mode="2d"))
-NUM_MICRO_BATCHES = 4
+num_microbatches = 4

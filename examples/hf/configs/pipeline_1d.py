@@ -3,4 +3,4 @@
 # stage, a copy of the first stage's embedding; the engine sums the two copies' gradients.
 parallel = dict(pipeline=2, tensor=dict(size=2, mode="1d"))
 model = dict(kind="llama")
-NUM_MICRO_BATCHES = 4
+num_microbatches = 4

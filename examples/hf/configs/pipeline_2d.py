@@ -1,4 +1,4 @@
 # Pipeline x 2D: 2 stages (1F1B, 4 microbatches), each a 2x2 SUMMA mesh (8 ranks).
 parallel = dict(pipeline=2, tensor=dict(size=4, mode="2d"))
 model = dict(kind="llama")
-NUM_MICRO_BATCHES = 4
+num_microbatches = 4

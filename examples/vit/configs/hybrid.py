@@ -3,4 +3,4 @@
 # Global rank = data * 4 + stage * 2 + tensor.
 #   torchrun --nproc-per-node 8 examples/vit/train.py --config examples/vit/configs/hybrid.py
 parallel = dict(data=2, pipeline=2, tensor=dict(size=2, mode="1d"))
-NUM_MICRO_BATCHES = 4
+num_microbatches = 4

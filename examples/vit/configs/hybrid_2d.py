@@ -2,4 +2,4 @@
 # 2D tensor parallel on a 2 x 2 mesh. Global rank = data * 8 + stage * 4 + tensor.
 #   torchrun --nproc-per-node 16 examples/vit/train.py --config examples/vit/configs/hybrid_2d.py
 parallel = dict(data=2, pipeline=2, tensor=dict(size=4, mode="2d"))
-NUM_MICRO_BATCHES = 4
+num_microbatches = 4

@@ -3,4 +3,4 @@
 # Global rank = stage * 2 + tensor.
 #   torchrun --nproc-per-node 4 examples/vit/train.py --config examples/vit/configs/pipeline_1d.py
 parallel = dict(pipeline=2, tensor=dict(size=2, mode="1d"))
-NUM_MICRO_BATCHES = 4
+num_microbatches = 4

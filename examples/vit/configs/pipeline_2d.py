@@ -2,4 +2,4 @@
 # 2 x 2 mesh (the README's example block).
 #   torchrun --nproc-per-node 8 examples/vit/train.py --config examples/vit/configs/pipeline_2d.py
 parallel = dict(pipeline=2, tensor=dict(size=4, mode="2d"))
-NUM_MICRO_BATCHES = 4
+num_microbatches = 4
