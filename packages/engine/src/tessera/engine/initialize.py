@@ -183,6 +183,117 @@ def _build_handlers(
     return handlers
 
 
+def _check_zero_layout(
+    settings: EngineSettings, ctx: ParallelContext | None, modules: Sequence[nn.Module]
+) -> None:
+    """ZeRO needs a context; stages 2 and 3 (FSDP2) one whole model, no pipeline."""
+    stage = settings.zero_stage
+    if stage and ctx is None:
+        raise ConfigError("zero needs a ParallelContext (launch tessera first)")
+    pipeline_size = ctx.pipeline_size if ctx is not None else 1
+    if stage >= 2 and (pipeline_size > 1 or len(modules) > 1):
+        raise ConfigError(
+            f"zero.stage {stage} (FSDP2) is not supported with pipeline size "
+            f"{pipeline_size}; use zero.stage 1 with pipeline parallelism"
+        )
+
+
+def _equal_replicas(
+    modules: Sequence[nn.Module], ctx: ParallelContext, cfg: Mapping[str, Any], debug: bool
+) -> None:
+    """Step 1: the ranks agree (config, model), the model on the device, replicas equal.
+
+    Parameter values are compared on every job, not only under debug: a tensor rank seeded
+    differently holds different replicated weights and would train its own model silently
+    (see consistency.py).
+    """
+    check_config_agreement({**cfg, "debug": debug}, ENGINE_CONFIG_KEYS, ctx)
+    check_model_agreement(modules, ctx)
+    for m in modules:
+        m.to(ctx.device)
+    sync_replicated_parameters(modules, ctx)
+    check_parameter_checksums(modules, ctx)
+
+
+def _precision_and_zero(
+    settings: EngineSettings,
+    model: nn.Module | Sequence[nn.Module],
+    modules: list[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    ctx: ParallelContext | None,
+) -> tuple[MasterWeights | None, torch.optim.Optimizer, nn.Module | list[nn.Module]]:
+    """Step 2: master weights, then ZeRO-2/3; both may replace the optimizer.
+
+    Master weights cast the model in place and move the optimizer onto fp32 copies (after
+    the replicas' broadcast, so the masters of replicas are equal); FSDP2 replaces the
+    parameters. Returns the masters, the optimizer to step and the model to call.
+    """
+    masters: MasterWeights | None = None
+    if settings.master_dtype is not None:
+        masters = MasterWeights(modules, settings.master_dtype)
+        optimizer = masters.rebuild_optimizer(optimizer)
+    forward_model: nn.Module | list[nn.Module] = model if isinstance(model, nn.Module) else modules
+    if settings.zero_stage >= 2:
+        assert ctx is not None and isinstance(forward_model, nn.Module)
+        names = {id(p): n for n, p in forward_model.named_parameters()}
+        shard_with_fsdp2(forward_model, ctx, settings.zero_stage, settings.zero_offload)
+        optimizer = rebuild_optimizer(optimizer, names, forward_model)
+    return masters, optimizer, forward_model
+
+
+def _gradient_sync(
+    settings: EngineSettings,
+    forward_model: nn.Module | list[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    ctx: ParallelContext,
+) -> tuple[list[BaseGradientHandler], nn.Module | list[nn.Module]]:
+    """Step 3: the gradient handlers, or torch DDP for plain data parallelism.
+
+    The configured handlers; without any (and below ZeRO-2, whose FSDP2 reduces), the one the
+    layout needs. Every pipeline job also gets the handler of weights tied across stages.
+    Returns the handlers and the model to call (DDP-wrapped, or as given).
+    """
+    pipeline_size, data_size = ctx.pipeline_size, ctx.data_size
+    handlers = _build_handlers(settings, forward_model, optimizer, ctx)
+    if not settings.gradient_handlers and settings.zero_stage < 2:
+        if _is_sequence_parallel(ctx) and group_if_parallel(ctx, ParallelMode.SEQUENCE_DP):
+            handlers.append(SequenceParallelGradientHandler(forward_model, optimizer, ctx))
+        elif data_size > 1 and (pipeline_size > 1 or not isinstance(forward_model, nn.Module)):
+            handlers.append(DataParallelGradientHandler(forward_model, optimizer, ctx))
+        elif data_size > 1 and isinstance(forward_model, nn.Module):
+            ddp_kwargs = dict(settings.ddp)
+            if ctx.device.type == "cuda":
+                ddp_kwargs.setdefault("device_ids", [ctx.device.index])
+            forward_model = nn.parallel.DistributedDataParallel(
+                forward_model, process_group=ctx.get_group(ParallelMode.DATA), **ddp_kwargs
+            )
+    if pipeline_size > 1 and not any(
+        isinstance(h, PipelineSharedModuleGradientHandler) for h in handlers
+    ):
+        # weights tied across stages (mark_pipeline_shared): without their summed gradient
+        # the copies would drift apart, silently; a job without ties pays one small exchange
+        # at construction, nothing per step
+        handlers.append(PipelineSharedModuleGradientHandler(forward_model, optimizer, ctx))
+    return handlers, forward_model
+
+
+def _schedule(
+    settings: EngineSettings, ctx: ParallelContext | None, masters: MasterWeights | None
+) -> StepSchedule:
+    """Step 4: the configured schedule, else the pipeline's (1F1B, interleaved), else none."""
+    schedule: StepSchedule
+    if settings.schedule is not None:
+        schedule = _configured_schedule(settings.schedule, ctx)
+    elif ctx is not None and ctx.pipeline_size > 1:
+        schedule = _pipeline_schedule(settings, ctx)
+    else:
+        schedule = NonPipelineSchedule()
+    if masters is not None and getattr(schedule, "tensor_dtype", False) is None:
+        # tensor_shape's receive buffers take this dtype; the stages send the model's format
+        schedule.tensor_dtype = masters.dtype  # type: ignore[attr-defined]
+    return schedule
+
+
 def initialize(
     model: nn.Module | Sequence[nn.Module],
     optimizer: torch.optim.Optimizer,
@@ -253,80 +364,19 @@ def _initialize(
     debug = debug_enabled(cfg)
     settings = read_engine_settings(cfg, debug=debug)
     modules = _modules(model)
-    pipeline_size = ctx.pipeline_size if ctx is not None else 1
-    data_size = ctx.data_size if ctx is not None else 1
-    zero_stage = settings.zero_stage
-    if zero_stage and ctx is None:
-        raise ConfigError("zero needs a ParallelContext (launch tessera first)")
-    if zero_stage >= 2 and (pipeline_size > 1 or len(modules) > 1):
-        raise ConfigError(
-            f"zero.stage {zero_stage} (FSDP2) is not supported with pipeline size "
-            f"{pipeline_size}; use zero.stage 1 with pipeline parallelism"
-        )
-
-    # 1. device and equal replicas (after checking that the ranks agree: see consistency.py).
-    # Parameter values are compared on every job, not only under debug: a tensor rank seeded
-    # differently holds different replicated weights and would train its own model silently.
+    _check_zero_layout(settings, ctx, modules)
     if ctx is not None:
-        check_config_agreement({**cfg, "debug": debug}, ENGINE_CONFIG_KEYS, ctx)
-        check_model_agreement(modules, ctx)
-        for m in modules:
-            m.to(ctx.device)
-        sync_replicated_parameters(modules, ctx)
-        check_parameter_checksums(modules, ctx)
-
-    # 2. master weights (the model cast in place, the optimizer moved onto fp32 copies; after
-    # the broadcast, so the masters of replicas are equal), then ZeRO (may replace the
-    # parameters and hence the optimizer)
-    masters: MasterWeights | None = None
-    if settings.master_dtype is not None:
-        masters = MasterWeights(modules, settings.master_dtype)
-        optimizer = masters.rebuild_optimizer(optimizer)
-    forward_model: nn.Module | list[nn.Module] = model if isinstance(model, nn.Module) else modules
-    if zero_stage >= 2:
-        assert ctx is not None and isinstance(forward_model, nn.Module)
-        names = {id(p): n for n, p in forward_model.named_parameters()}
-        shard_with_fsdp2(forward_model, ctx, zero_stage, settings.zero_offload)
-        optimizer = rebuild_optimizer(optimizer, names, forward_model)
-
-    # 3. gradient handlers, or DDP for plain data parallelism
+        _equal_replicas(modules, ctx, cfg, debug)
+    masters, optimizer, forward_model = _precision_and_zero(
+        settings, model, modules, optimizer, ctx
+    )
     handlers: list[BaseGradientHandler] = []
     if ctx is not None:
-        handlers = _build_handlers(settings, forward_model, optimizer, ctx)
-        if not settings.gradient_handlers and zero_stage < 2:
-            if _is_sequence_parallel(ctx) and group_if_parallel(ctx, ParallelMode.SEQUENCE_DP):
-                handlers.append(SequenceParallelGradientHandler(forward_model, optimizer, ctx))
-            elif data_size > 1 and (pipeline_size > 1 or not isinstance(forward_model, nn.Module)):
-                handlers.append(DataParallelGradientHandler(forward_model, optimizer, ctx))
-            elif data_size > 1 and isinstance(forward_model, nn.Module):
-                ddp_kwargs = dict(settings.ddp)
-                if ctx.device.type == "cuda":
-                    ddp_kwargs.setdefault("device_ids", [ctx.device.index])
-                forward_model = nn.parallel.DistributedDataParallel(
-                    forward_model, process_group=ctx.get_group(ParallelMode.DATA), **ddp_kwargs
-                )
-        if pipeline_size > 1 and not any(
-            isinstance(h, PipelineSharedModuleGradientHandler) for h in handlers
-        ):
-            # weights tied across stages (mark_pipeline_shared): without their summed gradient
-            # the copies would drift apart, silently; a job without ties pays one small
-            # exchange at construction, nothing per step
-            handlers.append(PipelineSharedModuleGradientHandler(forward_model, optimizer, ctx))
-    if zero_stage == 1:
+        handlers, forward_model = _gradient_sync(settings, forward_model, optimizer, ctx)
+    if settings.zero_stage == 1:
         assert ctx is not None
         optimizer = zero_redundancy_optimizer(optimizer, ctx)
-
-    # 4. schedule
-    schedule: StepSchedule
-    if settings.schedule is not None:
-        schedule = _configured_schedule(settings.schedule, ctx)
-    elif pipeline_size > 1 and ctx is not None:
-        schedule = _pipeline_schedule(settings, ctx)
-    else:
-        schedule = NonPipelineSchedule()
-    if masters is not None and getattr(schedule, "tensor_dtype", False) is None:
-        # TENSOR_SHAPE's receive buffers take this dtype; the stages send the model's format
-        schedule.tensor_dtype = masters.dtype  # type: ignore[attr-defined]
+    schedule = _schedule(settings, ctx, masters)
 
     scaler = DynamicLossScaler(**settings.loss_scaler) if settings.loss_scaler is not None else None
     accumulation = settings.gradient_accumulation
