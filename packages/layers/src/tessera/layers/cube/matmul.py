@@ -24,6 +24,10 @@ costs no all-reduce over the output's batch group.
 The weights stay when ``3 q n k + 2 n o < 3 o k`` (``q n k + n o < o k`` without a backward):
 few rows per rank against wide layers, the case of small batches (:func:`choose_cube_algorithm`,
 the same choice on every rank). Both give the same result to rounding.
+
+Fused parts (q, k, v in one weight): with ``f`` parts, a rank's ``o`` output features are
+``f`` runs of ``r = o / f``; the other layout's ``out/q`` features of axis index ``b`` (and the
+bias ``[out/q]``) are, per part, the ``q`` WEIGHT ranks' runs in order: ``(part, x, run)``.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from ..comm.inflight import (
     start_scatter_blocks,
 )
 from ..comm.ops import apply_function
-from ..shared.autocast import cast_operands, computing_in
+from ..shared.block_linear import BlockLinearFunction, gradients_needed
 from ..shared.dense import flat_weight
 from .layout import Cube, Layout3D, other_layout
 
@@ -73,45 +77,10 @@ def _parts(weight: torch.Tensor) -> int:
     return weight.shape[0] if weight.dim() == 3 else 1
 
 
-class _CubeLinearFunction(torch.autograd.Function):
-    """What both variants share: autocast, the saved blocks, the bias; ``product`` differs.
-
-    With ``f`` fused parts, a rank's ``o`` output features are ``f`` runs of ``r = o / f``;
-    the other layout's ``out/q`` features of axis index ``b`` (and the bias ``[out/q]``) are,
-    per part, the ``q`` WEIGHT ranks' runs in order: ``(part, x, run)``.
-    """
-
-    @staticmethod
-    def product(
-        x: torch.Tensor, weight: torch.Tensor, cube: Cube, layout: Layout3D
-    ) -> torch.Tensor:
-        """``x W^T``: rows ``[n, k]`` and the weight block -> ``[n, out/q]`` in the other layout."""
-        raise NotImplementedError
-
-    @classmethod
-    def forward(
-        cls,
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        cube: Cube,
-        layout: Layout3D,
-    ) -> torch.Tensor:
-        dtype, x, weight, bias = cast_operands(x, weight, bias)
-        ctx.cube, ctx.layout, ctx.has_bias = cube, layout, bias is not None
-        ctx.save_for_backward(x, weight)
-        lead = x.shape[:-1]
-        with computing_in(dtype, x.device):
-            out = cls.product(x.detach().reshape(-1, x.shape[-1]), weight.detach(), cube, layout)
-            out = out if bias is None else out.add_(bias)
-        return out.view(*lead, out.shape[-1])
-
-
 # ---------------------------------------------------------------------------- operands travel
 
 
-class _GatheredCubeLinear(_CubeLinearFunction):
+class _GatheredCubeLinear(BlockLinearFunction):
     """The operands travel: Bian et al.'s product, saving only the local blocks.
 
     For input layout with hidden axis ``A`` (local rank ``a``) and other axis ``B`` (``b``),
@@ -145,10 +114,10 @@ class _GatheredCubeLinear(_CubeLinearFunction):
         ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
-        cube: Cube = ctx.cube
-        across, hidden, axis = cube.across(ctx.layout), cube.hidden(ctx.layout), cube.weight
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        cube: Cube = ctx.grid[0]
+        layout: Layout3D = ctx.grid[1]
+        across, hidden, axis = cube.across(layout), cube.hidden(layout), cube.weight
+        need_x, need_w, need_b = gradients_needed(ctx)
         k = x.shape[-1]
         dy = grad.reshape(-1, grad.shape[-1])  # [n, out/q]
         g_all = start_all_gather(dy, 0, hidden.group, hidden.world_size)
@@ -211,7 +180,7 @@ def _finish(
 # ---------------------------------------------------------------------------- weights stay
 
 
-class _StationaryCubeLinear(_CubeLinearFunction):
+class _StationaryCubeLinear(BlockLinearFunction):
     """The weights stay; rows and partial outputs travel within the two planes of the rank.
 
     The input plane is the input layout's batch group (the ``q^2`` ranks sharing ``a``, local
@@ -244,14 +213,14 @@ class _StationaryCubeLinear(_CubeLinearFunction):
         ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
-        cube: Cube = ctx.cube
+        cube: Cube = ctx.grid[0]
+        layout: Layout3D = ctx.grid[1]
         in_plane, out_plane, q = (
-            cube.batch(ctx.layout),
-            cube.batch(other_layout(ctx.layout)),
+            cube.batch(layout),
+            cube.batch(other_layout(layout)),
             cube.q,
         )
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        need_x, need_w, need_b = gradients_needed(ctx)
         k, w = x.shape[-1], flat_weight(weight)  # [o, k]
         n, o, f = grad.numel() // grad.shape[-1], w.shape[0], _parts(weight)
         # Rank a' q + x' of the output plane gets run x' of this rank's rows: [q^2, n, o]
@@ -279,7 +248,7 @@ class _StationaryCubeLinear(_CubeLinearFunction):
         return dx, grad_w, None if bias is None else bias.wait(), None, None
 
 
-_ALGORITHMS: dict[CubeAlgorithm, type[_CubeLinearFunction]] = {
+_ALGORITHMS: dict[CubeAlgorithm, type[BlockLinearFunction]] = {
     "gathered": _GatheredCubeLinear,
     "stationary": _StationaryCubeLinear,
 }

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..comm.inflight import Pending, start_all_reduce, start_transfers
 from ..comm.ops import apply_function
-from ..shared.autocast import cast_operands, computing_in
+from ..shared.block_linear import BlockLinearFunction, gradients_needed
 from ..shared.context_access import GroupInfo
 from .layout import Mesh, MeshRanks
 from .summa import gather_blocks, scatter_blocks
@@ -84,35 +84,10 @@ class _DepthSum:
         return summed[: self._size].view(self._shape), grad_b
 
 
-class _MeshLinearFunction(torch.autograd.Function):
-    """What both variants share: autocast, the saved blocks, the bias; ``product`` differs."""
-
-    @staticmethod
-    def product(x: torch.Tensor, weight: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        """``x W^T`` from blocks ``[m, k/q]`` and ``[n/q, k/q]``: ``[m, n/q]``."""
-        raise NotImplementedError
-
-    @classmethod
-    def forward(
-        cls,
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        mesh: Mesh,
-    ) -> torch.Tensor:
-        dtype, x, weight, bias = cast_operands(x, weight, bias)
-        ctx.mesh, ctx.has_bias = mesh, bias is not None
-        ctx.save_for_backward(x, weight)
-        with computing_in(dtype, x.device):
-            out = cls.product(x.detach(), weight.detach(), mesh)
-            return out if bias is None else out.add_(bias)
-
-
 # ---------------------------------------------------------------------------- weights travel
 
 
-class _SummaLinear(_MeshLinearFunction):
+class _SummaLinear(BlockLinearFunction):
     """SUMMA: the weight's COL group holds the blocks ``W[out_j, in_l]`` for every ``l``.
 
     Those are the panels of ``W^T``'s column ``j``, gathered in the weight's own layout, so
@@ -138,10 +113,9 @@ class _SummaLinear(_MeshLinearFunction):
         ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
         x, weight = ctx.saved_tensors
-        mesh: Mesh = ctx.mesh
+        mesh: Mesh = ctx.grid[0]
         grad = grad.contiguous()  # [m, n/q]
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        need_x, need_w, need_b = gradients_needed(ctx)
         w_panels = gather_blocks(weight, mesh.col) if need_x else None
         x_panels = gather_blocks(x, mesh.row) if need_w or need_b else None
         depth_sum = None
@@ -212,7 +186,7 @@ def _reduce_into(
     return keep
 
 
-class _StreamedSummaLinear(_MeshLinearFunction):
+class _StreamedSummaLinear(BlockLinearFunction):
     """SUMMA panel by panel, two panels per operand at any ``q``.
 
     The forward broadcasts ``x_il`` along the row and ``W[out_j, in_l]`` along the column step
@@ -234,10 +208,9 @@ class _StreamedSummaLinear(_MeshLinearFunction):
         ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
         x, weight = ctx.saved_tensors
-        mesh: Mesh = ctx.mesh
+        mesh: Mesh = ctx.grid[0]
         grad = grad.contiguous()  # [m, n/q]
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        need_x, need_w, need_b = gradients_needed(ctx)
         grad_b = None
         if need_b:  # every batch block of the column used the bias block
             grad_b = start_all_reduce(grad.sum(0), mesh.col.group, mesh.col.world_size)
@@ -297,7 +270,7 @@ def _return_to_column(parts: torch.Tensor, ranks: MeshRanks, i: int, j: int) -> 
     return Pending(works, lambda: received.sum(0), (parts,))
 
 
-class _StationaryLinear(_MeshLinearFunction):
+class _StationaryLinear(BlockLinearFunction):
     """The weights stay: rank ``(i, j)`` computes every product with ``W[out_j, in_i]``.
 
     Forward: ``x_li`` for every ``l`` arrives (:func:`_send_to_row_of_column`); the partial
@@ -322,11 +295,10 @@ class _StationaryLinear(_MeshLinearFunction):
         ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
         x, weight = ctx.saved_tensors
-        mesh: Mesh = ctx.mesh
+        mesh: Mesh = ctx.grid[0]
         assert mesh.ranks is not None
         i, j = mesh.col.rank, mesh.row.rank
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        need_x, need_w, need_b = gradients_needed(ctx)
         grads = gather_blocks(grad.contiguous(), mesh.col)  # [q, m, n/q]: dy_lj
         inputs = _send_to_row_of_column(x, mesh.ranks, i, j) if need_w else None
         dys = grads.wait()
@@ -353,7 +325,7 @@ def _finish(
     return dx, grad_w if need_w else None, grad_b, None
 
 
-_ALGORITHMS: dict[Algorithm, type[torch.autograd.Function]] = {
+_ALGORITHMS: dict[Algorithm, type[BlockLinearFunction]] = {
     "summa": _SummaLinear,
     "streamed": _StreamedSummaLinear,
     "stationary": _StationaryLinear,

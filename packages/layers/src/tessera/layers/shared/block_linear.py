@@ -1,0 +1,57 @@
+"""The frame every grid linear product shares as an autograd function; the product differs.
+
+2D/2.5D (``mesh/matmul.py``: SUMMA, streamed SUMMA, stationary weights) and 3D
+(``cube/matmul.py``: gathered operands, stationary weights) each implement one ``product`` and
+one backward. Around the product, the forward is the same for all five: the operands are cast
+as ``F.linear`` would under autocast, ``(x, weight)`` saved for the backward, the rows
+flattened to ``[n, k]`` and the bias added in the product's dtype. Each backward opens with the
+same question, which gradients are wanted (:func:`gradients_needed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from .autocast import cast_operands, computing_in
+
+__all__ = ["BlockLinearFunction", "gradients_needed"]
+
+
+class BlockLinearFunction(torch.autograd.Function):
+    """``x W^T + b`` from blocks; a subclass gives ``product(x [n, k], weight, *grid)``.
+
+    ``grid`` (the mesh, or the cube and the input layout) is kept as ``ctx.grid`` for the
+    subclass's backward, which returns one gradient per input of ``apply`` (``None`` for
+    each grid argument).
+    """
+
+    #: ``product(x [n, k], weight, *grid) -> [n, out_local]``, the variant's communication.
+    product: ClassVar[Callable[..., torch.Tensor]]
+
+    @classmethod
+    def forward(
+        cls,
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        *grid: Any,
+    ) -> torch.Tensor:
+        """``x [.., k]`` -> ``[.., out_local]`` through ``product``, plus the bias."""
+        dtype, x, weight, bias = cast_operands(x, weight, bias)
+        ctx.grid, ctx.has_bias = grid, bias is not None
+        ctx.save_for_backward(x, weight)
+        lead = x.shape[:-1]
+        with computing_in(dtype, x.device):
+            out = cls.product(x.detach().reshape(-1, x.shape[-1]), weight.detach(), *grid)
+            out = out if bias is None else out.add_(bias)
+        return out.view(*lead, out.shape[-1])
+
+
+def gradients_needed(ctx: Any) -> tuple[bool, bool, bool]:
+    """Which of the input, weight and bias gradients the backward must compute."""
+    needs = ctx.needs_input_grad
+    return bool(needs[0]), bool(needs[1]), bool(ctx.has_bias and needs[2])
