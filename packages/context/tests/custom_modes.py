@@ -5,8 +5,12 @@ Lives in its own module so the distributed tests can import it in their worker p
 
 from __future__ import annotations
 
-from tessera.context import ParallelConfig, ProcessGroupInitializer, global_rank
-from tessera.registry import PROCESS_GROUP_INITIALIZERS
+from tessera.context import (
+    PROCESS_GROUP_INITIALIZERS,
+    ParallelConfig,
+    ProcessGroupInitializer,
+    global_rank,
+)
 
 
 @PROCESS_GROUP_INITIALIZERS.register

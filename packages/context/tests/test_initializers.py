@@ -10,13 +10,13 @@ import pytest
 from custom_modes import EmbeddingGroupInitializer, PairsInitializer
 
 from tessera.context import (
+    PROCESS_GROUP_INITIALIZERS,
     ConfigError,
     ParallelConfig,
     ProcessGroupInitializer,
     Tensor2DInitializer,
     rank_groups,
 )
-from tessera.registry import PROCESS_GROUP_INITIALIZERS
 
 
 def _cfg(world: int, **parallel: Any) -> ParallelConfig:

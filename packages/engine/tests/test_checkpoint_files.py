@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from tessera.engine import (
+    HOOKS,
     BaseHook,
     CheckpointCorruptError,
     CheckpointError,
@@ -37,7 +38,6 @@ from tessera.engine import (
     save_checkpoint,
     verify_checkpoint,
 )
-from tessera.registry import HOOKS
 
 
 def _trained(steps: int = 3) -> tuple[nn.Module, torch.optim.Optimizer, Any]:

@@ -15,6 +15,8 @@ from torch import nn
 
 from tessera.context import ConfigError, ParallelContext, ParallelMode, create_context
 from tessera.engine import (
+    GRADIENT_HANDLERS,
+    SCHEDULES,
     BaseGradientHandler,
     Engine,
     NonPipelineSchedule,
@@ -24,7 +26,6 @@ from tessera.engine import (
     initialize,
     mark_pipeline_shared,
 )
-from tessera.registry import GRADIENT_HANDLERS, SCHEDULES
 
 M = ParallelMode
 

@@ -15,6 +15,7 @@ from torch.utils.data import TensorDataset
 
 from tessera.context import create_context
 from tessera.engine import (
+    HOOKS,
     AccuracyHook,
     BaseHook,
     Engine,
@@ -31,7 +32,6 @@ from tessera.engine import (
     get_dist_logger,
     initialize,
 )
-from tessera.registry import HOOKS
 
 
 class _Recorder(BaseHook):

@@ -23,6 +23,7 @@ from tessera.context.failures import (
     is_communication_error,
 )
 from tessera.context.initializers import (
+    PROCESS_GROUP_INITIALIZERS,
     GlobalInitializer,
     ProcessGroupInitializer,
     SequenceInitializer,
@@ -68,7 +69,8 @@ __all__ = [
     "rank_groups",
     "global_rank",
     "coordinates",
-    # initializers (the plug point for custom modes)
+    # initializers (the plug point for custom modes) and their registry
+    "PROCESS_GROUP_INITIALIZERS",
     "ProcessGroupInitializer",
     "GlobalInitializer",
     "Tensor1DInitializer",

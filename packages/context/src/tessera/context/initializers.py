@@ -13,13 +13,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from tessera.registry import PROCESS_GROUP_INITIALIZERS, ConfigError
+from tessera.registry import ConfigError, Registry
 
 from .config import ExtraInitializer, ParallelConfig
 from .layouts import TENSOR_LAYOUTS, Groups, global_groups, lift, sequence_groups
 from .modes import ParallelMode, mode_key
 
 __all__ = [
+    "PROCESS_GROUP_INITIALIZERS",
     "GlobalInitializer",
     "ProcessGroupInitializer",
     "SequenceInitializer",
@@ -58,6 +59,14 @@ class ProcessGroupInitializer(ABC):
         Each group lists global ranks ordered by local rank. The groups of one mode must be
         disjoint; a rank in none of them simply has no group of that mode.
         """
+
+
+#: The process-group initializers a config can name in ``parallel.extra``, owned by this
+#: package: filled from the entry-point group ``tessera.process_group_initializers`` (where
+#: tessera-context declares its own) and by ``@PROCESS_GROUP_INITIALIZERS.register``.
+PROCESS_GROUP_INITIALIZERS: Registry[type[ProcessGroupInitializer]] = Registry(
+    "process_group_initializers", group="tessera.process_group_initializers"
+)
 
 
 class GlobalInitializer(ProcessGroupInitializer):
@@ -166,7 +175,7 @@ def _resolve(entry: ExtraInitializer, where: str) -> ProcessGroupInitializer:
                 f"PROCESS_GROUP_INITIALIZERS (registered: {known}); register the class with "
                 "@PROCESS_GROUP_INITIALIZERS.register or pass the class itself"
             )
-        cls: object = PROCESS_GROUP_INITIALIZERS.get(kind)
+        cls: object = PROCESS_GROUP_INITIALIZERS.get(kind)  # checked below: entry points vary
     else:
         cls = kind
     if not (isinstance(cls, type) and issubclass(cls, ProcessGroupInitializer)):

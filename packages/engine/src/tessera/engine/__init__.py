@@ -58,6 +58,7 @@ from .loss_scaler import DynamicLossScaler
 from .master_weights import MasterWeights
 from .metrics import AverageMetric, ThroughputMetric
 from .nonfinite import NonFiniteError, NonFiniteReport
+from .registries import GRADIENT_HANDLERS, HOOKS, SCHEDULES
 from .schedule import NonPipelineSchedule, StepSchedule
 from .settings import EngineSettings, read_engine_settings
 from .timer import MultiTimer, Timer
@@ -67,6 +68,10 @@ from .zero import rebuild_optimizer, shard_with_fsdp2, zero_redundancy_optimizer
 __all__ = [
     # engine and setup
     "Engine",
+    # the engine's registries (config names of handlers, schedules, hooks)
+    "GRADIENT_HANDLERS",
+    "SCHEDULES",
+    "HOOKS",
     "initialize",
     "ENGINE_CONFIG_KEYS",
     "EngineSettings",

@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from tessera.context import ConfigError, ParallelContext, ParallelMode
-from tessera.registry import GRADIENT_HANDLERS, SCHEDULES, build
+from tessera.registry import build
 
 from .accumulation import AccumulatedLRScheduler
 from .buckets import broadcast_coalesced
@@ -79,6 +79,7 @@ from .gradient_handlers import (
 )
 from .loss_scaler import DynamicLossScaler
 from .master_weights import MasterWeights
+from .registries import GRADIENT_HANDLERS, SCHEDULES
 from .schedule import NonPipelineSchedule, StepSchedule
 from .scheduler_binding import rebind_lr_scheduler
 from .settings import ENGINE_CONFIG_KEYS, EngineSettings, read_engine_settings

@@ -8,16 +8,12 @@ torch or any tessera implementation package. Components arrive through packaging
 from tessera.registry.builder import DEFAULT_KEY_REGISTRIES, build
 from tessera.registry.builtin import (
     DATASETS,
-    GRADIENT_HANDLERS,
-    HOOKS,
     LAYERS,
     LOSSES,
     LR_SCHEDULERS,
     MODELS,
     OPTIMIZERS,
-    PROCESS_GROUP_INITIALIZERS,
     SAMPLERS,
-    SCHEDULES,
     TRANSFORMS,
     Component,
 )
@@ -43,8 +39,4 @@ __all__ = [
     "DATASETS",
     "SAMPLERS",
     "TRANSFORMS",
-    "GRADIENT_HANDLERS",
-    "PROCESS_GROUP_INITIALIZERS",
-    "SCHEDULES",
-    "HOOKS",
 ]

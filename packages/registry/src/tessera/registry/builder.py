@@ -23,15 +23,12 @@ from typing import Any
 
 from tessera.registry.builtin import (
     DATASETS,
-    GRADIENT_HANDLERS,
-    HOOKS,
     LAYERS,
     LOSSES,
     LR_SCHEDULERS,
     MODELS,
     OPTIMIZERS,
     SAMPLERS,
-    SCHEDULES,
     TRANSFORMS,
 )
 from tessera.registry.errors import ConfigError
@@ -55,11 +52,6 @@ DEFAULT_KEY_REGISTRIES: Mapping[str, Registry[Any]] = MappingProxyType(
         "sampler": SAMPLERS,
         "transform": TRANSFORMS,
         "transforms": TRANSFORMS,
-        "gradient_handler": GRADIENT_HANDLERS,
-        "gradient_handlers": GRADIENT_HANDLERS,
-        "schedule": SCHEDULES,
-        "hook": HOOKS,
-        "hooks": HOOKS,
     }
 )
 

@@ -1,4 +1,9 @@
-"""The named registries every tessera package agrees on, and torch's classes as fallbacks.
+"""The registries shared across packages and a user's config, and torch's classes as fallbacks.
+
+``LAYERS`` is the one tessera registry two packages use (tessera-layers fills it, the pipeline
+builds layers from it); the others name what a user's config builds (models, optimizers, ...).
+A package's own plug points have their own registries in that package: process-group
+initializers in tessera.context, gradient handlers, schedules and hooks in tessera.engine.
 
 Each registry fills from the entry-point group ``tessera.<name in lower case>``: a package
 declares ``[project.entry-points."tessera.layers"] Linear2D = "tessera.layers:Linear2D"`` and the
@@ -30,10 +35,6 @@ __all__ = [
     "DATASETS",
     "SAMPLERS",
     "TRANSFORMS",
-    "GRADIENT_HANDLERS",
-    "PROCESS_GROUP_INITIALIZERS",
-    "SCHEDULES",
-    "HOOKS",
 ]
 
 #: What tessera's registries hold: a class or factory that ``build`` calls with keywords.
@@ -109,7 +110,3 @@ LOSSES = _registry("losses", _torch_losses)
 DATASETS = _registry("datasets")
 SAMPLERS = _registry("samplers")
 TRANSFORMS = _registry("transforms")
-GRADIENT_HANDLERS = _registry("gradient_handlers")
-PROCESS_GROUP_INITIALIZERS = _registry("process_group_initializers")
-SCHEDULES = _registry("schedules")
-HOOKS = _registry("hooks")

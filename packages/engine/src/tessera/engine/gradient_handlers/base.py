@@ -4,8 +4,8 @@ A handler turns the gradients each rank computed into the gradients the optimize
 averaged over data-parallel replicas, summed over ranks that each saw part of a sequence,
 summed over the copies of a weight tied across pipeline stages. The Engine calls every
 handler's ``handle_gradient()`` once per optimizer step, in the configured order. A user's
-handler subclasses this, registers in ``GRADIENT_HANDLERS`` and is chosen in the config as
-``gradient_handlers=[dict(type="MyHandler", ...)]``; ``initialize`` builds it with the
+handler subclasses this, registers in tessera.engine's ``GRADIENT_HANDLERS`` and is chosen in
+the config as ``gradient_handlers=[dict(type="MyHandler", ...)]``; ``initialize`` builds it with the
 keywords ``model``, ``optimizer`` and ``context``.
 """
 

@@ -3,7 +3,7 @@
 A hook overrides the callbacks it needs; the Trainer calls every hook in ascending
 ``priority`` (ties keep the order given). The callbacks receive the Trainer, whose ``states``,
 ``train_metrics``, ``test_metrics`` and ``step_metrics`` are the shared blackboard of a run.
-A user's hook registers in ``HOOKS`` and can be named in a config.
+A user's hook registers in ``HOOKS`` (tessera.engine) and can be named in a config.
 """
 
 from __future__ import annotations
