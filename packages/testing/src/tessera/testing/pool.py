@@ -12,6 +12,7 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import tempfile
 import time
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
+from . import parent_watch as _parent_watch_module
 from . import worker as _worker_module
 from .errors import RankError, RankTimeoutError
 from .ports import free_port
@@ -32,6 +34,7 @@ _STACK_DUMP_WAIT_S = 3.0
 _JOIN_TIMEOUT_S = 5.0
 _GRACEFUL_EXIT_S = 5.0
 _WORKER_FILE = f'"{_worker_module.__file__}"'
+_WATCH_FILE = f'"{_parent_watch_module.__file__}"'
 
 
 @dataclass
@@ -69,12 +72,22 @@ def _death_text(rank: int, exitcode: int | None) -> str:
 
 
 def _user_frames(dump: str) -> str:
-    """Cut a faulthandler dump where the harness's own frames begin (the worker loop)."""
+    """The test's own frames of a faulthandler dump.
+
+    Each thread's frames are cut where the harness's own begin (the worker loop), and the
+    harness's parent-watching thread is left out.
+    """
+    threads = re.split(r"(?m)^(?=(?:Current thread|Thread) 0x)", dump)
     kept = []
-    for line in dump.splitlines():
-        if _WORKER_FILE in line:
-            break
-        kept.append(line)
+    for thread in threads:
+        if _WATCH_FILE in thread:
+            continue
+        lines = []
+        for line in thread.splitlines():
+            if _WORKER_FILE in line:
+                break
+            lines.append(line)
+        kept.extend(lines)
     return "\n".join(kept)
 
 

@@ -7,8 +7,8 @@ a fresh spawn costs on a small machine.
 
 A worker never outlives the test process: a killed pytest (SIGTERM, SIGKILL, a CI runner's
 timeout) gives its atexit handlers no chance to stop the pool, and a worker busy in a task (a
-collective waiting for a peer) would not see its pipe close. So a watcher thread exits the
-worker as soon as its parent is gone.
+collective waiting for a peer) would not see its pipe close. So a watcher thread
+(:mod:`tessera.testing.parent_watch`) exits the worker as soon as its parent is gone.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import pickle
 import signal
 import socket
 import sys
-import threading
-import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -31,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .assert_rewrite import import_rewritten
+from .parent_watch import exit_with_parent
 from .protocol import Failure, Ready, Stop, Success, Task
 from .seeding import seed_all
 
@@ -81,27 +80,6 @@ def _install_stack_dump(dump_path: str | None) -> None:
         return
     _DUMP_FILE = open(dump_path, "w")  # noqa: SIM115 - must outlive this function
     faulthandler.register(signal.SIGUSR1, file=_DUMP_FILE, all_threads=True, chain=False)
-
-
-#: How often the watcher looks whether the test process is still there, in seconds.
-PARENT_POLL_S = 0.5
-
-
-def _exit_with_parent() -> None:
-    """Start a daemon thread that ends this process once its parent (the test process) died.
-
-    When the parent dies the worker is re-parented, so its parent id changes; polling that is
-    portable (Linux and macOS) and, unlike ``PR_SET_PDEATHSIG``, not tied to the thread that
-    spawned the worker.
-    """
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _failure(exc: BaseException) -> Failure:
@@ -196,7 +174,7 @@ def worker_main(
     # Ctrl-C reaches the whole foreground process group; the test process handles it and
     # tears the pool down, so workers must not die mid-message with their own tracebacks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_parent()
+    exit_with_parent()
     _limit_threads()
     _install_stack_dump(dump_path)
     _prefer_loopback()
