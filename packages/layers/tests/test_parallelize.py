@@ -8,6 +8,7 @@ the same weights and batch. One worker pool per world size runs every check of t
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -98,30 +99,42 @@ def _assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
         assert torch.equal(got[name], tensor), f"{name} differs after parallelize"
 
 
-def _models_match_reference(tensor: dict[str, Any]) -> dict[str, Any]:
+def _per_sample_positions_under_3d(ctx: ParallelContext) -> str:
+    """Per-row positions cannot follow the rows into layout "z": a clear error."""
+    ids = token_ids()
+    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    lm = parallelize(gpt2_lm(), context=ctx)
+    with pytest.raises(ValueError, match="per-sample position_ids"):
+        lm(ids, position_ids=positions)
+    return "refused"
+
+
+#: Every check of a layout, each its own test on a fresh context (one failure hides no other).
+#: Under 3d BERT's head transform keeps the layout (its output swaps with the mirror rank);
+#: under 'sequence' the ViT's class token is gathered from its rank's chunk, and on 4 ranks
+#: its 10 tokens (9 patches and the class token) are padded to 12, masked as keys.
+CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
+    "gpt2": lambda ctx: _lm_matches_reference(gpt2_lm(), ctx),
+    "llama": lambda ctx: _lm_matches_reference(llama_lm(), ctx),
+    "qwen2 (inferred plan)": lambda ctx: _lm_matches_reference(qwen2_lm(), ctx),
+    "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
+    "vit": lambda ctx: _lm_matches_reference(vit_classifier(), ctx),
+    "per-sample positions": _per_sample_positions_under_3d,
+    "dropout": lambda ctx: _dropout_streams(ctx),
+    "blocks": lambda ctx: _mlp_matches_reference(ctx),
+    "meta": lambda ctx: _meta_built(ctx),
+    "layers": lambda ctx: _as_pipeline_layers(ctx),
+}
+
+#: Checks that run under some tensor modes only: a model without a plan (Qwen2) is tested
+#: where its inferred plan is, per-sample positions where they are refused.
+ONLY_UNDER = {"qwen2 (inferred plan)": ("1d", "2d", "sequence"), "per-sample positions": ("3d",)}
+
+
+def _run_check(tensor: dict[str, Any], check: str) -> Any:
     ctx = _context(tensor)
     try:
-        losses = {name: _lm_matches_reference(build(), ctx) for name, build in LMS.items()}
-        if ctx.config.tensor_mode in ("1d", "2d", "sequence"):  # a model without a plan
-            losses["qwen2 (inferred plan)"] = _lm_matches_reference(qwen2_lm(), ctx)
-        if ctx.config.tensor_mode == "3d":  # per-row positions cannot follow rows into "z"
-            ids = token_ids()
-            positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-            lm = parallelize(gpt2_lm(), context=ctx)
-            with pytest.raises(ValueError, match="per-sample position_ids"):
-                lm(ids, position_ids=positions)
-        # Under 3d BERT's head transform keeps the layout: its output swaps with the mirror rank.
-        losses["bert"] = _lm_matches_reference(bert_mlm(), ctx)
-        # Under 'sequence' the class token is gathered from its rank's chunk; on 4 ranks the
-        # 10 tokens (9 patches and the class token) are padded to 12, masked as keys.
-        losses["vit"] = _lm_matches_reference(vit_classifier(), ctx)
-        return {
-            **losses,
-            "dropout": _dropout_streams(ctx),
-            "blocks": _mlp_matches_reference(ctx),
-            "meta": _meta_built(ctx),
-            "layers": _as_pipeline_layers(ctx),
-        }
+        return CHECKS[check](ctx)
     finally:
         ctx.destroy()
 
@@ -350,16 +363,21 @@ def _meta_built(ctx: ParallelContext) -> int:
 
 
 #: The transformers models every layout runs, built alike on every rank.
-LMS = {"gpt2": gpt2_lm, "llama": llama_lm}
-
-
-def _plain_block(*layers: nn.Module) -> nn.Sequential:
+def _plain_block(*layers: Callable[[], nn.Module]) -> nn.Sequential:
+    """The layers built after seeding, so every rank holds the same block."""
     torch.manual_seed(3)
-    ref = nn.Sequential(*layers)
+    ref = nn.Sequential(*(build() for build in layers))
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(torch.randn(p.shape) * 0.1)
     return ref
+
+
+def _listing_1() -> nn.Sequential:
+    """The paper's Listing 1: Linear -> LayerNorm -> Linear."""
+    return _plain_block(
+        lambda: nn.Linear(16, 32), lambda: nn.LayerNorm(32), lambda: nn.Linear(32, 16)
+    )
 
 
 def _mlp_matches_reference(ctx: ParallelContext) -> int:
@@ -368,9 +386,14 @@ def _mlp_matches_reference(ctx: ParallelContext) -> int:
     The first is a pre-norm MLP; the second the paper's Listing 1 (Linear -> LayerNorm ->
     Linear), whose LayerNorm takes the column layer's output.
     """
-    mlp = _plain_block(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    mlp = _plain_block(
+        lambda: nn.LayerNorm(16),
+        lambda: nn.Linear(16, 32),
+        nn.GELU,
+        lambda: nn.Linear(32, 16),
+    )
     checked = _block_matches_reference(ctx, mlp, {"0": "norm", "1": "col", "3": "row"})
-    listing_1 = _plain_block(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 16))
+    listing_1 = _listing_1()
     checked += _block_matches_reference(ctx, listing_1, {"0": "col", "1": "norm", "2": "row"})
     return checked + _dispatching_listing_1(ctx)
 
@@ -379,7 +402,7 @@ def _dispatching_listing_1(ctx: ParallelContext) -> int:
     """Listing 1 written with the dispatching layers, no layout argument but the 3D one."""
     from tessera.layers import LayerNorm, Linear, gather_activation, split_activation
 
-    ref = _plain_block(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 16))
+    ref = _listing_1()
     model = nn.Sequential(
         Linear(16, 32, parallel="col", context=ctx),
         LayerNorm(32, parallel_input=True, context=ctx),
@@ -430,16 +453,25 @@ def _block_matches_reference(ctx: ParallelContext, ref: nn.Module, plan: dict[st
     return len(grads)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_transformers_models_and_plain_blocks_equal_single_process(dist, layout: str) -> None:
+@pytest.mark.parametrize(
+    ("layout", "check"),
+    [
+        (layout, check)
+        for layout, tensor in LAYOUTS.items()
+        for check in CHECKS
+        if tensor["mode"] in ONLY_UNDER.get(check, (tensor["mode"],))
+    ],
+)
+def test_transformers_models_and_plain_blocks_equal_single_process(
+    dist, layout: str, check: str
+) -> None:
     tensor = LAYOUTS[layout]
-    results = dist.run(
-        _models_match_reference, world_size=tensor["size"], args=(tensor,), timeout=240.0
-    )
-    assert results[0]["blocks"] == 18 and results[0]["meta"] == 2
+    results = dist.run(_run_check, world_size=tensor["size"], args=(tensor, check), timeout=240.0)
     uneven = tensor["mode"] == "sequence" or tensor.get("sequence_parallel")
-    assert results[0]["layers"] == (0 if uneven else 4)  # embed, 2 decoder layers, head
-    assert all(r == results[0] for r in results)
+    expected = {"blocks": 18, "meta": 2, "layers": 0 if uneven else 4}  # layers: embed, 2, head
+    if check in expected:
+        assert results[0] == expected[check]
+    assert all(r == results[0] for r in results)  # losses agree on every rank
 
 
 def _errors() -> list[str]:
@@ -455,6 +487,15 @@ def _errors() -> list[str]:
 
     ctx = _context(dict(size=2, mode="1d"))
     try:
+        torch.manual_seed(dist.get_rank())  # built without a common seed: each rank its own
+        differing = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
+        expect(
+            ValueError,
+            r"tensor ranks \[0, 1\] hold different weights of Sequential \(0.bias, 0.weight, "
+            r"1.bias, 1.weight differ .* seeding every rank alike",
+            lambda: parallelize(differing, {"0": "col", "1": "row"}, context=ctx),
+        )
+        torch.manual_seed(0)  # the same block on every rank
         block = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
         expect(
             ValueError,
@@ -550,7 +591,7 @@ def _errors() -> list[str]:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 15
+    assert len(results[0]) == 16
 
 
 def test_inner_norms_follow_a_column_layer_and_precede_a_row_layer() -> None:

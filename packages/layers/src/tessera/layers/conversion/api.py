@@ -9,10 +9,13 @@ the mode's layers, cut from the modules' own weights, and installs the boundary 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
-from tessera.context import ParallelContext, get_shard_info
+from tessera.context import ParallelContext, ParallelMode, get_shard_info
 
 from ..sequence.attention import AttentionImpl
 from ..shared.context_access import current_or_none, sequence_parallel_default, tensor_mode
@@ -92,6 +95,46 @@ def _check_sequence_span(model: nn.Module, span: set[str], plan: Plan) -> None:
         )
 
 
+def check_same_weights(model: nn.Module, context: ParallelContext) -> None:
+    """Every tensor rank holds the same full weights, since each cuts its shard from its own.
+
+    Built without a common seed (or loaded from different files), the ranks' shards would
+    come from different models: the parallel model would equal none of them and train on,
+    silently. One all-gather of a checksum per tensor over the TENSOR group (meta tensors,
+    which hold no values, are skipped).
+
+    Raises:
+        ValueError: on every tensor rank, naming the first tensors that differ and the ranks.
+    """
+    sums: dict[str, tuple[float, float]] = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta or not tensor.is_floating_point():
+            continue
+        flat = tensor.detach().reshape(-1).double()
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+        sums[name] = (float(flat.sum()), float((flat * weights).sum()))
+    group = context.get_cpu_group(ParallelMode.TENSOR)
+    everyone: list[Any] = [None] * context.get_world_size(ParallelMode.TENSOR)
+    dist.all_gather_object(everyone, sums, group=group)
+    ranks = context.get_ranks_in_group(ParallelMode.TENSOR)
+    differ = [
+        (name, rank)
+        for rank, theirs in zip(ranks[1:], everyone[1:], strict=True)
+        for name in sums
+        if theirs.get(name) != everyone[0].get(name)
+    ]
+    if differ:
+        names = sorted({name for name, _ in differ})
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise ValueError(
+            f"parallelize: the tensor ranks {ranks} hold different weights of "
+            f"{type(model).__name__} ({shown} differ from rank {ranks[0]}'s on ranks "
+            f"{sorted({rank for _, rank in differ})}); each rank cuts its shard from its own "
+            "copy, so build the model after seeding every rank alike (torch.manual_seed) or "
+            "load the same weights on every rank before parallelize"
+        )
+
+
 def parallelize(
     model: nn.Module,
     plan: Plan | Mapping[str, str] | None = None,
@@ -120,7 +163,8 @@ def parallelize(
     Raises:
         ModeNotImplementedError: the tensor mode is not one of :data:`SUPPORTED_MODES`.
         ValueError: a pattern matches nothing, a size does not divide, the plan leaves every
-            parameter whole, or the model was parallelized already.
+            parameter whole, the model was parallelized already, or the tensor ranks hold
+            different weights (each would cut its shard from another model).
         TypeError: a module cannot take the role its pattern gives it.
     """
     ctx = current_or_none(context)
@@ -135,6 +179,7 @@ def parallelize(
     chosen = plan_for(model, plan)
     roles = match_plan(model, chosen, mode)
     check_meta_buffers(model)
+    check_same_weights(model, ctx)
     sequence_parallel = mode == "1d" and sequence_parallel_default(ctx)
     if sequence_parallel and chosen.boundary == "tokens" and chosen.sequence_span is None:
         raise ValueError(
