@@ -64,6 +64,7 @@ def chunk_modules(layers: list[nn.Module], rank: int, p: int, chunks: int) -> li
 def tessera_runner(kind: str, rank: int, p: int, ctx: Any) -> Any:
     from tessera.pipeline import (
         InterleavedPipelineSchedule,
+        PipelineRunner,
         PipelineSchedule,
         ZeroBubbleSchedule,
         build_pipeline_model,
@@ -77,12 +78,11 @@ def tessera_runner(kind: str, rank: int, p: int, ctx: Any) -> Any:
         "interleaved": lambda: InterleavedPipelineSchedule(MICRO, 2),
         "zero_bubble": lambda: ZeroBubbleSchedule(MICRO),
     }[kind]()
+    runner = PipelineRunner(schedule, context=ctx)
     stages = stage if isinstance(stage, list) else [stage]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        schedule.forward_backward_step(
-            stage, iter([(x, y)]), mse, return_output_label=False, context=ctx
-        )
+        runner.train_step(stage, iter([(x, y)]), mse, keep_outputs=False)
         for s in stages:
             s.zero_grad(set_to_none=True)
 
@@ -170,15 +170,19 @@ def worker(rank: int, p: int, port: int, steps: int, rounds: int, queue: Any) ->
 
 def measure_memory(rank: int, p: int, ctx: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
     """Peak bytes saved for backward on this rank: tessera GPipe vs 1F1B on the same split."""
-    from tessera.pipeline import GPipeSchedule, PipelineSchedule, build_pipeline_model
+    from tessera.pipeline import (
+        GPipeSchedule,
+        PipelineRunner,
+        PipelineSchedule,
+        build_pipeline_model,
+    )
 
     stage = build_pipeline_model(modules(split_relu=False), 1, method="uniform", context=ctx)
     out: dict[str, Any] = {"rank": rank}
     for name, schedule in (("gpipe", GPipeSchedule(MICRO)), ("1f1b", PipelineSchedule(MICRO))):
-        schedule.forward_backward_step(
-            stage, iter([(x, y)]), mse, return_output_label=False, context=ctx, track_memory=True
-        )
-        record = schedule.last_run
+        runner = PipelineRunner(schedule, context=ctx)
+        runner.train_step(stage, iter([(x, y)]), mse, keep_outputs=False, track_memory=True)
+        record = runner.last_run
         assert record is not None
         out[name] = (record.peak_activation_bytes, record.peak_live)
         stage.zero_grad(set_to_none=True)

@@ -166,7 +166,7 @@ def main() -> None:
     test = get_dataloader(test_set, batch_size=train_cfg.test_batch_size // ctx.data_size)
 
     engine, train, test, scheduler = initialize(model, optimizer, ViTLoss(), train, test, scheduler)
-    microbatches = int(getattr(engine.schedule, "num_microbatches", 1))
+    microbatches = engine.num_microbatches
     recorder = LossRecorder()
     hooks = [
         LossHook(),

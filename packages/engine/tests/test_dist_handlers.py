@@ -241,9 +241,10 @@ def _pipeline_schedule_selection(micro: int, chunks: int) -> dict[str, Any]:
         assert engine.step()
         run = schedule.last_run
         return {
-            "schedule": type(schedule).__name__,
-            "num_microbatches": schedule.num_microbatches,
-            "num_chunks": schedule.num_chunks,
+            "runner": type(schedule).__name__,
+            "schedule": type(schedule.schedule).__name__,
+            "num_microbatches": schedule.schedule.num_microbatches,
+            "num_chunks": schedule.schedule.num_chunks,
             "ran_before": ran_before is not None,
             "run_rank": None if run is None else run.pipeline_rank,
             "pipeline_rank": p,
@@ -283,6 +284,7 @@ def test_pipeline_schedule_selected_from_config(
     opt.step()
     seen: set[int] = set()
     for r in results:
+        assert r["runner"] == "PipelineRunner"
         assert r["schedule"] == expected
         assert r["num_microbatches"] == micro
         assert r["num_chunks"] == chunks

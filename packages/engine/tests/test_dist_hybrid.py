@@ -67,7 +67,8 @@ def _hybrid() -> dict[str, Any]:
                 param = getattr(module, name)
                 info = param._tessera_shard_info
                 out[(layer_index, name)] = (param.detach().clone(), info.slices)
-        return {"params": out, "schedule": type(engine.schedule).__name__}
+        plan = engine.schedule.schedule  # type: ignore[attr-defined]  # the runner's plan
+        return {"params": out, "schedule": type(plan).__name__}
     finally:
         ctx.destroy()
 

@@ -56,7 +56,7 @@ def _pipeline_train(parallel: dict[str, Any], extra: dict[str, Any]) -> dict[str
         return {
             "layers": layers,
             "losses": losses,
-            "schedule": type(engine.schedule).__name__,
+            "schedule": type(engine.schedule.schedule).__name__,  # type: ignore[attr-defined]
             "handlers": [type(h).__name__ for h in engine.gradient_handlers],
             "rank": tdist.get_rank(),
         }

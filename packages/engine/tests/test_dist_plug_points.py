@@ -61,6 +61,26 @@ class UserCountingSchedule:
         self.calls = 0
         self._inner = NonPipelineSchedule()
 
+    def train_step(
+        self, stage: Any, data_iter: Iterator[Any], loss_fn: Any, *, keep_outputs: bool = True
+    ) -> tuple[Any, Any, torch.Tensor | None]:
+        self.calls += 1
+        return self._inner.train_step(stage, data_iter, loss_fn, keep_outputs=keep_outputs)
+
+    def eval_step(
+        self, stage: Any, data_iter: Iterator[Any], loss_fn: Any, *, keep_outputs: bool = True
+    ) -> tuple[Any, Any, torch.Tensor | None]:
+        self.calls += 1
+        return self._inner.eval_step(stage, data_iter, loss_fn, keep_outputs=keep_outputs)
+
+
+class OlderInterfaceSchedule:
+    """A user's schedule written for the older interface: one call with three flags."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[bool, bool, bool]] = []
+        self._inner = NonPipelineSchedule()
+
     def forward_backward_step(
         self,
         stage: Any,
@@ -70,10 +90,12 @@ class UserCountingSchedule:
         return_loss: bool = True,
         return_output_label: bool = True,
     ) -> tuple[Any, Any, torch.Tensor | None]:
-        self.calls += 1
-        return self._inner.forward_backward_step(
-            stage, data_iter, loss_fn, forward_only, return_loss, return_output_label
-        )
+        self.calls.append((forward_only, return_loss, return_output_label))
+        keep = return_output_label
+        if forward_only:
+            fn = loss_fn if return_loss else None
+            return self._inner.eval_step(stage, data_iter, fn, keep_outputs=keep)
+        return self._inner.train_step(stage, data_iter, loss_fn, keep_outputs=keep)
 
 
 def _register() -> None:
@@ -129,11 +151,12 @@ def test_user_handler_and_schedule_from_the_registries(dist: Any) -> None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_engine_runs_any_object_with_forward_backward_step() -> None:
+def test_engine_runs_any_object_with_train_and_eval_steps() -> None:
     data = [make_data(8, seed=s) for s in range(2)]
     model = make_model()
     schedule = UserCountingSchedule()
     engine = Engine(model, sgd(model), nn.CrossEntropyLoss(), schedule=schedule)
+    assert engine.schedule is schedule
     for batch in data:
         engine.zero_grad()
         _, _, loss = engine.execute_schedule(iter([batch]))
@@ -142,6 +165,29 @@ def test_engine_runs_any_object_with_forward_backward_step() -> None:
     assert schedule.calls == 2
     for got, want in zip(engine.parameters(), reference_params(data, sgd), strict=True):
         torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+
+
+def test_a_schedule_of_the_older_interface_still_runs_with_a_deprecation_warning() -> None:
+    data = [make_data(8, seed=s) for s in range(2)]
+    model = make_model()
+    schedule = OlderInterfaceSchedule()
+    with pytest.warns(DeprecationWarning, match="train_step"):
+        engine = Engine(model, sgd(model), nn.CrossEntropyLoss(), schedule=schedule)
+    for batch in data:
+        engine.zero_grad()
+        engine.execute_schedule(iter([batch]), return_output_label=False)
+        engine.step()
+    out, _, loss = engine.execute_schedule(iter([data[0]]), forward_only=True, return_loss=False)
+    assert loss is None and out is not None
+    assert schedule.calls == [(False, True, False)] * 2 + [(True, False, True)]
+    for got, want in zip(engine.parameters(), reference_params(data, sgd), strict=True):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+
+
+def test_an_object_that_runs_no_step_is_refused_by_name() -> None:
+    model = make_model()
+    with pytest.raises(TypeError, match="Linear has neither"):
+        Engine(model, sgd(model), nn.CrossEntropyLoss(), schedule=nn.Linear(2, 2))
 
 
 # ------------------------------------------------------------------ bucketed data parallel

@@ -22,6 +22,7 @@ from tessera.pipeline import (
     ActionKind,
     GPipeSchedule,
     InterleavedPipelineSchedule,
+    PipelineRunner,
     PipelineSchedule,
     Schedule,
     ZeroBubbleSchedule,
@@ -104,10 +105,9 @@ def _every_schedule(p: int) -> dict[str, Any]:
                 model = make_mlp(seed=m)
                 _, ref_loss, ref_grads = reference(model, x, y, mse)
                 stage = build_pipeline_model(model, chunks, method="uniform", context=ctx)
-                out, label, loss = schedule.forward_backward_step(
-                    stage, iter([(x, y)]), mse, context=ctx
-                )
-                first = schedule.last_run
+                runner = PipelineRunner(schedule, context=ctx)
+                out, label, loss = runner.train_step(stage, iter([(x, y)]), mse)
+                first = runner.last_run
                 assert first is not None
                 case: dict[str, Any] = {
                     "grad": grad_diff(stage, ref_grads),
@@ -123,11 +123,11 @@ def _every_schedule(p: int) -> dict[str, Any]:
                     case["others_none"] = (out, label, loss) == (None, None, None)
                 # Second step, same shapes: metadata comes from the cache, grads accumulate,
                 # and the receives are posted ahead of their batches (gloo).
-                comm = schedule._comm_for(ctx)
+                comm = runner._comm_for(ctx)
                 case["prefetched_first"] = comm.prefetched
-                schedule.forward_backward_step(stage, iter([(x, y)]), mse, context=ctx)
-                assert schedule.last_run is not None
-                case["exchanged_second"] = schedule.last_run.exchanged_metadata
+                runner.train_step(stage, iter([(x, y)]), mse)
+                assert runner.last_run is not None
+                case["exchanged_second"] = runner.last_run.exchanged_metadata
                 case["prefetched_second"] = comm.prefetched - case["prefetched_first"]
                 case["receives"] = sum(
                     a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)
@@ -263,8 +263,8 @@ def _payloads(p: int) -> dict[str, Any]:
             model = make_structured()
             ref_out, ref_loss, ref_grads = reference(model, inputs, labels, dict_loss)
             stage = build_pipeline_model(model, chunks, method="uniform", context=ctx)
-            out, _, loss = schedule.forward_backward_step(
-                stage, iter([(inputs, labels)]), dict_loss, context=ctx
+            out, _, loss = PipelineRunner(schedule, context=ctx).train_step(
+                stage, iter([(inputs, labels)]), dict_loss
             )
             case = {"grad": grad_diff(stage, ref_grads)}
             if rank == p - 1:
@@ -307,8 +307,8 @@ def _evaluation_shapes_errors(p: int, tmp: str) -> dict[str, Any]:
         params = list(stage.parameters())
         if params:
             params[0].grad = torch.full_like(params[0], 3.0)
-        out, label, loss = PipelineSchedule(4).forward_backward_step(
-            stage, iter([(x, y)]), mse, forward_only=True, context=plain
+        out, label, loss = PipelineRunner(PipelineSchedule(4), context=plain).eval_step(
+            stage, iter([(x, y)]), mse
         )
         report["fo_grads_untouched"] = all(
             (q.grad is None) if i else bool((q.grad == 3.0).all()) for i, q in enumerate(params)
@@ -318,8 +318,8 @@ def _evaluation_shapes_errors(p: int, tmp: str) -> dict[str, Any]:
             report["fo_loss"] = abs(loss.item() - ref_loss.item())
             report["fo_label"] = label is y
         # forward_only without a loss_fn returns outputs and no loss.
-        out, _, loss = PipelineSchedule(4).forward_backward_step(
-            stage, iter([(x, y)]), None, forward_only=True, context=plain
+        out, _, loss = PipelineRunner(PipelineSchedule(4), context=plain).eval_step(
+            stage, iter([(x, y)])
         )
         if rank == p - 1:
             report["fo_noloss"] = loss is None and (out - ref_out).abs().max().item() <= 1e-6
@@ -333,32 +333,34 @@ def _evaluation_shapes_errors(p: int, tmp: str) -> dict[str, Any]:
         stage = build_pipeline_model(model, 1, method=bounds, context=ctx)
         for name, schedule in (("1f1b", PipelineSchedule(4)), ("zb", ZeroBubbleSchedule(4))):
             zero_grads(stage)
-            _, _, loss = schedule.forward_backward_step(stage, iter([(x, y)]), mse, context=ctx)
-            assert schedule.last_run is not None
-            report[f"shape_{name}_exchanged"] = schedule.last_run.exchanged_metadata
+            runner = PipelineRunner(schedule, context=ctx)
+            _, _, loss = runner.train_step(stage, iter([(x, y)]), mse)
+            assert runner.last_run is not None
+            report[f"shape_{name}_exchanged"] = runner.last_run.exchanged_metadata
             report[f"shape_{name}_grad"] = grad_diff(stage, ref_grads)
             if rank == p - 1:
                 report[f"shape_{name}_loss"] = abs(loss.item() - ref_loss.item())
         # tensor_shape given to the schedule (no config key needed).
         zero_grads(stage)
-        schedule = PipelineSchedule(4, tensor_shape=(2, 8))
-        schedule.forward_backward_step(stage, iter([(x, y)]), mse, context=plain)
-        assert schedule.last_run is not None
-        report["shape_arg_exchanged"] = schedule.last_run.exchanged_metadata
+        runner = PipelineRunner(PipelineSchedule(4, tensor_shape=(2, 8)), context=plain)
+        runner.train_step(stage, iter([(x, y)]), mse)
+        assert runner.last_run is not None
+        report["shape_arg_exchanged"] = runner.last_run.exchanged_metadata
         report["shape_arg_grad"] = grad_diff(stage, ref_grads)
 
         # Errors come before any communication, on every rank, and leave the pipeline usable.
         errors = []
         try:
-            PipelineSchedule(3).forward_backward_step(stage, iter([(x, y)]), mse, context=plain)
+            PipelineRunner(PipelineSchedule(3), context=plain).train_step(
+                stage, iter([(x, y)]), mse
+            )
         except ValueError as exc:
             errors.append(str(exc))
         try:
-            InterleavedPipelineSchedule(3, 2).forward_backward_step(
+            PipelineRunner(InterleavedPipelineSchedule(3, 2), context=plain).train_step(
                 build_pipeline_model(make_mlp(), 2, method="uniform", context=plain),
                 iter([(torch.zeros(6, 5), torch.zeros(6, 3))]),
                 mse,
-                context=plain,
             )
         except ValueError as exc:
             errors.append(str(exc))
@@ -367,11 +369,10 @@ def _evaluation_shapes_errors(p: int, tmp: str) -> dict[str, Any]:
         # A recorded timeline, gathered from every rank and drawn.
         zero_grads(stage)
         schedule = ZeroBubbleSchedule(4)
-        schedule.forward_backward_step(
-            stage, iter([(x, y)]), mse, context=plain, record_timeline=True
-        )
-        assert schedule.last_run is not None
-        events = gather_timeline(schedule.last_run, plain)
+        runner = PipelineRunner(schedule, context=plain)
+        runner.train_step(stage, iter([(x, y)]), mse, record_timeline=True)
+        assert runner.last_run is not None
+        events = gather_timeline(runner.last_run, plain)
         report["timeline_ranks"] = sorted({e.rank for e in events})
         report["timeline_actions"] = len(events)
         report["timeline_expected"] = sum(len(schedule.actions(r, p)) for r in range(p))
@@ -385,11 +386,10 @@ def _evaluation_shapes_errors(p: int, tmp: str) -> dict[str, Any]:
         peaks = {}
         for name, sched in (("gpipe", GPipeSchedule(8)), ("1f1b", PipelineSchedule(8))):
             zero_grads(stage)
-            sched.forward_backward_step(
-                stage, iter([(x, y)]), mse, context=plain, track_memory=True
-            )
-            assert sched.last_run is not None
-            peaks[name] = (sched.last_run.peak_activation_bytes, sched.last_run.peak_live)
+            runner = PipelineRunner(sched, context=plain)
+            runner.train_step(stage, iter([(x, y)]), mse, track_memory=True)
+            assert runner.last_run is not None
+            peaks[name] = (runner.last_run.peak_activation_bytes, runner.last_run.peak_live)
         report["peaks"] = peaks
         torch_dist.barrier()
     finally:
@@ -474,8 +474,9 @@ def _user_schedule_and_tied(p: int) -> dict[str, Any]:
                 for step in split_steps(schedule.actions(rank, p))
                 for receives in [[(a.kind, a.chunk) for a in step if not a.kind.is_compute]]
             )
+            runner = PipelineRunner(schedule, context=ctx)
             for _ in range(2):  # without tensor_shape, the second step posts receives ahead
-                schedule.forward_backward_step(stage, iter([(x, y)]), mse, context=ctx)
+                runner.train_step(stage, iter([(x, y)]), mse)
             report[f"user/{shape}"] = (grad_diff(stage, ref_grads, scale=2.0), same_stream)
         with torch.random.fork_rng():
             torch.manual_seed(0)
@@ -484,7 +485,7 @@ def _user_schedule_and_tied(p: int) -> dict[str, Any]:
         _, _, ref_grads = reference(tied, x, y, mse)
         stage = build_pipeline_model(tied, 1, method="uniform", context=ctx)
         report["tied_here"] = any(isinstance(m, TiedAbove) for m in stage.modules())
-        ZeroBubbleSchedule(4).forward_backward_step(stage, iter([(x, y)]), mse, context=ctx)
+        PipelineRunner(ZeroBubbleSchedule(4), context=ctx).train_step(stage, iter([(x, y)]), mse)
         report["zero_bubble_tied"] = grad_diff(stage, ref_grads)
     finally:
         ctx.destroy()

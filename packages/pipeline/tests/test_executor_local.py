@@ -15,6 +15,7 @@ from tessera.pipeline import (
     GPipeSchedule,
     InterleavedPipelineSchedule,
     PayloadMeta,
+    PipelineRunner,
     PipelineSchedule,
     ScheduleError,
     TensorMeta,
@@ -71,15 +72,14 @@ def test_one_rank_matches_the_model_chunks_hand_off_locally(schedule):
     ref_loss.backward()
     stages = select_stage_layers(model, 0, 1, schedule.num_chunks, method="uniform")
     stage = stages[0] if schedule.num_chunks == 1 else stages
-    out, label, loss = schedule.forward_backward_step(
-        stage, iter([(x, y)]), mse, record_timeline=True
-    )
+    runner = PipelineRunner(schedule)
+    out, label, loss = runner.train_step(stage, iter([(x, y)]), mse, record_timeline=True)
     assert torch.allclose(loss, ref_loss, atol=1e-6)
     assert torch.allclose(out, ref_out, atol=1e-6) and label is y
     ref_grads = dict(ref.named_parameters())
     for name, param in model.named_parameters():
         assert torch.allclose(param.grad, ref_grads[name].grad, atol=1e-6, rtol=1e-5), name
-    record = schedule.last_run
+    record = runner.last_run
     assert record is not None and record.exchanged_metadata is False
     assert len(record.timeline) == len(schedule.actions(0, 1))
     assert [e.action for e in record.timeline] == schedule.actions(0, 1)
@@ -91,14 +91,15 @@ def test_peak_live_microbatches_and_forward_only_keeps_nothing():
     x, y = data()
     stage = select_stage_layers(model, 0, 1, method="uniform")[0]
     for schedule, live in ((GPipeSchedule(8), 8), (PipelineSchedule(8), 1)):
-        schedule.forward_backward_step(stage, iter([(x, y)]), mse, track_memory=True)
-        assert schedule.last_run is not None
-        assert schedule.last_run.peak_live == live
-        assert schedule.last_run.peak_activation_bytes > 0
+        runner = PipelineRunner(schedule)
+        runner.train_step(stage, iter([(x, y)]), mse, track_memory=True)
+        assert runner.last_run is not None
+        assert runner.last_run.peak_live == live
+        assert runner.last_run.peak_activation_bytes > 0
     stage.zero_grad(set_to_none=True)
-    schedule = GPipeSchedule(8)
-    out, _, loss = schedule.forward_backward_step(stage, iter([(x, y)]), mse, forward_only=True)
-    assert schedule.last_run is not None and schedule.last_run.peak_live == 0
+    runner = PipelineRunner(GPipeSchedule(8))
+    out, _, loss = runner.eval_step(stage, iter([(x, y)]), mse)
+    assert runner.last_run is not None and runner.last_run.peak_live == 0
     assert all(p.grad is None for p in stage.parameters())
     assert torch.allclose(out, model(x), atol=1e-6) and not out.requires_grad
     assert loss is not None and not loss.requires_grad
@@ -109,16 +110,16 @@ def test_argument_errors_are_raised_before_anything_runs():
     x, y = data()
     stage = select_stage_layers(model, 0, 1, method="uniform")[0]
     with pytest.raises(ValueError, match=r"\(8\) is not divisible by num_microbatches \(3\)"):
-        PipelineSchedule(3).forward_backward_step(stage, iter([(x, y)]), mse)
+        PipelineRunner(PipelineSchedule(3)).train_step(stage, iter([(x, y)]), mse)
     with pytest.raises(ValueError, match="needs a loss_fn"):
-        PipelineSchedule(4).forward_backward_step(stage, iter([(x, y)]), None)
+        PipelineRunner(PipelineSchedule(4)).train_step(stage, iter([(x, y)]), None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="2 model chunk"):
-        InterleavedPipelineSchedule(4, 2).forward_backward_step(stage, iter([(x, y)]), mse)
+        PipelineRunner(InterleavedPipelineSchedule(4, 2)).train_step(stage, iter([(x, y)]), mse)
     with pytest.raises(TypeError, match=r"\(inputs, labels\)"):
-        PipelineSchedule(4).forward_backward_step(stage, iter([x]), mse)
+        PipelineRunner(PipelineSchedule(4)).train_step(stage, iter([x]), mse)
     wrong = select_stage_layers(model, 1, 2, method="uniform")[0]
     with pytest.raises(ValueError, match="was built for"):
-        PipelineSchedule(4).forward_backward_step(wrong, iter([(x, y)]), mse)
+        PipelineRunner(PipelineSchedule(4)).train_step(wrong, iter([(x, y)]), mse)
     assert all(p.grad is None for p in model.parameters())
 
 

@@ -22,6 +22,7 @@ from tessera.context import ParallelMode, create_context
 from tessera.pipeline import (
     GPipeSchedule,
     InterleavedPipelineSchedule,
+    PipelineRunner,
     PipelineSchedule,
     ZeroBubbleSchedule,
     build_pipeline_model,
@@ -79,13 +80,9 @@ def _jittered_first_steps(p: int, rounds: int) -> dict[str, float]:
                 stages = [Jittered(s, rng) for s in inner]
                 for s in inner:
                     s.zero_grad(set_to_none=True)
+                runner = PipelineRunner(schedule, context=ctx)
                 for _ in range(2):  # exchange, then cached shapes
-                    schedule.forward_backward_step(
-                        stages if chunks > 1 else stages[0],
-                        iter([(x, y)]),
-                        _mse,
-                        context=ctx,
-                    )
+                    runner.train_step(stages if chunks > 1 else stages[0], iter([(x, y)]), _mse)
                 diff = 0.0
                 for s in inner:
                     for pname, q in s.named_parameters():
@@ -123,7 +120,7 @@ def _fresh_wrappers_each_step() -> list[bool]:
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
     stage = build_pipeline_model(_mlp(), 1, method="uniform", context=ctx)
-    schedule = PipelineSchedule(2)
+    runner = PipelineRunner(PipelineSchedule(2), context=ctx)
     kept: list[nn.Module] = []
     exchanged = []
     try:
@@ -131,9 +128,9 @@ def _fresh_wrappers_each_step() -> list[bool]:
             wrapper = Wrapper(stage)
             if rank == 0:
                 kept.append(wrapper)  # rank 0's ids never repeat; rank 1's are reused
-            schedule.forward_backward_step(wrapper, iter([(x, y)]), _mse, context=ctx)
-            assert schedule.last_run is not None
-            exchanged.append(schedule.last_run.exchanged_metadata)
+            runner.train_step(wrapper, iter([(x, y)]), _mse)
+            assert runner.last_run is not None
+            exchanged.append(runner.last_run.exchanged_metadata)
             del wrapper
     finally:
         ctx.destroy()

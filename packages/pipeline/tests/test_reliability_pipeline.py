@@ -14,7 +14,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from tessera.context import ParallelMode, RankFailedError, create_context
-from tessera.pipeline import PipelineSchedule, build_pipeline_model
+from tessera.pipeline import PipelineRunner, PipelineSchedule, build_pipeline_model
 
 TIMEOUT = 4.0  # short, yet long enough for a healthy step on two busy cores
 BOUND = TIMEOUT + 3 * 0.2 + 8.0  # slack for two shared CPU cores
@@ -36,7 +36,7 @@ def _step(schedule: PipelineSchedule, ctx: Any) -> dict[str, Any]:
     torch_dist.barrier()  # the harness's default group: enter the step together
     start = time.monotonic()
     try:
-        schedule.forward_backward_step(stage, iter([(x, y)]), _mse, context=ctx)
+        PipelineRunner(schedule, context=ctx).train_step(stage, iter([(x, y)]), _mse)
         return {"outcome": "finished"}
     except RankFailedError as err:
         return {

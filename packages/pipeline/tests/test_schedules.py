@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 
 import pytest
@@ -5,6 +6,7 @@ import pytest
 from tessera.pipeline import (
     Action,
     ActionKind,
+    ActionTable,
     GPipeSchedule,
     InterleavedPipelineSchedule,
     PipelineSchedule,
@@ -225,8 +227,36 @@ def test_action_table_is_cached_but_returns_copies():
     first = s.actions(0, 2)
     first.clear()
     assert s.actions(0, 2) != []
-    s.num_microbatches = 2  # a changed attribute is a new key, not a stale table
-    assert sum(a.kind is ActionKind.F for a in s.actions(0, 2)) == 2
+    assert s.table(2) is s.table(2)
+
+
+def test_a_schedule_and_its_table_are_immutable():
+    s = PipelineSchedule(4)
+    with pytest.raises(AttributeError):
+        s.num_microbatches = 2  # type: ignore[misc]
+    table = s.table(2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        table.rows = ()  # type: ignore[misc]
+    assert isinstance(table.rows, tuple) and all(isinstance(row, tuple) for row in table.rows)
+
+
+def test_action_table_reads_as_text_and_checks_itself():
+    table = PipelineSchedule(2).table(2)
+    assert table.format() == (
+        "rank 0: F0 SEND_F0 F1 SEND_F1 RECV_B0 B0 RECV_B1 B1\n"
+        "rank 1: RECV_F0 F0 B0 SEND_B0 RECV_F1 F1 B1 SEND_B1"
+    )
+    assert table.num_stages == 2 and table.steps_of(1)[0] == (Action(ActionKind.RECV_F, 0),)
+    table.check()
+    with pytest.raises(ValueError, match=r"pipeline_rank 2 is outside \[0, 2\)"):
+        table.row(2)
+    broken = ActionTable(
+        (table.rows[0], parse_actions("RECV_F0 F0 B0 SEND_B0")), num_microbatches=2
+    )
+    with pytest.raises(ScheduleError, match="rank 1 of 2: F1 appears 0 times"):
+        broken.check()
+    evaluation = PipelineSchedule(2).table(2, forward_only=True)
+    assert evaluation.forward_only and "B" not in {a.kind.value for r in evaluation.rows for a in r}
 
 
 def test_schedules_are_registered_as_entry_points():

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from tessera.pipeline import (
     GPipeSchedule,
     InterleavedPipelineSchedule,
+    PipelineRunner,
     PipelineSchedule,
     ZeroBubbleSchedule,
     backward_input,
@@ -196,8 +197,8 @@ def test_executor_batches_weight_gradients_of_wide_layers_with_few_rows():
     ((ref(x) - y) ** 2).mean().backward()
     schedule = PipelineSchedule(8)
     stage = select_stage_layers(model, 0, 1, method="uniform")[0]
-    schedule.forward_backward_step(
-        stage, iter([(x, y)]), lambda o, t: ((o - t) ** 2).mean(), return_output_label=False
+    PipelineRunner(schedule).train_step(
+        stage, iter([(x, y)]), lambda o, t: ((o - t) ** 2).mean(), keep_outputs=False
     )
     _assert_same_grads(ref, model)
 
@@ -279,11 +280,10 @@ def test_schedules_with_and_without_fusion_match_the_reference(make):
     for fuse in (True, False):
         trained = copy.deepcopy(model)
         schedule = make()
-        schedule.fuse_weight_grad = fuse
         stages = select_stage_layers(trained, 0, 1, schedule.num_chunks, method="uniform")
         stage = stages[0] if schedule.num_chunks == 1 else stages
-        schedule.forward_backward_step(
-            stage, iter([(x, y)]), lambda o, t: ((o - t) ** 2).mean(), return_output_label=False
+        PipelineRunner(schedule, fuse_weight_grad=fuse).train_step(
+            stage, iter([(x, y)]), lambda o, t: ((o - t) ** 2).mean(), keep_outputs=False
         )
         _assert_same_grads(ref, trained)
 
@@ -423,8 +423,8 @@ def test_a_backward_inside_the_forward_gets_plain_autograd_semantics(factory):
     ref = copy.deepcopy(model)
     ((ref(x) - y) ** 2).mean().backward()
     schedule = GPipeSchedule(1)
-    schedule.forward_backward_step(
-        model, iter([(x, y)]), lambda o, t: ((o - t) ** 2).mean(), return_output_label=False
+    PipelineRunner(schedule).train_step(
+        model, iter([(x, y)]), lambda o, t: ((o - t) ** 2).mean(), keep_outputs=False
     )
     _assert_same_grads(ref, model)
     store = WeightGradStore()

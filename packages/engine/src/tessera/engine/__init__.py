@@ -59,7 +59,7 @@ from .master_weights import MasterWeights
 from .metrics import AverageMetric, ThroughputMetric
 from .nonfinite import NonFiniteError, NonFiniteReport
 from .registries import GRADIENT_HANDLERS, HOOKS, SCHEDULES
-from .schedule import NonPipelineSchedule, StepSchedule
+from .schedule import NonPipelineSchedule, StepSchedule, as_step_schedule
 from .settings import EngineSettings, read_engine_settings
 from .timer import MultiTimer, Timer
 from .trainer import Trainer
@@ -79,6 +79,7 @@ __all__ = [
     "sync_replicated_parameters",
     # schedules
     "StepSchedule",
+    "as_step_schedule",
     "NonPipelineSchedule",
     # gradient handlers
     "BaseGradientHandler",

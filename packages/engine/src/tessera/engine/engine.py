@@ -30,7 +30,6 @@ step).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -40,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode
+from tessera.pipeline import Schedule
 
 from .clipping import clip_grad_norm
 from .consistency import agree_on_call, check_replicas_in_step, checks_batch
@@ -49,20 +49,12 @@ from .guarding import guarded
 from .loss_scaler import DynamicLossScaler
 from .master_weights import LOW_PRECISION_DTYPES, MasterWeights, cast_floating
 from .nonfinite import NonFiniteError, find_nonfinite
-from .schedule import NonPipelineSchedule, StepSchedule
+from .schedule import NonPipelineSchedule, StepSchedule, as_step_schedule
 
 __all__ = ["Engine"]
 
 #: What an Engine trains: one module, or this pipeline rank's model chunks.
 ModelLike = nn.Module | Sequence[nn.Module]
-
-
-def _accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _modules(model: ModelLike) -> list[nn.Module]:
@@ -108,7 +100,9 @@ class Engine:
         optimizer: Its optimizer (possibly a ZeroRedundancyOptimizer).
         criterion: ``criterion(output, label) -> loss``; required for training.
         gradient_handlers: Run in order at every optimizer step, before clipping.
-        schedule: Runs ``execute_schedule``; default ``NonPipelineSchedule()``.
+        schedule: Runs ``execute_schedule``: a :class:`StepSchedule` (``train_step`` /
+            ``eval_step``), or a pipeline plan (``tessera.pipeline.Schedule``, run by a
+            ``PipelineRunner`` on ``context``); default ``NonPipelineSchedule()``.
         clip_grad_norm: Clip to this global norm (``0``: no clipping).
         norm_type: p of the clipping norm.
         gradient_accumulation: Optimizer steps once every this many ``step()`` calls; the
@@ -140,7 +134,7 @@ class Engine:
         optimizer: torch.optim.Optimizer,
         criterion: Callable[[Any, Any], torch.Tensor] | None = None,
         gradient_handlers: Iterable[BaseGradientHandler] = (),
-        schedule: StepSchedule | None = None,
+        schedule: StepSchedule | Schedule | None = None,
         clip_grad_norm: float = 0.0,
         *,
         norm_type: float = 2.0,
@@ -178,12 +172,9 @@ class Engine:
         self._optimizer = optimizer
         self._criterion = criterion
         self._handlers = list(gradient_handlers)
-        self._schedule: StepSchedule = schedule if schedule is not None else NonPipelineSchedule()
-        # A pipeline schedule finds its groups in the context it is given (else the current
-        # one); pass ours, so an Engine built on a non-current context drives that one.
-        self._schedule_kwargs: dict[str, Any] = {}
-        if _accepts_keyword(self._schedule.forward_backward_step, "context"):
-            self._schedule_kwargs["context"] = resolve_context(context)
+        # A pipeline plan runs on the context it is given (else the current one): ours, so an
+        # Engine built on a non-current context drives that one.
+        self._schedule: StepSchedule = as_step_schedule(schedule, resolve_context(context))
         self.clip_grad_norm = float(clip_grad_norm)
         self.norm_type = float(norm_type)
         self.gradient_accumulation = int(gradient_accumulation)
@@ -236,8 +227,14 @@ class Engine:
 
     @property
     def schedule(self) -> StepSchedule:
-        """The schedule ``execute_schedule`` runs."""
+        """The schedule ``execute_schedule`` runs (a pipeline job's: a ``PipelineRunner``)."""
         return self._schedule
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches a step's batch is cut into: the pipeline plan's, else 1."""
+        plan = getattr(self._schedule, "schedule", None)
+        return plan.num_microbatches if isinstance(plan, Schedule) else 1
 
     @property
     def gradient_handlers(self) -> list[BaseGradientHandler]:
@@ -422,26 +419,19 @@ class Engine:
         """
         self._recorded_losses = []
         if forward_only:
-            return self._schedule.forward_backward_step(
+            return self._schedule.eval_step(
                 self._stage(),
                 data_iter,
-                self.criterion,
-                True,
-                return_loss,
-                return_output_label,
-                **self._schedule_kwargs,
+                self.criterion if return_loss else None,
+                keep_outputs=return_output_label,
             )
         if isinstance(self._model, nn.Module):
             self._set_grad_sync(self._is_last_micro_step)
-        output, label, loss = self._schedule.forward_backward_step(
-            self._stage(),
-            data_iter,
-            self._loss_for_backward,
-            False,
-            return_loss,
-            return_output_label,
-            **self._schedule_kwargs,
+        output, label, loss = self._schedule.train_step(
+            self._stage(), data_iter, self._loss_for_backward, keep_outputs=return_output_label
         )
+        if not return_loss:
+            loss = None
         recorded = self._recorded_losses
         if loss is not None and recorded:
             loss = recorded[0] if len(recorded) == 1 else torch.stack(recorded).mean()

@@ -59,6 +59,12 @@ import torch
 from torch import nn
 
 from tessera.context import ConfigError, ParallelContext, ParallelMode
+from tessera.pipeline import (
+    InterleavedPipelineSchedule,
+    PipelineRunner,
+    PipelineSchedule,
+    Schedule,
+)
 from tessera.registry import build
 
 from .accumulation import AccumulatedLRScheduler
@@ -80,7 +86,7 @@ from .gradient_handlers import (
 from .loss_scaler import DynamicLossScaler
 from .master_weights import MasterWeights
 from .registries import GRADIENT_HANDLERS, SCHEDULES
-from .schedule import NonPipelineSchedule, StepSchedule
+from .schedule import StepSchedule, as_step_schedule
 from .scheduler_binding import rebind_lr_scheduler
 from .settings import ENGINE_CONFIG_KEYS, EngineSettings, read_engine_settings
 from .zero import rebuild_optimizer, shard_with_fsdp2, zero_redundancy_optimizer
@@ -126,31 +132,22 @@ def sync_replicated_parameters(
     broadcast_coalesced(tensors, src, group)
 
 
-def _pipeline_schedule(settings: EngineSettings, ctx: ParallelContext) -> StepSchedule:
+def _pipeline_plan(settings: EngineSettings, ctx: ParallelContext) -> Schedule:
+    """1F1B, or interleaved 1F1B with ``num_chunks > 1``, from the pipeline keys."""
     if settings.micro_batches is None:
         raise ConfigError(
             f"pipeline size is {ctx.pipeline_size} but the config has no num_microbatches "
             "(NUM_MICRO_BATCHES): set num_microbatches (and num_chunks for the interleaved "
             "schedule)"
         )
-    from tessera.pipeline import InterleavedPipelineSchedule, PipelineSchedule
-
-    schedule: Any
     if settings.chunks > 1:
-        schedule = InterleavedPipelineSchedule(
+        return InterleavedPipelineSchedule(
             settings.micro_batches, settings.chunks, tensor_shape=settings.tensor_shape
         )
-    else:
-        schedule = PipelineSchedule(settings.micro_batches, tensor_shape=settings.tensor_shape)
-    if not callable(getattr(schedule, "forward_backward_step", None)):
-        raise NotImplementedError(
-            f"{type(schedule).__name__} of this tessera-pipeline version has no "
-            "forward_backward_step (executor); update tessera-pipeline"
-        )
-    return schedule  # type: ignore[no-any-return]
+    return PipelineSchedule(settings.micro_batches, tensor_shape=settings.tensor_shape)
 
 
-def _configured_schedule(entry: Mapping[str, Any], ctx: ParallelContext | None) -> StepSchedule:
+def _configured_schedule(entry: Mapping[str, Any], ctx: ParallelContext | None) -> Any:
     """Build ``schedule=dict(type=...)`` from SCHEDULES, giving it the context if it takes one."""
     target = entry["type"]
     if isinstance(target, str):
@@ -161,7 +158,7 @@ def _configured_schedule(entry: Mapping[str, Any], ctx: ParallelContext | None) 
     extra: dict[str, Any] = {}
     if "context" in _parameters(target):
         extra["context"] = ctx
-    return build(entry, SCHEDULES, **extra)  # type: ignore[no-any-return]
+    return build(entry, SCHEDULES, **extra)
 
 
 def _build_handlers(
@@ -282,16 +279,19 @@ def _schedule(
     settings: EngineSettings, ctx: ParallelContext | None, masters: MasterWeights | None
 ) -> StepSchedule:
     """Step 4: the configured schedule, else the pipeline's (1F1B, interleaved), else none."""
-    schedule: StepSchedule
+    planned: Any = None
     if settings.schedule is not None:
-        schedule = _configured_schedule(settings.schedule, ctx)
+        planned = _configured_schedule(settings.schedule, ctx)
     elif ctx is not None and ctx.pipeline_size > 1:
-        schedule = _pipeline_schedule(settings, ctx)
-    else:
-        schedule = NonPipelineSchedule()
-    if masters is not None and getattr(schedule, "tensor_dtype", False) is None:
+        planned = _pipeline_plan(settings, ctx)
+    schedule = as_step_schedule(planned, ctx)
+    if (
+        masters is not None
+        and isinstance(schedule, PipelineRunner)
+        and schedule.tensor_dtype is None
+    ):
         # tensor_shape's receive buffers take this dtype; the stages send the model's format
-        schedule.tensor_dtype = masters.dtype  # type: ignore[attr-defined]
+        schedule.tensor_dtype = masters.dtype
     return schedule
 
 

@@ -1,4 +1,4 @@
-"""tessera-pipeline: partitioning, schedules as data, p2p, one executor, a simulator, timelines."""
+"""tessera-pipeline: partitioning, schedules as action tables, p2p, one runner, a simulator."""
 
 from tessera.pipeline.actions import (
     Action,
@@ -18,7 +18,7 @@ from tessera.pipeline.backward_split import (
 )
 from tessera.pipeline.dataflow import make_deadlock_free
 from tessera.pipeline.errors import DeadlockError, ScheduleError
-from tessera.pipeline.executor import LossFn, PipelineExecutor, run_schedule
+from tessera.pipeline.executor import LossFn, PipelineExecutor, StepLinks, StepOptions
 from tessera.pipeline.gpipe import GPipeSchedule
 from tessera.pipeline.interleaved import InterleavedPipelineSchedule
 from tessera.pipeline.one_f_one_b import PipelineSchedule
@@ -49,7 +49,8 @@ from tessera.pipeline.payload import (
 )
 from tessera.pipeline.plot import plot_timeline
 from tessera.pipeline.recording import RunRecord, gather_timeline
-from tessera.pipeline.schedule import Schedule, add_communication, check_actions
+from tessera.pipeline.runner import PipelineRunner, StepOutput
+from tessera.pipeline.schedule import Schedule
 from tessera.pipeline.simulator import (
     DEFAULT_COSTS,
     SimulationResult,
@@ -65,6 +66,7 @@ from tessera.pipeline.stage import (
     partition_layers,
     select_stage_layers,
 )
+from tessera.pipeline.table import ActionTable, add_communication, check_actions
 from tessera.pipeline.timeline import TimelineEvent, events_of_rank, timeline_span
 from tessera.pipeline.zero_bubble import ZeroBubbleSchedule
 
@@ -90,8 +92,9 @@ __all__ = [
     "split_steps",
     "format_actions",
     "parse_actions",
-    # schedules
+    # schedules: plans, as immutable action tables
     "Schedule",
+    "ActionTable",
     "ScheduleError",
     "add_communication",
     "check_actions",
@@ -117,10 +120,13 @@ __all__ = [
     "link_of",
     "message_tag",
     "check_message_order",
-    # the executor and the split backward
+    # the runner, one step's executor and the split backward
+    "PipelineRunner",
+    "StepOutput",
     "LossFn",
     "PipelineExecutor",
-    "run_schedule",
+    "StepLinks",
+    "StepOptions",
     "WeightGradWork",
     "backward_input",
     "backward_weight",

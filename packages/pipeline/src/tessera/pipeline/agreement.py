@@ -4,7 +4,7 @@ With ``tensor_shape`` (or ``TENSOR_SHAPE``) no metadata travels with the activat
 rank allocates its receive buffers from its own declaration. If one rank declares a different
 shape, gloo receives a shorter message into a longer buffer without complaint (the tail is
 garbage) and a longer one fails or hangs. One ``all_gather_object`` over the pipeline's cpu
-group, the first time a schedule runs with a given declaration, turns that into a
+group, the first time a runner runs with a given declaration, turns that into a
 ``ValueError`` on every pipeline rank. The local check that a stage's output matches the
 declaration (``PipelineExecutor``) covers the other half: a model whose output is not what
 every rank declared.
@@ -12,7 +12,6 @@ every rank declared.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch.distributed as dist
@@ -21,21 +20,22 @@ from tessera.pipeline.p2p import PayloadMeta
 
 __all__ = ["agree_on_fixed_meta"]
 
-# schedule -> declarations already agreed on (per cpu group)
-_agreed: weakref.WeakKeyDictionary[Any, set[tuple[int, str]]] = weakref.WeakKeyDictionary()
-
 
 def agree_on_fixed_meta(
-    schedule: Any, fixed: PayloadMeta, cpu_group: dist.ProcessGroup, pipeline_rank: int
+    fixed: PayloadMeta,
+    cpu_group: dist.ProcessGroup,
+    agreed: set[tuple[int, str]],
 ) -> None:
-    """Raise ``ValueError`` on every pipeline rank unless all declared the same tensor_shape."""
+    """Raise ``ValueError`` on every pipeline rank unless all declared the same tensor_shape.
+
+    Args:
+        fixed: this rank's declaration.
+        cpu_group: the pipeline's CPU group.
+        agreed: the declarations already agreed on (the runner's): skipped, and grown.
+    """
     described = fixed.describe()
     key = (id(cpu_group), described)
-    try:
-        seen = _agreed.setdefault(schedule, set())
-    except TypeError:  # an unhashable schedule: check on every step
-        seen = set()
-    if key in seen:
+    if key in agreed:
         return
     gathered: list[Any] = [None] * dist.get_world_size(cpu_group)
     dist.all_gather_object(gathered, described, group=cpu_group)
@@ -46,4 +46,4 @@ def agree_on_fixed_meta(
             f"{listed}); every rank must declare the same shape, or none so shapes are "
             "exchanged"
         )
-    seen.add(key)
+    agreed.add(key)

@@ -1,7 +1,7 @@
-"""ONE executor for every schedule: it runs a rank's action list, step by step.
+"""ONE executor for every schedule: it runs one rank's row of an action table, for one step.
 
-:func:`tessera.pipeline.split_steps` cuts the list into compute steps (F, B, W) and
-communication batches. A compute step runs a chunk of the stage; a batch is one
+The table (:class:`tessera.pipeline.ActionTable`) has the row cut into compute steps (F, B, W)
+and communication batches. A compute step runs a chunk of the stage; a batch is one
 :meth:`tessera.pipeline.PipelineComm.communicate` (posted at once, its receives waited on;
 sends finish in the background, all of them by the end of the step). Because receives may come
 several steps before their consumer (the lists are made deadlock-free by moving receives
@@ -30,18 +30,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from tessera.context import ParallelMode, get_context, has_context
-from tessera.pipeline.actions import Action, ActionKind, peer_rank, split_steps
-from tessera.pipeline.agreement import agree_on_fixed_meta
+from tessera.pipeline.actions import Action, ActionKind, peer_rank
 from tessera.pipeline.backward_split import (
     WeightGradWork,
     backward_input,
@@ -56,15 +53,8 @@ from tessera.pipeline.p2p import (
     link_of,
     message_tag,
 )
-from tessera.pipeline.payload import (
-    concat_microbatches,
-    flatten_payload,
-    payload_signature,
-    split_microbatches,
-    unflatten_payload,
-)
-from tessera.pipeline.recording import RunRecord
-from tessera.pipeline.stage import PipelineStage
+from tessera.pipeline.payload import flatten_payload, unflatten_payload
+from tessera.pipeline.table import ActionTable
 from tessera.pipeline.timeline import TimelineEvent
 from tessera.pipeline.weight_grad_fusion import (
     FuseLinearWeightGrad,
@@ -73,13 +63,48 @@ from tessera.pipeline.weight_grad_fusion import (
     stage_allows_fusion,
 )
 
-if TYPE_CHECKING:
-    from tessera.pipeline.schedule import Schedule
-
-__all__ = ["LossFn", "PipelineExecutor", "run_schedule"]
+__all__ = ["LossFn", "PipelineExecutor", "StepLinks", "StepOptions"]
 
 #: ``loss_fn(output, label) -> scalar tensor``, called per microbatch on the last stage.
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How one step runs, beyond what its table says.
+
+    Attributes:
+        keep_outputs: keep the last stage's outputs (detached) to return them.
+        fuse_weight_grad: compute the weight gradients of linear layers straight into
+            ``.grad`` (or keep them for W), :mod:`tessera.pipeline.weight_grad_fusion`.
+        record_timeline: record a :class:`TimelineEvent` per action.
+        track_memory: count the bytes saved for backward (a saved-tensor hook on F).
+    """
+
+    keep_outputs: bool = True
+    fuse_weight_grad: bool = True
+    record_timeline: bool = False
+    track_memory: bool = False
+
+
+@dataclass
+class StepLinks:
+    """What one step knows of the links to its neighbouring stages.
+
+    Attributes:
+        comm: the point-to-point layer (None with one pipeline rank).
+        meta: known metadata per link, ``("in", chunk)`` / ``("out", chunk)``; filled with
+            what the step learns when ``exchange`` is True.
+        exchange: learn the shapes this step: the first activation message of each link
+            carries its metadata (both ends must agree; the runner decides it from what every
+            rank has alike).
+        fixed: the one-tensor metadata from ``tensor_shape`` (no exchange at all).
+    """
+
+    comm: PipelineComm | None = None
+    meta: dict[tuple[str, int], PayloadMeta] = field(default_factory=dict)
+    exchange: bool = True
+    fixed: PayloadMeta | None = None
 
 
 @dataclass
@@ -105,46 +130,21 @@ def _detach(payload: Any) -> Any:
     return unflatten_payload([t.detach() for t in tensors], spec)
 
 
-def _to_device(payload: Any, device: torch.device) -> Any:
-    if isinstance(payload, torch.Tensor):
-        return payload.to(device)
-    if isinstance(payload, tuple | list):
-        items = [_to_device(item, device) for item in payload]
-        return tuple(items) if isinstance(payload, tuple) else items
-    if isinstance(payload, dict):
-        return {key: _to_device(value, device) for key, value in payload.items()}
-    return payload
-
-
 class PipelineExecutor:
-    """Runs one rank's action list for one step (one use).
+    """Runs one rank's row of an action table for one step (one use).
 
-    Most users call ``schedule.forward_backward_step``, which builds this. Using it directly
-    lets a custom driver run its own action list.
+    :class:`tessera.pipeline.PipelineRunner` builds one per step. Using it directly lets a
+    custom driver run its own table.
 
     Args:
         stages: this rank's model chunks, chunk 0 first.
-        actions: this rank's ordered action list.
-        steps: ``split_steps(actions)`` when the caller has it already (schedules cache it).
-        pipeline_rank: this rank's index in the pipeline group.
-        num_stages: pipeline ranks (p).
-        num_microbatches: microbatches per step (m).
-        splits_backward: whether B is only the input gradient and W the weight gradient.
+        table: the step's actions on every rank; a forward-only table runs F only, under
+            ``torch.no_grad`` (nothing kept, gradients untouched).
+        pipeline_rank: this rank's row of ``table``.
         loss_fn: ``loss_fn(output, label)`` on the last virtual stage (None: no loss; then the
-            step must be forward-only).
-        forward_only: run F only, under ``torch.no_grad`` (nothing kept, gradients untouched).
-        comm: the point-to-point layer (None with one pipeline rank).
-        link_meta: known metadata per link, ``("in", chunk)`` / ``("out", chunk)``; filled
-            with what this step learns when ``exchange_meta`` is True.
-        exchange_meta: learn the shapes this step: the first activation message of each link
-            carries its metadata (both ends must agree; ``run_schedule`` decides it from
-            what every rank has alike).
-        fixed_meta: the one-tensor metadata from ``tensor_shape`` (no exchange at all).
-        keep_outputs: keep the last stage's outputs (detached) to return them.
-        fuse_weight_grad: compute the weight gradients of linear layers straight into
-            ``.grad`` (or keep them for W), :mod:`tessera.pipeline.weight_grad_fusion`.
-        record_timeline: record a :class:`TimelineEvent` per action.
-        track_memory: count the bytes saved for backward (a saved-tensor hook on F).
+            table must be forward-only).
+        links: the point-to-point layer and the link metadata.
+        options: what to keep and measure.
         clock_start: ``time.perf_counter()`` value the timeline is relative to.
     """
 
@@ -152,48 +152,47 @@ class PipelineExecutor:
         self,
         *,
         stages: Sequence[nn.Module],
-        actions: Sequence[Action],
-        steps: Sequence[tuple[Action, ...]] | None = None,
+        table: ActionTable,
         pipeline_rank: int,
-        num_stages: int,
-        num_microbatches: int,
-        splits_backward: bool,
         loss_fn: LossFn | None,
-        forward_only: bool = False,
-        comm: PipelineComm | None = None,
-        link_meta: dict[tuple[str, int], PayloadMeta] | None = None,
-        exchange_meta: bool = True,
-        fixed_meta: PayloadMeta | None = None,
-        keep_outputs: bool = True,
-        fuse_weight_grad: bool = True,
-        record_timeline: bool = False,
-        track_memory: bool = False,
+        links: StepLinks | None = None,
+        options: StepOptions | None = None,
         clock_start: float | None = None,
     ) -> None:
+        links = links if links is not None else StepLinks()
+        options = options if options is not None else StepOptions()
         self.stages = list(stages)
-        self.actions = list(actions)
+        self.actions = table.row(pipeline_rank)
+        self._steps = table.steps_of(pipeline_rank)
         self.rank = pipeline_rank
-        self.p = num_stages
-        self.m = num_microbatches
+        self.p = table.num_stages
+        self.m = table.num_microbatches
         self.v = len(self.stages)
         self.last = self.p * self.v - 1
-        self.split = splits_backward
+        self.split = table.splits_backward
         self.loss_fn = loss_fn
-        self.training = not forward_only
-        self.comm = comm
-        self.link_meta = link_meta if link_meta is not None else {}
-        self.exchange = exchange_meta and fixed_meta is None
-        self.fixed = fixed_meta
-        self.keep_outputs = keep_outputs
-        self.fuse = [fuse_weight_grad and stage_allows_fusion(stage) for stage in self.stages]
+        self.training = not table.forward_only
+        self.comm = links.comm
+        self.link_meta = links.meta
+        self.exchange = links.exchange and links.fixed is None
+        self.fixed = links.fixed
+        self.keep_outputs = options.keep_outputs
+        self.fuse = [options.fuse_weight_grad and stage_allows_fusion(s) for s in self.stages]
         # Weight gradients the schedule does not place (no W) are batched over microbatches.
         self._batcher = WeightGradBatcher() if any(self.fuse) else None
-        self.record = record_timeline
-        self.track_memory = track_memory
+        self.record = options.record_timeline
+        self.track_memory = options.track_memory
         self.t0 = time.perf_counter() if clock_start is None else clock_start
+        if self.v != table.num_chunks:
+            raise ValueError(
+                f"the table runs {table.num_chunks} model chunk(s) per rank but got {self.v} "
+                "stage module(s)"
+            )
         if self.training and loss_fn is None:
-            raise ValueError("a training step needs a loss_fn; pass forward_only=True to evaluate")
-        if self.p > 1 and comm is None:
+            raise ValueError(
+                "a training step needs a loss_fn; run a forward-only table to evaluate"
+            )
+        if self.p > 1 and self.comm is None:
             raise ValueError(f"{self.p} pipeline ranks need a PipelineComm")
         # (microbatch, chunk) -> state
         self._inputs: dict[tuple[int, int], tuple[Any, list[torch.Tensor]]] = {}
@@ -213,25 +212,23 @@ class PipelineExecutor:
         self.peak_bytes = 0
         self._storage_users: dict[int, int] = {}
         self._param_storages: set[int] = set()
-        if track_memory:
+        if self.track_memory:
             self._param_storages = {
                 p.untyped_storage().data_ptr() for stage in self.stages for p in stage.parameters()
             }
-        self._steps = steps
 
     # -- driver -------------------------------------------------------------------------------
 
     def run(self, inputs: Sequence[Any], labels: Sequence[Any]) -> _Results:
-        """Run every step of the action list.
+        """Run every step of this rank's row.
 
         Args:
             inputs: the microbatches' inputs (read by the first virtual stage).
             labels: the microbatches' labels (read by the last virtual stage).
         """
         self._data, self._labels = list(inputs), list(labels)
-        steps = self._steps if self._steps is not None else split_steps(self.actions)
-        self._plan_prefetch(steps)
-        for step in steps:
+        self._plan_prefetch(self._steps)
+        for step in self._steps:
             start = time.perf_counter() if self.record else 0.0
             if step[0].kind.is_compute:
                 self._compute(step[0])
@@ -557,158 +554,3 @@ class PipelineExecutor:
                 "with another schedule object)"
             )
         return agreed, False
-
-
-# -- forward_backward_step ---------------------------------------------------------------------
-
-
-def _stage_list(stage: nn.Module | Sequence[nn.Module], num_chunks: int) -> list[nn.Module]:
-    stages = [stage] if isinstance(stage, nn.Module) else list(stage)
-    if len(stages) != num_chunks:
-        raise ValueError(
-            f"the schedule runs {num_chunks} model chunk(s) per rank but got {len(stages)} "
-            "stage module(s); pass what build_pipeline_model(..., num_chunks=...) returned"
-        )
-    for index, module in enumerate(stages):
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"stage {index} is a {type(module).__name__}, expected an nn.Module")
-    return stages
-
-
-def _check_stage_positions(stages: Sequence[nn.Module], rank: int, size: int) -> None:
-    for chunk, module in enumerate(stages):
-        if not isinstance(module, PipelineStage):
-            continue
-        position = (module.pipeline_rank, module.num_stages, module.chunk, module.num_chunks)
-        expected = (rank, size, chunk, len(stages))
-        if position != expected:
-            raise ValueError(
-                f"stage {chunk} was built for (pipeline rank, pipeline size, chunk, chunks) = "
-                f"{position} but runs at {expected}"
-            )
-
-
-def _fixed_meta(schedule: Schedule, context: Any, forward_only: bool) -> PayloadMeta | None:
-    shape = schedule.tensor_shape
-    if shape is None and context is not None:
-        config = getattr(context, "full_config", None)
-        if config is not None and hasattr(config, "get"):
-            given = config.get("TENSOR_SHAPE")
-            if given is not None:
-                shape = tuple(int(s) for s in given)
-    if shape is None:
-        return None
-    dtype = schedule.tensor_dtype or torch.get_default_dtype()
-    grad = not forward_only and dtype.is_floating_point
-    return PayloadMeta(("tensor",), (TensorMeta(tuple(shape), dtype, grad),))
-
-
-def _device_of(stages: Sequence[nn.Module], context: Any) -> torch.device:
-    if context is not None:
-        return torch.device(context.device)
-    for stage in stages:
-        for param in stage.parameters():
-            return param.device
-    return torch.device("cpu")
-
-
-def run_schedule(
-    schedule: Schedule,
-    stage: nn.Module | Sequence[nn.Module],
-    data_iter: Iterator[Any],
-    loss_fn: LossFn | None,
-    *,
-    forward_only: bool = False,
-    return_loss: bool = True,
-    return_output_label: bool = True,
-    context: Any = None,
-    record_timeline: bool = False,
-    track_memory: bool = False,
-) -> tuple[Any, Any, torch.Tensor | None]:
-    """What ``schedule.forward_backward_step`` does (see there); also sets ``schedule.last_run``."""
-    if context is None and has_context():
-        context = get_context()
-    if context is None:
-        rank, size = 0, 1
-    else:
-        rank = context.get_local_rank(ParallelMode.PIPELINE)
-        size = context.get_world_size(ParallelMode.PIPELINE)
-    stages = _stage_list(stage, schedule.num_chunks)
-    _check_stage_positions(stages, rank, size)
-    if not forward_only and loss_fn is None:
-        raise ValueError("a training step needs a loss_fn; pass forward_only=True to evaluate")
-    batch = next(data_iter)
-    if not isinstance(batch, tuple | list) or len(batch) != 2:
-        raise TypeError(
-            "data_iter must yield (inputs, labels) pairs, got "
-            f"{type(batch).__name__}{'' if not isinstance(batch, tuple | list) else len(batch)}"
-        )
-    inputs, labels = batch
-    m = schedule.num_microbatches
-    # Every check that can fail runs before the first message, identically on every rank
-    # (all pipeline ranks read the same batch), so an error never leaves a peer waiting.
-    input_parts = split_microbatches(inputs, m, what="inputs")
-    label_parts = split_microbatches(labels, m, what="labels")
-    actions, steps = schedule._plan(rank, size, forward_only)
-    device = _device_of(stages, context)
-    virtual_first = rank == 0
-    holds_last = rank == size - 1
-    if virtual_first:
-        input_parts = [_to_device(part, device) for part in input_parts]
-    if holds_last:
-        label_parts = [_to_device(part, device) for part in label_parts]
-
-    fixed = _fixed_meta(schedule, context, forward_only)
-    comm = schedule._comm_for(context) if size > 1 else None
-    if fixed is not None and comm is not None:
-        agree_on_fixed_meta(schedule, fixed, comm.cpu_group, rank)
-    # Identical on every pipeline rank (they read the same batch): whether to exchange metadata
-    # is decided the same everywhere. Nothing rank-local (e.g. ids of the stage objects, which
-    # differ between ranks and get reused) may enter it, or one rank could announce metadata
-    # its peer does not read.
-    cache_key = (payload_signature(input_parts[0]), forward_only, size, len(stages))
-    known = schedule._link_meta.get(cache_key)
-    exchange = fixed is None and known is None
-    if comm is not None:
-        comm.ensure_ready()
-        if record_timeline:
-            dist.barrier(group=comm.cpu_group)
-    executor = PipelineExecutor(
-        stages=stages,
-        actions=actions,
-        steps=steps,
-        pipeline_rank=rank,
-        num_stages=size,
-        num_microbatches=m,
-        splits_backward=schedule.splits_backward,
-        loss_fn=loss_fn if (return_loss or not forward_only) else None,
-        forward_only=forward_only,
-        comm=comm,
-        link_meta=dict(known) if known is not None else {},
-        exchange_meta=exchange,
-        fixed_meta=fixed,
-        keep_outputs=return_output_label and holds_last,
-        fuse_weight_grad=schedule.fuse_weight_grad,
-        record_timeline=record_timeline,
-        track_memory=track_memory,
-    )
-    # A failure here is posted for the other ranks, which stop naming this rank (tessera.context).
-    guard = getattr(context, "guard", None)
-    with guard(f"pipeline rank {rank} of {size}") if guard else nullcontext():
-        results = executor.run(input_parts, label_parts)
-    if exchange and size > 1:
-        schedule._link_meta[cache_key] = dict(executor.link_meta)
-    schedule.last_run = RunRecord(
-        pipeline_rank=rank,
-        timeline=tuple(executor.events),
-        peak_live=executor.peak_live,
-        peak_activations=executor.peak_live / schedule.num_chunks,
-        peak_activation_bytes=executor.peak_bytes,
-        exchanged_metadata=exchange and size > 1,
-    )
-    if not holds_last:
-        return None, None, None
-    output = concat_microbatches(results.outputs) if return_output_label else None
-    label = labels if return_output_label else None
-    loss = torch.stack(results.losses).sum() if return_loss and results.losses else None
-    return output, label, loss

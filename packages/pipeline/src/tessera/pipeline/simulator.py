@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from tessera.pipeline.actions import Action, ActionKind
 from tessera.pipeline.dataflow import DataflowRun, SendMode
-from tessera.pipeline.schedule import Schedule, check_actions
+from tessera.pipeline.schedule import Schedule
 from tessera.pipeline.timeline import TimelineEvent, events_of_rank
 
 __all__ = ["DEFAULT_COSTS", "SimulationResult", "simulate", "simulate_table"]
@@ -102,19 +102,10 @@ def simulate(
     Raises:
         ScheduleError: a rank's list is inconsistent; DeadlockError if the lists deadlock.
     """
-    table = schedule.action_table(num_stages, forward_only=forward_only)
-    for rank, actions in enumerate(table):
-        check_actions(
-            actions,
-            pipeline_rank=rank,
-            num_stages=num_stages,
-            num_microbatches=schedule.num_microbatches,
-            num_chunks=schedule.num_chunks,
-            splits_backward=schedule.splits_backward,
-            forward_only=forward_only,
-        )
+    table = schedule.table(num_stages, forward_only=forward_only)
+    table.check()
     return simulate_table(
-        table,
+        table.rows,
         num_chunks=schedule.num_chunks,
         splits_backward=schedule.splits_backward,
         costs=costs,
