@@ -80,6 +80,15 @@ def _queries() -> dict[str, Any]:
             ),
             "timeout": ctx.timeout.total_seconds(),
             "full": ctx.full_config["parallel"]["pipeline"],
+            # the facade is one line over each part; the parts answer alike
+            "parts": (
+                ctx.groups.of(M.TENSOR).group is ctx.get_group(M.TENSOR),
+                ctx.groups.of(M.PIPELINE).neighbour(1) == ctx.get_next_global_rank(M.PIPELINE),
+                ctx.groups.of("model").size == ctx.get_world_size(M.MODEL),
+                ctx.groups.modes == ctx.modes,
+                ctx.rng.active,
+                ctx.failures.board is ctx.failure_board,
+            ),
         }
         try:
             ctx.get_group(M.PARALLEL_2D_ROW)
@@ -108,6 +117,7 @@ def test_context_queries(dist: Any) -> None:
         assert r["initialized"] == (True, True, False, False)
         assert r["timeout"] == 60.0
         assert r["full"] == 2
+        assert r["parts"] == (True, True, True, True, "__default__", True)
         assert "parallel mode 'parallel_2d_row' is not initialized" in r["error"]
         assert "'global', 'data', 'pipeline', 'tensor', 'model', 'parallel_1d'" in r["error"]
         assert r["model_sum"] == 4.0

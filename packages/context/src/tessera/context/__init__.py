@@ -18,10 +18,12 @@ from tessera.context.current import get_context, has_context, no_context, set_co
 from tessera.context.failures import (
     DEFAULT_HEARTBEAT_INTERVAL,
     FailureBoard,
+    FailureMonitor,
     FailureReport,
     RankFailedError,
     is_communication_error,
 )
+from tessera.context.groups import Membership, ProcessGroups
 from tessera.context.initializers import (
     PROCESS_GROUP_INITIALIZERS,
     GlobalInitializer,
@@ -44,6 +46,7 @@ from tessera.context.layouts import Group, Groups, coordinates, global_rank
 from tessera.context.modes import ModeLike, ParallelMode
 from tessera.context.planner import LayoutEstimate, Machine, ModelShape, plan_layouts
 from tessera.context.seeds import (
+    RngStreams,
     derive_seed,
     get_host_rng_state,
     set_host_rng_state,
@@ -78,8 +81,12 @@ __all__ = [
     "Tensor2p5DInitializer",
     "Tensor3DInitializer",
     "SequenceInitializer",
-    # contexts and launchers
+    # contexts and launchers; a context's parts
     "ParallelContext",
+    "ProcessGroups",
+    "Membership",
+    "RngStreams",
+    "FailureMonitor",
     "create_context",
     "DEFAULT_TIMEOUT",
     "launch",

@@ -1,4 +1,4 @@
-"""``ParallelContext``: the process groups of one job, queried by mode.
+"""``ParallelContext``: the process groups of one job, queried by mode, and their RNG streams.
 
 A context is built by ``create_context`` (on top of an initialized default process group) or by
 a launcher (which also initializes that group). It owns every group it creates and nothing
@@ -11,7 +11,6 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,10 +30,12 @@ from .failures import (
     FailureMonitor,
     default_store,
 )
+from .groups import Membership, ProcessGroups, build_groups
 from .initializers import rank_groups
-from .layouts import Group, coordinates
+from .layouts import coordinates
+from .mesh import device_mesh_of
 from .modes import ModeLike, ParallelMode, mode_key
-from .seeds import DEFAULT_STREAM, RngStreams, derive_seed, set_seed
+from .seeds import DEFAULT_STREAM, RngStreams, set_seed, stream_seed
 
 __all__ = ["DEFAULT_TIMEOUT", "ConfigLike", "ParallelContext", "create_context", "load_config"]
 
@@ -89,18 +90,15 @@ def as_timedelta(timeout: float | timedelta | None) -> timedelta:
     return timedelta(seconds=float(timeout))
 
 
-@dataclass(frozen=True)
-class _Membership:
-    """This rank's group of one mode."""
-
-    ranks: Group
-    local_rank: int
-    group: dist.ProcessGroup
-    cpu_group: dist.ProcessGroup
-
-
 class ParallelContext:
-    """The process groups of one job, and the RNG streams that go with them.
+    """The process groups of one job, and the RNG streams and failure monitor that go with them.
+
+    Composed of three parts, each usable on its own: :attr:`groups` (this rank's process
+    group of every mode, :class:`tessera.context.groups.ProcessGroups`), :attr:`rng` (the
+    per-mode RNG streams, :class:`tessera.context.seeds.RngStreams`) and :attr:`failures` (the
+    failure board, the heartbeats and the guards, :class:`tessera.context.failures.
+    FailureMonitor`). The methods below are Colossal-AI's names for the questions asked most
+    (``get_group``, ``get_local_rank``, ``seed``, ``guard``, ...), each one line over a part.
 
     Do not construct it directly: use ``create_context`` or a launcher, which create the groups
     on every rank in the same order.
@@ -111,9 +109,7 @@ class ParallelContext:
         *,
         config: ParallelConfig,
         full_config: Config,
-        memberships: Mapping[str, _Membership],
-        absent: Mapping[str, list[Group]],
-        created: list[dist.ProcessGroup],
+        groups: ProcessGroups,
         global_rank: int,
         backend: str,
         device: torch.device,
@@ -124,28 +120,45 @@ class ParallelContext:
     ) -> None:
         self._config = config
         self._full_config = full_config
-        self._members = dict(memberships)
-        self._absent = dict(absent)
-        self._created = created
+        self._groups = groups
         self._global_rank = global_rank
         self._backend = backend
         self._device = device
         self._seed = seed
         self._timeout = timeout
         self._owns_default_group = owns_default_group
-        self._destroyed = False
         self._mesh: Any = None
-        self._rng = RngStreams(device, self._stream_seed)
+        pipeline_rank = self.coordinates[1]
+        self._rng = RngStreams(
+            device, lambda name: stream_seed(seed, pipeline_rank, self.get_local_rank, name)
+        )
         self._monitor = monitor if monitor is not None else FailureMonitor(None, None)
 
     def __repr__(self) -> str:
         c = self._config
-        state = ", destroyed" if self._destroyed else ""
+        state = ", destroyed" if self.is_destroyed else ""
         return (
             f"ParallelContext(rank {self._global_rank}/{c.world_size}, data {c.data_size} x "
             f"pipeline {c.pipeline_size} x tensor {c.tensor_size} ({c.tensor_mode}), "
             f"backend {self._backend}, device {self._device}{state})"
         )
+
+    # ------------------------------------------------------------------ the parts
+
+    @property
+    def groups(self) -> ProcessGroups:
+        """This rank's process groups, by mode."""
+        return self._groups
+
+    @property
+    def rng(self) -> RngStreams:
+        """The RNG streams: the default one and one per mode."""
+        return self._rng
+
+    @property
+    def failures(self) -> FailureMonitor:
+        """The failure board, the heartbeats and the guards of this rank."""
+        return self._monitor
 
     # ------------------------------------------------------------------ whole-job facts
 
@@ -212,35 +225,23 @@ class ParallelContext:
     @property
     def modes(self) -> list[str]:
         """The modes in which this rank has a group, in creation order."""
-        return list(self._members)
+        return self._groups.modes
 
     @property
     def is_destroyed(self) -> bool:
         """Whether ``destroy()`` ran."""
-        return self._destroyed
+        return self._groups.is_destroyed
 
     # ------------------------------------------------------------------ per-mode queries
 
-    def _member(self, mode: ModeLike) -> _Membership:
-        if self._destroyed:
+    def _member(self, mode: ModeLike) -> Membership:
+        if self.is_destroyed:
             raise RuntimeError(f"{self!r} was destroyed; its groups can no longer be used")
-        key = mode_key(mode)
-        found = self._members.get(key)
-        if found is not None:
-            return found
-        if key in self._absent:
-            raise ValueError(
-                f"global rank {self._global_rank} is in no group of mode {key!r} (its groups: "
-                f"{self._absent[key]}); check is_initialized({key!r}) first"
-            )
-        listed = ", ".join(repr(m) for m in self._members)
-        raise ValueError(
-            f"parallel mode {key!r} is not initialized in this context; initialized modes: {listed}"
-        )
+        return self._groups.of(mode)
 
     def is_initialized(self, mode: ModeLike) -> bool:
         """Whether this rank has a group of ``mode``."""
-        return not self._destroyed and mode_key(mode) in self._members
+        return self._groups.is_initialized(mode)
 
     def get_group(self, mode: ModeLike) -> dist.ProcessGroup:
         """The process group of ``mode`` that holds this rank (backend: ``self.backend``)."""
@@ -260,7 +261,7 @@ class ParallelContext:
 
     def get_world_size(self, mode: ModeLike) -> int:
         """The size of this rank's group of ``mode``."""
-        return len(self._member(mode).ranks)
+        return self._member(mode).size
 
     def is_first_rank(self, mode: ModeLike) -> bool:
         """Whether this rank has local rank 0 in ``mode``."""
@@ -269,38 +270,22 @@ class ParallelContext:
     def is_last_rank(self, mode: ModeLike) -> bool:
         """Whether this rank has the last local rank in ``mode``."""
         m = self._member(mode)
-        return m.local_rank == len(m.ranks) - 1
+        return m.local_rank == m.size - 1
 
     def get_next_global_rank(self, mode: ModeLike) -> int:
         """The global rank of the next local rank in ``mode`` (wrapping around)."""
-        m = self._member(mode)
-        return m.ranks[(m.local_rank + 1) % len(m.ranks)]
+        return self._member(mode).neighbour(1)
 
     def get_prev_global_rank(self, mode: ModeLike) -> int:
         """The global rank of the previous local rank in ``mode`` (wrapping around)."""
-        m = self._member(mode)
-        return m.ranks[(m.local_rank - 1) % len(m.ranks)]
+        return self._member(mode).neighbour(-1)
 
     # ------------------------------------------------------------------ seeds
-
-    def _stream_seed(self, name: str) -> int:
-        """Initial seed of a stream.
-
-        The default stream: ``base_seed + pipeline_rank`` (equal across data and tensor ranks,
-        so replicated parameters and activations agree; different per stage, whose layers
-        differ). A mode's stream: derived from (base_seed, mode, pipeline_rank, local rank in
-        the mode): different across the ranks of one group, equal between ranks with the same
-        local rank on the same stage (e.g. the TENSOR stream agrees across data replicas).
-        """
-        _, pipeline_rank, _ = self.coordinates
-        if name == DEFAULT_STREAM:
-            return self._seed + pipeline_rank
-        return derive_seed(self._seed, name, pipeline_rank, self.get_local_rank(name))
 
     @property
     def default_seed(self) -> int:
         """The seed of the default stream on this rank: ``base_seed + pipeline_rank``."""
-        return self._stream_seed(DEFAULT_STREAM)
+        return stream_seed(self._seed, self.coordinates[1], self.get_local_rank, DEFAULT_STREAM)
 
     def reseed(self) -> None:
         """Seed python, numpy and torch with ``default_seed`` and restart every mode stream.
@@ -348,19 +333,9 @@ class ParallelContext:
         global layout, for torch's FSDP2 / DTensor.
         """
         if self._mesh is None:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            c = self._config
-            mesh = torch.arange(c.world_size, dtype=torch.int).reshape(
-                c.data_size, c.pipeline_size, c.tensor_size
-            )
-            groups = [
-                self.get_group(m)
-                for m in (ParallelMode.DATA, ParallelMode.PIPELINE, ParallelMode.TENSOR)
-            ]
-            self._mesh = DeviceMesh.from_group(
-                groups, self._device.type, mesh=mesh, mesh_dim_names=("dp", "pp", "tp")
-            )
+            modes = (ParallelMode.DATA, ParallelMode.PIPELINE, ParallelMode.TENSOR)
+            groups = [self.get_group(m) for m in modes]
+            self._mesh = device_mesh_of(self._config, groups, self._device)
         return self._mesh
 
     # ------------------------------------------------------------------ failures
@@ -383,7 +358,7 @@ class ParallelContext:
         if a collective in the body fails because of another rank (a timeout, a closed
         connection), this rank raises ``RankFailedError`` naming the rank that failed and where
         it was. Guards nest (the innermost ``where`` is reported; an error is posted once).
-        The engine's ``step``/``execute_schedule`` and the pipeline executor guard themselves;
+        The engine's ``step``/``execute_schedule`` and the pipeline runner guard themselves;
         wrap your own loop body when you drive collectives yourself.
         """
         return self._monitor.guard(where)
@@ -404,16 +379,11 @@ class ParallelContext:
         A context made by a launcher also destroys the default group. If this context is the
         current one, the current context is cleared.
         """
-        if self._destroyed:
+        if self.is_destroyed:
             return
-        self._destroyed = True
         self._mesh = None
         self._monitor.stop()
-        if dist.is_initialized():
-            for group in reversed(self._created):
-                dist.destroy_process_group(group)
-        self._created = []
-        self._members.clear()
+        self._groups.destroy()
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
         if current._current is self:
@@ -484,58 +454,16 @@ def create_context(
     _check_heartbeat_interval(heartbeat_interval)
     backend = str(dist.get_backend())
     dev = torch.device(device) if device is not None else _default_device(backend)
-    needs_cpu_groups = "gloo" not in backend
 
-    created: list[dist.ProcessGroup] = []
-    cache: dict[tuple[str, Group], dist.ProcessGroup | None] = {}
     older_sockets = tcp_inodes()  # not this context's: an abort must leave them alone
-
-    def group_of(ranks: Group, kind: str) -> dist.ProcessGroup | None:
-        # Identical rank tuples (e.g. TENSOR and PARALLEL_1D) share one process group.
-        key = (kind, ranks)
-        if key not in cache:
-            pg = dist.new_group(
-                list(ranks),
-                timeout=td,
-                backend=None if kind == "main" else "gloo",
-                sort_ranks=False,
-            )
-            member = rank in ranks
-            cache[key] = pg if member else None
-            if member:
-                created.append(pg)
-        return cache[key]
-
-    memberships: dict[str, _Membership] = {}
-    absent: dict[str, list[Group]] = {}
-    try:
-        for mode, groups in layout.items():
-            for ranks in groups:
-                pg = group_of(ranks, "main")
-                cpu_pg = group_of(ranks, "cpu") if needs_cpu_groups else pg
-                if pg is not None and cpu_pg is not None:
-                    local = ranks.index(rank)
-                    if dist.get_rank(pg) != local:
-                        raise RuntimeError(
-                            f"process group for mode {mode!r} ranks {ranks} gives rank {rank} "
-                            f"local rank {dist.get_rank(pg)}, expected {local}"
-                        )
-                    memberships[mode_key(mode)] = _Membership(ranks, local, pg, cpu_pg)
-            if mode_key(mode) not in memberships:
-                absent[mode_key(mode)] = groups
-    except BaseException:
-        for pg in reversed(created):
-            dist.destroy_process_group(pg)
-        raise
+    groups = build_groups(layout, rank, timeout=td, cpu_groups="gloo" not in backend)
     monitor = _failure_monitor(
-        store, rank, world, heartbeat_interval, created, backend, older_sockets
+        store, rank, world, heartbeat_interval, groups, backend, older_sockets
     )
     return ParallelContext(
         config=parallel,
         full_config=full,
-        memberships=memberships,
-        absent=absent,
-        created=created,
+        groups=groups,
         global_rank=rank,
         backend=backend,
         device=dev,
@@ -560,7 +488,7 @@ def _failure_monitor(
     rank: int,
     world: int,
     heartbeat_interval: float | None,
-    created: list[dist.ProcessGroup],
+    groups: ProcessGroups,
     backend: str,
     older_sockets: frozenset[int] = frozenset(),
 ) -> FailureMonitor:
@@ -583,7 +511,7 @@ def _failure_monitor(
 
     # Only what this context built: the default group (a launcher's, a test harness's) and
     # anything else the process connected before are not this context's to abort.
-    aborter = GroupAborter(lambda: list(created), backend, store_port(store), older_sockets)
+    aborter = GroupAborter(lambda: list(groups.created), backend, store_port(store), older_sockets)
     with contextlib.suppress(RuntimeError, OSError):
         board.publish_endpoints(aborter.endpoints())
     return FailureMonitor(

@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_STREAM",
     "RngStreams",
     "derive_seed",
+    "stream_seed",
     "get_host_rng_state",
     "set_host_rng_state",
     "set_seed",
@@ -100,6 +101,28 @@ def derive_seed(seed: int, *parts: object) -> int:
     """
     text = repr((seed, *parts)).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & _SEED_MASK
+
+
+def stream_seed(
+    base_seed: int, pipeline_rank: int, local_rank_of: Callable[[str], int], name: str
+) -> int:
+    """The initial seed of stream ``name`` on a rank of a context.
+
+    The default stream: ``base_seed + pipeline_rank`` (equal across data and tensor ranks, so
+    replicated parameters and activations agree; different per stage, whose layers differ). A
+    mode's stream: derived from (base_seed, mode, pipeline_rank, local rank in the mode):
+    different across the ranks of one group, equal between ranks with the same local rank on
+    the same stage (e.g. the TENSOR stream agrees across data replicas).
+
+    Args:
+        base_seed: the context's seed.
+        pipeline_rank: this rank's pipeline coordinate.
+        local_rank_of: this rank's local rank in a mode's group, by mode name.
+        name: ``DEFAULT_STREAM`` or a mode's name.
+    """
+    if name == DEFAULT_STREAM:
+        return base_seed + pipeline_rank
+    return derive_seed(base_seed, name, pipeline_rank, local_rank_of(name))
 
 
 class RngStreams:
