@@ -148,9 +148,15 @@ def test_default_key_registries_mapping() -> None:
     assert DEFAULT_KEY_REGISTRIES["loss"] is LOSSES
     assert DEFAULT_KEY_REGISTRIES["criterion"] is LOSSES
     assert DEFAULT_KEY_REGISTRIES["model"] is MODELS
-    assert {"dataset", "sampler", "transform", "transforms", "layers"} <= set(
-        DEFAULT_KEY_REGISTRIES
-    )
+    assert set(DEFAULT_KEY_REGISTRIES) == {
+        "model",
+        "layer",
+        "layers",
+        "optimizer",
+        "lr_scheduler",
+        "loss",
+        "criterion",
+    }
     with pytest.raises(TypeError):
         DEFAULT_KEY_REGISTRIES["x"] = MODELS  # type: ignore[index]
 

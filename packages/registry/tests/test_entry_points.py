@@ -210,9 +210,6 @@ def test_builtin_registries_use_tessera_groups() -> None:
         "OPTIMIZERS": "tessera.optimizers",
         "LR_SCHEDULERS": "tessera.lr_schedulers",
         "LOSSES": "tessera.losses",
-        "DATASETS": "tessera.datasets",
-        "SAMPLERS": "tessera.samplers",
-        "TRANSFORMS": "tessera.transforms",
     }
     for attr, group in expected.items():
         reg = getattr(registry, attr)
@@ -221,3 +218,5 @@ def test_builtin_registries_use_tessera_groups() -> None:
         assert reg.name == attr.lower()
     for moved in ("GRADIENT_HANDLERS", "PROCESS_GROUP_INITIALIZERS", "SCHEDULES", "HOOKS"):
         assert not hasattr(registry, moved)  # owned by tessera.engine / tessera.context
+    for removed in ("DATASETS", "SAMPLERS", "TRANSFORMS"):
+        assert not hasattr(registry, removed)  # a user's own, declared where they are used

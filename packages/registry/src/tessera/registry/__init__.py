@@ -7,14 +7,11 @@ torch or any tessera implementation package. Components arrive through packaging
 
 from tessera.registry.builder import DEFAULT_KEY_REGISTRIES, build
 from tessera.registry.builtin import (
-    DATASETS,
     LAYERS,
     LOSSES,
     LR_SCHEDULERS,
     MODELS,
     OPTIMIZERS,
-    SAMPLERS,
-    TRANSFORMS,
     Component,
 )
 from tessera.registry.config import Config
@@ -36,7 +33,4 @@ __all__ = [
     "OPTIMIZERS",
     "LR_SCHEDULERS",
     "LOSSES",
-    "DATASETS",
-    "SAMPLERS",
-    "TRANSFORMS",
 ]

@@ -21,16 +21,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from tessera.registry.builtin import (
-    DATASETS,
-    LAYERS,
-    LOSSES,
-    LR_SCHEDULERS,
-    MODELS,
-    OPTIMIZERS,
-    SAMPLERS,
-    TRANSFORMS,
-)
+from tessera.registry.builtin import LAYERS, LOSSES, LR_SCHEDULERS, MODELS, OPTIMIZERS
 from tessera.registry.errors import ConfigError
 from tessera.registry.registry import Registry
 
@@ -48,10 +39,6 @@ DEFAULT_KEY_REGISTRIES: Mapping[str, Registry[Any]] = MappingProxyType(
         "lr_scheduler": LR_SCHEDULERS,
         "loss": LOSSES,
         "criterion": LOSSES,
-        "dataset": DATASETS,
-        "sampler": SAMPLERS,
-        "transform": TRANSFORMS,
-        "transforms": TRANSFORMS,
     }
 )
 

@@ -1,7 +1,10 @@
 """The registries shared across packages and a user's config, and torch's classes as fallbacks.
 
 ``LAYERS`` is the one tessera registry two packages use (tessera-layers fills it, the pipeline
-builds layers from it); the others name what a user's config builds (models, optimizers, ...).
+builds layers from it); the others name what a user's config builds: ``MODELS`` (the user's
+own, registered by the user) and the three that also know torch's classes. Registries for
+anything else a config builds (datasets, samplers, ...) are the user's to declare, a
+``Registry("datasets")`` passed to ``build`` through ``registries=``.
 A package's own plug points have their own registries in that package: process-group
 initializers in tessera.context, gradient handlers, schedules and hooks in tessera.engine.
 
@@ -32,9 +35,6 @@ __all__ = [
     "OPTIMIZERS",
     "LR_SCHEDULERS",
     "LOSSES",
-    "DATASETS",
-    "SAMPLERS",
-    "TRANSFORMS",
 ]
 
 #: What tessera's registries hold: a class or factory that ``build`` calls with keywords.
@@ -107,6 +107,3 @@ MODELS = _registry("models")
 OPTIMIZERS = _registry("optimizers", _torch_optimizers)
 LR_SCHEDULERS = _registry("lr_schedulers", _torch_lr_schedulers)
 LOSSES = _registry("losses", _torch_losses)
-DATASETS = _registry("datasets")
-SAMPLERS = _registry("samplers")
-TRANSFORMS = _registry("transforms")
