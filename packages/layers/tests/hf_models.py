@@ -96,6 +96,55 @@ def qwen2_lm(seed: int = 0, **overrides: Any) -> nn.Module:
     return _distinct(model, seed)
 
 
+#: One GPT-Neo (no plan of its own: read from its blocks; learned positions, its attention a
+#: module inside the block's, written out in its forward) and one Phi (read from its blocks:
+#: attention and MLP side by side on one norm, biases, partial rotary, head counts in the
+#: config only), sized like the GPT-2.
+GPT_NEO_CONFIG: dict[str, Any] = dict(
+    vocab_size=32,
+    max_position_embeddings=16,
+    hidden_size=16,
+    num_layers=2,
+    num_heads=4,
+    attention_types=[[["global", "local"], 1]],
+    window_size=4,
+    intermediate_size=32,
+    resid_dropout=0.0,
+    embed_dropout=0.0,
+    attention_dropout=0.0,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+PHI_CONFIG: dict[str, Any] = dict(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=16,
+    partial_rotary_factor=0.5,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attention_dropout=0.0,
+)
+
+
+def gpt_neo_lm(seed: int = 0) -> nn.Module:
+    """``GPTNeoForCausalLM`` from :data:`GPT_NEO_CONFIG`, its weights drawn from ``seed``."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    torch.manual_seed(seed)
+    return _distinct(GPTNeoForCausalLM(GPTNeoConfig(**GPT_NEO_CONFIG)), seed)
+
+
+def phi_lm(seed: int = 0) -> nn.Module:
+    """``PhiForCausalLM`` from :data:`PHI_CONFIG`, its weights drawn from ``seed``."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    torch.manual_seed(seed)
+    return _distinct(PhiForCausalLM(PhiConfig(**PHI_CONFIG)), seed)
+
+
 def bert_mlm(seed: int = 0, **overrides: Any) -> nn.Module:
     """``BertForMaskedLM`` from :data:`BERT_CONFIG`, its weights drawn from ``seed``."""
     from transformers import BertConfig, BertForMaskedLM

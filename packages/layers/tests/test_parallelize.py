@@ -8,6 +8,7 @@ the same weights and batch. One worker pool per world size runs every check of t
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -19,9 +20,11 @@ from hf_models import (
     GPT2_CONFIG,
     bert_mlm,
     gpt2_lm,
+    gpt_neo_lm,
     images,
     llama_lm,
     masked_labels,
+    phi_lm,
     qwen2_lm,
     token_ids,
     token_types,
@@ -117,6 +120,8 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "gpt2": lambda ctx: _lm_matches_reference(gpt2_lm(), ctx),
     "llama": lambda ctx: _lm_matches_reference(llama_lm(), ctx),
     "qwen2 (inferred plan)": lambda ctx: _lm_matches_reference(qwen2_lm(), ctx),
+    "gpt-neo (plan read from its blocks)": lambda ctx: _lm_matches_reference(gpt_neo_lm(), ctx),
+    "phi (plan read from its blocks)": lambda ctx: _lm_matches_reference(phi_lm(), ctx),
     "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
     "vit": lambda ctx: _lm_matches_reference(vit_classifier(), ctx),
     "per-sample positions": _per_sample_positions_under_3d,
@@ -126,9 +131,14 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "layers": lambda ctx: _as_pipeline_layers(ctx),
 }
 
-#: Checks that run under some tensor modes only: a model without a plan (Qwen2) is tested
-#: where its inferred plan is, per-sample positions where they are refused.
-ONLY_UNDER = {"qwen2 (inferred plan)": ("1d", "2d", "sequence"), "per-sample positions": ("3d",)}
+#: Checks that run under some tensor modes (or layouts, by name) only: a model without a plan
+#: (Qwen2, GPT-Neo, Phi) under a few each, per-sample positions where they are refused.
+ONLY_UNDER = {
+    "qwen2 (inferred plan)": ("1d", "2d", "sequence"),
+    "gpt-neo (plan read from its blocks)": ("1d", "2d"),
+    "phi (plan read from its blocks)": ("1d-sp", "3d", "sequence-ring"),
+    "per-sample positions": ("3d",),
+}
 
 
 def _run_check(tensor: dict[str, Any], check: str) -> Any:
@@ -459,7 +469,7 @@ def _block_matches_reference(ctx: ParallelContext, ref: nn.Module, plan: dict[st
         (layout, check)
         for layout, tensor in LAYOUTS.items()
         for check in CHECKS
-        if tensor["mode"] in ONLY_UNDER.get(check, (tensor["mode"],))
+        if check not in ONLY_UNDER or {layout, tensor["mode"]} & set(ONLY_UNDER[check])
     ],
 )
 def test_transformers_models_and_plain_blocks_equal_single_process(
@@ -576,6 +586,13 @@ def _errors() -> list[str]:
         # Laid out as GPT-2 but for a head the plan does not know: no plan is inferred.
         two_heads = GPT2DoubleHeadsModel(GPT2Config(**GPT2_CONFIG))
         expect(ValueError, "not laid out like one of", lambda: parallelize(two_heads, context=seq))
+        expect(
+            ValueError,
+            "nor as the usual transformer block stack: transformer.h.0 has 0 attention modules",
+            lambda: parallelize(two_heads, context=seq),
+        )
+        # GPT-Neo writes its attention out in its forward: the ring cannot reach it.
+        expect(TypeError, "does not use", lambda: parallelize(gpt_neo_lm(), context=seq))
         lm = parallelize(gpt2_lm(), context=seq)
         padded = torch.ones_like(ids)
         padded[0, -2:] = 0
@@ -591,7 +608,7 @@ def _errors() -> list[str]:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 16
+    assert len(results[0]) == 18
 
 
 def test_inner_norms_follow_a_column_layer_and_precede_a_row_layer() -> None:
@@ -609,3 +626,59 @@ def test_a_plan_with_an_unknown_role_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"unknown role 'column'.*did you mean 'col'"):
         Plan({"fc1": "column"})
+
+
+def _tiny(family: str) -> nn.Module:
+    import transformers
+
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1)
+    small |= dict(num_attention_heads=4, max_position_embeddings=16)
+    configs = {
+        "OPT": dict(small, ffn_dim=32, word_embed_proj_dim=16),
+        "GPTNeoX": small,
+        "Olmo": small,
+        "GPTJ": dict(vocab_size=32, n_embd=16, n_layer=1, n_head=4, n_positions=16, rotary_dim=4),
+    }
+    config = getattr(transformers, f"{family}Config")(**configs[family])
+    return getattr(transformers, f"{family}ForCausalLM")(config)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("family", "reason"),
+    [
+        ("OPT", r"no role for model\.decoder\.embed_positions \(OPTLearnedPositionalEmbedding\)"),
+        ("GPTNeoX", "0 attention modules with separate q, k and v projections"),
+        ("Olmo", r"no role for model\.layers\.0\.input_layernorm \(OlmoLayerNorm\)"),
+    ],
+)
+def test_a_model_unlike_the_usual_block_stack_gets_no_plan_and_the_reason(
+    family: str, reason: str
+) -> None:
+    # OPT's positions are shifted inside its own embedding class, GPT-NeoX fuses q, k, v in
+    # an order its shape does not tell, OLMo's norms have no parameters but would normalize
+    # over a split hidden dim: each would train wrong, silently, under a guessed plan.
+    from tessera.layers.conversion.structure import infer_structure
+
+    report = infer_structure(_tiny(family))
+    assert report.rules is None
+    assert re.search(reason, report.reason), report.reason
+
+
+def test_the_usual_block_stack_is_read_into_megatron_roles() -> None:
+    from tessera.layers.conversion.structure import infer_structure
+
+    report = infer_structure(_tiny("GPTJ"))
+    assert report.rules == {
+        "transformer.wte": "embedding",
+        "transformer.ln_f": "norm",
+        "lm_head": "head",
+        "transformer.h.*.attn": "attention",
+        "transformer.h.*.attn.q_proj": "col",
+        "transformer.h.*.attn.k_proj": "col",
+        "transformer.h.*.attn.v_proj": "col",
+        "transformer.h.*.attn.out_proj": "row",
+        "transformer.h.*.mlp.fc_in": "col",
+        "transformer.h.*.mlp.fc_out": "row",
+        "transformer.h.*.ln_1": "norm",
+    }
+    assert report.sequence_span == ("transformer.h.0", "transformer.ln_f") and report.head

@@ -52,6 +52,8 @@ from typing import Literal
 
 from torch import nn
 
+from .structure import infer_structure
+
 __all__ = [
     "BUILTIN_PLANS",
     "FAMILIES",
@@ -256,6 +258,10 @@ BUILTIN_PLANS: dict[str, Plan] = {
 def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
     """The plan to use: the given one (a dict becomes a ``"features"`` plan) or the model's.
 
+    The model's: the plan shipped for its class, else the plan of the family it is laid out
+    as (:func:`infer_plan`), else the roles read from its transformer blocks
+    (:func:`~.structure.infer_structure`).
+
     Raises:
         ValueError: no plan is given and tessera ships none for the model's class.
     """
@@ -269,11 +275,21 @@ def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
     inferred = infer_plan(model)
     if inferred is not None:
         return inferred
+    read = infer_structure(model)
+    if read.rules is not None:
+        return Plan(
+            read.rules,
+            boundary="tokens",
+            sequence_span=read.sequence_span,
+            causal_lm=read.head,
+            name=f"plan read from the transformer blocks of {type(model).__name__}",
+        )
     raise ValueError(
         f"parallelize: tessera ships no plan for {type(model).__name__} (plans for "
         f"{', '.join(sorted(BUILTIN_PLANS))}; and its modules are not laid out like one of "
-        f"their families: {', '.join(FAMILIES)}); pass plan={{'module.name.pattern': 'col', "
-        f"...}} with roles {', '.join(ROLES)}"
+        f"their families: {', '.join(FAMILIES)}; nor as the usual transformer block stack: "
+        f"{read.reason}); pass plan={{'module.name.pattern': 'col', ...}} with roles "
+        f"{', '.join(ROLES)}"
     )
 
 

@@ -157,7 +157,8 @@ def install_sequence_attention(
     Raises:
         ValueError: ``impl`` is unknown, or all-to-all cannot split a module's heads.
         TypeError: the model is not a transformers model (no config to point at tessera's
-            attention) but the plan names attention modules.
+            attention) but the plan names attention modules, or its class does not route
+            attention through transformers' ``AttentionInterface``.
     """
     if impl not in IMPLS:
         raise ValueError(f"parallelize: sequence_attention must be one of {IMPLS}, got {impl!r}")
@@ -170,6 +171,15 @@ def install_sequence_attention(
                 f"parallelize under tensor mode 'sequence' swaps the attention of transformers "
                 f"models; {type(model).__name__} has no transformers config. Use "
                 "tessera.layers.RingSelfAttention in your own model"
+            )
+        if getattr(type(model), "_supports_attention_backend", True) is False:
+            # its attention is written out in its own forward, which would attend within the
+            # local chunk only: silently wrong, so refused
+            raise TypeError(
+                f"parallelize under tensor mode 'sequence' routes attention through "
+                f"transformers' AttentionInterface, which {type(model).__name__} does not use "
+                "(_supports_attention_backend is False); use tensor mode '1d' with "
+                "sequence_parallel=True for long sequences of this model"
             )
         from transformers import AttentionInterface
 

@@ -1,0 +1,257 @@
+"""A plan read from a model's structure: the usual transformer block, whatever its family.
+
+Most decoder and encoder stacks of the last years share one shape (Vaswani et al. 2017, as
+laid out by GPT-2 and its successors): a token embedding, a list of identical blocks, each an
+attention module with separate query, key and value projections and an output projection, an
+MLP of one or two projections out of the hidden size and one back into it, and norms over the
+hidden size; a final norm; a head onto the vocabulary. Megatron-LM's roles follow from that
+shape alone (Shoeybi et al. 2019): q, k, v and the MLP's first layers are ``col``, the
+attention output and the MLP's last layer ``row``.
+
+:func:`infer_structure` finds that shape in a model nobody wrote a plan for (GPT-Neo, GPT-J,
+Phi, ...) and returns the plan's rules, or says why it cannot. It is deliberately strict, because a
+module the plan does not know would stay whole and see split activations, silently wrong:
+
+- every module holding parameters must get a role, and so must every parameter-free norm (it
+  would normalize over a split hidden dim);
+- the q, k and v projections must be separate linear layers with the usual names: a fused
+  projection's layout (``[3, heads, d]``, ``[heads, 3, d]``, ...) cannot be read from its
+  shape, and splitting the wrong one mixes heads;
+- embeddings must be plain ``nn.Embedding`` (a subclass may shift or scale inside its forward)
+  and norms ones tessera computes exactly (:func:`~.converters.norm_spec`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import nn
+
+from .converters import linear_shape, norm_spec
+
+__all__ = ["QKV_NAMES", "OUTPUT_NAMES", "StructureReport", "infer_structure"]
+
+#: Names of separate query, key and value projections, by convention.
+QKV_NAMES: tuple[tuple[str, str, str], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("query", "key", "value"),
+    ("q", "k", "v"),
+    ("wq", "wk", "wv"),
+    ("q_lin", "k_lin", "v_lin"),
+)
+#: Names of an attention's output projection, by convention.
+OUTPUT_NAMES = ("o_proj", "out_proj", "dense", "o", "wo", "out_lin", "c_proj")
+
+
+@dataclass(frozen=True)
+class StructureReport:
+    """What :func:`infer_structure` found: a plan's parts, or why there is none.
+
+    Attributes:
+        rules: ``{pattern: role}`` (None: the model is not the usual block stack).
+        reason: why ``rules`` is None (empty otherwise).
+        sequence_span: the first block and the final norm, when the norm follows the blocks.
+        head: whether a head onto the vocabulary was found (the model's own loss would read
+            whole logits).
+    """
+
+    rules: dict[str, str] | None
+    reason: str = ""
+    sequence_span: tuple[str, str] | None = None
+    head: bool = False
+
+
+def _linear_or_none(name: str, module: nn.Module) -> tuple[int, int] | None:
+    try:
+        shape = linear_shape(name, module, "col")
+    except TypeError:
+        return None
+    return shape.in_features, shape.out_features
+
+
+def _is_norm(name: str, module: nn.Module, hidden: int) -> bool:
+    try:
+        spec = norm_spec(name, module)
+    except TypeError:
+        return False
+    return spec.shape == (hidden,)
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def _looks_like_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def _children(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
+    for name, child in module.named_modules():
+        yield (f"{prefix}.{name}" if name else prefix), child
+
+
+def _block_list(model: nn.Module) -> str | None:
+    """The name of the longest ``nn.ModuleList`` of blocks of one class holding linear layers."""
+    best: tuple[int, str] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        classes = {type(block) for block in module}
+        holds_linear = any(_linear_or_none(n, m) is not None for n, m in module[0].named_modules())
+        if len(classes) == 1 and holds_linear and (best is None or len(module) > best[0]):
+            best = (len(module), name)
+    return None if best is None else best[1]
+
+
+def _token_embedding(model: nn.Module) -> tuple[str, nn.Embedding] | None:
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    found = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is nn.Embedding and (vocab is None or module.num_embeddings == vocab)
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def _attention_rules(block: nn.Module, prefix: str, hidden: int) -> dict[str, str] | str:
+    """``{name: role}`` of the block's one attention module and its projections, or why not."""
+    found: list[dict[str, str]] = []
+    for name, module in _children(block, prefix):
+        children = dict(module.named_children())
+        for q, k, v in QKV_NAMES:
+            if not all(n in children for n in (q, k, v)):
+                continue
+            outputs = [n for n in OUTPUT_NAMES if n in children]
+            if len(outputs) != 1:
+                return f"attention {name!r} has q, k, v but no one output projection"
+            rules = {name: "attention"}
+            for projection in (q, k, v):
+                sizes = _linear_or_none(f"{name}.{projection}", children[projection])
+                if sizes is None or sizes[0] != hidden:
+                    return f"{name}.{projection} is not a linear layer from the hidden size"
+                rules[f"{name}.{projection}"] = "col"
+            out = outputs[0]
+            sizes = _linear_or_none(f"{name}.{out}", children[out])
+            if sizes is None or sizes[1] != hidden:
+                return f"{name}.{out} is not a linear layer onto the hidden size"
+            rules[f"{name}.{out}"] = "row"
+            found.append(rules)
+    if len(found) != 1:
+        return (
+            f"{prefix} has {len(found)} attention modules with separate q, k and v projections "
+            f"(named {' / '.join('/'.join(names) for names in QKV_NAMES)}), expected one"
+        )
+    return found[0]
+
+
+def _mlp_rules(block: nn.Module, prefix: str, hidden: int, taken: set[str]) -> dict[str, str] | str:
+    """``{name: role}`` of the block's linear layers outside attention: the MLP, or why not."""
+    rules: dict[str, str] = {}
+    for name, module in _children(block, prefix):
+        if name in taken or any(name.startswith(t + ".") for t in taken):
+            continue
+        sizes = _linear_or_none(name, module)
+        if sizes is None:
+            continue
+        fan_in, fan_out = sizes
+        if fan_in == hidden and fan_out != hidden:
+            rules[name] = "col"
+        elif fan_out == hidden and fan_in != hidden:
+            rules[name] = "row"
+        else:
+            return f"{name} ({fan_in} -> {fan_out}) is neither into nor out of the MLP width"
+    roles = list(rules.values())
+    if roles.count("row") != 1 or "col" not in roles:
+        return f"{prefix}'s MLP is not one or more layers out of the hidden size and one back"
+    return rules
+
+
+def _block_rules(block: nn.Module, prefix: str, hidden: int) -> dict[str, str] | str:
+    attention = _attention_rules(block, prefix, hidden)
+    if isinstance(attention, str):
+        return attention
+    mlp = _mlp_rules(block, prefix, hidden, set(attention))
+    if isinstance(mlp, str):
+        return mlp
+    norms = {
+        name: "norm" for name, module in _children(block, prefix) if _is_norm(name, module, hidden)
+    }
+    return {**attention, **mlp, **norms}
+
+
+def _outer_rules(
+    model: nn.Module, blocks: str, token: str, hidden: int, vocab: int
+) -> dict[str, str]:
+    """Roles of the modules outside the blocks: embeddings, norms, the head."""
+    rules = {token: "embedding"}
+    for name, module in model.named_modules():
+        if not name or name in (blocks, token) or name.startswith(blocks + "."):
+            continue
+        if type(module) is nn.Embedding and module.embedding_dim == hidden:
+            rules[name] = "position_embedding"
+        elif _is_norm(name, module, hidden):
+            rules[name] = "norm"
+        elif _linear_or_none(name, module) == (hidden, vocab):
+            rules[name] = "head"
+    return rules
+
+
+def _unnamed(model: nn.Module, rules: dict[str, str], blocks: str) -> list[str]:
+    """Modules with parameters, or norms, that no rule names or holds."""
+
+    def named(name: str) -> bool:
+        parts = name.split(".")
+        if name.startswith(blocks + ".") and len(parts) > len(blocks.split(".")) + 1:
+            depth = len(blocks.split("."))
+            parts[depth] = "0"  # every block is laid out as block 0
+            name = ".".join(parts)
+        return any(name == r or name.startswith(r + ".") for r in rules)
+
+    return [
+        f"{name} ({type(module).__name__})"
+        for name, module in model.named_modules()
+        if name and (_owns_parameters(module) or _looks_like_norm(module)) and not named(name)
+    ]
+
+
+def infer_structure(model: nn.Module) -> StructureReport:
+    """The roles of ``model``'s transformer blocks, read from its modules (see the module doc).
+
+    Returns:
+        A report with the rules, or with ``rules=None`` and the first reason found why the
+        model is not the usual block stack.
+    """
+    embedding = _token_embedding(model)
+    if embedding is None:
+        return StructureReport(None, "no single plain nn.Embedding of the vocabulary size")
+    token, table = embedding
+    hidden, vocab = table.embedding_dim, table.num_embeddings
+    blocks = _block_list(model)
+    if blocks is None:
+        return StructureReport(None, "no nn.ModuleList of identical blocks")
+    block0 = f"{blocks}.0"
+    found = _block_rules(model.get_submodule(block0), block0, hidden)
+    if isinstance(found, str):
+        return StructureReport(None, found)
+    rules = _outer_rules(model, blocks, token, hidden, vocab)
+    rules |= {f"{blocks}.*{name[len(block0) :]}": role for name, role in found.items()}
+    unnamed = _unnamed(model, {**rules, **found}, blocks)
+    if unnamed:
+        return StructureReport(None, f"no role for {', '.join(unnamed[:4])}")
+    names = [name for name, _ in model.named_modules()]
+    start = names.index(block0)
+    final = next(
+        (
+            n
+            for n, role in rules.items()
+            if role == "norm"
+            and n in names
+            and names.index(n) > start
+            and not n.startswith(blocks + ".")
+        ),
+        None,
+    )
+    span = (block0, final) if final is not None else None
+    return StructureReport(rules, sequence_span=span, head="head" in rules.values())
