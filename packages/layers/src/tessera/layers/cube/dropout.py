@@ -8,17 +8,14 @@ rank (Megatron-LM's rule for sharded activations).
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from tessera.context import ParallelContext
 
-from tessera.context import ParallelContext, ParallelMode
-
-from ..shared.base import ParallelModule
+from ..shared.dropout import ParallelDropout
 
 __all__ = ["Dropout3D", "SequenceDropout", "ShardedDropout"]
 
 
-class ShardedDropout(ParallelModule):
+class ShardedDropout(ParallelDropout):
     """``torch.nn.Dropout`` drawing from ``ctx.seed(ParallelMode.TENSOR)``.
 
     Args:
@@ -34,25 +31,12 @@ class ShardedDropout(ParallelModule):
         self, p: float = 0.5, inplace: bool = False, *, context: ParallelContext | None = None
     ) -> None:
         super().__init__(context)
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+        self.init_dropout(p, inplace)
         if self.context.config.tensor_mode != self.MODE:
             raise ValueError(
                 f"{type(self).__name__} needs a context with tensor mode {self.MODE!r}, but "
                 f"its tensor mode is {self.context.config.tensor_mode!r}"
             )
-        self.p, self.inplace = p, inplace
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Any shape; the mask differs per tensor rank."""
-        if not self.training or self.p == 0.0:
-            return x
-        with self.context.seed(ParallelMode.TENSOR):
-            return F.dropout(x, self.p, True, self.inplace)
-
-    def extra_repr(self) -> str:
-        """The summary shown by ``print(module)``."""
-        return f"p={self.p}"
 
 
 class Dropout3D(ShardedDropout):

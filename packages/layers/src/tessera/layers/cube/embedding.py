@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from tessera.context import ParallelContext
-
 from ..comm.collectives import check_divisible
 from ..comm.ops import reduce_scatter_along_dim
-from ..grid.embedding import GridEmbedding
-from ..shared.initializers import Initializer
-from ..shared.tables import EmbeddingTable
+from ..grid.embedding import GridEmbedding, GridTable
+from ..shared.tables import TableLayout
 from .layout import CubeModule
 
 __all__ = ["Embedding3D", "VocabParallelEmbedding3D"]
@@ -43,7 +40,7 @@ class Embedding3D(GridEmbedding, CubeModule):
     """
 
 
-class VocabParallelEmbedding3D(EmbeddingTable, CubeModule):
+class VocabParallelEmbedding3D(GridTable, CubeModule):
     """Embedding with the vocabulary split over INPUT x WEIGHT: weight ``[V/q^2, D]``.
 
     Input ids ``[b/q^2, s]`` (``split_batch``); output ``[b/q^2, s, D/q]`` in layout ``"y"``.
@@ -51,31 +48,16 @@ class VocabParallelEmbedding3D(EmbeddingTable, CubeModule):
     Args: as :class:`Embedding3D`, with V divisible by ``q * q`` and D by q.
     """
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: int | None = None,
-        dtype: torch.dtype | None = None,
-        weight_initializer: Initializer | None = None,
-        *,
-        device: torch.device | str | None = None,
-        context: ParallelContext | None = None,
-    ) -> None:
-        super().__init__(context, device)
+    def table_layout(self, num_embeddings: int, embedding_dim: int) -> TableLayout:
+        """V over INPUT x WEIGHT: ``[V/q^2, D]``, block ``y * q + x``; replicated over OUTPUT."""
         cube = self.cube
         check_divisible(num_embeddings, cube.q * cube.q, f"{self.owner} num_embeddings (q * q)")
         check_divisible(embedding_dim, cube.q, f"{self.owner} embedding_dim")
-        self.make_table(
-            num_embeddings,
-            embedding_dim,
-            padding_idx,
-            dtype,
-            weight_initializer,
-            splits={0: cube.table_modes},
-            replicated=cube.table_replicated,
-        )  # [V/q^2, D]: block y * q + x
-        self.own_vocab_rows(cube.input.rank, num_embeddings // cube.q)  # vocabulary block y
+        return {0: cube.table_modes}, cube.table_replicated
+
+    def vocab_block(self) -> tuple[int, int]:
+        """Vocabulary block ``y`` (the INPUT rank) of ``q``, once gathered over WEIGHT."""
+        return self.cube.input.rank, self.cube.q
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""

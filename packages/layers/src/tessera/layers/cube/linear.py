@@ -19,7 +19,7 @@ import torch
 from tessera.context import ParallelContext
 
 from ..comm.ops import copy_to_group
-from ..shared.dense import LinearOutput, dense_bias, dense_weight, flat_bias
+from ..shared.dense import DenseModule, LinearOutput, flat_bias
 from ..shared.initializers import Initializer
 from .layout import (
     CubeModule,
@@ -35,7 +35,7 @@ from .matmul import cube_linear
 __all__ = ["Linear3D"]
 
 
-class Linear3D(CubeModule):
+class Linear3D(DenseModule, CubeModule):
     """3D linear layer; input in ``input_layout``, output in the other layout.
 
     Input ``[b/q^2, ..., in/q]``; output ``[b/q^2, ..., out/q]``. Weight ``[out/q^2, in/q]``,
@@ -95,36 +95,23 @@ class Linear3D(CubeModule):
         self.in_features, self.out_features = in_features, out_features
         self.skip_bias_add, self.fused = skip_bias_add, fused
         hidden, across = cube.hidden(self.input_layout), cube.across(self.input_layout)
-        self.weight = dense_weight(
-            self,
-            out_features,
+        self.make_dense(
             in_features,
-            weight_initializer,
-            splits={0: (across.mode, cube.weight.mode), 1: (hidden.mode,)},
-            dtype=dtype,
-            fused=fused,
-        )  # [out/q^2, in/q]
-        self.bias = dense_bias(
-            self,
             out_features,
-            in_features,
             bias,
+            dtype,
+            weight_initializer,
             bias_initializer,
-            splits={0: (across.mode,)},
-            replicated=(hidden.mode, cube.weight.mode),
-            dtype=dtype,
+            weight_splits={0: (across.mode, cube.weight.mode), 1: (hidden.mode,)},
+            bias_splits={0: (across.mode,)},
+            bias_replicated=(hidden.mode, cube.weight.mode),
             fused=fused,
-        )  # [out/q]
+        )  # weight [out/q^2, in/q], bias [out/q]
 
     @property
     def output_layout(self) -> Layout3D:
         """The layout of the output: the other one, unless ``output_layout`` kept the input's."""
         return self._output_layout
-
-    @property
-    def signature(self) -> str:
-        """``Class(in_features, out_features)``, naming the layer in error messages."""
-        return f"{type(self).__name__}({self.in_features}, {self.out_features})"
 
     def forward(self, x: torch.Tensor) -> LinearOutput:
         """See the class docstring for shapes."""
@@ -154,8 +141,4 @@ class Linear3D(CubeModule):
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, input_layout={self.input_layout!r}, "
-            + super().extra_repr()
-        )
+        return f"{self.dense_repr()}input_layout={self.input_layout!r}, " + super().extra_repr()

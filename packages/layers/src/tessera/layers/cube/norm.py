@@ -77,10 +77,7 @@ class LayerNorm3D(GroupLayerNorm, CubeModule):
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""
-        return (
-            f"{self.normalized_shape}, eps={self.eps}, layout={self.layout!r}, "
-            + super().extra_repr()
-        )
+        return f"{self.norm_repr()}layout={self.layout!r}, " + super().extra_repr()
 
 
 class RMSNorm3D(LayerNorm3D):

@@ -19,7 +19,7 @@ from torch import nn
 from tessera.context import ModeLike, ParallelContext
 
 from ..comm.ops import copy_to_group, reduce_from_group
-from ..shared.dense import check_tied_rows, dense_bias, dense_weight, shared_rows
+from ..shared.dense import DenseHead
 from ..shared.initializers import Initializer
 from .base import GridModule
 
@@ -29,7 +29,7 @@ __all__ = ["GridClassifier", "GridHead"]
 Splits = dict[int, tuple[ModeLike, ...]]
 
 
-class GridHead(GridModule):
+class GridHead(DenseHead, GridModule):
     """Weight (own or shared) and bias of a grid classifier; subclasses say how they split.
 
     Args:
@@ -60,41 +60,21 @@ class GridHead(GridModule):
         super().__init__(context, device)
         self.in_features, self.num_classes = in_features, num_classes
         self.check_features()
-        rows = num_classes
-        if weight is not None and self.whole_rows:  # the first rows of a larger tied weight
-            rows = max(shared_rows(weight), num_classes)
-        elif weight is not None:
-            check_tied_rows(weight, num_classes, type(self).__name__)
         bias_split, bias_replicated = self.bias_layout()
-        self.weight = dense_weight(
-            self,
-            rows,
+        self.make_dense(
             in_features,
-            weight_initializer,
-            splits=self.weight_splits(),
-            replicated=self.grid.table_replicated,
-            dtype=dtype,
-            shared=weight,
-        )
-        self.bias = dense_bias(
-            self,
             num_classes,
-            in_features,
             bias,
+            dtype,
+            weight_initializer,
             bias_initializer,
-            splits=bias_split,
-            replicated=bias_replicated,
-            dtype=dtype,
+            weight_splits=self.weight_splits(),
+            weight_replicated=self.grid.table_replicated,
+            bias_splits=bias_split,
+            bias_replicated=bias_replicated,
+            shared=weight,
+            rows=self.weight_rows(weight),
         )
-
-    @property
-    def signature(self) -> str:
-        """``Class(in_features, num_classes)``, naming the head in error messages."""
-        return f"{self.owner}({self.in_features}, {self.num_classes})"
-
-    #: Whether every rank holds whole rows (classes) of the weight, so that a tied weight with
-    #: more rows than classes can be sliced (its first rows are the classes).
-    whole_rows = False
 
     def check_features(self) -> None:
         """Raise ``ValueError`` for sizes the split cannot take (beyond the weight's own)."""
@@ -115,10 +95,7 @@ class GridHead(GridModule):
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""
-        return (
-            f"in_features={self.in_features}, num_classes={self.num_classes}, "
-            f"bias={self.bias is not None}, " + super().extra_repr()
-        )
+        return self.dense_repr() + super().extra_repr()
 
 
 class GridClassifier(GridHead):

@@ -21,27 +21,22 @@ from tessera.context import ParallelContext
 
 from ..comm.collectives import check_divisible
 from ..comm.ops import copy_to_group
-from ..shared.initializers import Initializer, fan_in_uniform, kaiming_uniform, zeros
+from ..shared.initializers import Initializer
+from ..shared.patches import PatchParameters
 from ..shared.serial import patch_embed, patch_grid
-from ..shared.tables import EmbeddingTable
+from ..shared.tables import EmbeddingTable, TableLayout
 from .base import GridModule
 
-__all__ = ["GridEmbedding", "GridPatchEmbedding"]
+__all__ = ["GridEmbedding", "GridPatchEmbedding", "GridTable"]
 
 
-class GridEmbedding(EmbeddingTable, GridModule):
-    """Embedding with the embedding dim split over the grid: weight ``[V, D/q^2]``.
+class GridTable(EmbeddingTable, GridModule):
+    """The constructor every 2D, 2.5D and 3D embedding shares, whichever dims its table splits.
 
-    Input ids ``[b/B, s]`` (``split_batch``); output ``[b/B, s, D/q]``.
-
-    Args:
-        num_embeddings: Vocabulary size V.
-        embedding_dim: D, divisible by ``q * q``.
-        padding_idx: Row that gets no gradient (zeroed at init), as in torch.
-        dtype: Parameter dtype.
-        weight_initializer: Fills the full ``[V, D]`` table (default Normal(0, 1), torch's).
-        device: Parameter device (default the context's).
-        context: The ParallelContext (default the current one).
+    They take the same arguments and make the table the same way
+    (:meth:`~tessera.layers.shared.tables.EmbeddingTable.make_table`); the subclass says in
+    ``table_layout`` how the grid splits ``[V, D]`` (and in ``vocab_block`` which vocabulary
+    rows a vocabulary-parallel table looks up). Arguments: as :class:`GridEmbedding`.
     """
 
     def __init__(
@@ -56,17 +51,29 @@ class GridEmbedding(EmbeddingTable, GridModule):
         context: ParallelContext | None = None,
     ) -> None:
         super().__init__(context, device)
+        self.make_table(num_embeddings, embedding_dim, padding_idx, dtype, weight_initializer)
+
+
+class GridEmbedding(GridTable):
+    """Embedding with the embedding dim split over the grid: weight ``[V, D/q^2]``.
+
+    Input ids ``[b/B, s]`` (``split_batch``); output ``[b/B, s, D/q]``.
+
+    Args:
+        num_embeddings: Vocabulary size V.
+        embedding_dim: D, divisible by ``q * q``.
+        padding_idx: Row that gets no gradient (zeroed at init), as in torch.
+        dtype: Parameter dtype.
+        weight_initializer: Fills the full ``[V, D]`` table (default Normal(0, 1), torch's).
+        device: Parameter device (default the context's).
+        context: The ParallelContext (default the current one).
+    """
+
+    def table_layout(self, num_embeddings: int, embedding_dim: int) -> TableLayout:
+        """D over the two table modes: ``[V, D/q^2]``."""
         grid = self.grid
         check_divisible(embedding_dim, grid.q * grid.q, f"{self.owner} embedding_dim (q * q)")
-        self.make_table(
-            num_embeddings,
-            embedding_dim,
-            padding_idx,
-            dtype,
-            weight_initializer,
-            splits={1: grid.table_modes},
-            replicated=grid.table_replicated,
-        )  # [V, D/q^2]
+        return {1: grid.table_modes}, grid.table_replicated
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
@@ -75,7 +82,7 @@ class GridEmbedding(EmbeddingTable, GridModule):
         return F.embedding(ids, weight, self.padding_idx)  # [b/B, s, D/q]
 
 
-class GridPatchEmbedding(GridModule):
+class GridPatchEmbedding(PatchParameters, GridModule):
     """ViT patch embedding with E split over the grid (``E/q^2`` per rank).
 
     Parameters (full shapes as :class:`SerialPatchEmbedding`): ``weight [E, C, P, P]``,
@@ -117,38 +124,18 @@ class GridPatchEmbedding(GridModule):
         check_divisible(embed_size, grid.q * grid.q, f"{self.owner} embed_size (q * q)")
         side = patch_grid(img_size, patch_size)
         self.patch_size, self.num_patches, self.embed_size = patch_size, side * side, embed_size
-        fan_in = in_chans * patch_size * patch_size
-
-        def param(
-            name: str, shape: tuple[int, ...], init: Initializer, fan: int, dim: int
-        ) -> torch.nn.Parameter:
-            return self.make_parameter(
-                name,
-                shape,
-                init,
-                fan_in=fan,
-                fan_out=embed_size,
-                splits={dim: grid.table_modes},
-                replicated=grid.table_replicated,
-                dtype=dtype,
-            )
-
-        self.weight = param(
-            "weight",
-            (embed_size, in_chans, patch_size, patch_size),
-            weight_initializer or kaiming_uniform(),
-            fan_in,
-            0,
-        )  # [E/q^2, C, P, P]
-        self.bias = param("bias", (embed_size,), bias_initializer or fan_in_uniform(), fan_in, 0)
-        self.cls_token = param("cls_token", (1, 1, embed_size), zeros(), 1, 2)  # [1, 1, E/q^2]
-        self.pos_embed = param(
-            "pos_embed",
-            (1, self.num_patches + 1, embed_size),
-            position_embed_initializer or zeros(),
-            1,
-            2,
-        )  # [1, N+1, E/q^2]
+        self.make_patch_parameters(
+            in_chans,
+            patch_size,
+            embed_size,
+            self.num_patches,
+            dtype,
+            weight_initializer,
+            bias_initializer,
+            position_embed_initializer,
+            split=grid.table_modes,
+            replicated=grid.table_replicated,
+        )  # E/q^2 of each: weight [E/q^2, C, P, P], bias [E/q^2], tokens [1, 1 or N+1, E/q^2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""

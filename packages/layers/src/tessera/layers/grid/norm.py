@@ -8,18 +8,16 @@ hidden dim and which groups replicate the affine parameters; the rest is written
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..comm.collectives import check_divisible
 from ..shared.context_access import GroupInfo
-from ..shared.initializers import Initializer, ones, zeros
-from ..shared.norm_over_group import check_norm_bias, layer_norm_over_group
+from ..shared.norm_over_group import ParallelNorm, check_norm_bias, layer_norm_over_group
 from .base import GridModule
 
 __all__ = ["GroupLayerNorm"]
 
 
-class GroupLayerNorm(GridModule):
+class GroupLayerNorm(ParallelNorm, GridModule):
     """Mixin of the LayerNorms whose hidden dim is split over one group (2D, 2.5D, 3D).
 
     Holds ``normalized_shape``, ``hidden``, ``eps`` and the affine ``weight``/``bias``
@@ -27,9 +25,6 @@ class GroupLayerNorm(GridModule):
     which groups replicate the parameters, and passes its batch group to :meth:`normalize`.
     ``RMS = True`` makes it an RMSNorm (no centering, no bias), as the ``RMSNorm*`` classes.
     """
-
-    #: Normalize by the root mean square only (RMSNorm, Zhang and Sennrich 2019).
-    RMS = False
 
     def init_norm(
         self,
@@ -53,25 +48,12 @@ class GroupLayerNorm(GridModule):
                 f"{self.owner} normalizes over the hidden dim only; normalized_shape must be an "
                 f"int or a 1-tuple, got {normalized_shape!r}"
             )
-        self.normalized_shape: tuple[int, ...] = (int(shape[0]),)
+        self.normalized_shape = (int(shape[0]),)
         self.hidden, self.eps = int(shape[0]), eps
         check_divisible(self.hidden, q, f"{self.owner} normalized_shape (hidden)")
-        h = self.hidden
-
-        def param(name: str, init: Initializer) -> nn.Parameter:
-            return self.make_parameter(
-                name,
-                self.normalized_shape,
-                init,
-                fan_in=h,
-                fan_out=h,
-                splits={0: (split.mode,)},
-                replicated=replicated,
-                dtype=dtype,
-            )
-
-        self.weight = param("weight", ones()) if elementwise_affine else None  # [h/q]
-        self.bias = param("bias", zeros()) if elementwise_affine and bias else None  # [h/q]
+        self.make_affine(
+            elementwise_affine, bias, dtype, splits={0: (split.mode,)}, replicated=replicated
+        )  # weight, bias [h/q]
 
     def normalize(self, x: torch.Tensor, split: GroupInfo, batch: GroupInfo) -> torch.Tensor:
         """LayerNorm of ``x`` ``[.., h/q]`` over ``split``.

@@ -7,17 +7,15 @@ every mask is drawn from the TENSOR stream, which differs per tensor rank.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from tessera.context import ParallelContext
 
-from tessera.context import ParallelContext, ParallelMode
-
+from ..shared.dropout import ParallelDropout
 from .layout import MeshModule
 
 __all__ = ["Dropout2D", "Dropout2p5D", "MeshDropout"]
 
 
-class MeshDropout(MeshModule):
+class MeshDropout(ParallelDropout, MeshModule):
     """``torch.nn.Dropout`` drawing from ``ctx.seed(ParallelMode.TENSOR)``.
 
     Args:
@@ -30,20 +28,7 @@ class MeshDropout(MeshModule):
         self, p: float = 0.5, inplace: bool = False, *, context: ParallelContext | None = None
     ) -> None:
         super().__init__(context)
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
-        self.p, self.inplace = p, inplace
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """See the class docstring for shapes."""
-        if not self.training or self.p == 0.0:
-            return x
-        with self.context.seed(ParallelMode.TENSOR):
-            return F.dropout(x, self.p, True, self.inplace)
-
-    def extra_repr(self) -> str:
-        """The summary shown by ``print(module)``."""
-        return f"p={self.p}, " + super().extra_repr()
+        self.init_dropout(p, inplace)
 
 
 class Dropout2D(MeshDropout):

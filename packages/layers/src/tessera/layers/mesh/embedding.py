@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from tessera.context import ParallelContext
-
 from ..comm.collectives import all_gather_along, check_divisible
 from ..comm.ops import reduce_scatter_along_dim
-from ..grid.embedding import GridEmbedding
-from ..shared.initializers import Initializer
-from ..shared.tables import EmbeddingTable
+from ..grid.embedding import GridEmbedding, GridTable
+from ..shared.tables import TableLayout
 from .layout import MeshModule
 
 __all__ = [
@@ -48,7 +45,7 @@ class MeshEmbedding(GridEmbedding, MeshModule):
     """
 
 
-class MeshVocabParallelEmbedding(EmbeddingTable, MeshModule):
+class MeshVocabParallelEmbedding(GridTable, MeshModule):
     """Embedding with the vocabulary split over COL and the dim over ROW: ``[V/q, D/q]``.
 
     Input ids ``[b/(depth q), s]``; output ``[b/(depth q), s, D/q]``.
@@ -56,31 +53,16 @@ class MeshVocabParallelEmbedding(EmbeddingTable, MeshModule):
     Args: as :class:`MeshEmbedding`, with V and D divisible by q.
     """
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: int | None = None,
-        dtype: torch.dtype | None = None,
-        weight_initializer: Initializer | None = None,
-        *,
-        device: torch.device | str | None = None,
-        context: ParallelContext | None = None,
-    ) -> None:
-        super().__init__(context, device)
+    def table_layout(self, num_embeddings: int, embedding_dim: int) -> TableLayout:
+        """V over COL, D over ROW: ``[V/q, D/q]``, ``W[V_i, D_j]``; replicated over depth."""
         mesh = self.mesh
         check_divisible(num_embeddings, mesh.q, f"{self.owner} num_embeddings")
         check_divisible(embedding_dim, mesh.q, f"{self.owner} embedding_dim")
-        self.make_table(
-            num_embeddings,
-            embedding_dim,
-            padding_idx,
-            dtype,
-            weight_initializer,
-            splits={0: (mesh.col.mode,), 1: (mesh.row.mode,)},
-            replicated=mesh.depth_modes,
-        )  # [V/q, D/q]: W[V_i, D_j]
-        self.own_vocab_rows(mesh.col.rank, num_embeddings // mesh.q)
+        return {0: (mesh.col.mode,), 1: (mesh.row.mode,)}, mesh.depth_modes
+
+    def vocab_block(self) -> tuple[int, int]:
+        """Vocabulary block ``i`` (the COL rank) of ``q``."""
+        return self.mesh.col.rank, self.mesh.q
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""

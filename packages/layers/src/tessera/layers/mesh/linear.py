@@ -19,7 +19,7 @@ import torch
 
 from tessera.context import ParallelContext
 
-from ..shared.dense import LinearOutput, dense_bias, dense_weight, flat_bias, flat_weight
+from ..shared.dense import DenseModule, LinearOutput, flat_bias, flat_weight
 from ..shared.initializers import Initializer
 from .layout import MeshModule
 from .matmul import mesh_linear
@@ -27,7 +27,7 @@ from .matmul import mesh_linear
 __all__ = ["Linear2D", "Linear2p5D", "MeshLinear"]
 
 
-class MeshLinear(MeshModule):
+class MeshLinear(DenseModule, MeshModule):
     """``y = x W^T + b`` on a 2D/2.5D mesh (the implementation behind ``Linear2D``/``2p5D``).
 
     Input ``[b/(depth q), ..., in/q]``; output ``[b/(depth q), ..., out/q]`` (activation
@@ -68,32 +68,19 @@ class MeshLinear(MeshModule):
         mesh = self.mesh
         self.in_features, self.out_features = in_features, out_features
         self.skip_bias_add, self.fused = skip_bias_add, fused
-        self.weight = dense_weight(
-            self,
-            out_features,
+        self.make_dense(
             in_features,
-            weight_initializer,
-            splits={0: (mesh.row.mode,), 1: (mesh.col.mode,)},
-            replicated=mesh.depth_modes,
-            dtype=dtype,
-            fused=fused,
-        )  # [out/q, in/q]: W[out_j, in_i]
-        self.bias = dense_bias(
-            self,
             out_features,
-            in_features,
             bias,
+            dtype,
+            weight_initializer,
             bias_initializer,
-            splits={0: (mesh.row.mode,)},
-            replicated=(mesh.col.mode, *mesh.depth_modes),
-            dtype=dtype,
+            weight_splits={0: (mesh.row.mode,), 1: (mesh.col.mode,)},
+            weight_replicated=mesh.depth_modes,
+            bias_splits={0: (mesh.row.mode,)},
+            bias_replicated=(mesh.col.mode, *mesh.depth_modes),
             fused=fused,
-        )  # [out/q]: b[out_j]
-
-    @property
-    def signature(self) -> str:
-        """``Class(in_features, out_features)``, naming the layer in error messages."""
-        return f"{type(self).__name__}({self.in_features}, {self.out_features})"
+        )  # weight [out/q, in/q]: W[out_j, in_i]; bias [out/q]: b[out_j]
 
     def forward(self, x: torch.Tensor) -> LinearOutput:
         """See the class docstring for shapes."""
@@ -113,10 +100,7 @@ class MeshLinear(MeshModule):
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, " + super().extra_repr()
-        )
+        return self.dense_repr() + super().extra_repr()
 
 
 class Linear2D(MeshLinear):

@@ -71,7 +71,7 @@ class MeshLayerNorm(GroupLayerNorm, MeshModule):
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""
-        return f"{self.normalized_shape}, eps={self.eps}, " + super().extra_repr()
+        return self.norm_repr() + super().extra_repr()
 
 
 class LayerNorm2D(MeshLayerNorm):

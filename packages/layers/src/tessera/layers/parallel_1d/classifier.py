@@ -18,20 +18,14 @@ from tessera.context import ParallelContext
 from ..comm.collectives import check_divisible
 from ..comm.ops import copy_to_group, gather_along_dim, reduce_from_group, split_along_dim
 from ..shared.base import Module1D
-from ..shared.dense import (
-    check_shared_weight,
-    check_tied_rows,
-    dense_bias,
-    dense_weight,
-    shared_rows,
-)
+from ..shared.dense import DenseHead, check_shared_weight
 from ..shared.initializers import Initializer
 from ..shared.input_checks import check_input_dim
 
 __all__ = ["Classifier1D", "VocabParallelClassifier1D", "check_shared_weight"]
 
 
-class Classifier1D(Module1D):
+class Classifier1D(DenseHead, Module1D):
     """Classifier with the input features split: weight ``[C, in/p]``, bias ``[C]``.
 
     Input ``[.., in]`` replicated (split here); output logits ``[.., C]`` replicated. With
@@ -47,6 +41,10 @@ class Classifier1D(Module1D):
         dtype, weight_initializer, bias_initializer, sequence_parallel, device, context:
             as in :class:`Linear1DRow`.
     """
+
+    # A tied weight may have more rows (a vocabulary) than classes: the first rows are the
+    # classes, as in Colossal-AI's heads; every rank holds whole rows, so it can slice.
+    whole_rows = True
 
     def __init__(
         self,
@@ -65,32 +63,18 @@ class Classifier1D(Module1D):
         super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
         check_divisible(in_features, self.tp.world_size, "Classifier1D in_features")
         self.in_features, self.num_classes = in_features, num_classes
-        # A tied weight may have more rows (a vocabulary) than classes: the first rows are the
-        # classes, as in Colossal-AI's heads; every rank holds whole rows, so it can slice.
-        rows = max(shared_rows(weight), num_classes) if weight is not None else num_classes
-        self.weight = dense_weight(
-            self,
-            rows,
+        self.make_dense(
             in_features,
-            weight_initializer,
-            splits={1: (self.split_mode,)},
-            dtype=dtype,
-            shared=weight,
-        )  # [C, in/p]
-        self.bias = dense_bias(
-            self,
             num_classes,
-            in_features,
             bias,
+            dtype,
+            weight_initializer,
             bias_initializer,
-            replicated=(self.split_mode,),
-            dtype=dtype,
-        )  # [C]
-
-    @property
-    def signature(self) -> str:
-        """``Classifier1D(in_features, num_classes)``, naming the head in error messages."""
-        return f"{type(self).__name__}({self.in_features}, {self.num_classes})"
+            weight_splits={1: (self.split_mode,)},
+            bias_replicated=(self.split_mode,),
+            shared=weight,
+            rows=self.weight_rows(weight),
+        )  # weight [C, in/p], bias [C]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
@@ -110,7 +94,7 @@ class Classifier1D(Module1D):
         return logits if self.bias is None else logits + self.bias
 
 
-class VocabParallelClassifier1D(Module1D):
+class VocabParallelClassifier1D(DenseHead, Module1D):
     """Classifier with the classes split: weight ``[C/p, in]``, bias ``[C/p]``.
 
     Input ``[.., in]`` replicated (``[b, s/p, in]`` with sequence parallelism, gathered here);
@@ -143,34 +127,21 @@ class VocabParallelClassifier1D(Module1D):
     ) -> None:
         super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
         check_divisible(num_classes, self.tp.world_size, "VocabParallelClassifier1D num_classes")
-        if weight is not None:
-            check_tied_rows(weight, num_classes, type(self).__name__)
         self.in_features, self.num_classes = in_features, num_classes
         self.gather_output = gather_output
         split = {0: (self.split_mode,)}
-        self.weight = dense_weight(
-            self,
-            num_classes,
+        self.make_dense(
             in_features,
-            weight_initializer,
-            splits=split,
-            dtype=dtype,
-            shared=weight,
-        )  # [C/p, in]
-        self.bias = dense_bias(
-            self,
             num_classes,
-            in_features,
             bias,
+            dtype,
+            weight_initializer,
             bias_initializer,
-            splits=split,
-            dtype=dtype,
-        )  # [C/p]
-
-    @property
-    def signature(self) -> str:
-        """``VocabParallelClassifier1D(in_features, num_classes)``, for error messages."""
-        return f"{type(self).__name__}({self.in_features}, {self.num_classes})"
+            weight_splits=split,
+            bias_splits=split,
+            shared=weight,
+            rows=self.weight_rows(weight),
+        )  # weight [C/p, in], bias [C/p]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""

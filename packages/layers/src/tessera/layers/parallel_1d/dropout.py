@@ -9,17 +9,15 @@ TENSOR stream, different per tensor rank).
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
-from tessera.context import ParallelContext, ParallelMode
+from tessera.context import ParallelContext
 
 from ..shared.base import Module1D
+from ..shared.dropout import ParallelDropout
 
 __all__ = ["Dropout1D"]
 
 
-class Dropout1D(Module1D):
+class Dropout1D(ParallelDropout, Module1D):
     """``torch.nn.Dropout`` with tensor-parallel RNG.
 
     Args:
@@ -41,24 +39,14 @@ class Dropout1D(Module1D):
         context: ParallelContext | None = None,
     ) -> None:
         super().__init__(sequence_parallel=sequence_parallel, context=context)
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
-        self.p, self.inplace, self.parallel_input = p, inplace, parallel_input
+        self.init_dropout(p, inplace)
+        self.parallel_input = parallel_input
 
     @property
     def sharded_input(self) -> bool:
         """Whether masks differ across tensor ranks."""
         return self.parallel_input or self.sequence_parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """See the class docstring for shapes."""
-        if not self.training or self.p == 0.0:
-            return x
-        if self.sharded_input:
-            with self.context.seed(ParallelMode.TENSOR):
-                return F.dropout(x, self.p, True, self.inplace)
-        return F.dropout(x, self.p, True, self.inplace)
-
-    def extra_repr(self) -> str:
-        """The summary shown by ``print(module)``."""
-        return f"p={self.p}, parallel_input={self.parallel_input}, " + super().extra_repr()
+    def dropout_repr(self) -> str:
+        """``p`` and ``parallel_input``, before the 1D summary in ``print(module)``."""
+        return f"p={self.p}, parallel_input={self.parallel_input}"

@@ -17,12 +17,37 @@ from ..comm.collectives import check_divisible
 from ..comm.ops import all_to_all, gather_along_dim, reduce_from_group, reduce_scatter_along_dim
 from ..shared.base import Module1D
 from ..shared.initializers import Initializer
-from ..shared.tables import EmbeddingTable, check_padding_idx, zero_row
+from ..shared.tables import EmbeddingTable, TableLayout, check_padding_idx, zero_row
 
 __all__ = ["Embedding1D", "VocabParallelEmbedding1D", "check_padding_idx", "zero_row"]
 
 
-class Embedding1D(EmbeddingTable, Module1D):
+class Table1D(EmbeddingTable, Module1D):
+    """The constructor :class:`Embedding1D` and :class:`VocabParallelEmbedding1D` share.
+
+    Both take the same arguments and make the table the same way
+    (:meth:`~tessera.layers.shared.tables.EmbeddingTable.make_table`); each says in
+    ``table_layout`` which dim of ``[V, D]`` the 1D group splits. Arguments: as
+    :class:`Embedding1D`.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        dtype: torch.dtype | None = None,
+        weight_initializer: Initializer | None = None,
+        *,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        context: ParallelContext | None = None,
+    ) -> None:
+        super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
+        self.make_table(num_embeddings, embedding_dim, padding_idx, dtype, weight_initializer)
+
+
+class Embedding1D(Table1D):
     """Embedding table split along the embedding dim: weight ``[V, D/p]``.
 
     Input ids ``[b, s]`` replicated; output ``[b, s, D]`` replicated, or ``[b, s/p, D]`` with
@@ -39,28 +64,10 @@ class Embedding1D(EmbeddingTable, Module1D):
         context: The ParallelContext (default the current one).
     """
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: int | None = None,
-        dtype: torch.dtype | None = None,
-        weight_initializer: Initializer | None = None,
-        *,
-        sequence_parallel: bool = False,
-        device: torch.device | str | None = None,
-        context: ParallelContext | None = None,
-    ) -> None:
-        super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
+    def table_layout(self, num_embeddings: int, embedding_dim: int) -> TableLayout:
+        """D over the 1D group: ``[V, D/p]``."""
         check_divisible(embedding_dim, self.tp.world_size, "Embedding1D embedding_dim")
-        self.make_table(
-            num_embeddings,
-            embedding_dim,
-            padding_idx,
-            dtype,
-            weight_initializer,
-            splits={1: (self.split_mode,)},
-        )  # [V, D/p]
+        return {1: (self.split_mode,)}, ()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
@@ -70,7 +77,7 @@ class Embedding1D(EmbeddingTable, Module1D):
         return gather_along_dim(out, -1, self.tp.group)  # [b, s, D]
 
 
-class VocabParallelEmbedding1D(EmbeddingTable, Module1D):
+class VocabParallelEmbedding1D(Table1D):
     """Embedding table split along the vocabulary: weight ``[V/p, D]``.
 
     Each rank looks up the ids in its range ``[r*V/p, (r+1)*V/p)``, writes zeros for the
@@ -80,31 +87,16 @@ class VocabParallelEmbedding1D(EmbeddingTable, Module1D):
     Args: as :class:`Embedding1D`, with ``num_embeddings`` divisible by the 1D size.
     """
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: int | None = None,
-        dtype: torch.dtype | None = None,
-        weight_initializer: Initializer | None = None,
-        *,
-        sequence_parallel: bool = False,
-        device: torch.device | str | None = None,
-        context: ParallelContext | None = None,
-    ) -> None:
-        super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
+    def table_layout(self, num_embeddings: int, embedding_dim: int) -> TableLayout:
+        """V over the 1D group: ``[V/p, D]``."""
         check_divisible(
             num_embeddings, self.tp.world_size, "VocabParallelEmbedding1D num_embeddings"
         )
-        self.make_table(
-            num_embeddings,
-            embedding_dim,
-            padding_idx,
-            dtype,
-            weight_initializer,
-            splits={0: (self.split_mode,)},
-        )  # [V/p, D]
-        self.own_vocab_rows(self.tp.rank, num_embeddings // self.tp.world_size)
+        return {0: (self.split_mode,)}, ()
+
+    def vocab_block(self) -> tuple[int, int]:
+        """Block ``r`` of ``p``: the rows ``[r*V/p, (r+1)*V/p)``."""
+        return self.tp.rank, self.tp.world_size
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""

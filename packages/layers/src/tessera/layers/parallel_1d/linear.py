@@ -31,7 +31,7 @@ from ..comm.ops import (
 )
 from ..shared.autocast import cast_operands, computing_in
 from ..shared.base import Module1D
-from ..shared.dense import LinearOutput, dense_bias, dense_weight, flat_bias, flat_weight
+from ..shared.dense import DenseModule, LinearOutput, flat_bias, flat_weight
 from ..shared.initializers import Initializer
 from ..shared.input_checks import check_input_dim
 
@@ -95,7 +95,7 @@ class _ColumnLinear(torch.autograd.Function):
         return None if grad_x is None else grad_x.wait(), grad_w, grad_b, None
 
 
-class Linear1DCol(Module1D):
+class Linear1DCol(DenseModule, Module1D):
     """``y = x W^T + b`` with ``W`` split by output features (rows of ``[out, in]``).
 
     Input ``[.., in]`` replicated over the 1D group (``[b, s/p, in]`` with sequence
@@ -146,30 +146,17 @@ class Linear1DCol(Module1D):
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.fused = fused
         split = {0: (self.split_mode,)}
-        self.weight = dense_weight(
-            self,
-            out_features,
+        self.make_dense(
             in_features,
-            weight_initializer,
-            splits=split,
-            dtype=dtype,
-            fused=fused,
-        )  # [out/p, in] ([fused, out/(fused p), in] when fused)
-        self.bias = dense_bias(
-            self,
             out_features,
-            in_features,
             bias,
+            dtype,
+            weight_initializer,
             bias_initializer,
-            splits=split,
-            dtype=dtype,
+            weight_splits=split,
+            bias_splits=split,
             fused=fused,
-        )  # [out/p] ([fused, out/(fused p)] when fused)
-
-    @property
-    def signature(self) -> str:
-        """``Linear1DCol(in_features, out_features)``, naming the layer in error messages."""
-        return f"{type(self).__name__}({self.in_features}, {self.out_features})"
+        )  # weight [out/p, in], bias [out/p] ([fused, out/(fused p), ...] when fused)
 
     def forward(self, x: torch.Tensor) -> LinearOutput:
         """See the class docstring for shapes."""
@@ -201,14 +188,13 @@ class Linear1DCol(Module1D):
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+            f"{self.dense_repr()}gather_output={self.gather_output}, "
             + (f"fused={self.fused}, " if self.fused > 1 else "")
             + super().extra_repr()
         )
 
 
-class Linear1DRow(Module1D):
+class Linear1DRow(DenseModule, Module1D):
     """``y = x W^T + b`` with ``W`` split by input features (columns of ``[out, in]``).
 
     Input ``[.., in/p]`` (the output of a Linear1DCol), or ``[.., in]`` replicated with
@@ -270,31 +256,19 @@ class Linear1DRow(Module1D):
         self.stream_chunk_num = stream_chunk_num
         self.in_features, self.out_features = in_features, out_features
         self.parallel_input, self.skip_bias_add = parallel_input, skip_bias_add
-        self.weight = dense_weight(
-            self,
-            out_features,
-            in_features,
-            weight_initializer,
-            splits={1: (self.split_mode,)},
-            dtype=dtype,
-        )  # [out, in/p]
         # Under sequence parallelism each rank adds the bias to its own slice of the sequence,
         # so the bias gradient is partial: the forward routes it through f (copy_to_group),
         # whose backward sums it, and .grad is the full gradient as the contract promises.
-        self.bias = dense_bias(
-            self,
-            out_features,
+        self.make_dense(
             in_features,
+            out_features,
             bias,
+            dtype,
+            weight_initializer,
             bias_initializer,
-            replicated=(self.split_mode,),
-            dtype=dtype,
-        )  # [out]
-
-    @property
-    def signature(self) -> str:
-        """``Linear1DRow(in_features, out_features)``, naming the layer in error messages."""
-        return f"{type(self).__name__}({self.in_features}, {self.out_features})"
+            weight_splits={1: (self.split_mode,)},
+            bias_replicated=(self.split_mode,),
+        )  # weight [out, in/p], bias [out]
 
     def chunk_weight(self) -> list[torch.Tensor]:
         """The ``stream_chunk_num`` row blocks of the weight the streamed forward multiplies.
@@ -348,8 +322,7 @@ class Linear1DRow(Module1D):
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, parallel_input={self.parallel_input}, "
+            f"{self.dense_repr()}parallel_input={self.parallel_input}, "
             + (f"stream_chunk_num={self.stream_chunk_num}, " if self.stream_chunk_num > 1 else "")
             + super().extra_repr()
         )

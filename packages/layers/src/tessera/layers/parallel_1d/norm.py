@@ -17,14 +17,13 @@ from tessera.context import ParallelContext
 
 from ..comm.ops import copy_to_group
 from ..shared.base import Module1D
-from ..shared.initializers import ones, zeros
 from ..shared.input_checks import check_input_dim
-from ..shared.norm_over_group import check_norm_bias, layer_norm_over_group
+from ..shared.norm_over_group import ParallelNorm, check_norm_bias, layer_norm_over_group
 
 __all__ = ["LayerNorm1D", "RMSNorm1D"]
 
 
-class LayerNorm1D(Module1D):
+class LayerNorm1D(ParallelNorm, Module1D):
     """LayerNorm over the last dims, parameters replicated over the 1D group.
 
     Parameters ``weight``/``bias`` ``[*normalized_shape]``, as torch's. The input is
@@ -43,9 +42,6 @@ class LayerNorm1D(Module1D):
         context: The ParallelContext (default the current one).
     """
 
-    #: Normalize by the root mean square only (RMSNorm, Zhang and Sennrich 2019).
-    RMS = False
-
     def __init__(
         self,
         normalized_shape: int | tuple[int, ...],
@@ -61,26 +57,8 @@ class LayerNorm1D(Module1D):
         super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
         bias = check_norm_bias(bias, self.RMS, type(self).__name__)
         shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
-        self.normalized_shape: tuple[int, ...] = tuple(shape)
-        self.eps = eps
-        n = 1
-        for s in self.normalized_shape:
-            n *= s
-        replicated = (self.split_mode,)
-        self.weight = (
-            self.make_parameter(
-                "weight", shape, ones(), fan_in=n, fan_out=n, replicated=replicated, dtype=dtype
-            )
-            if elementwise_affine
-            else None
-        )
-        self.bias = (
-            self.make_parameter(
-                "bias", shape, zeros(), fan_in=n, fan_out=n, replicated=replicated, dtype=dtype
-            )
-            if elementwise_affine and bias
-            else None
-        )
+        self.normalized_shape, self.eps = tuple(shape), eps
+        self.make_affine(elementwise_affine, bias, dtype, replicated=(self.split_mode,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
@@ -121,7 +99,7 @@ class LayerNorm1D(Module1D):
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""
-        return f"{self.normalized_shape}, eps={self.eps}, " + super().extra_repr()
+        return self.norm_repr() + super().extra_repr()
 
 
 class RMSNorm1D(LayerNorm1D):

@@ -14,13 +14,14 @@ from tessera.context import ParallelContext
 from ..comm.collectives import check_divisible
 from ..comm.ops import all_to_all, copy_to_group, gather_along_dim
 from ..shared.base import Module1D
-from ..shared.initializers import Initializer, fan_in_uniform, kaiming_uniform, zeros
+from ..shared.initializers import Initializer
+from ..shared.patches import PatchParameters
 from ..shared.serial import patch_embed, patch_grid
 
 __all__ = ["PatchEmbedding1D"]
 
 
-class PatchEmbedding1D(Module1D):
+class PatchEmbedding1D(PatchParameters, Module1D):
     """Patch embedding with the embedding dim split over the 1D group.
 
     Parameters (full shapes as :class:`SerialPatchEmbedding`): ``weight [E, C, P, P]``,
@@ -54,44 +55,17 @@ class PatchEmbedding1D(Module1D):
                 self.tp.world_size,
                 "PatchEmbedding1D sequence length (num_patches + 1)",
             )
-        fan_in = in_chans * patch_size * patch_size
-        mode = (self.split_mode,)
-        self.weight = self.make_parameter(
-            "weight",
-            (embed_size, in_chans, patch_size, patch_size),
-            weight_initializer or kaiming_uniform(),
-            fan_in=fan_in,
-            fan_out=embed_size,
-            splits={0: mode},
-            dtype=dtype,
-        )  # [E/p, C, P, P]
-        self.bias = self.make_parameter(
-            "bias",
-            (embed_size,),
-            bias_initializer or fan_in_uniform(),
-            fan_in=fan_in,
-            fan_out=embed_size,
-            splits={0: mode},
-            dtype=dtype,
-        )  # [E/p]
-        self.cls_token = self.make_parameter(
-            "cls_token",
-            (1, 1, embed_size),
-            zeros(),
-            fan_in=1,
-            fan_out=embed_size,
-            splits={2: mode},
-            dtype=dtype,
-        )  # [1, 1, E/p]
-        self.pos_embed = self.make_parameter(
-            "pos_embed",
-            (1, self.num_patches + 1, embed_size),
-            position_embed_initializer or zeros(),
-            fan_in=1,
-            fan_out=embed_size,
-            splits={2: mode},
-            dtype=dtype,
-        )  # [1, N+1, E/p]
+        self.make_patch_parameters(
+            in_chans,
+            patch_size,
+            embed_size,
+            self.num_patches,
+            dtype,
+            weight_initializer,
+            bias_initializer,
+            position_embed_initializer,
+            split=(self.split_mode,),
+        )  # E/p of each: weight [E/p, C, P, P], bias [E/p], tokens [1, 1 or N+1, E/p]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""

@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn import Parameter
 
 from tessera.context import ParallelContext, ParallelMode
 
 from ..comm.ops import copy_to_group
-from ..shared.base import ParallelModule
-from ..shared.initializers import Initializer, fan_in_uniform, kaiming_uniform, zeros
+from ..shared.initializers import Initializer
+from ..shared.patches import PatchParameters
 from ..shared.serial import patch_grid
 from .attention import sequence_group
 
@@ -47,7 +46,7 @@ __all__ = ["SequencePatchEmbedding"]
 _SEQUENCE = (ParallelMode.SEQUENCE,)
 
 
-class SequencePatchEmbedding(ParallelModule):
+class SequencePatchEmbedding(PatchParameters):
     """ViT patch embedding returning this SEQUENCE rank's chunk of the token sequence.
 
     Parameters (whole on every rank, as :class:`SerialPatchEmbedding`'s): ``weight
@@ -114,35 +113,19 @@ class SequencePatchEmbedding(ParallelModule):
         self.has_class_token = class_token and self.start == 0
         self.first_patch = self.start - int(class_token) + int(self.has_class_token)
         self.end_patch = self.start + self.chunk - int(class_token)
-        fan_in = in_chans * patch_size * patch_size
-
-        def param(name: str, shape: tuple[int, ...], init: Initializer, fan: int) -> Parameter:
-            return self.make_parameter(
-                name,
-                shape,
-                init,
-                fan_in=fan,
-                fan_out=embed_size,
-                replicated=_SEQUENCE,
-                partial_grad=_SEQUENCE,
-                dtype=dtype,
-            )
-
-        # SerialPatchEmbedding's order: the same RNG state gives the same values
-        self.weight = param(
-            "weight",
-            (embed_size, in_chans, patch_size, patch_size),
-            weight_initializer or kaiming_uniform(),
-            fan_in,
-        )  # [E, C, P, P]
-        self.bias = param("bias", (embed_size,), bias_initializer or fan_in_uniform(), fan_in)
-        self.cls_token = param("cls_token", (1, 1, embed_size), zeros(), 1)  # [1, 1, E]
-        self.pos_embed = param(
-            "pos_embed",
-            (1, self.num_patches + 1, embed_size),
-            position_embed_initializer or zeros(),
-            1,
-        )  # [1, N_p+1, E]
+        # SerialPatchEmbedding's parameters, whole: [E, C, P, P], [E], [1, 1, E], [1, N_p+1, E]
+        self.make_patch_parameters(
+            in_chans,
+            patch_size,
+            embed_size,
+            self.num_patches,
+            dtype,
+            weight_initializer,
+            bias_initializer,
+            position_embed_initializer,
+            replicated=_SEQUENCE,
+            partial_grad=_SEQUENCE,
+        )
 
     def _patches(self, x: torch.Tensor) -> torch.Tensor:
         """``[b, C, H, W]`` -> this rank's patches ``[b, p1 - p0, C P P]`` (row-major order)."""

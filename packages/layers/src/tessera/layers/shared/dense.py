@@ -12,11 +12,16 @@ its own, so a rank holds the same heads of q, k and v. Its weight is kept as
 ``[fused, out/fused, in]`` (bias ``[fused, out/fused]``), so that ``ShardInfo`` describes the
 rank's blocks exactly and the full form is the same for every layout;
 :func:`flat_weight` / :func:`flat_bias` give the ``[out_local, in_local]`` matrix.
+
+:class:`DenseModule` is the mixin every such layer is built on (its sizes, its two parameters
+made in one call, the signature naming it in errors, the head of its repr) and
+:class:`DenseHead` adds what every classifier head does with a tied weight.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -28,6 +33,8 @@ from .initializers import Initializer, fan_in_uniform, kaiming_uniform
 from .shards import shard_info
 
 __all__ = [
+    "DenseHead",
+    "DenseModule",
     "LinearOutput",
     "check_fused",
     "check_shared_weight",
@@ -184,3 +191,131 @@ def dense_bias(
         replicated=replicated,
         dtype=dtype,
     )
+
+
+class DenseModule(ParallelModule):
+    """Mixin of the parallel linear layers and classifier heads (listed before the mode's base).
+
+    The 1D, 2D, 2.5D and 3D layers differ in how they split ``weight`` ``[out, in]`` and
+    ``bias`` ``[out]`` and in how they multiply; what they hold is the same. So the pair of
+    parameters is made here in one call (:meth:`make_dense`: the weight first, as torch
+    registers it, so the state dict's order is ``nn.Linear``'s), and so are the signature
+    naming the layer in error messages and the sizes that open its ``print``.
+
+    Attributes (set by the layer before :meth:`make_dense`): ``in_features`` and the output
+    size, named by :attr:`OUT_SIZE`; :meth:`make_dense` sets ``weight`` and ``bias``.
+    """
+
+    #: The attribute holding the output size: ``out_features``, or ``num_classes`` for a head.
+    OUT_SIZE: ClassVar[str] = "out_features"
+
+    in_features: int
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def make_dense(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype | None,
+        weight_initializer: Initializer | None,
+        bias_initializer: Initializer | None,
+        *,
+        weight_splits: Mapping[int, Sequence[ModeLike]],
+        weight_replicated: Sequence[ModeLike] = (),
+        bias_splits: Mapping[int, Sequence[ModeLike]] | None = None,
+        bias_replicated: Sequence[ModeLike] = (),
+        shared: nn.Parameter | None = None,
+        rows: int | None = None,
+        fused: int = 1,
+    ) -> None:
+        """Set ``weight`` (:func:`dense_weight`) and then ``bias`` (:func:`dense_bias`).
+
+        Both get the same sizes, dtype and ``fused``; only their splits differ, so a layer
+        states those and nothing else.
+
+        Args:
+            in_features: Input features of the full layer.
+            out_features: Output features (classes) of the full layer; the bias's size.
+            bias: Whether to learn a bias.
+            dtype: Parameter dtype.
+            weight_initializer: Fills the full weight (default torch's Kaiming-uniform).
+            bias_initializer: Fills the full bias (default torch's fan-in uniform).
+            weight_splits: How ``[out, in]`` is split, ``{dim: (mode, ...)}``.
+            weight_replicated: The modes the weight is replicated over.
+            bias_splits: How ``[out]`` is split (``None``: whole).
+            bias_replicated: The modes the bias is replicated over.
+            shared: A weight shared (tied) from another layer instead of a new one.
+            rows: The weight's rows where a head keeps all rows of a larger tied weight
+                (default ``out_features``).
+            fused: The output is this many equal parts, each split on its own.
+        """
+        self.weight = dense_weight(
+            self,
+            out_features if rows is None else rows,
+            in_features,
+            weight_initializer,
+            splits=weight_splits,
+            replicated=weight_replicated,
+            dtype=dtype,
+            shared=shared,
+            fused=fused,
+        )
+        self.bias = dense_bias(
+            self,
+            out_features,
+            in_features,
+            bias,
+            bias_initializer,
+            splits=bias_splits,
+            replicated=bias_replicated,
+            dtype=dtype,
+            fused=fused,
+        )
+
+    @property
+    def signature(self) -> str:
+        """``Class(in_features, out_features)``, naming the layer in error messages."""
+        return f"{type(self).__name__}({self.in_features}, {getattr(self, self.OUT_SIZE)})"
+
+    def dense_repr(self) -> str:
+        """``in_features=.., out_features=.., bias=.., ``: how every such layer's repr opens."""
+        return (
+            f"in_features={self.in_features}, {self.OUT_SIZE}={getattr(self, self.OUT_SIZE)}, "
+            f"bias={self.bias is not None}, "
+        )
+
+
+class DenseHead(DenseModule):
+    """Mixin of the classifier heads: :class:`DenseModule` with classes and a tieable weight.
+
+    Every head may share (tie) the matching embedding's table as its weight. A head whose
+    ranks hold whole rows (:attr:`whole_rows`) accepts one with more rows than classes and
+    uses its first rows, as Colossal-AI's heads do; one that splits the rows refuses it
+    (:func:`check_tied_rows`). :meth:`weight_rows` says which, once for every mode.
+    """
+
+    OUT_SIZE = "num_classes"
+
+    #: Whether every rank holds whole rows (classes) of the weight, so that a tied weight with
+    #: more rows than classes can be sliced (its first rows are the classes).
+    whole_rows: ClassVar[bool] = False
+
+    num_classes: int
+
+    def weight_rows(self, weight: nn.Parameter | None) -> int:
+        """The rows of the head's weight: ``num_classes``, or all of a larger tied ``weight``'s.
+
+        Pass the result as :meth:`make_dense`'s ``rows`` (with ``shared=weight``), after
+        setting ``num_classes``.
+
+        Raises:
+            ValueError: ``weight`` has more rows than classes and the head splits the rows.
+        """
+        if weight is None:
+            return self.num_classes
+        if self.whole_rows:  # the first rows of a larger tied weight are the classes
+            return max(shared_rows(weight), self.num_classes)
+        check_tied_rows(weight, self.num_classes, type(self).__name__)
+        return self.num_classes

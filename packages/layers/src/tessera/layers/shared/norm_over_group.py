@@ -10,21 +10,29 @@ blocks have their gradients summed over the batch group in one all-reduce, poste
 the input gradient is computed.
 
 2D/2.5D (Xu et al. 2021, section 3.2), 3D (Bian et al. 2021) and 1D's norm of a column
-layer's split output all normalize this way.
+layer's split output all normalize this way. They also make their parameters the same way
+(:func:`check_norm_bias`, :class:`ParallelNorm`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from tessera.context import ModeLike
 
 from ..comm.inflight import start_all_reduce, start_gather_blocks
 from ..comm.ops import apply_function
+from .base import ParallelModule
 from .context_access import GroupInfo
+from .initializers import Initializer, ones, zeros
 
-__all__ = ["check_norm_bias", "layer_norm_over_group"]
+__all__ = ["ParallelNorm", "check_norm_bias", "layer_norm_over_group"]
 
 
 def _row_sum(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
@@ -157,3 +165,66 @@ def check_norm_bias(bias: bool | None, rms: bool, owner: str) -> bool:
     if bias and rms:
         raise ValueError(f"{owner} is an RMSNorm, which has no bias; pass bias=False or None")
     return bias
+
+
+class ParallelNorm(ParallelModule):
+    """Mixin of the parallel LayerNorms and RMSNorms (listed before their mode's base class).
+
+    Every mode keeps torch's ``normalized_shape``, ``eps`` and affine parameters: ``weight``
+    (ones) and ``bias`` (zeros) of full shape ``normalized_shape``, registered in torch's order;
+    the modes differ only in how they split and replicate them (:meth:`make_affine`) and in
+    where the statistics come from.
+
+    Attributes (set by the norm): ``normalized_shape`` and ``eps``; :meth:`make_affine` sets
+    ``weight`` and ``bias``.
+    """
+
+    #: Normalize by the root mean square only (RMSNorm, Zhang and Sennrich 2019).
+    RMS: ClassVar[bool] = False
+
+    normalized_shape: tuple[int, ...]
+    eps: float
+    weight: nn.Parameter | None
+    bias: nn.Parameter | None
+
+    def make_affine(
+        self,
+        elementwise_affine: bool,
+        bias: bool,
+        dtype: torch.dtype | None,
+        *,
+        splits: Mapping[int, Sequence[ModeLike]] | None = None,
+        replicated: Sequence[ModeLike] = (),
+    ) -> None:
+        """Set ``weight`` and ``bias`` of ``normalized_shape``; ``None`` for each not learned.
+
+        Call after setting ``normalized_shape``. The fans (the normalized size) are given as
+        for any parameter; ones and zeros do not use them.
+
+        Args:
+            elementwise_affine: Learn the weight (and the bias).
+            bias: Learn a bias, as :func:`check_norm_bias` returned it.
+            dtype: Parameter dtype.
+            splits: How ``normalized_shape`` is split (``None``: whole).
+            replicated: The modes both are replicated over.
+        """
+        n = math.prod(self.normalized_shape)
+
+        def param(name: str, init: Initializer) -> nn.Parameter:
+            return self.make_parameter(
+                name,
+                self.normalized_shape,
+                init,
+                fan_in=n,
+                fan_out=n,
+                splits=splits,
+                replicated=replicated,
+                dtype=dtype,
+            )
+
+        self.weight = param("weight", ones()) if elementwise_affine else None
+        self.bias = param("bias", zeros()) if elementwise_affine and bias else None
+
+    def norm_repr(self) -> str:
+        """``normalized_shape, eps=.., ``: how every such norm's ``print`` opens."""
+        return f"{self.normalized_shape}, eps={self.eps}, "

@@ -4,7 +4,8 @@ The 1D, 2D, 2.5D and 3D embeddings differ only in how the ``[V, D]`` table is sp
 the looked-up vectors are combined; the argument checks, torch's padding-row convention, the
 range of vocabulary rows a rank owns and the masked lookup of a vocabulary-parallel table
 (Shoeybi et al. 2019, section 3: zeros for the ids another rank owns, summed afterwards) are
-written once here, in :class:`EmbeddingTable`.
+written once here, in :class:`EmbeddingTable`, and so is the body of their constructors
+(:meth:`EmbeddingTable.make_table`): a mode's table only says how it is split.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from tessera.context import ModeLike
 from .base import ParallelModule
 from .initializers import Initializer, normal
 
-__all__ = ["EmbeddingTable", "check_padding_idx", "zero_row"]
+__all__ = ["EmbeddingTable", "TableLayout", "check_padding_idx", "zero_row"]
+
+#: ``(splits, replicated)`` of a ``[V, D]`` table, as ``make_parameter`` takes them.
+TableLayout = tuple[Mapping[int, Sequence[ModeLike]], Sequence[ModeLike]]
 
 
 def zero_row(initializer: Initializer, row: int | None) -> Initializer:
@@ -47,8 +51,8 @@ class EmbeddingTable(ParallelModule):
     """Mixin of the parallel embeddings (listed before their mode's base class).
 
     Attributes (set by :meth:`make_table`): ``num_embeddings``, ``embedding_dim``,
-    ``padding_idx`` and ``weight``; vocabulary-parallel tables also get ``vocab_start``,
-    ``vocab_end`` and ``local_padding_idx`` from :meth:`own_vocab_rows`.
+    ``padding_idx`` and ``weight``; vocabulary-parallel tables also ``vocab_start``,
+    ``vocab_end`` and ``local_padding_idx`` (:meth:`own_vocab_rows`).
     """
 
     takes_indices = True
@@ -60,10 +64,16 @@ class EmbeddingTable(ParallelModule):
         padding_idx: int | None,
         dtype: torch.dtype | None,
         weight_initializer: Initializer | None,
-        splits: Mapping[int, Sequence[ModeLike]],
-        replicated: Sequence[ModeLike] = (),
     ) -> None:
-        """Check ``padding_idx`` and create the ``weight`` (torch's Normal(0, 1) default)."""
+        """Check the sizes and ``padding_idx``, create ``weight``, take this rank's vocabulary.
+
+        What every parallel embedding's constructor does once its mode's base is set up. The
+        modes make the table alike (torch's Normal(0, 1) default, the padding row zeroed) and
+        differ only in the split, so the mode's class answers two questions:
+        :meth:`table_layout` (which sizes the split takes, and how the table is split and
+        replicated) and :meth:`vocab_block` (which vocabulary rows this rank looks up).
+        """
+        splits, replicated = self.table_layout(num_embeddings, embedding_dim)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = check_padding_idx(padding_idx, num_embeddings)
         self.weight = self.make_parameter(
@@ -76,11 +86,26 @@ class EmbeddingTable(ParallelModule):
             replicated=replicated,
             dtype=dtype,
         )
+        block = self.vocab_block()
+        if block is not None:
+            index, blocks = block
+            self.own_vocab_rows(index, num_embeddings // blocks)
+
+    def table_layout(self, num_embeddings: int, embedding_dim: int) -> TableLayout:
+        """Check the sizes against the split (``ValueError``); the table's splits, replicas."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how its table is split")
+
+    def vocab_block(self) -> tuple[int, int] | None:
+        """``(block, blocks)``: this rank looks up vocabulary block ``block`` of ``blocks``.
+
+        ``None`` (the default): the rank's table holds every row of the vocabulary.
+        """
+        return None
 
     def own_vocab_rows(self, block: int, rows: int) -> None:
         """This rank looks up vocabulary rows ``[block * rows, (block + 1) * rows)``.
 
-        Call after :meth:`make_table`; the padding row counts only where it is owned.
+        :meth:`make_table` calls it; the padding row counts only where it is owned.
         """
         self.vocab_start = block * rows
         self.vocab_end = self.vocab_start + rows
