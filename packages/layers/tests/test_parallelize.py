@@ -178,6 +178,10 @@ def _lm_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float:
         ref_loss = F.cross_entropy(ref_logits.reshape(-1, vocab), labels.reshape(-1))
         logits = model(**inputs).logits
         loss = token_loss(logits, labels, context=ctx)
+        if mode != "sequence":  # the pair an engine with per_token_loss weighs globally
+            total, count = token_loss(logits, labels, reduction="sum_and_count", context=ctx)
+            assert int(count) == int((labels != -100).sum())
+            torch.testing.assert_close(total.detach() / count, loss.detach(), **TOL)
     else:
         ref_logits = ref(ids).logits
         vocab = ref_logits.shape[-1]
@@ -591,6 +595,11 @@ def _errors() -> list[str]:
             "nor as the usual transformer block stack: transformer.h.0 has 0 attention modules",
             lambda: parallelize(two_heads, context=seq),
         )
+        expect(
+            ValueError,
+            "'sum_and_count' is not supported under tensor mode 'sequence'",
+            lambda: token_loss(torch.zeros(4, 4, 32), ids, reduction="sum_and_count", context=seq),
+        )
         # GPT-Neo writes its attention out in its forward: the ring cannot reach it.
         expect(TypeError, "does not use", lambda: parallelize(gpt_neo_lm(), context=seq))
         lm = parallelize(gpt2_lm(), context=seq)
@@ -608,7 +617,7 @@ def _errors() -> list[str]:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 18
+    assert len(results[0]) == 19
 
 
 def test_inner_norms_follow_a_column_layer_and_precede_a_row_layer() -> None:

@@ -50,6 +50,7 @@ from .loss_scaler import DynamicLossScaler
 from .master_weights import LOW_PRECISION_DTYPES, MasterWeights, cast_floating
 from .nonfinite import NonFiniteError, find_nonfinite
 from .schedule import NonPipelineSchedule, StepSchedule, as_step_schedule
+from .token_weighting import TokenCounter, split_sum_and_count
 
 __all__ = ["Engine"]
 
@@ -121,6 +122,11 @@ class Engine:
             forward and then every this many optimizer steps, and after those steps also the
             replicated parameters' values (0: the batch at the first forward only; ``None``:
             never).
+        per_token_loss: Weigh every token of the global step alike (``token_weighting.py``):
+            the criterion returns ``(loss_sum, num_tokens)``; the gradients are the single
+            process's mean over every token of the step however data ranks, microbatches and
+            accumulation steps cut it. Not under tensor mode ``'sequence'``, whose own loss
+            already averages over its ranks' tokens.
         context: The ParallelContext (default: the current one, or none).
     """
 
@@ -144,6 +150,7 @@ class Engine:
         master_weights: MasterWeights | None = None,
         nonfinite: str | None = None,
         check_agreement_every: int | None = 0,
+        per_token_loss: bool = False,
         context: ParallelContext | None = None,
     ) -> None:
         if gradient_accumulation < 1:
@@ -186,6 +193,7 @@ class Engine:
         self.global_step = 0
         self.skipped_steps = 0
         self._recorded_losses: list[torch.Tensor] = []
+        self._recorded_counts: list[torch.Tensor] = []  # per-token: each microbatch's tokens
         self.nonfinite = nonfinite
         self._backpropagated_losses: list[torch.Tensor] = []  # since the last optimizer step
         self.check_agreement_every = check_agreement_every
@@ -201,6 +209,22 @@ class Engine:
                 self._sync_setters.append(setter)
         first = next((p for m in self._modules for p in m.parameters()), None)
         self._device_type = first.device.type if first is not None else "cpu"
+        self._tokens: TokenCounter | None = None
+        if per_token_loss:
+            ctx = self._context
+            if ctx is not None and ctx.config.tensor_mode == "sequence":
+                raise ValueError(
+                    "per_token_loss is not supported under tensor mode 'sequence': its token "
+                    "loss (tessera.layers.token_loss) already averages over every token of "
+                    "the sequence ranks; leave per_token_loss off there"
+                )
+            device = first.device if first is not None else torch.device("cpu")
+            self._tokens = TokenCounter(ctx, device)
+
+    @property
+    def per_token_loss(self) -> bool:
+        """Whether every token of the global step weighs alike (see ``token_weighting.py``)."""
+        return self._tokens is not None
 
     # ------------------------------------------------------------------ accessors
 
@@ -337,6 +361,7 @@ class Engine:
     def criterion(self, output: Any, label: Any) -> torch.Tensor:
         """The loss of ``output`` against ``label`` (under autocast, returned in float32).
 
+        Under ``per_token_loss``: the pair ``(loss_sum, num_tokens)`` the criterion returned.
         Under master weights the low-precision output is cast to fp32 first: a softmax
         cross-entropy summed in float16 loses the small terms.
 
@@ -349,10 +374,14 @@ class Engine:
             output = cast_floating(output, torch.float32, only=LOW_PRECISION_DTYPES)
         with self._autocast():
             loss = self._criterion(output, label)
+        if self._tokens is not None:
+            total, count = split_sum_and_count(loss)
+            return total.float(), count  # type: ignore[return-value]  # the per-token pair
         return loss.float() if loss.is_floating_point() else loss
 
     def _loss_factor(self) -> float:
-        factor = 1.0 / self.gradient_accumulation
+        # per-token: the sums are backpropagated; step() divides by the global token count
+        factor = 1.0 if self._tokens is not None else 1.0 / self.gradient_accumulation
         if self.loss_scaler is not None:
             factor *= self.loss_scaler.scale
         return factor
@@ -360,15 +389,29 @@ class Engine:
     # ------------------------------------------------------------------ backward
 
     @guarded("engine.backward")
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> None:
         """Backpropagate ``loss``.
 
         (scaled by the loss scale and divided by the accumulation
-        count).
+        count). Under ``per_token_loss``: the ``(loss_sum, num_tokens)`` pair ``criterion``
+        returned; the sum is backpropagated and the tokens counted.
         """
-        self._backpropagated_losses.append(loss.detach())
+        total = self._count_tokens(loss) if self._tokens is not None else loss
+        if not isinstance(total, torch.Tensor):
+            raise TypeError(
+                "backward takes the loss tensor (a (loss_sum, num_tokens) pair needs "
+                "per_token_loss=True)"
+            )
+        self._backpropagated_losses.append(total.detach())
         factor = self._loss_factor()
-        torch.autograd.backward(loss * factor if factor != 1.0 else loss)
+        torch.autograd.backward(total * factor if factor != 1.0 else total)
+
+    def _count_tokens(self, value: Any) -> torch.Tensor:
+        """The loss sum of a per-token criterion's ``(sum, count)``; the count is kept."""
+        assert self._tokens is not None
+        total, count = split_sum_and_count(value)
+        self._tokens.add(count)
+        return total
 
     @guarded("engine.backward")
     def backward_by_grad(self, tensors: torch.Tensor | Sequence[torch.Tensor], grads: Any) -> None:
@@ -396,6 +439,9 @@ class Engine:
 
     def _loss_for_backward(self, output: Any, label: Any) -> torch.Tensor:
         loss = self.criterion(output, label)
+        if self._tokens is not None:
+            self._recorded_counts.append(split_sum_and_count(loss)[1].detach())
+            loss = self._count_tokens(loss)
         self._recorded_losses.append(loss.detach())
         self._backpropagated_losses.append(loss.detach())
         factor = self._loss_factor()
@@ -417,7 +463,7 @@ class Engine:
             mean loss of the step (``None`` where the schedule gives none, e.g. on a pipeline
             stage that is not the last).
         """
-        self._recorded_losses = []
+        self._recorded_losses, self._recorded_counts = [], []
         if forward_only:
             return self._schedule.eval_step(
                 self._stage(),
@@ -432,10 +478,12 @@ class Engine:
         )
         if not return_loss:
             loss = None
-        recorded = self._recorded_losses
-        if loss is not None and recorded:
+        recorded, counts = self._recorded_losses, self._recorded_counts
+        if loss is not None and recorded and counts:  # per-token: this call's token mean
+            loss = torch.stack(recorded).sum() / torch.stack(counts).sum()
+        elif loss is not None and recorded:
             loss = recorded[0] if len(recorded) == 1 else torch.stack(recorded).mean()
-        self._recorded_losses = []
+        self._recorded_losses, self._recorded_counts = [], []
         return output, label, loss
 
     # ------------------------------------------------------------------ optimizer
@@ -487,6 +535,10 @@ class Engine:
         else:
             params = list(self.parameters())
             grads = [p.grad for p in params if p.grad is not None]
+        if self._tokens is not None:
+            factor = self._tokens.gradient_factor(self.num_microbatches)
+            for grad in grads:
+                grad.mul_(factor)
         if self.loss_scaler is not None:
             if self.nonfinite == "raise":  # an overflow is the scaler's; a bad loss is not
                 self._apply_nonfinite_policy(losses, [])

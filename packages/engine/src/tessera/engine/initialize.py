@@ -33,6 +33,10 @@ offload=False)``           and optimizer state sharded, 3: also parameters; offl
 ``check_agreement=True``   every rank's batch has the same shapes, checked on the first
                            step; an int N: also every N optimizer steps, and after those
                            steps the replicated parameters still agree; False: never
+``per_token_loss=False``   True: the criterion returns ``(loss_sum, num_tokens)`` and every
+                           token of the global step weighs alike, however data ranks,
+                           microbatches and accumulation steps cut the batch (uneven
+                           padding, a masked LM's ignored labels); see token_weighting.py
 ``debug=True``             more cross-rank checks (also ``TESSERA_DEBUG=1``): batch shapes
                            every step
 =========================  ================================================================
@@ -394,6 +398,7 @@ def _initialize(
         master_weights=masters,
         nonfinite=settings.nonfinite,
         check_agreement_every=settings.agreement_every,
+        per_token_loss=settings.per_token_loss,
         context=ctx,
     )
     engine.debug = debug

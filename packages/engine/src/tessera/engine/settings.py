@@ -54,6 +54,7 @@ ENGINE_CONFIG_KEYS = (
     "debug",
     "nonfinite",
     "check_agreement",
+    "per_token_loss",
 )
 
 #: The pipeline keys, snake_case as the schedules' own arguments, and the upper-case
@@ -127,6 +128,8 @@ class EngineSettings:
         nonfinite: One of ``NONFINITE_POLICIES``.
         agreement_every: Batch agreement checked on the first step and then every this many
             optimizer steps (0: the first step only; ``None``: never).
+        per_token_loss: The criterion returns ``(loss_sum, num_tokens)`` and every token of
+            the global step weighs alike.
     """
 
     autocast_dtype: torch.dtype | None = None
@@ -145,6 +148,7 @@ class EngineSettings:
     debug: bool = False
     nonfinite: str = "raise"
     agreement_every: int | None = 0
+    per_token_loss: bool = False
 
 
 def read_engine_settings(cfg: Mapping[str, Any], *, debug: bool = False) -> EngineSettings:
@@ -188,6 +192,7 @@ def read_engine_settings(cfg: Mapping[str, Any], *, debug: bool = False) -> Engi
         debug=debug,
         nonfinite=_read_nonfinite(cfg, fp16=scaler is not None),
         agreement_every=_read_agreement(cfg),
+        per_token_loss=_read_bool(cfg, "per_token_loss"),
     )
 
 
@@ -402,6 +407,13 @@ def _read_nonfinite(cfg: Mapping[str, Any], *, fp16: bool) -> str:
             f"got {policy!r}"
         )
     return str(policy)
+
+
+def _read_bool(cfg: Mapping[str, Any], key: str) -> bool:
+    value = cfg.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be True or False, got {value!r}")
+    return value
 
 
 def _read_agreement(cfg: Mapping[str, Any]) -> int | None:

@@ -21,7 +21,7 @@ Language-model logits stay split (by vocabulary in 1D, by batch on the mesh) and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -333,13 +333,41 @@ def _install_token_span(model: nn.Module, span: tuple[str, str], context: Parall
     last.register_forward_hook(leave)
 
 
+#: ``"mean"``: the mean over the batch's tokens; ``"sum_and_count"``: the pair
+#: ``(loss_sum, num_tokens)`` an engine with ``per_token_loss=True`` weighs globally.
+Reduction = Literal["mean", "sum_and_count"]
+
+
+@overload
 def causal_lm_loss(
     logits: torch.Tensor,
     input_ids: torch.Tensor,
     *,
     ignore_index: int = -100,
+    reduction: Literal["mean"] = "mean",
     context: ParallelContext | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor: ...
+
+
+@overload
+def causal_lm_loss(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: Literal["sum_and_count"],
+    context: ParallelContext | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    context: ParallelContext | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy of a parallelized language model, from its split logits.
 
     The targets are ``input_ids`` shifted by one (as transformers' causal LM loss), shifted
@@ -350,11 +378,38 @@ def causal_lm_loss(
         logits: The model's logits (see :func:`token_loss`).
         input_ids: The whole batch of token ids ``[b, s]``, as given to the model.
         ignore_index: Targets that count for nothing.
+        reduction: ``"mean"``, or ``"sum_and_count"`` (see :func:`token_loss`).
         context: The ParallelContext (default the current one).
     """
     pad = torch.full_like(input_ids[:, :1], ignore_index)
     targets = torch.cat([input_ids[:, 1:], pad], 1)  # [b, s]: position i predicts token i+1
+    if reduction == "sum_and_count":
+        return token_loss(
+            logits, targets, ignore_index=ignore_index, reduction=reduction, context=context
+        )
     return token_loss(logits, targets, ignore_index=ignore_index, context=context)
+
+
+@overload
+def token_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: Literal["mean"] = "mean",
+    context: ParallelContext | None = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def token_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: Literal["sum_and_count"],
+    context: ParallelContext | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def token_loss(
@@ -362,8 +417,9 @@ def token_loss(
     targets: torch.Tensor,
     *,
     ignore_index: int = -100,
+    reduction: Reduction = "mean",
     context: ParallelContext | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy over every non-ignored target of the whole batch, from split logits.
 
     For a masked language model (BERT's labels: ``ignore_index`` where nothing is predicted),
@@ -379,14 +435,45 @@ def token_loss(
         targets: The whole batch's target ids, aligned with the logits' leading dims
             (``[b, s]``, or ``[b]`` for one class per sample).
         ignore_index: Targets that count for nothing.
+        reduction: ``"mean"``: the mean over the batch's non-ignored targets.
+            ``"sum_and_count"``: ``(loss_sum, num_tokens)`` of the whole batch, the same on
+            every tensor rank, for an engine with ``per_token_loss=True``, which weighs every
+            token of the global step alike however data ranks, microbatches and accumulation
+            steps cut it (``tessera.engine``'s ``token_weighting.py``). Not under
+            ``'sequence'``, whose mean already spans its ranks' tokens.
         context: The ParallelContext (default the current one).
 
     Raises:
-        ValueError: ``logits`` and the rank's targets disagree in batch or sequence length.
+        ValueError: ``logits`` and the rank's targets disagree in batch or sequence length,
+            or ``reduction`` is unknown or ``"sum_and_count"`` under ``'sequence'``.
         ModeNotImplementedError: the mode has no parallelized language models.
     """
     ctx = current_or_none(context)
     mode = tensor_mode(ctx)
+    if reduction not in ("mean", "sum_and_count"):
+        raise ValueError(
+            f"token_loss: reduction must be 'mean' or 'sum_and_count', got {reduction!r}"
+        )
+    if reduction == "sum_and_count":
+        if mode == "sequence":
+            raise ValueError(
+                "token_loss: reduction='sum_and_count' is not supported under tensor mode "
+                "'sequence' (its mean already spans every token of the sequence ranks)"
+            )
+        count = (targets != ignore_index).sum()  # the whole batch's: alike on every tensor rank
+        return _cross_entropy(logits, targets, ignore_index, "sum", ctx, mode), count
+    return _cross_entropy(logits, targets, ignore_index, "mean", ctx, mode)
+
+
+def _cross_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    ctx: ParallelContext | None,
+    mode: str | None,
+) -> torch.Tensor:
+    """The whole batch's ``"mean"`` or ``"sum"`` cross-entropy, from this rank's logits."""
     local = targets
     whole = mode == "sequence" and logits.dim() == 2  # one class per sample: every token read
     if ctx is not None and mode == "sequence" and not whole:
@@ -400,7 +487,10 @@ def token_loss(
         )
     if ctx is None or mode is None or whole:
         return F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), local.reshape(-1), ignore_index=ignore_index
+            logits.reshape(-1, logits.shape[-1]),
+            local.reshape(-1),
+            ignore_index=ignore_index,
+            reduction=reduction,
         )
     if mode == "1d":
         return vocab_parallel_cross_entropy(
@@ -408,13 +498,14 @@ def token_loss(
             local,
             ctx.get_group(ParallelMode.PARALLEL_1D),
             ignore_index=ignore_index,
-            reduction="mean",
+            reduction=reduction,
         )
     if mode == "sequence":
         return _sequence_token_loss(logits, local, ignore_index, ctx)
     losses = {"2d": CrossEntropyLoss2D, "2.5d": CrossEntropyLoss2p5D, "3d": CrossEntropyLoss3D}
     if mode in losses:
-        loss: torch.Tensor = losses[mode](ignore_index=ignore_index, context=ctx)(logits, local)
+        criterion = losses[mode](reduction, ignore_index=ignore_index, context=ctx)
+        loss: torch.Tensor = criterion(logits, local)
         return loss
     raise ModeNotImplementedError("token_loss", mode, ("1d", *losses, "sequence"))
 
