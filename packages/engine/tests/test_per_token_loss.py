@@ -149,3 +149,44 @@ def test_data_ranks_and_microbatches_weigh_every_token_alike(dist: Any, per_toke
         for idx, params in result:
             agree.append(_close(params, [p.detach() for p in full[idx].parameters()]))
     assert all(agree) if per_token else not all(agree)
+
+
+def test_evaluation_reports_the_token_mean() -> None:
+    x, y = _labels(1)
+    model = make_model()
+    engine = Engine(
+        model, torch.optim.SGD(model.parameters(), lr=LR), _sum_and_count, per_token_loss=True
+    )  # type: ignore[arg-type]
+    _, _, loss = engine.execute_schedule(iter([(x, y)]), forward_only=True)
+    with torch.no_grad():
+        assert loss is not None and torch.allclose(loss, _mean(model(x), y))
+
+
+def test_a_step_without_a_token_is_non_finite_as_in_one_process() -> None:
+    from tessera.engine import NonFiniteError
+
+    x, y = _labels(1)
+    model = make_model()
+    engine = Engine(
+        model, torch.optim.SGD(model.parameters(), lr=LR), _sum_and_count, per_token_loss=True
+    )  # type: ignore[arg-type]
+    engine.zero_grad()
+    engine.execute_schedule(iter([(x, torch.full_like(y, -100))]))
+    with pytest.raises(NonFiniteError):
+        engine.step()
+
+
+def test_a_schedule_that_hides_how_it_cuts_the_batch_is_refused() -> None:
+    class Mine:
+        def train_step(self, *args: Any, **kwargs: Any) -> Any: ...
+        def eval_step(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    model = make_model()
+    with pytest.raises(ValueError, match="per_token_loss needs to know how a step cuts"):
+        Engine(
+            model,
+            torch.optim.SGD(model.parameters(), lr=LR),
+            _sum_and_count,
+            schedule=Mine(),
+            per_token_loss=True,
+        )  # type: ignore[arg-type]

@@ -234,6 +234,10 @@ def test_a_schedule_and_its_table_are_immutable():
     s = PipelineSchedule(4)
     with pytest.raises(AttributeError):
         s.num_microbatches = 2  # type: ignore[misc]
+    with pytest.raises(
+        AttributeError, match=r"PipelineRunner\(schedule, fuse_weight_grad=\.\.\.\)"
+    ):
+        s.fuse_weight_grad = False  # the runner's now: on a plan it would be ignored
     table = s.table(2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         table.rows = ()  # type: ignore[misc]

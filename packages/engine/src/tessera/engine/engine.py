@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode
-from tessera.pipeline import Schedule
+from tessera.pipeline import PipelineRunner, Schedule
 
 from .clipping import clip_grad_norm
 from .consistency import agree_on_call, check_replicas_in_step, checks_batch
@@ -218,7 +218,14 @@ class Engine:
                     "loss (tessera.layers.token_loss) already averages over every token of "
                     "the sequence ranks; leave per_token_loss off there"
                 )
-            device = first.device if first is not None else torch.device("cpu")
+            if not isinstance(self._schedule, NonPipelineSchedule | PipelineRunner):
+                raise ValueError(
+                    "per_token_loss needs to know how a step cuts its batch: it runs with "
+                    "NonPipelineSchedule or a pipeline plan (PipelineRunner), not with "
+                    f"{type(self._schedule).__name__}"
+                )
+            # the context's device: a parameter may sit on the CPU (ZeRO offload) under NCCL
+            device = ctx.device if ctx is not None else torch.device("cpu")
             self._tokens = TokenCounter(ctx, device)
 
     @property
@@ -406,6 +413,11 @@ class Engine:
         factor = self._loss_factor()
         torch.autograd.backward(total * factor if factor != 1.0 else total)
 
+    def _token_mean(self, output: Any, label: Any) -> torch.Tensor:
+        """A per-token criterion's mean, for evaluation (nothing is counted)."""
+        total, count = split_sum_and_count(self.criterion(output, label))
+        return total / count
+
     def _count_tokens(self, value: Any) -> torch.Tensor:
         """The loss sum of a per-token criterion's ``(sum, count)``; the count is kept."""
         assert self._tokens is not None
@@ -465,10 +477,11 @@ class Engine:
         """
         self._recorded_losses, self._recorded_counts = [], []
         if forward_only:
+            criterion = self._token_mean if self._tokens is not None else self.criterion
             return self._schedule.eval_step(
                 self._stage(),
                 data_iter,
-                self.criterion if return_loss else None,
+                criterion if return_loss else None,
                 keep_outputs=return_output_label,
             )
         if isinstance(self._model, nn.Module):
@@ -492,6 +505,8 @@ class Engine:
         """Clear the gradients, at the start of an accumulation cycle only."""
         if self._micro_step % self.gradient_accumulation == 0:
             self._optimizer.zero_grad(set_to_none=True)
+            if self._tokens is not None:
+                self._tokens.reset()  # the tokens of the gradients just cleared
             if self.master_weights is not None:
                 self.master_weights.zero_model_grads()
 

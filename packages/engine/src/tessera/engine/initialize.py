@@ -289,13 +289,11 @@ def _schedule(
     elif ctx is not None and ctx.pipeline_size > 1:
         planned = _pipeline_plan(settings, ctx)
     schedule = as_step_schedule(planned, ctx)
-    if (
-        masters is not None
-        and isinstance(schedule, PipelineRunner)
-        and schedule.tensor_dtype is None
-    ):
-        # tensor_shape's receive buffers take this dtype; the stages send the model's format
-        schedule.tensor_dtype = masters.dtype
+    # tensor_shape's receive buffers take the model's format under master weights (a runner's,
+    # or an older-interface schedule's own tensor_dtype)
+    runs = schedule if isinstance(schedule, PipelineRunner) else getattr(schedule, "inner", None)
+    if masters is not None and getattr(runs, "tensor_dtype", False) is None:
+        runs.tensor_dtype = masters.dtype  # type: ignore[union-attr]
     return schedule
 
 

@@ -20,6 +20,7 @@ optimizer step.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -65,15 +66,20 @@ class TokenCounter:
         self._context = context
         self._count = torch.zeros((), dtype=torch.float64, device=device)
 
+    def reset(self) -> None:
+        """Forget the tokens counted so far (their gradients were cleared)."""
+        self._count = torch.zeros_like(self._count)
+
     def add(self, count: torch.Tensor) -> None:
         """Count the tokens of one microbatch's loss."""
         self._count += count.detach().to(self._count)
 
     def gradient_factor(self, microbatches: int) -> float:
-        """``data ranks * microbatches / global tokens`` (0 without a token), then reset.
+        """``data ranks * microbatches / global tokens``, then reset.
 
         Every rank calls it at the same optimizer step: it all-reduces over PIPELINE (only
-        the last stage counted) and over DATA.
+        the last stage counted) and over DATA. A step without a single token is NaN, as one
+        process's mean over no token: the engine's non-finite policy then raises or skips.
         """
         count, self._count = self._count, torch.zeros_like(self._count)
         data_ranks = 1
@@ -84,4 +90,4 @@ class TokenCounter:
                 if mode is ParallelMode.DATA:
                     data_ranks = dist.get_world_size(group)
         tokens = float(count)
-        return 0.0 if tokens == 0 else data_ranks * microbatches / tokens
+        return math.nan if tokens == 0 else data_ranks * microbatches / tokens

@@ -1,7 +1,7 @@
 """What a real pipeline step measured: its timeline and its activation memory.
 
-The executor fills a :class:`RunRecord` on every call of ``forward_backward_step`` (kept in
-``schedule.last_run``). Its timeline uses the simulator's format
+The executor fills a :class:`RunRecord` on every step a :class:`tessera.pipeline.PipelineRunner`
+runs (kept in ``runner.last_run``). Its timeline uses the simulator's format
 (:class:`tessera.pipeline.TimelineEvent`, seconds since the start of the step), so the measured
 schedule can be drawn with :func:`tessera.pipeline.plot_timeline` next to
 ``simulate(...).timeline``. Each rank records only its own events; :func:`gather_timeline`
@@ -54,7 +54,7 @@ def gather_timeline(record: RunRecord, context: Any, *, group: Any = None) -> li
     """Every pipeline rank's events, on every rank (an all-gather on the CPU group).
 
     Args:
-        record: this rank's record (``schedule.last_run``).
+        record: this rank's record (``runner.last_run``).
         context: the parallel context whose PIPELINE CPU group to use.
         group: a process group to use instead of the context's (then ``context`` may be None).
 

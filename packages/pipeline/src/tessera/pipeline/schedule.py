@@ -58,6 +58,20 @@ class Schedule(abc.ABC):
         # A memo of the pure function table(p, forward_only): built once, not on every step.
         self._tables: dict[tuple[int, bool], ActionTable] = {}
 
+    #: What a schedule once held and its runner holds now (see the CHANGELOG).
+    _RUNNER_SETTINGS = ("fuse_weight_grad", "tensor_dtype", "last_run")
+
+    def __setattr__(self, name: str, value: object) -> None:
+        """Refuse what is now the runner's: set on a plan, it would be ignored, silently."""
+        if name in self._RUNNER_SETTINGS:
+            raise AttributeError(
+                f"{name} is a setting of the runner, not of the schedule: pass "
+                f"PipelineRunner(schedule, {name}=...) (or set it on the runner)"
+                if name != "last_run"
+                else "last_run is the runner's: read PipelineRunner(schedule).last_run"
+            )
+        super().__setattr__(name, value)
+
     @property
     def num_microbatches(self) -> int:
         """Microbatches per step (m)."""

@@ -40,7 +40,7 @@ forward in backward, outside this mode, and would see different saved tensors). 
 itself or any submodule) are never fused: both rely on autograd's accumulation hooks
 (:func:`stage_allows_fusion`). Hooks put straight on a parameter's accumulation node
 (``p.view_as(p).grad_fn.next_functions[0][0].register_hook``) cannot be seen from Python: with
-such hooks, turn fusion off (``schedule.fuse_weight_grad = False``).
+such hooks, turn fusion off (``PipelineRunner(schedule, fuse_weight_grad=False)``).
 
 A backward that runs while the forward is still going (a gradient penalty or an inner step that
 calls ``torch.autograd.grad`` inside the stage) is not the executor's: there the store is in

@@ -325,15 +325,22 @@ def infer_plan(model: nn.Module) -> Plan | None:
 
 
 def _covers(model: nn.Module, plan: Plan) -> bool:
-    """Every rule matches, and every module with parameters of its own is named by one."""
+    """Every rule matches, and every module with parameters of its own is named by one.
+
+    A module inside a named one counts as covered, except inside an ``attention`` module:
+    its heads are split, so a parameter there that no rule names (a per-head norm of q and
+    k, Qwen3's) would get a share of its gradient on each rank, and the replicas would drift.
+    """
     names = [name for name, _ in model.named_modules() if name]
-    named = [n for n in names if any(matches(n, pattern) for pattern in plan.rules)]
+    named = {n: role for n in names for pattern, role in plan.rules.items() if matches(n, pattern)}
     if any(not any(matches(n, pattern) for n in names) for pattern in plan.rules):
         return False
     for name, module in model.named_modules():
         if not any(True for _ in module.parameters(recurse=False)):
             continue
-        if not any(name == n or name.startswith(n + ".") for n in named):
+        if name in named and named[name] != "attention":
+            continue
+        if not any(name.startswith(n + ".") and role != "attention" for n, role in named.items()):
             return False
     return True
 

@@ -137,6 +137,9 @@ def _attention_rules(block: nn.Module, prefix: str, hidden: int) -> dict[str, st
             if sizes is None or sizes[1] != hidden:
                 return f"{name}.{out} is not a linear layer onto the hidden size"
             rules[f"{name}.{out}"] = "row"
+            extra = _inside_attention(module, name, {q, k, v, out})
+            if extra:
+                return extra
             found.append(rules)
     if len(found) != 1:
         return (
@@ -144,6 +147,24 @@ def _attention_rules(block: nn.Module, prefix: str, hidden: int) -> dict[str, st
             f"(named {' / '.join('/'.join(names) for names in QKV_NAMES)}), expected one"
         )
     return found[0]
+
+
+def _inside_attention(attention: nn.Module, name: str, projections: set[str]) -> str:
+    """Why the attention holds more than its four projections (empty: it does not).
+
+    Its heads are split, so a parameter of its own or of another submodule (a per-head norm
+    of q and k, Qwen3's or OLMo2's) would see a share of the heads and get a share of its
+    gradient on each rank: the replicas would drift apart. A parameter-free norm inside it
+    would normalize over split heads.
+    """
+    if any(True for _ in attention.parameters(recurse=False)):
+        return f"attention {name!r} holds parameters of its own"
+    for child, module in attention.named_modules():
+        if not child or child.split(".")[0] in projections:
+            continue
+        if _owns_parameters(module) or _looks_like_norm(module):
+            return f"no role for {name}.{child} ({type(module).__name__}) inside the attention"
+    return ""
 
 
 def _mlp_rules(block: nn.Module, prefix: str, hidden: int, taken: set[str]) -> dict[str, str] | str:
@@ -175,8 +196,11 @@ def _block_rules(block: nn.Module, prefix: str, hidden: int) -> dict[str, str] |
     mlp = _mlp_rules(block, prefix, hidden, set(attention))
     if isinstance(mlp, str):
         return mlp
+    (inside,) = [name for name, role in attention.items() if role == "attention"]
     norms = {
-        name: "norm" for name, module in _children(block, prefix) if _is_norm(name, module, hidden)
+        name: "norm"
+        for name, module in _children(block, prefix)
+        if _is_norm(name, module, hidden) and not name.startswith(inside + ".")
     }
     return {**attention, **mlp, **norms}
 
