@@ -3,9 +3,10 @@
 ``examples/hf/train.py`` (transformers' own classes from small configs) under torchrun: Llama
 on one process, as 2D tensor parallelism on a 2x2 mesh, as sequence parallelism (ring
 attention through transformers' attention registry) on 2 ranks and as 2 pipeline stages x 1D
-(``pipeline_layers``) on 4 ranks; GPT-2 on one process, as ZeRO-3 over 2 data replicas x 1D
-tensor parallelism (FSDP2 block by block, the tied head left to the root) and as 2 pipeline
-stages x 1D, its head tied to the embedding across the stages.
+(``pipeline_layers``) on 4 ranks, with and without sequence parallelism; GPT-2 on one process,
+as ZeRO-3 over 2 data replicas x 1D tensor parallelism (FSDP2 block by block, the tied head
+left to the root) and as 2 pipeline stages x 1D, its head tied to the embedding across the
+stages.
 Same weights, same batches: every step's loss agrees with the single process to float
 rounding, and each run's trained state dict loads back into the transformers class.
 """
@@ -54,7 +55,7 @@ def run(config: str, nproc: int, tmp_path: Path, model: str = "llama") -> dict[s
 @pytest.mark.parametrize(
     ("model", "layouts"),
     [
-        ("llama", (("2d", 4), ("sequence", 2), ("pipeline_1d", 4))),
+        ("llama", (("2d", 4), ("sequence", 2), ("pipeline_1d", 4), ("pipeline_1d_sp", 4))),
         ("gpt2", (("zero3_1d", 4), ("pipeline_1d", 4))),
     ],
     ids=["llama-2d-sequence-pipeline", "gpt2-zero3-1d-pipeline"],

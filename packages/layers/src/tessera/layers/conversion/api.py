@@ -27,7 +27,13 @@ from .meta import check_meta_buffers, materialize_whole_modules
 from .plan import Plan, inner_norms, match_plan, plan_for, span_members
 from .sequence import install_sequence_attention
 
-__all__ = ["CONTEXT_ATTR", "PARALLELIZED_ATTR", "SUPPORTED_MODES", "parallelize"]
+__all__ = [
+    "CONTEXT_ATTR",
+    "PARALLELIZED_ATTR",
+    "SEQUENCE_SPAN_ATTR",
+    "SUPPORTED_MODES",
+    "parallelize",
+]
 
 #: The tensor modes ``parallelize`` converts models to.
 SUPPORTED_MODES = ("1d", "2d", "2.5d", "3d", "sequence")
@@ -35,6 +41,8 @@ SUPPORTED_MODES = ("1d", "2d", "2.5d", "3d", "sequence")
 PARALLELIZED_ATTR = "_tessera_parallelized"
 #: Set on a parallelized model: the ParallelContext it was converted for.
 CONTEXT_ATTR = "_tessera_context"
+#: The attribute holding the span split along the sequence under 1D sequence parallelism.
+SEQUENCE_SPAN_ATTR = "_tessera_sequence_span"
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -231,4 +239,6 @@ def parallelize(
     install_boundary(model, chosen, ctx, mode, sequence_parallel, attention)
     setattr(model, PARALLELIZED_ATTR, mode)
     setattr(model, CONTEXT_ATTR, ctx)
+    if sequence_parallel:
+        setattr(model, SEQUENCE_SPAN_ATTR, chosen.sequence_span)
     return model

@@ -19,8 +19,11 @@ BERT's masked LM and the ViT classifier. A head tied to the token embedding is m
 ``mark_pipeline_shared``: the first and the last stage each hold a copy, and the engine sums
 the two gradients (Narayanan et al. 2021), so the copies train as the one tied weight.
 
-Tensor modes: 1D without sequence parallelism, 2D, 2.5D and 3D (the activations between
-stages are the mode's blocks, the same shape on every stage).
+Tensor modes: 1D, 2D, 2.5D and 3D (the activations between stages are the mode's blocks, the
+same shape on every stage). Under 1D sequence parallelism (Korthikanti et al. 2022) the first
+block splits the sequence and the final norm gathers it, as in the model's own forward, so the
+stages carry ``[b, s/p, h]``; each block builds its mask and rotary embedding for the whole
+sequence, which its attention sees gathered.
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from tessera.context import ParallelContext, mark_pipeline_shared
+from tessera.context import ParallelContext, ParallelMode, mark_pipeline_shared
 
 from ..dispatch.activations import split_batch
-from .api import CONTEXT_ATTR
+from .api import CONTEXT_ATTR, SEQUENCE_SPAN_ATTR
 from .boundary import rank_rows
 from .dropout import fork_each_layer
 
@@ -219,10 +222,15 @@ class EmbedStage(nn.Module):
 class BlockStage(nn.Module):
     """One repeated block: its positions, attention mask and rotary embedding from its input."""
 
-    def __init__(self, family: Family, layer: nn.Module, inner: nn.Module) -> None:
+    def __init__(
+        self, family: Family, layer: nn.Module, inner: nn.Module, sequence_split: int = 1
+    ) -> None:
         super().__init__()
         self.family = family
         self.layer = layer
+        # 1D sequence parallelism: the input holds 1/sequence_split of the tokens (every block
+        # after the first, which splits them); its attention sees them all, gathered
+        self.sequence_split = sequence_split
         rotary = inner.get_submodule(family.rotary) if family.rotary else None
         self._rotary = [rotary]  # shared by every layer, holds no parameters
         self._config = getattr(inner, "config", None)
@@ -231,14 +239,19 @@ class BlockStage(nn.Module):
         """``[b', s, h']`` (with its ``[b', s]`` padding mask) -> the same."""
         hidden, padding = carried if isinstance(carried, tuple) else (carried, None)
         kwargs: dict[str, Any] = {}
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # [1, s]
+        length = hidden.shape[1] * self.sequence_split  # what attention sees
+        positions = torch.arange(length, device=hidden.device).unsqueeze(0)  # [1, s]
+        # The masks and the rotary embedding read only the batch, dtype and device of this
+        # stand-in of the whole sequence's hidden states.
+        split = self.sequence_split > 1
+        whole = hidden.new_empty((hidden.shape[0], length, 0)) if split else hidden
         if self.family.mask is not None:
-            kwargs["attention_mask"] = self._attention_mask(hidden, padding, positions)
+            kwargs["attention_mask"] = self._attention_mask(whole, padding, positions)
         if self.family.mask == "causal":
             kwargs["position_ids"] = positions
         rotary = self._rotary[0]
         if rotary is not None:
-            kwargs["position_embeddings"] = rotary(hidden, position_ids=positions)
+            kwargs["position_embeddings"] = rotary(whole, position_ids=positions)
         out = self.layer(hidden, **kwargs)
         result: torch.Tensor = out[0] if isinstance(out, tuple) else out
         return result if padding is None else (result, padding)
@@ -319,8 +332,12 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
     inner = model.get_submodule(family.inner)
     blocks = family.blocks_of(inner)
     assert isinstance(blocks, nn.ModuleList)  # family.fits
+    split = _sequence_split(model, family, blocks, ctx)
     layers: list[tuple[str, nn.Module]] = [("embed", EmbedStage(family, inner, ctx))]
-    layers += [(f"layer{i}", BlockStage(family, layer, inner)) for i, layer in enumerate(blocks)]
+    layers += [
+        (f"layer{i}", BlockStage(family, layer, inner, split if i > 0 else 1))
+        for i, layer in enumerate(blocks)
+    ]
     layers.append(("head", HeadStage(family, inner, model.get_submodule(family.head))))
     sequential = nn.Sequential(OrderedDict(layers))
     _mark_tied(sequential, model)
@@ -330,14 +347,40 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
 
 def _check_mode(ctx: ParallelContext | None) -> None:
     mode = None if ctx is None else ctx.config.tensor_mode
-    sequence_parallel = ctx is not None and bool(ctx.config.tensor_args.get("sequence_parallel"))
-    if mode not in STAGE_MODES or sequence_parallel:
-        what = "1d with sequence_parallel" if sequence_parallel else repr(mode)
+    if mode not in STAGE_MODES:
         raise ValueError(
-            f"pipeline_layers: under tensor mode {what} the activations between layers are "
+            f"pipeline_layers: under tensor mode {mode!r} the activations between layers are "
             "split along the sequence, which the pipeline stages cannot carry yet; use 1d "
-            "(without sequence_parallel), 2d, 2.5d or 3d"
+            "(with or without sequence_parallel), 2d, 2.5d or 3d"
         )
+
+
+def _sequence_split(
+    model: nn.Module, family: Family, blocks: nn.ModuleList, ctx: ParallelContext | None
+) -> int:
+    """How many ranks split the sequence between blocks (1D sequence parallelism), else 1.
+
+    The model's span must start at its first block and end at its last block or final norm:
+    then the stages carry the split tokens exactly as the model's own forward does.
+
+    Raises:
+        ValueError: the model was parallelized with sequence parallelism over another span
+            (BERT's is its whole encoder, which the stages never call as one module).
+    """
+    span = getattr(model, SEQUENCE_SPAN_ATTR, None)
+    if ctx is None or span is None:
+        return 1
+    modules = dict(model.named_modules())
+    inner = model.get_submodule(family.inner)
+    last = inner.get_submodule(family.final[-1]) if family.final else blocks[-1]
+    if modules.get(span[0]) is not blocks[0] or modules.get(span[1]) is not last:
+        raise ValueError(
+            f"pipeline_layers: {type(model).__name__} splits the sequence from {span[0]!r} to "
+            f"{span[1]!r} (1D sequence parallelism), which its stages cannot follow: they need "
+            "the split to start at the first block and end after the last; use 1d without "
+            "sequence_parallel for its pipeline"
+        )
+    return ctx.get_world_size(ParallelMode.PARALLEL_1D)
 
 
 def _mark_tied(layers: nn.Sequential, model: nn.Module) -> None:
