@@ -129,6 +129,31 @@ PHI_CONFIG: dict[str, Any] = dict(
 )
 
 
+#: One GPT-NeoX (Pythia's layout): q, k and v fused per head, attention and MLP side by side,
+#: partial rotary, an untied head named ``embed_out``; sized like the GPT-2.
+GPT_NEOX_CONFIG: dict[str, Any] = dict(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=16,
+    rotary_pct=0.5,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+
+
+def gpt_neox_lm(seed: int = 0) -> nn.Module:
+    """``GPTNeoXForCausalLM`` from :data:`GPT_NEOX_CONFIG`, its weights drawn from ``seed``."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(seed)
+    return _distinct(GPTNeoXForCausalLM(GPTNeoXConfig(**GPT_NEOX_CONFIG)), seed)
+
+
 def gpt_neo_lm(seed: int = 0) -> nn.Module:
     """``GPTNeoForCausalLM`` from :data:`GPT_NEO_CONFIG`, its weights drawn from ``seed``."""
     from transformers import GPTNeoConfig, GPTNeoForCausalLM

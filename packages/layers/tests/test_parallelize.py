@@ -21,6 +21,7 @@ from hf_models import (
     bert_mlm,
     gpt2_lm,
     gpt_neo_lm,
+    gpt_neox_lm,
     images,
     llama_lm,
     masked_labels,
@@ -122,6 +123,9 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "qwen2 (inferred plan)": lambda ctx: _lm_matches_reference(qwen2_lm(), ctx),
     "gpt-neo (plan read from its blocks)": lambda ctx: _lm_matches_reference(gpt_neo_lm(), ctx),
     "phi (plan read from its blocks)": lambda ctx: _lm_matches_reference(phi_lm(), ctx),
+    "gpt-neox (family plan, q/k/v fused by head)": lambda ctx: _lm_matches_reference(
+        gpt_neox_lm(), ctx
+    ),
     "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
     "vit": lambda ctx: _lm_matches_reference(vit_classifier(), ctx),
     "per-sample positions": _per_sample_positions_under_3d,
@@ -137,6 +141,7 @@ ONLY_UNDER = {
     "qwen2 (inferred plan)": ("1d", "2d", "sequence"),
     "gpt-neo (plan read from its blocks)": ("1d", "2d"),
     "phi (plan read from its blocks)": ("1d-sp", "3d", "sequence-ring"),
+    "gpt-neox (family plan, q/k/v fused by head)": ("1d-4", "2d", "sequence-ring"),
     "per-sample positions": ("3d",),
 }
 
@@ -674,10 +679,11 @@ def test_a_model_unlike_the_usual_block_stack_gets_no_plan_and_the_reason(
     family: str, reason: str
 ) -> None:
     # OPT's positions are shifted inside its own embedding class, GPT-NeoX fuses q, k, v in
-    # an order its shape does not tell, OLMo's norms have no parameters but would normalize
-    # over a split hidden dim, Phi's and Qwen3's per-head norms of q and k would see a share of
-    # the heads on each rank: each would train wrong, silently, under a guessed plan. (Qwen3 is
-    # laid out as Llama but for those norms: the Llama family's plan is not inferred either.)
+    # an order its shape does not tell (its family plan, which knows the order, takes it),
+    # OLMo's norms have no parameters but would normalize over a split hidden dim, Phi's and
+    # Qwen3's per-head norms of q and k would see a share of the heads on each rank: each
+    # would train wrong, silently, under a guessed plan. (Qwen3 is laid out as Llama but for
+    # those norms: the Llama family's plan is not inferred either.)
     from tessera.layers.conversion.plan import infer_plan
     from tessera.layers.conversion.structure import infer_structure
 

@@ -187,6 +187,32 @@ def _llama(prefix: str, causal_lm: bool) -> Plan:
     )
 
 
+def _gpt_neox(prefix: str, causal_lm: bool) -> Plan:
+    block = f"{prefix}layers.*"
+    rules = {
+        f"{prefix}embed_in": "embedding",
+        f"{block}.input_layernorm": "norm",
+        f"{block}.post_attention_layernorm": "norm",
+        f"{block}.attention": "attention",
+        # q, k and v side by side per head ([heads, 3, d]): a plain column split keeps whole
+        # heads on each rank, where GPT-2's [3, heads, d] needs the "qkv" role
+        f"{block}.attention.query_key_value": "col",
+        f"{block}.attention.dense": "row",
+        f"{block}.mlp.dense_h_to_4h": "col",
+        f"{block}.mlp.dense_4h_to_h": "row",
+        f"{prefix}final_layer_norm": "norm",
+    }
+    if causal_lm:
+        rules["lm_head"] = "head"
+    return Plan(
+        rules,
+        boundary="tokens",
+        sequence_span=(f"{prefix}layers.0", f"{prefix}final_layer_norm"),
+        causal_lm=causal_lm,
+        name="GPT-NeoX" + (" LM" if causal_lm else ""),
+    )
+
+
 def _bert(prefix: str, masked_lm: bool) -> Plan:
     layer = f"{prefix}encoder.layer.*"
     rules = {
@@ -294,10 +320,12 @@ def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
 
 
 #: Model families whose module layout other models share (Mistral and Qwen2 are laid out as
-#: Llama), by the name of a module that marks each family and its plan builder.
+#: Llama; Pythia is GPT-NeoX), by the name of a module that marks each family and its plan
+#: builder.
 FAMILIES: dict[str, tuple[str, Callable[[str, bool], Plan]]] = {
     "Llama": ("layers.0.self_attn.q_proj", _llama),
     "GPT-2": ("h.0.attn.c_attn", _gpt2),
+    "GPT-NeoX": ("layers.0.attention.query_key_value", _gpt_neox),
 }
 
 
