@@ -30,6 +30,7 @@ LAYOUTS = {
     "zero3_1d": 4,
     "pipeline_1d": 4,  # GPT-2: its tied head on the last stage, a copy of the embedding
     "pipeline_2d": 8,
+    "pipeline_sequence": 4,  # every stage holds this rank's chunk of the tokens
 }
 
 

@@ -302,14 +302,10 @@ def _as_pipeline_layers(ctx: ParallelContext) -> int:
     tied to the embedding is marked for the engine (the first and last stage hold copies)."""
     from tessera.context import pipeline_shared_key
 
-    model = parallelize(llama_lm(), context=ctx)
-    if ctx.config.tensor_mode == "sequence":
-        with pytest.raises(ValueError, match="split along the sequence"):
-            pipeline_layers(model)
-        return 0
     # 1D sequence parallelism: the stages carry [b, s/p, h] between the first block and the
-    # final norm; BERT's split spans its encoder, which the stages never call as one module.
-    sequence_parallel = bool(ctx.config.tensor_args.get("sequence_parallel"))
+    # final norm (BERT: the last block); under 'sequence' this rank's chunk of the tokens, from
+    # the embedding to the head, but an image model's tokens are split inside the model.
+    ring = ctx.config.tensor_mode == "sequence"
     ids = token_ids()
     padded = torch.ones_like(ids)
     padded[0, -3:], padded[-1, -1:] = 0, 0
@@ -321,13 +317,14 @@ def _as_pipeline_layers(ctx: ParallelContext) -> int:
         (bert_mlm, bert_inputs),
         (vit_classifier, images()[0]),
     ]
-    if sequence_parallel:
-        with pytest.raises(ValueError, match=r"splits the sequence from 'bert.encoder'"):
-            pipeline_layers(parallelize(bert_mlm(), context=ctx))
-        cases = [case for case in cases if case[0] is not bert_mlm]
+    if ring:
+        with pytest.raises(ValueError, match="ViT classifier under tensor mode 'sequence'"):
+            pipeline_layers(parallelize(vit_classifier(), context=ctx))
+        cases = [case for case in cases if case[0] is not vit_classifier]
+    impl = "all_to_all" if ring and ctx.get_world_size(ParallelMode.TENSOR) == 4 else "ring"
     for build, inputs in cases:
         ref = build()
-        model = parallelize(build(), context=ctx)
+        model = parallelize(build(), context=ctx, sequence_attention=impl)
         layers = pipeline_layers(model)
         want = ref(**inputs) if isinstance(inputs, dict) else ref(inputs)
         with torch.no_grad():
@@ -340,6 +337,8 @@ def _as_pipeline_layers(ctx: ParallelContext) -> int:
         assert tied == TIED_ACROSS_STAGES.get(build.__name__, []), tied
     with pytest.raises(TypeError, match="knows these model families"):
         pipeline_layers(nn.Sequential(nn.Linear(2, 2)))
+    if ring:  # its attention dropout is the ring's own (tested with the sequence layers)
+        return len(cases)
     layers = pipeline_layers(parallelize(llama_lm(), context=ctx))
     # Attention dropout (on probabilities split by heads) draws another mask on every rank
     # also when a pipeline runs the layers without the model's own forward.
@@ -493,7 +492,7 @@ def test_transformers_models_and_plain_blocks_equal_single_process(
 ) -> None:
     tensor = LAYOUTS[layout]
     results = dist.run(_run_check, world_size=tensor["size"], args=(tensor, check), timeout=240.0)
-    expected = {"blocks": 18, "meta": 2, "layers": 0 if tensor["mode"] == "sequence" else 4}
+    expected = {"blocks": 18, "meta": 2, "layers": 4}
     if check in expected:
         assert results[0] == expected[check]
     assert all(r == results[0] for r in results)  # losses agree on every rank
@@ -639,6 +638,21 @@ def test_inner_norms_follow_a_column_layer_and_precede_a_row_layer() -> None:
     # w1, w2, w3 registered out of data-flow order: w3 is still open at the next block's norm
     out_of_order = {"w1": "col", "w2": "row", "w3": "col", "next.norm": "norm", "wq": "col"}
     assert inner_norms({**out_of_order, "wo": "row"}) == set()
+
+
+def test_a_sequence_span_names_the_last_block_by_minus_one() -> None:
+    from tessera.layers.conversion.plan import resolve_span
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+    model.norm = nn.LayerNorm(2)
+    model.empty = nn.ModuleList()
+    assert resolve_span(model, ("blocks.0", "blocks.-1")) == ("blocks.0", "blocks.2")
+    assert resolve_span(model, ("blocks.1", "norm")) == ("blocks.1", "norm")
+    with pytest.raises(ValueError, match=r"'norm' is LayerNorm"):
+        resolve_span(model, ("blocks.0", "norm.-1"))
+    with pytest.raises(ValueError, match=r"'empty' is ModuleList \(empty\)"):
+        resolve_span(model, ("blocks.0", "empty.-1"))
 
 
 def test_a_plan_with_an_unknown_role_is_refused() -> None:

@@ -9,6 +9,7 @@ the mode's layers, cut from the modules' own weights, and installs the boundary 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from .boundary import install_boundary
 from .converters import Converter
 from .dropout import install_dropout_streams
 from .meta import check_meta_buffers, materialize_whole_modules
-from .plan import Plan, inner_norms, match_plan, plan_for, span_members
+from .plan import Plan, inner_norms, match_plan, plan_for, resolve_span, span_members
 from .sequence import install_sequence_attention
 
 __all__ = [
@@ -185,6 +186,8 @@ def parallelize(
     if mode not in SUPPORTED_MODES:
         raise ModeNotImplementedError("parallelize", mode, SUPPORTED_MODES)
     chosen = plan_for(model, plan)
+    if chosen.sequence_span is not None:
+        chosen = replace(chosen, sequence_span=resolve_span(model, chosen.sequence_span))
     roles = match_plan(model, chosen, mode)
     check_meta_buffers(model)
     check_same_weights(model, ctx)

@@ -65,6 +65,7 @@ __all__ = [
     "match_plan",
     "matches",
     "plan_for",
+    "resolve_span",
     "span_members",
 ]
 
@@ -106,8 +107,9 @@ class Plan:
         sequence_span: 1D sequence parallelism only: ``(first, last)`` module names; the input
             of ``first`` is split along the sequence (dim 1) and the output of ``last``
             gathered (its first element, or ``last_hidden_state``, when it returns several), so
-            everything in between (norms, residual adds) sees ``[b, s/p, h]``.
-            ``None``: the plan cannot take sequence parallelism.
+            everything in between (norms, residual adds) sees ``[b, s/p, h]``. An index ``-1``
+            names the last entry of a ``ModuleList`` (``"encoder.layer.-1"``), so one plan
+            fits every depth. ``None``: the plan cannot take sequence parallelism.
         causal_lm: The model would compute a language-model loss inside its forward when
             given ``labels``; that loss assumes whole logits, so ``labels`` become an error
             that points to :func:`~tessera.layers.causal_lm_loss` /
@@ -239,7 +241,8 @@ def _bert(prefix: str, masked_lm: bool) -> Plan:
     return Plan(
         rules,
         boundary="tokens",
-        sequence_span=(f"{prefix}encoder", f"{prefix}encoder"),
+        # the blocks themselves, not their container: pipeline stages call the blocks only
+        sequence_span=(f"{prefix}encoder.layer.0", f"{prefix}encoder.layer.-1"),
         causal_lm=masked_lm,
         name="BERT" + (" masked LM" if masked_lm else ""),
     )
@@ -412,6 +415,34 @@ def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
     ordered = dict(sorted(roles.items(), key=lambda item: order[item[0]]))
     _check_pairs(ordered, plan, mode)
     return ordered
+
+
+def resolve_span(model: nn.Module, span: tuple[str, str]) -> tuple[str, str]:
+    """``span`` with each ``-1`` index replaced by the last index of its ``ModuleList``.
+
+    Raises:
+        ValueError: a ``-1`` follows a module that is not a ``ModuleList`` or ``Sequential``,
+            or one that is empty.
+    """
+    resolved: list[str] = []
+    for end in span:
+        parts = end.split(".")
+        module: nn.Module | None = model
+        for i, part in enumerate(parts):
+            if part == "-1":
+                if not isinstance(module, nn.ModuleList | nn.Sequential) or len(module) == 0:
+                    owner = ".".join(parts[:i]) or type(model).__name__
+                    raise ValueError(
+                        f"sequence_span: {end!r}: '-1' must follow a non-empty ModuleList or "
+                        f"Sequential, but {owner!r} is {type(module).__name__}"
+                        + (" (empty)" if isinstance(module, nn.ModuleList | nn.Sequential) else "")
+                    )
+                parts[i] = str(len(module) - 1)
+            module = getattr(module, parts[i], None)
+            if module is None:
+                break  # span_members names the missing module
+        resolved.append(".".join(parts))
+    return resolved[0], resolved[1]
 
 
 def span_members(model: nn.Module, span: tuple[str, str]) -> set[str]:

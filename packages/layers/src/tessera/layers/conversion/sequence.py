@@ -15,7 +15,10 @@ its tokens); the engine's sequence-parallel gradient handler sums them.
 Padding masks cannot go through transformers: it would build them from the local chunk (``c``
 queries against ``c`` keys), while every query here looks at all ``s`` keys. So the boundary
 takes ``attention_mask`` out of the call and leaves this rank's chunk of it in the model's
-:class:`KeyPadding`, which every attention layer reads (gathered whole once per batch).
+:class:`KeyPadding`, which every attention layer reads (gathered whole once per batch). Pipeline
+stages, which run several microbatches at once, instead pass each block the whole key mask
+as its ``attention_mask``, marked by :func:`key_mask_for_attention` so that it is told apart
+from a mask transformers built.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from tessera.context import ParallelContext
 
 from ..sequence.attention import (
     AttentionImpl,
+    additive_mask,
     attend_over_sequence,
     gather_key_mask,
     sequence_group,
@@ -44,6 +48,7 @@ __all__ = [
     "SEQUENCE_ATTRIBUTE",
     "KeyPadding",
     "install_sequence_attention",
+    "key_mask_for_attention",
     "sequence_attention",
 ]
 
@@ -54,6 +59,19 @@ SEQUENCE_ATTRIBUTE = "_tessera_sequence_attention"
 #: The attribute of a parallelized model holding its :class:`KeyPadding`.
 KEY_PADDING_ATTRIBUTE = "_tessera_key_padding"
 IMPLS: tuple[AttentionImpl, ...] = ("ring", "all_to_all")
+#: The attribute marking a mask made by :func:`key_mask_for_attention`.
+_KEY_MASK_MARK = "_tessera_whole_key_mask"
+
+
+def key_mask_for_attention(padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[b, s]`` padding mask of the whole sequence (nonzero: a token) -> ``[b, 1, 1, s]``.
+
+    Additive, in ``dtype``, and marked so that :func:`sequence_attention` takes it as the key
+    mask over every rank's tokens.
+    """
+    mask = additive_mask(padding[:, None, None, :].detach(), dtype)  # [b, 1, 1, s]
+    setattr(mask, _KEY_MASK_MARK, True)
+    return mask
 
 
 class KeyPadding:
@@ -109,8 +127,9 @@ def sequence_attention(
         query: ``[b, heads, s/N, d]`` (this rank's tokens).
         key: ``[b, heads, s/N, d]``.
         value: ``[b, heads, s/N, d]``.
-        attention_mask: Must be ``None``: the boundary keeps padding masks in the model's
-            :class:`KeyPadding`, and the causal mask is applied here from global positions.
+        attention_mask: ``None`` (the boundary keeps padding masks in the model's
+            :class:`KeyPadding`, and the causal mask is applied here from global positions),
+            or a pipeline stage's whole key mask from :func:`key_mask_for_attention`.
         scaling: The score scale (default ``1 / sqrt(d)``).
         dropout: Dropout probability on the attention weights.
         **kwargs: Ignored (position ids and cache flags transformers passes along).
@@ -124,7 +143,10 @@ def sequence_attention(
             f"{type(module).__name__} uses attention {ATTENTION_NAME!r} but was not converted "
             "by tessera.layers.parallelize under tensor mode 'sequence'"
         )
-    if attention_mask is not None:
+    key_mask = spec.padding.whole(query.shape[0], query.shape[-2], query.dtype)
+    if attention_mask is not None and getattr(attention_mask, _KEY_MASK_MARK, False):
+        key_mask = attention_mask.to(query.dtype)  # a pipeline stage's, over every key
+    elif attention_mask is not None:
         raise ValueError(
             f"{type(module).__name__} under tensor mode 'sequence' got an attention mask of "
             f"shape {list(attention_mask.shape)} from transformers; pass padding as the model's "
@@ -143,7 +165,7 @@ def sequence_attention(
         scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
         dropout=dropout,
         context=spec.context,
-        key_mask=spec.padding.whole(query.shape[0], query.shape[-2], query.dtype),
+        key_mask=key_mask,
         dropout_stream=False,  # parallelize forked the generator per rank (dropout.py)
     )  # [b, heads, s/N, d]
     return out.transpose(1, 2).contiguous(), None

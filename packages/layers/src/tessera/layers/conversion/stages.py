@@ -23,7 +23,11 @@ Tensor modes: 1D, 2D, 2.5D and 3D (the activations between stages are the mode's
 same shape on every stage). Under 1D sequence parallelism (Korthikanti et al. 2022) the first
 block splits the sequence and the final norm gathers it, as in the model's own forward, so the
 stages carry ``[b, s/p, h]``; each block builds its mask and rotary embedding for the whole
-sequence, which its attention sees gathered.
+sequence, which its attention sees gathered. Under ``'sequence'`` (Li et al. 2021) every stage
+carries this rank's chunk ``[b, s/N, h]`` from the embedding to the head: the first stage embeds
+the chunk at its global positions, each block passes its chunk's positions (rotary) and the
+whole padding mask (which travels as ``[b, s]``) to the ring attention, and the head returns the
+chunk's logits ``[b, s/N, V]``, which ``causal_lm_loss`` / ``token_loss`` take as they are.
 """
 
 from __future__ import annotations
@@ -39,14 +43,16 @@ from torch import nn
 from tessera.context import ParallelContext, ParallelMode, mark_pipeline_shared
 
 from ..dispatch.activations import split_batch
+from ..sequence.replicated import split_sequence_activation
 from .api import CONTEXT_ATTR, SEQUENCE_SPAN_ATTR
 from .boundary import rank_rows
 from .dropout import fork_each_layer
+from .sequence import key_mask_for_attention
 
 __all__ = ["original_names", "pipeline_layers"]
 
 #: The modes whose activations between stages keep the same layout and length everywhere.
-STAGE_MODES = (None, "1d", "2d", "2.5d", "3d")
+STAGE_MODES = (None, "1d", "2d", "2.5d", "3d", "sequence")
 
 #: What flows between stages: the hidden states, with the padding mask when one was given.
 Carried = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -189,6 +195,9 @@ class EmbedStage(nn.Module):
                 "a dict of input_ids, attention_mask and token_type_ids; got keys "
                 f"{sorted(given)}"
             )
+        if mode == "sequence":
+            assert context is not None
+            return self._sequence_chunk(given, context)
         local = (
             given
             if splitting is None
@@ -202,18 +211,53 @@ class EmbedStage(nn.Module):
         mask = local.get("attention_mask")  # [b', s]; under 3d None when nothing is padded
         return hidden, torch.ones_like(ids) if mask is None else mask
 
-    def _embed(self, ids: torch.Tensor, token_types: torch.Tensor | None) -> torch.Tensor:
-        """``[b', s]`` ids -> ``[b', s, h']``, as the family's base model does it."""
+    def _sequence_chunk(
+        self, given: Mapping[str, torch.Tensor], context: ParallelContext
+    ) -> Carried:
+        """Tensor mode 'sequence': this rank's chunk of the tokens, at their global positions.
+
+        The padding mask travels whole (``[b, s]``): every block's ring attention needs the
+        mask of every key, and sending it costs less than gathering it in each block.
+        """
+        ids = given["input_ids"]  # [b, s]
+        mask = given.get("attention_mask")
+        if mask is not None and tuple(mask.shape) != tuple(ids.shape):
+            raise ValueError(
+                f"pipeline_layers ({self.family.name}) under tensor mode 'sequence': "
+                f"attention_mask must be [b, s] = {list(ids.shape)} like input_ids (1: a token, "
+                f"0: padding), got {list(mask.shape)}"
+            )
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # [b, s]
+        token_types = given.get("token_type_ids")
+        hidden = self._embed(
+            split_sequence_activation(ids, context),  # [b, s/N]
+            None if token_types is None else split_sequence_activation(token_types, context),
+            split_sequence_activation(positions, context),
+        )  # [b, s/N, h]
+        if mask is None and self.family.mask != "bidirectional":
+            return hidden
+        return hidden, torch.ones_like(ids) if mask is None else mask
+
+    def _embed(
+        self,
+        ids: torch.Tensor,
+        token_types: torch.Tensor | None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[b', s']`` ids (at ``positions``, default ``0 .. s'-1``) -> ``[b', s', h']``."""
         modules = dict(self.named_children())
         if self.family.name == "GPT-2":
-            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)  # [1, s]
+            if positions is None:
+                positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)  # [1, s]
             hidden = modules["wte"](ids) + modules["wpe"](positions)
             if token_types is not None:
                 hidden = hidden + modules["wte"](token_types)
             out: torch.Tensor = modules["drop"](hidden)
             return out
         if "embeddings" in modules:  # BERT
-            out = modules["embeddings"](input_ids=ids, token_type_ids=token_types)
+            out = modules["embeddings"](
+                input_ids=ids, token_type_ids=token_types, position_ids=positions
+            )
             return out
         out = modules["embed_tokens"](ids)
         return out
@@ -223,7 +267,12 @@ class BlockStage(nn.Module):
     """One repeated block: its positions, attention mask and rotary embedding from its input."""
 
     def __init__(
-        self, family: Family, layer: nn.Module, inner: nn.Module, sequence_split: int = 1
+        self,
+        family: Family,
+        layer: nn.Module,
+        inner: nn.Module,
+        sequence_split: int = 1,
+        ring: ParallelContext | None = None,
     ) -> None:
         super().__init__()
         self.family = family
@@ -231,6 +280,8 @@ class BlockStage(nn.Module):
         # 1D sequence parallelism: the input holds 1/sequence_split of the tokens (every block
         # after the first, which splits them); its attention sees them all, gathered
         self.sequence_split = sequence_split
+        # tensor mode 'sequence': the input is this rank's chunk, attention goes round the ring
+        self._ring = [ring]  # not a module attribute torch would traverse
         rotary = inner.get_submodule(family.rotary) if family.rotary else None
         self._rotary = [rotary]  # shared by every layer, holds no parameters
         self._config = getattr(inner, "config", None)
@@ -238,6 +289,38 @@ class BlockStage(nn.Module):
     def forward(self, carried: Carried) -> Carried:
         """``[b', s, h']`` (with its ``[b', s]`` padding mask) -> the same."""
         hidden, padding = carried if isinstance(carried, tuple) else (carried, None)
+        ring = self._ring[0]
+        kwargs = (
+            self._whole_kwargs(hidden, padding)
+            if ring is None
+            else self._chunk_kwargs(hidden, padding, ring)
+        )
+        out = self.layer(hidden, **kwargs)
+        result: torch.Tensor = out[0] if isinstance(out, tuple) else out
+        return result if padding is None else (result, padding)
+
+    def _chunk_kwargs(
+        self, hidden: torch.Tensor, padding: torch.Tensor | None, ring: ParallelContext
+    ) -> dict[str, Any]:
+        """Under 'sequence': the chunk's global positions and the whole sequence's key mask.
+
+        No causal mask is built: the ring attention masks the future by global position.
+        """
+        chunk = hidden.shape[1]
+        start = chunk * ring.get_local_rank(ParallelMode.SEQUENCE)
+        positions = torch.arange(start, start + chunk, device=hidden.device).unsqueeze(0)
+        kwargs: dict[str, Any] = {}
+        if padding is not None and not bool(padding.all()):
+            kwargs["attention_mask"] = key_mask_for_attention(padding, hidden.dtype)
+        if self.family.mask == "causal":
+            kwargs["position_ids"] = positions  # [1, s/N]
+        rotary = self._rotary[0]
+        if rotary is not None:
+            kwargs["position_embeddings"] = rotary(hidden, position_ids=positions)
+        return kwargs
+
+    def _whole_kwargs(self, hidden: torch.Tensor, padding: torch.Tensor | None) -> dict[str, Any]:
+        """Positions from 0, the family's mask and rotary embedding for the whole sequence."""
         kwargs: dict[str, Any] = {}
         length = hidden.shape[1] * self.sequence_split  # what attention sees
         positions = torch.arange(length, device=hidden.device).unsqueeze(0)  # [1, s]
@@ -252,9 +335,7 @@ class BlockStage(nn.Module):
         rotary = self._rotary[0]
         if rotary is not None:
             kwargs["position_embeddings"] = rotary(whole, position_ids=positions)
-        out = self.layer(hidden, **kwargs)
-        result: torch.Tensor = out[0] if isinstance(out, tuple) else out
-        return result if padding is None else (result, padding)
+        return kwargs
 
     def _attention_mask(
         self, hidden: torch.Tensor, padding: torch.Tensor | None, positions: torch.Tensor
@@ -315,9 +396,9 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
 
     Raises:
         TypeError: the model is none of the families above.
-        ValueError: the tensor mode's activations change length inside the model (1D
-            sequence parallelism, ``'sequence'``), or a weight is shared between other layers
-            than the embedding and the head.
+        ValueError: a tensor mode the stages cannot carry (an image model under
+            ``'sequence'``), 1D sequence parallelism over another span than the blocks, or a
+            weight shared between other layers than the embedding and the head.
     """
     family = next((f for f in FAMILIES if f.fits(model)), None)
     if family is None:
@@ -328,14 +409,15 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
             "model.rotary_emb and lm_head for a Llama-style causal LM)"
         )
     ctx = context if context is not None else _context_of(model)
-    _check_mode(ctx)
+    _check_mode(ctx, family)
     inner = model.get_submodule(family.inner)
     blocks = family.blocks_of(inner)
     assert isinstance(blocks, nn.ModuleList)  # family.fits
     split = _sequence_split(model, family, blocks, ctx)
+    ring = ctx if ctx is not None and ctx.config.tensor_mode == "sequence" else None
     layers: list[tuple[str, nn.Module]] = [("embed", EmbedStage(family, inner, ctx))]
     layers += [
-        (f"layer{i}", BlockStage(family, layer, inner, split if i > 0 else 1))
+        (f"layer{i}", BlockStage(family, layer, inner, split if i > 0 else 1, ring))
         for i, layer in enumerate(blocks)
     ]
     layers.append(("head", HeadStage(family, inner, model.get_submodule(family.head))))
@@ -345,13 +427,20 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
     return sequential
 
 
-def _check_mode(ctx: ParallelContext | None) -> None:
+def _check_mode(ctx: ParallelContext | None, family: Family) -> None:
     mode = None if ctx is None else ctx.config.tensor_mode
     if mode not in STAGE_MODES:
         raise ValueError(
-            f"pipeline_layers: under tensor mode {mode!r} the activations between layers are "
-            "split along the sequence, which the pipeline stages cannot carry yet; use 1d "
-            "(with or without sequence_parallel), 2d, 2.5d or 3d"
+            f"pipeline_layers: tensor mode {mode!r} is not one the pipeline stages can carry; "
+            f"use one of {[m for m in STAGE_MODES if m is not None]}"
+        )
+    if mode == "sequence" and family.inputs == "images":
+        # its tokens are made (and padded to a multiple of the ranks) inside the model, by
+        # hooks of its first block that a later stage never runs
+        raise ValueError(
+            f"pipeline_layers: a {family.name} under tensor mode 'sequence' cannot be cut into "
+            "stages (its patch tokens are split inside the model); use 1d (with "
+            "sequence_parallel for long inputs), 2d, 2.5d or 3d for its pipeline"
         )
 
 
@@ -365,7 +454,8 @@ def _sequence_split(
 
     Raises:
         ValueError: the model was parallelized with sequence parallelism over another span
-            (BERT's is its whole encoder, which the stages never call as one module).
+            (a user's plan whose span is a container of the blocks, which the stages never
+            call as one module).
     """
     span = getattr(model, SEQUENCE_SPAN_ATTR, None)
     if ctx is None or span is None:

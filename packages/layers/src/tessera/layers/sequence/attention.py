@@ -46,6 +46,7 @@ from .ring_ops import ring_av, ring_of, ring_qk
 __all__ = [
     "AttentionImpl",
     "RingSelfAttention",
+    "additive_mask",
     "attend_over_sequence",
     "gather_key_mask",
     "sequence_group",
@@ -65,7 +66,7 @@ def sequence_group(context: ParallelContext, owner: str) -> GroupInfo:
     return group_info(context, ParallelMode.SEQUENCE)
 
 
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A keep-mask (bool True or integer nonzero: attend) or an additive one, as additive.
 
     A masked key gets the dtype's lowest finite value rather than ``-inf``, so a row whose keys
@@ -104,7 +105,7 @@ def gather_key_mask(
             f"[b, 1, 1, c] = [{batch}, 1, 1, {chunk}]: pass the mask of this rank's chunk of "
             "the sequence (split like the activations), one value per key"
         ) from None
-    local = _additive(local.detach(), dtype).contiguous()
+    local = additive_mask(local.detach(), dtype).contiguous()
     if sequence.world_size == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(sequence.world_size)]
