@@ -391,6 +391,25 @@ def test_diagnosis_skips_victims_posts() -> None:
 # ---------------------------------------------------------------- a stopped rank
 
 
+class _RecordingGroup:
+    def __init__(self) -> None:
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def test_nccl_groups_are_aborted_and_gloo_groups_only_cut() -> None:
+    from tessera.context.abort import GroupAborter, tcp_inodes
+
+    for backend, called in (("nccl", True), ("cpu:gloo,cuda:nccl", True), ("gloo", False)):
+        group = _RecordingGroup()
+        # every socket of this test process is spared: nothing here may be cut
+        aborter = GroupAborter(lambda g=group: [g], backend, None, tcp_inodes())  # type: ignore[misc]
+        assert aborter.abort([]) == 0
+        assert group.aborted is called, backend
+
+
 def _stop_rank_1() -> dict[str, Any]:
     """Rank 1 freezes (SIGSTOP) before the all-reduce; the others must leave it in time."""
     ctx = launch(
