@@ -19,6 +19,8 @@ tensor parallelism (``parallelize_module``, ColwiseParallel / RowwiseParallel) o
 Colossal-AI's Linear2p5D omits the all-reduce of weight gradients over the depth layers (each
 depth layer trains on its own share of the batch): the Colossal-AI side here adds it, one
 all-reduce of all its gradients over the depth group after the backward, so both compute the same.
+tessera's side sums them as its engine does, once per step and bucketed
+(``DeferredSumGradientHandler``), instead of one all-reduce per layer inside autograd.
 
 Before timing, every implementation is loaded with the same full weights (cut from one
 single-process torch module: tessera through ``load_full_state_dict``, Colossal-AI's shards
@@ -176,6 +178,7 @@ class Impl:
 
 def tessera_impl(block: str, hidden: int, ref: nn.Module, ctx: Any) -> Impl:
     from tessera.context import get_shard_info
+    from tessera.engine import DeferredSumGradientHandler
     from tessera.layers import LayerNorm, Linear, load_full_state_dict, split_activation
 
     model = build(
@@ -191,7 +194,11 @@ def tessera_impl(block: str, hidden: int, ref: nn.Module, ctx: Any) -> Impl:
         return (lambda t: t) if info is None else (lambda t: t[info.slices])
 
     shards = {name: (shard(p), True) for name, p in model.named_parameters()}
-    return Impl(model, lambda x: split_activation(x, context=ctx), shards)
+    # 2.5D's depth sum as the engine runs it: once per step, every layer in one bucket
+    # (DeferredSumGradientHandler), not one all-reduce per layer inside autograd
+    handler = DeferredSumGradientHandler(model, context=ctx)
+    after = handler.handle_gradient if handler.sums else _nothing
+    return Impl(model, lambda x: split_activation(x, context=ctx), shards, after_backward=after)
 
 
 def torch_tp_impl(block: str, hidden: int, ref: nn.Module, mesh: Any) -> Impl:

@@ -5,7 +5,8 @@ on one process, as 2D tensor parallelism on a 2x2 mesh, as sequence parallelism 
 attention through transformers' attention registry) on 2 ranks and as 2 pipeline stages x 1D
 (``pipeline_layers``) on 4 ranks, with and without sequence parallelism; GPT-2 on one process,
 as ZeRO-3 over 2 data replicas x 1D tensor parallelism (FSDP2 block by block, the tied head
-left to the root), as 2 pipeline stages x 1D, as 2 stages x sequence parallelism (each stage's
+left to the root), as 2.5D (depth 2; the engine sums over depth once per step), as 2 pipeline
+stages x 1D, as 2 stages x sequence parallelism (each stage's
 ranks hold chunks of the tokens) and as 2 replicas x 2 stages x 2D (16 ranks), its head tied to
 the embedding across the stages.
 Same weights, same batches: every step's loss agrees with the single process to float
@@ -61,13 +62,14 @@ def run(config: str, nproc: int, tmp_path: Path, model: str = "llama") -> dict[s
             "gpt2",
             (
                 ("zero3_1d", 4),
+                ("2p5d", 8),
                 ("pipeline_1d", 4),
                 ("pipeline_sequence", 4),
                 ("data_pipeline_2d", 16),
             ),
         ),
     ],
-    ids=["llama-2d-sequence-pipeline", "gpt2-zero3-1d-pipeline-sequence-data-pipeline-2d"],
+    ids=["llama-2d-sequence-pipeline", "gpt2-zero3-2p5d-pipeline-sequence-data-pipeline-2d"],
 )
 def test_layouts_match_one_process(
     tmp_path: Path, model: str, layouts: tuple[tuple[str, int], ...]
@@ -75,7 +77,8 @@ def test_layouts_match_one_process(
     """Every step's loss equals the single process's (1e-5 relative).
 
     Llama under 2D, sequence parallelism and pipeline (2 stages, 1F1B) x 1D, with and without
-    sequence parallelism; GPT-2 (its head tied to its embedding) under ZeRO-3 x 1D, pipeline
+    sequence parallelism; GPT-2 (its head tied to its embedding) under ZeRO-3 x 1D, 2.5D
+    (depth 2, summed over depth once per step by the engine's handler), pipeline
     x 1D, pipeline x sequence (ring) and data (2) x pipeline (2) x 2D (2x2) on 16 ranks (the
     first and the last stage each hold the tied weight; without the engine's summed gradient
     the second step's loss is 2e-3 off).

@@ -67,11 +67,13 @@ def check_mesh(
     in_layout: Layout = "act",
     out_layout: Layout = "act",
     seed: int = 0,
+    after_backward: Callable[[], None] | None = None,
 ) -> None:
     """Same full weights and input: outputs, every parameter gradient and the input gradient.
 
     Each rank's loss is a fixed random projection of its output block, so the global loss of
     tessera's convention (summed over the distinct blocks) is the reference's loss.
+    ``after_backward`` runs between the backward and the comparison (a deferred gradient sum).
     """
     randomize(ref, seed)
     load_full_state_dict(par, ref.state_dict())
@@ -83,6 +85,8 @@ def check_mesh(
     w = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(seed + 1))
     (y_ref * w).sum().backward()
     (y_par * block(w, ctx, out_layout)).sum().backward()
+    if after_backward is not None:
+        after_backward()
     torch.testing.assert_close(
         y_par, block(y_ref.detach(), ctx, out_layout), **TOL, msg=lambda m: f"{name} output: {m}"
     )

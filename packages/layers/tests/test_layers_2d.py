@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as tdist
 import torch.nn.functional as F
 from blocks import Block
 from mesh_reference import CONFIGS, block, check_mesh, mesh, with_mesh
@@ -20,7 +21,13 @@ from torch import nn
 from tp_reference import TOL, BiasAdded, check_returned_bias, randomize
 
 import tessera.layers as L
-from tessera.context import ParallelContext, ParallelMode, get_shard_info, set_context
+from tessera.context import (
+    ParallelContext,
+    ParallelMode,
+    defer_gradient_sums,
+    get_shard_info,
+    set_context,
+)
 from tessera.layers import (
     Accuracy,
     Classifier,
@@ -144,6 +151,30 @@ def _mesh_linear(ctx: ParallelContext) -> None:
 
 
 def _layers(ctx: ParallelContext) -> int:
+    checks = _layer_cases(ctx)
+    for n, (name, ref, par, inp, in_layout, out_layout) in enumerate(checks):
+        assert type(par).__name__.endswith(mesh(ctx).suffix), name
+        check_mesh(name, ref, par, inp, ctx, in_layout=in_layout, out_layout=out_layout, seed=n)
+    # skip_bias_add returns the bias block; adding it gives the output
+    ref = nn.Linear(H, 12)
+    randomize(ref, 40)
+    par = _cls("Linear", ctx)(H, 12, skip_bias_add=True, context=ctx)
+    load_full_state_dict(par, ref.state_dict())
+    y, bias = par(block(x_of(), ctx, "act"))
+    torch.testing.assert_close(y + bias, block(ref(x_of()), ctx, "act"), **TOL)
+    return len(checks)
+
+
+def x_of() -> torch.Tensor:
+    """The ``[B, S, H]`` input of the layer checks."""
+    return torch.randn(B, S, H, generator=torch.Generator().manual_seed(1))
+
+
+Case = tuple[str, nn.Module, nn.Module, torch.Tensor, str | None, str | None]
+
+
+def _layer_cases(ctx: ParallelContext) -> list[Case]:
+    """Each mesh layer with its torch reference, input and layouts."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(B, S, H, generator=g)
     x2 = torch.randn(B, H, generator=g)
@@ -218,17 +249,39 @@ def _layers(ctx: ParallelContext) -> int:
             "act",
         ),
     ]
-    for n, (name, ref, par, inp, in_layout, out_layout) in enumerate(checks):
-        assert type(par).__name__.endswith(mesh(ctx).suffix), name
-        check_mesh(name, ref, par, inp, ctx, in_layout=in_layout, out_layout=out_layout, seed=n)
-    # skip_bias_add returns the bias block; adding it gives the output
-    ref = nn.Linear(H, 12)
-    randomize(ref, 40)
-    par = _cls("Linear", ctx)(H, 12, skip_bias_add=True, context=ctx)
-    load_full_state_dict(par, ref.state_dict())
-    y, bias = par(block(x, ctx, "act"))
-    torch.testing.assert_close(y + bias, block(ref(x), ctx, "act"), **TOL)
-    return len(checks)
+    return checks
+
+
+def _deferred_depth_sum(ctx: ParallelContext) -> dict[str, int]:
+    """``defer_gradient_sums`` leaves each layer's depth-replicated gradients as this depth
+    layer's part: summed over DEP by the caller, every gradient equals the reference's (a
+    parameter left out, or one also summed in autograd, would not). Returns how many
+    parameters each layer left to the caller (none in 2D, none for LayerNorm)."""
+    m = mesh(ctx)
+    cases = _layer_cases(ctx)
+    returned = _cls("Linear", ctx)(H, 12, skip_bias_add=True, context=ctx)
+    cases.append(("Linear(skip_bias_add)", BiasAdded(nn.Linear(H, 12)), BiasAdded(returned),
+                  x_of(), "act", "act"))  # fmt: skip
+    left: dict[str, int] = {}
+    for n, (name, ref, par, inp, in_layout, out_layout) in enumerate(cases):
+        sums = defer_gradient_sums([par])
+        assert defer_gradient_sums([par]) == sums  # idempotent
+        params = [p for group in sums.values() for p in group]
+        left[name] = len(params)
+
+        def sum_over_depth(params: list[torch.Tensor] = params) -> None:
+            for p in params:
+                assert m.dep is not None and p.grad is not None
+                tdist.all_reduce(p.grad, group=m.dep.group)
+
+        check_mesh(name, ref, par, inp, ctx, in_layout=in_layout, out_layout=out_layout,
+                   seed=n, after_backward=sum_over_depth)  # fmt: skip
+    # a head tied to its embedding: one parameter, used by two deferring layers, summed once
+    emb = Embedding(16, H, vocab_parallel=True, context=ctx)
+    head = Classifier(H, 16, emb.weight, False, vocab_parallel=True, context=ctx)
+    tied = defer_gradient_sums([emb, head])
+    assert [len(v) for v in tied.values()] == ([1] if m.dep is not None else [])
+    return left
 
 
 def _dispatch_skip_bias_add(ctx: ParallelContext) -> None:
@@ -467,6 +520,7 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "summa": _summa,
     "mesh_linear": _mesh_linear,
     "layers": _layers,
+    "deferred_depth_sum": _deferred_depth_sum,
     "dispatch_skip_bias_add": _dispatch_skip_bias_add,
     "listing_one": _listing_one,
     "block": _block,
@@ -490,6 +544,11 @@ def test_mesh_layers_match_torch(dist, config: str, check: str) -> None:
     suffix = "2D" if mode == "2d" else "2p5D"
     if check == "layers":
         assert all(r == 10 for r in results)
+    elif check == "deferred_depth_sum":
+        deep = (CONFIGS[config][2] or 1) > 1  # depth 1 has no DEP to sum over
+        left = results[0]
+        assert left["LayerNorm"] == 0 and left["Linear(skip_bias_add)"] == int(deep)
+        assert left["Linear"] == 2 * deep and left["PatchEmbedding"] == 4 * deep
     elif check == "block":
         assert results[0] == [
             f"LayerNorm{suffix}",

@@ -23,6 +23,7 @@ from tessera.context.failures import (
     RankFailedError,
     is_communication_error,
 )
+from tessera.context.gradient_sums import DefersGradientSum, defer_gradient_sums
 from tessera.context.groups import Membership, ProcessGroups
 from tessera.context.initializers import (
     PROCESS_GROUP_INITIALIZERS,
@@ -113,6 +114,9 @@ __all__ = [
     "ShardInfo",
     "set_shard_info",
     "get_shard_info",
+    # gradient sums a layer leaves to the training loop
+    "DefersGradientSum",
+    "defer_gradient_sums",
     # weights tied across pipeline stages
     "PIPELINE_SHARED_ATTR",
     "mark_pipeline_shared",

@@ -35,6 +35,7 @@ from .engine import Engine
 from .gradient_handlers import (
     BaseGradientHandler,
     DataParallelGradientHandler,
+    DeferredSumGradientHandler,
     PipelineSharedModuleGradientHandler,
     SequenceParallelGradientHandler,
     mark_pipeline_shared,
@@ -84,6 +85,7 @@ __all__ = [
     # gradient handlers
     "BaseGradientHandler",
     "DataParallelGradientHandler",
+    "DeferredSumGradientHandler",
     "SequenceParallelGradientHandler",
     "PipelineSharedModuleGradientHandler",
     "mark_pipeline_shared",

@@ -20,7 +20,10 @@ offload=False)``           and optimizer state sharded, 3: also parameters; offl
 ``gradient_handlers``      ``[dict(type="DataParallelGradientHandler"), ...]``; default:
                            torch DDP for plain data parallelism, else the matching handler;
                            with a pipeline, ``PipelineSharedModuleGradientHandler`` is always
-                           added (weights tied across stages, ``mark_pipeline_shared``)
+                           added (weights tied across stages, ``mark_pipeline_shared``);
+                           ``DeferredSumGradientHandler`` takes over the layers' own sums
+                           (2.5D's depth sum) once per step, except under explicit
+                           handlers or ZeRO-2/3
 ``ddp=dict(...)``          extra keywords of DistributedDataParallel
 ``schedule=dict(type=..)`` a schedule from the SCHEDULES registry; default: see below
 ``num_microbatches``,      with pipeline size > 1: ``PipelineSchedule`` (1F1B), or
@@ -84,6 +87,7 @@ from .engine import Engine
 from .gradient_handlers import (
     BaseGradientHandler,
     DataParallelGradientHandler,
+    DeferredSumGradientHandler,
     PipelineSharedModuleGradientHandler,
     SequenceParallelGradientHandler,
 )
@@ -258,6 +262,11 @@ def _gradient_sync(
     pipeline_size, data_size = ctx.pipeline_size, ctx.data_size
     handlers = _build_handlers(settings, forward_model, optimizer, ctx)
     if not settings.gradient_handlers and settings.zero_stage < 2:
+        # 2.5D's depth sums once per step and bucketed, not per layer and backward (FSDP2's
+        # DTensor gradients under ZeRO-2/3 keep them in autograd)
+        deferred = DeferredSumGradientHandler(forward_model, optimizer, ctx)
+        if deferred.sums:
+            handlers.append(deferred)
         if _is_sequence_parallel(ctx) and group_if_parallel(ctx, ParallelMode.SEQUENCE_DP):
             handlers.append(SequenceParallelGradientHandler(forward_model, optimizer, ctx))
         elif data_size > 1 and (pipeline_size > 1 or not isinstance(forward_model, nn.Module)):

@@ -2,6 +2,7 @@
 
 from .base import BaseGradientHandler
 from .data_parallel import DataParallelGradientHandler
+from .deferred_sums import DeferredSumGradientHandler
 from .pipeline_shared import (
     PipelineSharedModuleGradientHandler,
     mark_pipeline_shared,
@@ -11,6 +12,7 @@ from .sequence_parallel import SequenceParallelGradientHandler
 __all__ = [
     "BaseGradientHandler",
     "DataParallelGradientHandler",
+    "DeferredSumGradientHandler",
     "SequenceParallelGradientHandler",
     "PipelineSharedModuleGradientHandler",
     "mark_pipeline_shared",

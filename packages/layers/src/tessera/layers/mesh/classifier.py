@@ -45,6 +45,8 @@ class MeshClassifier(GridClassifier, MeshModule):
     the forward is :class:`~tessera.layers.grid.classifier.GridClassifier`'s.
     """
 
+    DEPTH_SUMMED = ("weight",)  # gathered through Mesh.over_depth; the bias: batch group
+
     def bias_layout(self) -> tuple[Splits, tuple[ModeLike, ...]]:
         """Whole on every rank."""
         mesh = self.mesh
@@ -60,6 +62,8 @@ class MeshVocabParallelClassifier(GridHead, MeshModule):
     Args: as :class:`MeshClassifier`, with ``in_features`` and ``num_classes`` divisible by q;
         a shared weight comes from a :class:`MeshVocabParallelEmbedding`.
     """
+
+    DEPTH_SUMMED = ("weight",)  # through Mesh.over_depth; the bias: batch group
 
     def weight_splits(self) -> Splits:
         """Classes over COL, features over ROW, like ``MeshVocabParallelEmbedding``'s table."""

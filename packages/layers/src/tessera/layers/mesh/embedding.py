@@ -44,6 +44,8 @@ class MeshEmbedding(GridEmbedding, MeshModule):
     implementation: :class:`~tessera.layers.grid.embedding.GridEmbedding`'s.
     """
 
+    DEPTH_SUMMED = ("weight",)  # gathered through Mesh.over_depth
+
 
 class MeshVocabParallelEmbedding(GridTable, MeshModule):
     """Embedding with the vocabulary split over COL and the dim over ROW: ``[V/q, D/q]``.
@@ -52,6 +54,8 @@ class MeshVocabParallelEmbedding(GridTable, MeshModule):
 
     Args: as :class:`MeshEmbedding`, with V and D divisible by q.
     """
+
+    DEPTH_SUMMED = ("weight",)  # looked up through Mesh.over_depth
 
     def table_layout(self, num_embeddings: int, embedding_dim: int) -> TableLayout:
         """V over COL, D over ROW: ``[V/q, D/q]``, ``W[V_i, D_j]``; replicated over depth."""

@@ -22,11 +22,12 @@ So 2D *is* 2.5D with depth 1, and every 2D/2.5D layer is written once against :c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode
 
@@ -80,6 +81,9 @@ class Mesh:
             in 2D, XZ in 2.5D. An activation's batch is split over it.
         ranks: Every position's global rank in this layer, or ``None`` when the context's
             groups do not follow tessera's layout (then only SUMMA runs).
+        sums_depth: Whether the layer sums its depth-replicated gradients over DEP inside
+            autograd (``False`` once :meth:`MeshModule.defer_gradient_sum` handed the sum to
+            the training loop).
     """
 
     kind: str
@@ -88,6 +92,7 @@ class Mesh:
     dep: GroupInfo | None
     batch: GroupInfo
     ranks: MeshRanks | None = None
+    sums_depth: bool = True
 
     @property
     def q(self) -> int:
@@ -114,9 +119,18 @@ class Mesh:
         """The modes the batch is split over, outermost first (``ShardInfo`` style)."""
         return (*self.depth_modes, self.col.mode)
 
+    @property
+    def depth_sum(self) -> GroupInfo | None:
+        """The group autograd sums depth-replicated gradients over.
+
+        DEP, or ``None`` in 2D and once the sum is deferred to the training loop.
+        """
+        return self.dep if self.sums_depth else None
+
     def over_depth(self, weight: torch.Tensor) -> torch.Tensor:
         """Route a depth-replicated parameter: identity forward, sum over DEP backward."""
-        return weight if self.dep is None else copy_to_group(weight, self.dep.group)
+        group = self.depth_sum
+        return weight if group is None else copy_to_group(weight, group.group)
 
     @property
     def hidden_axis(self) -> GroupInfo:
@@ -226,6 +240,9 @@ class MeshModule(GridModule):
 
     #: The tensor mode: ``"2d"`` or ``"2.5d"``.
     MESH: ClassVar[str] = "2d"
+    #: The parameters whose gradients autograd sums over DEP (through :meth:`Mesh.over_depth`
+    #: or the product's depth all-reduce): what :meth:`defer_gradient_sum` leaves partial.
+    DEPTH_SUMMED: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -234,6 +251,32 @@ class MeshModule(GridModule):
     ) -> None:
         super().__init__(context, device)
         self.mesh = mesh_of(self.context, self.MESH)
+
+    def depth_summed(self) -> tuple[str, ...]:
+        """The names of :attr:`DEPTH_SUMMED` that this instance sums over DEP in autograd."""
+        return self.DEPTH_SUMMED
+
+    def defer_gradient_sum(self) -> dict[str, list[nn.Parameter]]:
+        """Leave the sum over DEP of the depth-replicated gradients to the training loop.
+
+        Tesseract sums the depth layers' partial weight gradients (Wang et al. 2021); done in
+        autograd that is one all-reduce per layer and backward. After this call ``.grad`` of
+        the returned parameters holds this depth layer's part until the caller sums it over
+        DEP, once per optimizer step and bucketed (tessera.engine does). Nothing to defer in
+        2D (no depth) or for a layer whose sums run over the batch group (LayerNorm, biases
+        added to the output).
+
+        Returns:
+            ``{DEP mode: parameters}`` (see :class:`tessera.context.DefersGradientSum`).
+        """
+        dep = self.mesh.dep
+        params = [
+            p for n in self.depth_summed() if isinstance(p := getattr(self, n, None), nn.Parameter)
+        ]
+        if dep is None or not params:
+            return {}
+        self.mesh = replace(self.mesh, sums_depth=False)
+        return {dep.mode: params}
 
     @property
     def grid(self) -> Mesh:

@@ -50,6 +50,8 @@ class MeshLinear(DenseModule, MeshModule):
         context: The ParallelContext (default the current one).
     """
 
+    DEPTH_SUMMED = ("weight", "bias")  # the product's one depth all-reduce
+
     def __init__(
         self,
         in_features: int,
@@ -81,6 +83,10 @@ class MeshLinear(DenseModule, MeshModule):
             bias_replicated=(mesh.col.mode, *mesh.depth_modes),
             fused=fused,
         )  # weight [out/q, in/q]: W[out_j, in_i]; bias [out/q]: b[out_j]
+
+    def depth_summed(self) -> tuple[str, ...]:
+        """The weight, and the bias unless it is returned (then the batch group sums it)."""
+        return ("weight",) if self.skip_bias_add else self.DEPTH_SUMMED
 
     def forward(self, x: torch.Tensor) -> LinearOutput:
         """See the class docstring for shapes."""

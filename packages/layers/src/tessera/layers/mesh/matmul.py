@@ -134,7 +134,7 @@ class _SummaLinear(BlockLinearFunction):
         if x_panels is not None:
             flat = summed.wait()  # [size (+ n/q)]
             grad_w = flat[:size].view(weight.shape)
-            depth_sum = _DepthSum(grad_w, flat[size:] if need_b else None, mesh.dep)
+            depth_sum = _DepthSum(grad_w, flat[size:] if need_b else None, mesh.depth_sum)
         return _finish(grad_x, depth_sum, need_w)
 
 
@@ -225,7 +225,7 @@ class _StreamedSummaLinear(BlockLinearFunction):
                 partials = (grad.t() @ x_panel for x_panel in _panels(x, mesh.row))
                 grad_w = _reduce_into(partials, mesh.col, torch.empty_like(weight))
             bias = None if grad_b is None else grad_b.wait()
-            depth_sum = _DepthSum(grad_w, bias, mesh.dep)
+            depth_sum = _DepthSum(grad_w, bias, mesh.depth_sum)
         return _finish(Pending.done(grad_x) if grad_x is not None else None, depth_sum, need_w)
 
 
@@ -312,7 +312,7 @@ class _StationaryLinear(BlockLinearFunction):
             if inputs is not None:
                 xs = inputs.wait()
                 grad_w = flat.t() @ xs.reshape(-1, xs.shape[-1])  # [n/q, k/q]
-            depth_sum = _DepthSum(grad_w, flat.sum(0) if need_b else None, mesh.dep)
+            depth_sum = _DepthSum(grad_w, flat.sum(0) if need_b else None, mesh.depth_sum)
         return _finish(grad_x, depth_sum, need_w)
 
 

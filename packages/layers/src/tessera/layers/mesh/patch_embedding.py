@@ -26,6 +26,8 @@ class MeshPatchEmbedding(GridPatchEmbedding, MeshModule):
     implementation: :class:`~tessera.layers.grid.embedding.GridPatchEmbedding`'s.
     """
 
+    DEPTH_SUMMED = ("weight", "bias", "cls_token", "pos_embed")  # all through over_depth
+
 
 class PatchEmbedding2D(MeshPatchEmbedding):
     """2D ViT patch embedding; see :class:`MeshPatchEmbedding`."""
