@@ -182,6 +182,46 @@ def test_guard_without_a_board_only_reraises() -> None:
         raise GLOO_TIMEOUT
 
 
+class _FlakyBoard(FailureBoard):
+    """A board whose second heartbeat fails, as one store call on a busy host may."""
+
+    calls = 0
+
+    def beat(self, where: str | None = None) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("store call timed out")
+        super().beat(where)
+
+
+def test_one_failed_store_call_does_not_end_the_heartbeat() -> None:
+    store = tdist.HashStore()
+    monitor = FailureMonitor(_FlakyBoard(store, "ns", 0, 2), 0.01)
+    try:
+        deadline = time.monotonic() + 5.0
+        while _board(1, 2, store).beats()[0] < 4:
+            assert time.monotonic() < deadline, "the heartbeat stopped after one failed call"
+            time.sleep(0.01)
+    finally:
+        monitor.stop()
+
+
+def test_a_silent_rank_is_declared_by_either_neighbour_once() -> None:
+    from tessera.context.failures import _Watch
+
+    store = tdist.HashStore()
+    _board(1, 3, store).beat()  # rank 1 beats once, then stops
+    before, after = _Watch(_board(2, 3, store), 0.01, -1), _Watch(_board(0, 3, store), 0.01, 1)
+    assert before.target == 1 == after.target
+    before.step()
+    after.step()  # both saw the beat
+    time.sleep(2.1)  # the shortest silence that declares a rank (_MIN_SILENCE)
+    before.step()  # rank 0's watch over rank 1 is stuck: rank 2's declares it
+    assert [(r.rank, r.kind) for r in _board(0, 3, store).reports()] == [(1, "silent")]
+    after.step()  # late, and not twice
+    assert len(_board(0, 3, store).reports()) == 1 and after.target is None
+
+
 def test_heartbeat_thread_beats_and_stops() -> None:
     store = tdist.HashStore()
     monitor = FailureMonitor(_board(0, 2, store), 0.01)

@@ -15,11 +15,12 @@ rendezvoused on (the TCPStore every torch.distributed job already has).
   daemon thread per rank increments a heartbeat counter in the store every
   ``heartbeat_interval`` seconds, with the name of the innermost guard it is in; a rank whose
   counter stands still for three intervals is reported as dead, with its last known place.
-- Each rank also watches one neighbour's counter (the next rank that has not left, in a ring:
-  constant store traffic per rank at any scale). A neighbour silent for three intervals is
-  declared on the board; every rank sees the declaration within one interval and aborts its
-  groups (``tessera.context.abort``), so a collective blocked on a stopped rank (SIGSTOP, a hung
-  NFS read) raises at once instead of at its timeout.
+- Each rank also watches its two ring neighbours' counters (the next and the previous rank
+  that have not left: constant store traffic per rank at any scale, and every rank watched
+  twice, so one watcher that is itself stuck or starved cannot hide a dead rank). A neighbour
+  silent for three intervals is declared on the board; every rank sees the declaration within
+  one interval and aborts its groups (``tessera.context.abort``), so a collective blocked on a
+  stopped rank (SIGSTOP, a hung NFS read) raises at once instead of at its timeout.
 
 The board holds three kinds of post. ``failed``: a rank's own error (the cause). ``silent``: a
 rank declared dead by its watcher. ``affected``: a rank whose collective failed, telling the
@@ -67,6 +68,9 @@ _SILENT_INTERVALS = 3.0
 #: whose heartbeat thread was starved for a moment (an overloaded host, a long call holding
 #: the GIL) must not be declared dead by a short interval (tests use 0.2 s).
 _MIN_SILENCE = 2.0
+
+#: Consecutive failed store calls after which a heartbeat thread stops (the store is gone).
+_STORE_RETRIES = 3
 
 #: Without heartbeats: how long a rank whose collective failed waits for the failed rank's post.
 _POST_GRACE = 1.0
@@ -361,38 +365,49 @@ class _Heartbeat(threading.Thread):
 
     def run(self) -> None:
         sent: str | None = None
-        watch = _Watch(self.board, self.interval)
+        watches = [_Watch(self.board, self.interval, step) for step in (1, -1)]
+        if watches[0].target == watches[1].target:  # two ranks: one neighbour, watched once
+            watches.pop()
+        failures = 0
         while not self.stop_event.is_set():
             where = self.monitor.where
             try:
                 self.board.beat(where if where != sent else None)
                 sent = where
                 if not self.monitor.aborted:
-                    watch.step()
+                    for watch in watches:
+                        watch.step()
                     if self.board.silent_declared():
                         self.monitor.abort()
-            except Exception:  # the store went away (job ending): stop beating quietly
-                return
+                failures = 0
+            except Exception:
+                # one failed store call (a busy host) must not end failure detection for the
+                # rest of the job; the store gone for good (the job ending) does, quietly
+                failures += 1
+                if failures >= _STORE_RETRIES:
+                    return
             self.stop_event.wait(self.interval)
 
 
 class _Watch:
-    """One rank's watch over its ring neighbour's heartbeat (the next rank that has not left).
+    """One rank's watch over a ring neighbour's heartbeat.
 
-    Watching one neighbour keeps the store traffic per rank constant at any world size; every
-    rank is watched as long as its predecessor in the ring lives. Time is measured from the
-    last *observed* change, so a slow watcher never declares a live neighbour dead.
+    ``direction`` 1 watches the next rank that has not left, -1 the previous one. Watching two
+    neighbours keeps the store traffic per rank constant at any world size; every rank is
+    watched as long as one of its neighbours in the ring lives. Time is measured from the last
+    *observed* change, so a slow watcher never declares a live neighbour dead.
     """
 
-    def __init__(self, board: FailureBoard, interval: float) -> None:
+    def __init__(self, board: FailureBoard, interval: float, direction: int = 1) -> None:
         self.board = board
+        self.direction = direction
         self.limit = max(_SILENT_INTERVALS * interval, _MIN_SILENCE)
         self.target: int | None = self._after(board.rank)
         self.count = -1
         self.changed = time.monotonic()
 
     def _after(self, rank: int) -> int | None:
-        nxt = (rank + 1) % self.board.world_size
+        nxt = (rank + self.direction) % self.board.world_size
         return None if nxt == self.board.rank else nxt
 
     def step(self) -> None:
@@ -409,7 +424,9 @@ class _Watch:
         if self.board.has_left(target):
             self.target, self.count, self.changed = self._after(target), -1, now
             return
-        self.board.declare_silent(target, now - self.changed)
+        # the other neighbour's watch may have been first: one post per silent rank
+        if not any(r.kind == SILENT and r.rank == target for r in self.board.reports()):
+            self.board.declare_silent(target, now - self.changed)
         self.target = None
 
 
