@@ -19,8 +19,9 @@ tensor parallelism (``parallelize_module``, ColwiseParallel / RowwiseParallel) o
 Colossal-AI's Linear2p5D omits the all-reduce of weight gradients over the depth layers (each
 depth layer trains on its own share of the batch): the Colossal-AI side here adds it, one
 all-reduce of all its gradients over the depth group after the backward, so both compute the same.
-tessera's side sums them as its engine does, once per step and bucketed
-(``DeferredSumGradientHandler``), instead of one all-reduce per layer inside autograd.
+tessera's side sums them (and its LayerNorms' affine gradients, in every mode) as its engine
+does, once per step and bucketed (``DeferredSumGradientHandler``), instead of one all-reduce
+per layer inside autograd.
 
 Before timing, every implementation is loaded with the same full weights (cut from one
 single-process torch module: tessera through ``load_full_state_dict``, Colossal-AI's shards
@@ -194,8 +195,9 @@ def tessera_impl(block: str, hidden: int, ref: nn.Module, ctx: Any) -> Impl:
         return (lambda t: t) if info is None else (lambda t: t[info.slices])
 
     shards = {name: (shard(p), True) for name, p in model.named_parameters()}
-    # 2.5D's depth sum as the engine runs it: once per step, every layer in one bucket
-    # (DeferredSumGradientHandler), not one all-reduce per layer inside autograd
+    # 2.5D's depth sums and the LayerNorms' affine sums as the engine runs them: once per
+    # step, every layer in one bucket per group (DeferredSumGradientHandler), not one
+    # all-reduce per layer inside autograd
     handler = DeferredSumGradientHandler(model, context=ctx)
     after = handler.handle_gradient if handler.sums else _nothing
     return Impl(model, lambda x: split_activation(x, context=ctx), shards, after_backward=after)

@@ -5,10 +5,11 @@ Imported by the test modules and, through them, by the harness's worker processe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 from torch import nn
 from tp_reference import TOL, first, randomize
 
@@ -55,6 +56,14 @@ def block(x: torch.Tensor, ctx: ParallelContext, layout: Layout) -> torch.Tensor
     if layout == "act":
         x = x.chunk(m.q, -1)[m.row.rank]
     return x
+
+
+def sum_deferred(sums: Mapping[str, Sequence[torch.Tensor]], ctx: ParallelContext) -> None:
+    """What the engine's ``DeferredSumGradientHandler`` does: each gradient summed over its mode."""
+    for mode, params in sums.items():
+        for p in params:
+            assert p.grad is not None
+            tdist.all_reduce(p.grad, group=ctx.get_group(mode))
 
 
 def check_mesh(

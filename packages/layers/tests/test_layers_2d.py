@@ -13,10 +13,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as tdist
 import torch.nn.functional as F
 from blocks import Block
-from mesh_reference import CONFIGS, block, check_mesh, mesh, with_mesh
+from mesh_reference import CONFIGS, block, check_mesh, mesh, sum_deferred, with_mesh
 from torch import nn
 from tp_reference import TOL, BiasAdded, check_returned_bias, randomize
 
@@ -252,11 +251,12 @@ def _layer_cases(ctx: ParallelContext) -> list[Case]:
     return checks
 
 
-def _deferred_depth_sum(ctx: ParallelContext) -> dict[str, int]:
+def _deferred_sums(ctx: ParallelContext) -> dict[str, int]:
     """``defer_gradient_sums`` leaves each layer's depth-replicated gradients as this depth
-    layer's part: summed over DEP by the caller, every gradient equals the reference's (a
-    parameter left out, or one also summed in autograd, would not). Returns how many
-    parameters each layer left to the caller (none in 2D, none for LayerNorm)."""
+    layer's part, and a LayerNorm's affine gradients as this batch block's: summed over the
+    returned groups by the caller, every gradient equals the reference's (a parameter left
+    out, or one also summed in autograd, would not). Returns how many parameters each layer
+    left to the caller."""
     m = mesh(ctx)
     cases = _layer_cases(ctx)
     returned = _cls("Linear", ctx)(H, 12, skip_bias_add=True, context=ctx)
@@ -266,16 +266,9 @@ def _deferred_depth_sum(ctx: ParallelContext) -> dict[str, int]:
     for n, (name, ref, par, inp, in_layout, out_layout) in enumerate(cases):
         sums = defer_gradient_sums([par])
         assert defer_gradient_sums([par]) == sums  # idempotent
-        params = [p for group in sums.values() for p in group]
-        left[name] = len(params)
-
-        def sum_over_depth(params: list[torch.Tensor] = params) -> None:
-            for p in params:
-                assert m.dep is not None and p.grad is not None
-                tdist.all_reduce(p.grad, group=m.dep.group)
-
+        left[name] = sum(len(params) for params in sums.values())
         check_mesh(name, ref, par, inp, ctx, in_layout=in_layout, out_layout=out_layout,
-                   seed=n, after_backward=sum_over_depth)  # fmt: skip
+                   seed=n, after_backward=lambda sums=sums: sum_deferred(sums, ctx))  # fmt: skip
     # a head tied to its embedding: one parameter, used by two deferring layers, summed once
     emb = Embedding(16, H, vocab_parallel=True, context=ctx)
     head = Classifier(H, 16, emb.weight, False, vocab_parallel=True, context=ctx)
@@ -520,7 +513,7 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "summa": _summa,
     "mesh_linear": _mesh_linear,
     "layers": _layers,
-    "deferred_depth_sum": _deferred_depth_sum,
+    "deferred_sums": _deferred_sums,
     "dispatch_skip_bias_add": _dispatch_skip_bias_add,
     "listing_one": _listing_one,
     "block": _block,
@@ -544,10 +537,11 @@ def test_mesh_layers_match_torch(dist, config: str, check: str) -> None:
     suffix = "2D" if mode == "2d" else "2p5D"
     if check == "layers":
         assert all(r == 10 for r in results)
-    elif check == "deferred_depth_sum":
+    elif check == "deferred_sums":
         deep = (CONFIGS[config][2] or 1) > 1  # depth 1 has no DEP to sum over
         left = results[0]
-        assert left["LayerNorm"] == 0 and left["Linear(skip_bias_add)"] == int(deep)
+        assert left["LayerNorm"] == 2 and left["LayerNorm(bias=False)"] == 1  # batch group
+        assert left["Linear(skip_bias_add)"] == int(deep)
         assert left["Linear"] == 2 * deep and left["PatchEmbedding"] == 4 * deep
     elif check == "block":
         assert results[0] == [

@@ -17,10 +17,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from blocks import Block
+from mesh_reference import sum_deferred
 from torch import nn
 from tp_reference import TOL, BiasAdded, check_returned_bias, first, randomize
 
-from tessera.context import ParallelContext, ParallelMode, create_context, get_shard_info
+from tessera.context import (
+    ParallelContext,
+    ParallelMode,
+    create_context,
+    defer_gradient_sums,
+    get_shard_info,
+)
 from tessera.layers import (
     Accuracy,
     Accuracy3D,
@@ -86,8 +93,12 @@ def check(
     in_layout: Layout = "y",
     out_layout: Layout = "y",
     seed: int = 0,
+    after_backward: Callable[[], None] | None = None,
 ) -> None:
-    """Same full weights and input: output, every parameter gradient, the input gradient."""
+    """Same full weights and input: output, every parameter gradient, the input gradient.
+
+    ``after_backward`` runs between the backward and the comparison (a deferred gradient sum).
+    """
     randomize(ref, seed)
     load_full_state_dict(par, ref.state_dict())
     floating = x_full.is_floating_point()
@@ -97,6 +108,8 @@ def check(
     w = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(seed + 1))
     (y_ref * w).sum().backward()
     (y_par * block(w, ctx, out_layout)).sum().backward()
+    if after_backward is not None:
+        after_backward()
     torch.testing.assert_close(
         y_par, block(y_ref.detach(), ctx, out_layout), **TOL, msg=lambda m: f"{name} out: {m}"
     )
@@ -496,6 +509,27 @@ def _cube_linear(ctx: ParallelContext) -> None:
     assert choose_cube_algorithm(1, 4, 4, 2, backward=True) == "stationary"
 
 
+def _deferred_sums(ctx: ParallelContext) -> dict[str, int]:
+    """A LayerNorm3D leaves its affine gradients (this batch plane's part) to the caller of
+    ``defer_gradient_sums``; summed over the returned group they equal the reference's. A
+    Linear3D has no sum to leave. Returns how many parameters each layer left."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, S, H, generator=g)
+    cases: list[tuple[str, nn.Module, nn.Module, torch.Tensor, Layout, Layout]] = [
+        ("LayerNorm y", nn.LayerNorm(H), LayerNorm3D(H, context=ctx), x * 2 + 1, "y", "y"),
+        ("LayerNorm z (bias=False)", nn.LayerNorm(H, bias=False),
+         LayerNorm3D(H, bias=False, layout="z", context=ctx), x, "z", "z"),
+        ("Linear y->z", nn.Linear(H, 12), Linear3D(H, 12, context=ctx), x, "y", "z"),
+    ]  # fmt: skip
+    left: dict[str, int] = {}
+    for n, (name, ref, par, inp, in_layout, out_layout) in enumerate(cases):
+        sums = defer_gradient_sums([par])
+        left[name] = sum(len(params) for params in sums.values())
+        check(name, ref, par, inp, ctx, in_layout=in_layout, out_layout=out_layout, seed=n,
+              after_backward=lambda sums=sums: sum_deferred(sums, ctx))  # fmt: skip
+    return left
+
+
 def _layers_and_dispatch(ctx: ParallelContext) -> int:
     return _layers(ctx) + _dispatch_skip_bias_add(ctx)
 
@@ -505,6 +539,7 @@ def _layers_and_dispatch(ctx: ParallelContext) -> int:
 CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "cube_linear": _cube_linear,
     "layers": _layers_and_dispatch,
+    "deferred_sums": _deferred_sums,
     "blocks": _blocks,
     "two_models": _two_models,
     "loss_and_accuracy": _loss_and_accuracy,
@@ -528,6 +563,8 @@ def test_3d_layers_match_torch(dist, check: str) -> None:
     results = dist.run(_run_check, world_size=8, args=(check,), timeout=300.0)
     if check == "layers":
         assert all(r == 13 for r in results)
+    elif check == "deferred_sums":
+        assert results[0] == {"LayerNorm y": 2, "LayerNorm z (bias=False)": 1, "Linear y->z": 0}
     elif check == "blocks":
         assert results[0] == [
             "LayerNorm3D",

@@ -14,6 +14,7 @@ import torch
 from tessera.context import ParallelContext
 
 from ..grid.norm import GroupLayerNorm
+from ..shared.context_access import GroupInfo
 from .layout import CubeModule, Layout3D, check_layout, check_marked_layout, mark_layout
 
 __all__ = ["LayerNorm3D", "RMSNorm3D"]
@@ -72,8 +73,12 @@ class LayerNorm3D(GroupLayerNorm, CubeModule):
             "a LayerNorm after a parallel='col' Linear is built with "
             "LayerNorm(..., parallel_input=True) (LayerNorm3D(..., layout='z'))",
         )
-        y = self.normalize(x, cube.hidden(self.layout), cube.batch(self.layout))
+        y = self.normalize(x, cube.hidden(self.layout))
         return mark_layout(y, self.layout)
+
+    def batch_group(self) -> GroupInfo:
+        """The ranks holding the other batch blocks of this layout (a plane of the cube)."""
+        return self.cube.batch(self.layout)
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""

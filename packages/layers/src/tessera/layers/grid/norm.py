@@ -8,6 +8,7 @@ hidden dim and which groups replicate the affine parameters; the rest is written
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ..comm.collectives import check_divisible
 from ..shared.context_access import GroupInfo
@@ -55,16 +56,45 @@ class GroupLayerNorm(ParallelNorm, GridModule):
             elementwise_affine, bias, dtype, splits={0: (split.mode,)}, replicated=replicated
         )  # weight, bias [h/q]
 
-    def normalize(self, x: torch.Tensor, split: GroupInfo, batch: GroupInfo) -> torch.Tensor:
+    #: Set by :meth:`defer_gradient_sum`: the affine gradients stay this rank's part.
+    affine_sum_deferred = False
+
+    def batch_group(self) -> GroupInfo:
+        """The ranks whose batch blocks share the parameters (their gradients are summed)."""
+        raise NotImplementedError
+
+    def defer_gradient_sum(self) -> dict[str, list[nn.Parameter]]:
+        """Leave the sum of the affine gradients over the batch group to the training loop.
+
+        Every batch block uses the parameters, so their gradient is the sum of the blocks'
+        parts; done in autograd that is one all-reduce per norm and backward. Afterwards
+        ``weight.grad`` and ``bias.grad`` hold this rank's part until the caller sums them
+        over the returned mode (see :class:`tessera.context.DefersGradientSum`).
+        """
+        batch = self.batch_group()
+        params = [p for p in (self.weight, self.bias) if isinstance(p, nn.Parameter)]
+        if batch.world_size == 1 or not params:
+            return {}
+        self.affine_sum_deferred = True
+        return {batch.mode: params}
+
+    def normalize(self, x: torch.Tensor, split: GroupInfo) -> torch.Tensor:
         """LayerNorm of ``x`` ``[.., h/q]`` over ``split``.
 
-        Every batch block uses the parameters, so their gradients are summed over ``batch``
-        (one all-reduce for both).
+        Every batch block uses the parameters, so their gradients are summed over the batch
+        group (one all-reduce for both), unless that sum was deferred.
         """
         grid = self.grid
         grid.check_local(
             x, -1, self.hidden // grid.q, f"{self.owner}({self.hidden})", name="normalized_shape"
         )
         return layer_norm_over_group(
-            x, self.weight, self.bias, self.hidden, self.eps, split, rms=self.RMS, param_group=batch
+            x,
+            self.weight,
+            self.bias,
+            self.hidden,
+            self.eps,
+            split,
+            rms=self.RMS,
+            param_group=None if self.affine_sum_deferred else self.batch_group(),
         )

@@ -10,10 +10,12 @@ batch block, so their gradients are summed over the batch group.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from tessera.context import ParallelContext
 
 from ..grid.norm import GroupLayerNorm
+from ..shared.context_access import GroupInfo
 from .layout import MeshModule
 
 __all__ = [
@@ -65,9 +67,17 @@ class MeshLayerNorm(GroupLayerNorm, MeshModule):
             (mesh.col.mode, *mesh.depth_modes),
         )
 
+    def batch_group(self) -> GroupInfo:
+        """The batch group: COL in 2D, XZ (COL and DEP) in 2.5D."""
+        return self.mesh.batch
+
+    def defer_gradient_sum(self) -> dict[str, list[nn.Parameter]]:
+        """See :meth:`GroupLayerNorm.defer_gradient_sum` (the mesh's depth sum is not used)."""
+        return GroupLayerNorm.defer_gradient_sum(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
-        return self.normalize(x, self.mesh.row, self.mesh.batch)
+        return self.normalize(x, self.mesh.row)
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""
