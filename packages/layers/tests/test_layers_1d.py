@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 from tp_reference import (
@@ -19,7 +20,7 @@ from tp_reference import (
     with_context,
 )
 
-from tessera.context import ParallelContext, get_shard_info
+from tessera.context import ParallelContext, defer_gradient_sums, get_shard_info
 from tessera.layers import (
     Classifier1D,
     Embedding1D,
@@ -259,6 +260,53 @@ def _layers_sequence_parallel(ctx: ParallelContext) -> int:
     return len(checks)
 
 
+#: What each layer of ``_deferred_sums`` leaves to the caller.
+DEFERRED = {"LayerNorm1D[sp]": 2, "Linear1DRow[sp]": 1, "Linear1DCol[sp]": 0, "LayerNorm1D": 0}
+
+
+def _deferred_sums(ctx: ParallelContext) -> dict[str, int]:
+    """Under sequence parallelism a LayerNorm's parameters and a row layer's bias leave their
+    sum over the 1D group (each rank saw its own tokens) to the caller of
+    ``defer_gradient_sums``, as Megatron-LM sums them at the step; summed over the returned
+    group, every gradient equals the reference's. Without sequence parallelism, and for
+    parameters split over the group, nothing is deferred. Returns how many parameters each
+    layer left."""
+    x, _, _ = _inputs(3)
+    features = torch.randn(B, S, 16, generator=torch.Generator().manual_seed(6))
+    cases = [
+        ("LayerNorm1D[sp]", nn.LayerNorm(H), LayerNorm1D(H, sequence_parallel=True, context=ctx),
+         x, 1, 1),
+        ("Linear1DRow[sp]", nn.Linear(16, H), Linear1DRow(16, H, sequence_parallel=True,
+         context=ctx), features, -1, 1),
+        ("Linear1DCol[sp]", nn.Linear(H, 16), Linear1DCol(H, 16, sequence_parallel=True,
+         context=ctx), x, 1, -1),
+        ("LayerNorm1D", nn.LayerNorm(H), LayerNorm1D(H, context=ctx), x, None, None),
+    ]  # fmt: skip
+    left: dict[str, int] = {}
+    for i, (name, ref, par, inp, in_split, out_split) in enumerate(cases):
+        sums = defer_gradient_sums([par])
+        left[name] = sum(len(params) for params in sums.values())
+
+        def sum_parts(sums: dict[str, list[nn.Parameter]] = sums) -> None:
+            for mode, params in sums.items():
+                for p in params:
+                    assert p.grad is not None
+                    tdist.all_reduce(p.grad, group=ctx.get_group(mode))
+
+        check_against_reference(
+            name,
+            ref,
+            par,
+            inp,
+            ctx,
+            in_split=in_split,
+            out_split=out_split,
+            seed=50 + i,
+            after_backward=sum_parts,
+        )
+    return left
+
+
 def _streamed_row(ctx: ParallelContext) -> int:
     """Linear1DRow(stream_chunk_num=3) at inference equals the whole layer (and nn.Linear)."""
     x16 = torch.randn(B, S, 16, generator=torch.Generator().manual_seed(9))
@@ -340,6 +388,7 @@ CHECKS: dict[str, tuple[Callable[[ParallelContext], Any], bool, dict[int, int] |
     "dispatch_skip_bias_add": (_dispatch_skip_bias_add, False, {2: 3, 4: 3}),
     "dispatch_skip_bias_add_sp": (_dispatch_skip_bias_add, True, {2: 3, 4: 3}),
     "sequence_parallel": (_layers_sequence_parallel, True, {2: 8, 4: 7}),
+    "deferred_sums": (_deferred_sums, False, {tp: DEFERRED for tp in (2, 4)}),
 }
 
 

@@ -100,8 +100,11 @@ def check_against_reference(
     in_split: int | None = None,
     out_split: int | None = None,
     seed: int = 0,
+    after_backward: Callable[[], None] | None = None,
 ) -> None:
     """Same full weights and input: outputs, parameter gradients and input gradients agree.
+
+    ``after_backward`` runs between the backward and the comparison (a deferred gradient sum).
 
     ``in_split``/``out_split``: the dim along which the parallel layer's input/output is this
     rank's block of the full tensor (None: replicated). The loss of each rank is a fixed
@@ -117,6 +120,8 @@ def check_against_reference(
     w = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(seed + 1))
     (y_ref * w).sum().backward()
     (y_par * chunk(w, out_split, ctx)).sum().backward()
+    if after_backward is not None:
+        after_backward()
     torch.testing.assert_close(
         y_par, chunk(y_ref.detach(), out_split, ctx), **TOL, msg=lambda m: f"{name} output: {m}"
     )

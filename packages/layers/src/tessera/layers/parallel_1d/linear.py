@@ -23,7 +23,6 @@ from ..comm.collectives import check_divisible
 from ..comm.inflight import start_all_reduce
 from ..comm.ops import (
     apply_function,
-    copy_to_group,
     gather_along_dim,
     reduce_from_group,
     reduce_scatter_along_dim,
@@ -220,6 +219,8 @@ class Linear1DRow(DenseModule, Module1D):
         context: The ParallelContext (default the current one).
     """
 
+    SEQUENCE_SUMMED = ("bias",)  # added to this rank's tokens only under sequence parallelism
+
     def __init__(
         self,
         in_features: int,
@@ -314,7 +315,7 @@ class Linear1DRow(DenseModule, Module1D):
             y = reduce_from_group(y, group)  # g
         bias: torch.Tensor | None = self.bias
         if bias is not None and self.sequence_parallel:
-            bias = copy_to_group(bias, group)
+            bias = self.summed_over_group(bias)
         if self.skip_bias_add:
             return y, bias
         return y if bias is None else y + bias

@@ -5,7 +5,8 @@ hidden dim, so the statistics are local. Under sequence parallelism each rank no
 own slice of the sequence and its weight/bias gradients are partial: the forward routes the
 parameters through f (``copy_to_group``), whose backward sums them (Korthikanti et al. 2022
 all-reduce these gradients in the optimizer; doing it in autograd keeps tessera's contract that
-``.grad`` is complete after backward).
+``.grad`` is complete after backward, and the engine defers it to the step:
+``Module1D.defer_gradient_sum``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch.nn.functional as F
 
 from tessera.context import ParallelContext
 
-from ..comm.ops import copy_to_group
 from ..shared.base import Module1D
 from ..shared.input_checks import check_input_dim
 from ..shared.norm_over_group import ParallelNorm, check_norm_bias, layer_norm_over_group
@@ -42,6 +42,8 @@ class LayerNorm1D(ParallelNorm, Module1D):
         context: The ParallelContext (default the current one).
     """
 
+    SEQUENCE_SUMMED = ("weight", "bias")
+
     def __init__(
         self,
         normalized_shape: int | tuple[int, ...],
@@ -67,9 +69,8 @@ class LayerNorm1D(ParallelNorm, Module1D):
         if len(self.normalized_shape) == 1 and x.shape[-1:] != self.normalized_shape:
             return self._split_features(x)
         if self.sequence_parallel:
-            group = self.tp.group
-            weight = None if weight is None else copy_to_group(weight, group)
-            bias = None if bias is None else copy_to_group(bias, group)
+            weight = None if weight is None else self.summed_over_group(weight)
+            bias = None if bias is None else self.summed_over_group(bias)
         if self.RMS:
             return F.rms_norm(x, self.normalized_shape, weight, self.eps)
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
@@ -92,9 +93,8 @@ class LayerNorm1D(ParallelNorm, Module1D):
         )
         local = h // world
         block = slice(self.tp.rank * local, (self.tp.rank + 1) * local)
-        group = self.tp.group
-        weight = None if self.weight is None else copy_to_group(self.weight, group)[block]
-        bias = None if self.bias is None else copy_to_group(self.bias, group)[block]
+        weight = None if self.weight is None else self.summed_over_group(self.weight)[block]
+        bias = None if self.bias is None else self.summed_over_group(self.bias)[block]
         return layer_norm_over_group(x, weight, bias, h, self.eps, self.tp, rms=self.RMS)
 
     def extra_repr(self) -> str:

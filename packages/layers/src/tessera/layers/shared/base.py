@@ -8,12 +8,14 @@ families subclass it (``Module1D`` here; 2D, 2.5D and 3D add theirs) and keep th
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from tessera.context import ModeLike, ParallelContext, ParallelMode
 
+from ..comm.ops import copy_to_group
 from .context_access import GroupInfo, group_info, resolve_context
 from .initializers import Initializer
 from .input_checks import check_input
@@ -92,6 +94,11 @@ class Module1D(ParallelModule):
 
     #: The dim of ``[batch, seq, hidden]`` that 1D sequence parallelism splits.
     SEQUENCE_DIM = 1
+    #: Parameters used on this rank's tokens only under sequence parallelism (a LayerNorm's,
+    #: a row layer's bias): their gradient is this rank's part, summed over the 1D group.
+    SEQUENCE_SUMMED: ClassVar[tuple[str, ...]] = ()
+    #: Set by :meth:`defer_gradient_sum`: that sum is the training loop's.
+    sequence_sum_deferred = False
 
     def __init__(
         self,
@@ -108,6 +115,33 @@ class Module1D(ParallelModule):
     def split_mode(self) -> str:
         """The mode 1D splits parameters over."""
         return ParallelMode.PARALLEL_1D.value
+
+    def summed_over_group(self, param: torch.Tensor) -> torch.Tensor:
+        """``param`` routed so that its gradient is summed over the 1D group.
+
+        Through f (``copy_to_group``), whose backward sums it; unchanged once that sum was
+        deferred to the training loop.
+        """
+        return param if self.sequence_sum_deferred else copy_to_group(param, self.tp.group)
+
+    def defer_gradient_sum(self) -> dict[str, list[nn.Parameter]]:
+        """Under sequence parallelism, leave the sum of :attr:`SEQUENCE_SUMMED` to the loop.
+
+        Korthikanti et al. 2022 all-reduce these gradients once per optimizer step; in
+        autograd it is one all-reduce per layer and backward. Afterwards their ``.grad`` holds
+        this rank's tokens' part until the caller sums it over the returned mode (see
+        :class:`tessera.context.DefersGradientSum`). Without sequence parallelism nothing is
+        partial and nothing is deferred.
+        """
+        params = [
+            p
+            for name in self.SEQUENCE_SUMMED
+            if isinstance(p := getattr(self, name, None), nn.Parameter)
+        ]
+        if not self.sequence_parallel or self.tp.world_size == 1 or not params:
+            return {}
+        self.sequence_sum_deferred = True
+        return {self.tp.mode: params}
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""
