@@ -220,6 +220,20 @@ def test_a_silent_rank_is_declared_by_either_neighbour_once() -> None:
     assert [(r.rank, r.kind) for r in _board(0, 3, store).reports()] == [(1, "silent")]
     after.step()  # late, and not twice
     assert len(_board(0, 3, store).reports()) == 1 and after.target is None
+    assert _board(0, 3, store).silent_declared()
+
+
+def test_a_watch_restarted_after_a_store_stall_declares_no_one() -> None:
+    from tessera.context.failures import _Watch
+
+    store = tdist.HashStore()
+    _board(1, 3, store).beat()
+    watch = _Watch(_board(0, 3, store), 0.01, 1)
+    watch.step()
+    time.sleep(2.1)  # silent long enough, but this watcher could not read the store meanwhile
+    watch.restart()
+    watch.step()
+    assert _board(0, 3, store).reports() == [] and watch.target == 1
 
 
 def test_heartbeat_thread_beats_and_stops() -> None:

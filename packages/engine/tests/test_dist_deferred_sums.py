@@ -17,7 +17,7 @@ import torch.distributed as tdist
 from engine_testlib import _CopyToTensor
 from torch import nn
 
-from tessera.context import ParallelMode, create_context, defer_gradient_sums
+from tessera.context import ConfigError, ParallelMode, create_context, defer_gradient_sums
 from tessera.engine import DeferredSumGradientHandler, initialize
 
 M = ParallelMode
@@ -125,6 +125,13 @@ def _other_context() -> str:
             DeferredSumGradientHandler(layer, context=ctx)
         tied = nn.ModuleList([layer, layer])  # the same layer twice: its weight once
         assert [len(v) for v in defer_gradient_sums([tied]).values()] == [1]
+        # switched by a first initialize, the model cannot go on without the handler
+        again = HalfBatchLinear(_full(), ctx)
+        initialize(again, torch.optim.SGD(again.parameters(), lr=0.1), context=ctx)
+        explicit = dict(gradient_handlers=[dict(type="DataParallelGradientHandler")])
+        with pytest.raises(ConfigError, match=r"leave the sums of \['weight \(over parallel_1d"):
+            initialize(again, torch.optim.SGD(again.parameters(), lr=0.1), config=explicit,
+                       context=ctx)  # fmt: skip
         return "refused"
     finally:
         ctx.destroy()

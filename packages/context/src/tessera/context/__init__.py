@@ -23,7 +23,12 @@ from tessera.context.failures import (
     RankFailedError,
     is_communication_error,
 )
-from tessera.context.gradient_sums import DefersGradientSum, defer_gradient_sums
+from tessera.context.gradient_sums import (
+    DEFERRED_SUM_ATTR,
+    DefersGradientSum,
+    defer_gradient_sums,
+    deferred_sum_mode,
+)
 from tessera.context.groups import Membership, ProcessGroups
 from tessera.context.initializers import (
     PROCESS_GROUP_INITIALIZERS,
@@ -115,8 +120,10 @@ __all__ = [
     "set_shard_info",
     "get_shard_info",
     # gradient sums a layer leaves to the training loop
+    "DEFERRED_SUM_ATTR",
     "DefersGradientSum",
     "defer_gradient_sums",
+    "deferred_sum_mode",
     # weights tied across pipeline stages
     "PIPELINE_SHARED_ATTR",
     "mark_pipeline_shared",

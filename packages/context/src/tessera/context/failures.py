@@ -284,8 +284,12 @@ class FailureBoard:
         message = f"no heartbeat for {seconds:.1f} s (noticed by rank {self.rank})"
         report = FailureReport(rank, where, "NoHeartbeat", message, time.time(), SILENT)
         self._write(report)
-        self.store.add(self._key("silent"), 1)
+        self.raise_silent_flag()
         return report
+
+    def raise_silent_flag(self) -> None:
+        """Tell every rank that a rank was declared dead (their heartbeats then abort)."""
+        self.store.add(self._key("silent"), 1)
 
     def silent_declared(self) -> bool:
         """Whether any rank has been declared dead (one store round trip)."""
@@ -386,6 +390,8 @@ class _Heartbeat(threading.Thread):
                 failures += 1
                 if failures >= _STORE_RETRIES:
                     return
+                for watch in watches:  # a stalled store stalls every beat: no one is silent
+                    watch.restart()
             self.stop_event.wait(self.interval)
 
 
@@ -410,6 +416,10 @@ class _Watch:
         nxt = (rank + self.direction) % self.board.world_size
         return None if nxt == self.board.rank else nxt
 
+    def restart(self) -> None:
+        """Count the silence afresh from now (after this watcher could not read the store)."""
+        self.changed = time.monotonic()
+
     def step(self) -> None:
         target = self.target
         if target is None:
@@ -424,8 +434,11 @@ class _Watch:
         if self.board.has_left(target):
             self.target, self.count, self.changed = self._after(target), -1, now
             return
-        # the other neighbour's watch may have been first: one post per silent rank
-        if not any(r.kind == SILENT and r.rank == target for r in self.board.reports()):
+        # the other neighbour's watch may have been first: one post per silent rank, and the
+        # flag raised either way (a post whose flag failed to go up is completed here)
+        if any(r.kind == SILENT and r.rank == target for r in self.board.reports()):
+            self.board.raise_silent_flag()
+        else:
             self.board.declare_silent(target, now - self.changed)
         self.target = None
 

@@ -23,7 +23,10 @@ from typing import Protocol, runtime_checkable
 
 from torch import nn
 
-__all__ = ["DefersGradientSum", "defer_gradient_sums"]
+__all__ = ["DEFERRED_SUM_ATTR", "DefersGradientSum", "defer_gradient_sums", "deferred_sum_mode"]
+
+#: The attribute :func:`defer_gradient_sums` sets on each parameter it returns: its mode.
+DEFERRED_SUM_ATTR = "_tessera_deferred_sum"
 
 
 @runtime_checkable
@@ -44,7 +47,8 @@ def defer_gradient_sums(modules: Iterable[nn.Module]) -> dict[str, list[nn.Param
     Returns:
         ``{mode: parameters}``, each parameter once (a weight tied between two layers appears
         under one mode), in module order: from now on the caller must sum their gradients
-        over ``mode``'s group before every optimizer step, or the model trains wrong.
+        over ``mode``'s group before every optimizer step, or the model trains wrong. Each
+        returned parameter is marked (:func:`deferred_sum_mode`).
 
     Raises:
         ValueError: a parameter would be left partial over two different modes.
@@ -61,9 +65,20 @@ def defer_gradient_sums(modules: Iterable[nn.Module]) -> dict[str, list[nn.Param
                     if seen is None:
                         mode_of[id(p)] = mode
                         found.setdefault(mode, []).append(p)
+                        setattr(p, DEFERRED_SUM_ATTR, mode)
                     elif seen != mode:
                         raise ValueError(
                             f"defer_gradient_sums: a parameter {list(p.shape)} of "
                             f"{type(module).__name__} is partial over {seen!r} and {mode!r}"
                         )
     return found
+
+
+def deferred_sum_mode(param: nn.Parameter) -> str | None:
+    """The mode over which ``param``'s gradient was left partial, or ``None``.
+
+    A model whose layers were switched once stays switched: whoever trains it must sum these
+    gradients (tessera.engine checks that a ``DeferredSumGradientHandler`` does).
+    """
+    mode = getattr(param, DEFERRED_SUM_ATTR, None)
+    return mode if isinstance(mode, str) else None

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.context import ConfigError, ParallelContext, ParallelMode
+from tessera.context import ConfigError, ParallelContext, ParallelMode, deferred_sum_mode
 from tessera.pipeline import (
     InterleavedPipelineSchedule,
     PipelineRunner,
@@ -278,6 +278,7 @@ def _gradient_sync(
             forward_model = nn.parallel.DistributedDataParallel(
                 forward_model, process_group=ctx.get_group(ParallelMode.DATA), **ddp_kwargs
             )
+    _check_deferred_sums(handlers, forward_model)
     if pipeline_size > 1 and not any(
         isinstance(h, PipelineSharedModuleGradientHandler) for h in handlers
     ):
@@ -286,6 +287,37 @@ def _gradient_sync(
         # at construction, nothing per step
         handlers.append(PipelineSharedModuleGradientHandler(forward_model, optimizer, ctx))
     return handlers, forward_model
+
+
+def _check_deferred_sums(
+    handlers: list[BaseGradientHandler], forward_model: nn.Module | list[nn.Module]
+) -> None:
+    """A model whose layers leave gradient sums to the loop must get a handler that sums them.
+
+    Its layers were switched by an earlier ``DeferredSumGradientHandler`` (an earlier
+    ``initialize`` of the same model); without one now, nothing would sum them: silently wrong.
+
+    Raises:
+        ConfigError: naming the parameters and what to do.
+    """
+    if any(isinstance(h, DeferredSumGradientHandler) for h in handlers):
+        return
+    modules = [forward_model] if isinstance(forward_model, nn.Module) else forward_model
+    left = [
+        f"{name} (over {mode})"
+        for m in modules
+        for name, p in m.named_parameters()
+        if (mode := deferred_sum_mode(p)) is not None
+    ]
+    if left:
+        more = " ..." if len(left) > 3 else ""
+        raise ConfigError(
+            f"gradient_handlers: the model's layers leave the sums of {left[:3]}{more} to a "
+            "DeferredSumGradientHandler (switched by an earlier initialize of this model), and "
+            "none is configured now (explicit gradient_handlers, or ZeRO-2/3); add "
+            "dict(type='DeferredSumGradientHandler') to gradient_handlers, or build the model "
+            "afresh"
+        )
 
 
 def _schedule(

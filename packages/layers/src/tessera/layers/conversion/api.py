@@ -186,12 +186,13 @@ def parallelize(
     if mode not in SUPPORTED_MODES:
         raise ModeNotImplementedError("parallelize", mode, SUPPORTED_MODES)
     chosen = plan_for(model, plan)
-    if chosen.sequence_span is not None:
-        chosen = replace(chosen, sequence_span=resolve_span(model, chosen.sequence_span))
     roles = match_plan(model, chosen, mode)
     check_meta_buffers(model)
     check_same_weights(model, ctx)
     sequence_parallel = mode == "1d" and sequence_parallel_default(ctx)
+    splits_tokens = sequence_parallel or (mode == "sequence" and chosen.boundary == "images")
+    if splits_tokens and chosen.sequence_span is not None:  # the only modes that read it
+        chosen = replace(chosen, sequence_span=resolve_span(model, chosen.sequence_span))
     if sequence_parallel and chosen.boundary == "tokens" and chosen.sequence_span is None:
         raise ValueError(
             f"parallelize: tensor.sequence_parallel is on, but the {chosen.name} names no "

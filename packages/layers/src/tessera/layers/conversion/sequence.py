@@ -63,13 +63,17 @@ IMPLS: tuple[AttentionImpl, ...] = ("ring", "all_to_all")
 _KEY_MASK_MARK = "_tessera_whole_key_mask"
 
 
-def key_mask_for_attention(padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def key_mask_for_attention(padding: torch.Tensor) -> torch.Tensor:
     """``[b, s]`` padding mask of the whole sequence (nonzero: a token) -> ``[b, 1, 1, s]``.
 
-    Additive, in ``dtype``, and marked so that :func:`sequence_attention` takes it as the key
-    mask over every rank's tokens.
+    A keep-mask (bool, True: attend), marked so that :func:`sequence_attention` takes it as the
+    key mask over every rank's tokens and makes it additive in the scores' own dtype (built
+    in another dtype, e.g. fp32 under autocast, its lowest value would be ``-inf`` in half
+    precision, and a query whose every visible key is padding would softmax to NaN). A
+    pipeline stage passes one on every call, also without padding, so a block never falls
+    back to the model's :class:`KeyPadding`, which stages do not set.
     """
-    mask = additive_mask(padding[:, None, None, :].detach(), dtype)  # [b, 1, 1, s]
+    mask = padding[:, None, None, :].detach() != 0  # [b, 1, 1, s]
     setattr(mask, _KEY_MASK_MARK, True)
     return mask
 
@@ -143,10 +147,14 @@ def sequence_attention(
             f"{type(module).__name__} uses attention {ATTENTION_NAME!r} but was not converted "
             "by tessera.layers.parallelize under tensor mode 'sequence'"
         )
-    key_mask = spec.padding.whole(query.shape[0], query.shape[-2], query.dtype)
     if attention_mask is not None and getattr(attention_mask, _KEY_MASK_MARK, False):
-        key_mask = attention_mask.to(query.dtype)  # a pipeline stage's, over every key
-    elif attention_mask is not None:
+        # a pipeline stage's, over every key: nothing masked, or additive in the scores' dtype
+        key_mask = (
+            None if bool(attention_mask.all()) else additive_mask(attention_mask, query.dtype)
+        )
+    elif attention_mask is None:
+        key_mask = spec.padding.whole(query.shape[0], query.shape[-2], query.dtype)
+    else:
         raise ValueError(
             f"{type(module).__name__} under tensor mode 'sequence' got an attention mask of "
             f"shape {list(attention_mask.shape)} from transformers; pass padding as the model's "

@@ -306,12 +306,11 @@ class BlockStage(nn.Module):
 
         No causal mask is built: the ring attention masks the future by global position.
         """
-        chunk = hidden.shape[1]
+        chunk, size = hidden.shape[1], ring.get_world_size(ParallelMode.SEQUENCE)
         start = chunk * ring.get_local_rank(ParallelMode.SEQUENCE)
         positions = torch.arange(start, start + chunk, device=hidden.device).unsqueeze(0)
-        kwargs: dict[str, Any] = {}
-        if padding is not None and not bool(padding.all()):
-            kwargs["attention_mask"] = key_mask_for_attention(padding, hidden.dtype)
+        whole = padding if padding is not None else hidden.new_ones(hidden.shape[0], chunk * size)
+        kwargs: dict[str, Any] = {"attention_mask": key_mask_for_attention(whole)}  # [b, s]
         if self.family.mask == "causal":
             kwargs["position_ids"] = positions  # [1, s/N]
         rotary = self._rotary[0]
