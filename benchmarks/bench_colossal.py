@@ -163,7 +163,8 @@ class Impl:
 
     ``split`` maps a full activation to this rank's block; ``shards`` maps each parameter name
     to (full tensor -> this rank's shard, whether this rank's gradient of it is meaningful);
-    ``grad`` reads a parameter's local gradient; ``after_backward`` runs after each backward.
+    ``grad`` reads a parameter's local gradient; ``before_forward`` runs before each forward and
+    ``after_backward`` after each backward.
     """
 
     model: nn.Module
@@ -171,6 +172,7 @@ class Impl:
     shards: dict[str, tuple[Slicer, bool]]
     grad: Callable[[torch.Tensor], torch.Tensor] = _local_grad
     after_backward: Callable[[], None] = _nothing
+    before_forward: Callable[[], None] = _nothing
     params: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -199,8 +201,20 @@ def tessera_impl(block: str, hidden: int, ref: nn.Module, ctx: Any) -> Impl:
     # step, every layer in one bucket per group (DeferredSumGradientHandler), not one
     # all-reduce per layer inside autograd
     handler = DeferredSumGradientHandler(model, context=ctx)
-    after = handler.handle_gradient if handler.sums else _nothing
-    return Impl(model, lambda x: split_activation(x, context=ctx), shards, after_backward=after)
+    if not handler.sums:
+        return Impl(model, lambda x: split_activation(x, context=ctx), shards)
+
+    def after() -> None:
+        handler.after_backward()  # what the backward started (overlap), then the rest
+        handler.handle_gradient()
+
+    return Impl(
+        model,
+        lambda x: split_activation(x, context=ctx),
+        shards,
+        after_backward=after,
+        before_forward=functools.partial(handler.before_backward, True),
+    )
 
 
 def torch_tp_impl(block: str, hidden: int, ref: nn.Module, mesh: Any) -> Impl:
@@ -338,6 +352,7 @@ def check(impl: Impl, ref: nn.Module, hidden: int) -> dict[str, float]:
     (y_ref * g_full).sum().backward()
     x = impl.split(x_full).detach().clone().requires_grad_()
     impl.model.zero_grad(set_to_none=True)
+    impl.before_forward()
     y = impl.model(x)
     (y * impl.split(g_full)).sum().backward()
     impl.after_backward()
@@ -366,6 +381,7 @@ def step(impl: Impl, opt: torch.optim.Optimizer, x: torch.Tensor, g: torch.Tenso
     dist.barrier()
     start = time.perf_counter()
     opt.zero_grad(set_to_none=True)
+    impl.before_forward()
     (impl.model(x) * g).sum().backward()
     impl.after_backward()
     opt.step()

@@ -71,6 +71,9 @@ def _train(explicit_handlers: bool) -> dict[str, Any]:
             layer, torch.optim.SGD(layer.parameters(), lr=0.1), config=config, context=ctx
         )
         handlers = [type(h).__name__ for h in engine.gradient_handlers]
+        deferred = [
+            h for h in engine.gradient_handlers if isinstance(h, DeferredSumGradientHandler)
+        ]
         partial_after_backward = []
         for step in range(2 * ACCUMULATION):
             x, t = _batch(step)
@@ -85,6 +88,7 @@ def _train(explicit_handlers: bool) -> dict[str, Any]:
         return dict(
             handlers=handlers,
             partial=partial_after_backward,
+            sent_during_backward=[h.sent_during_backward for h in deferred],
             weight=layer.weight.detach().clone(),
             bias=layer.bias.detach().clone(),
         )
@@ -115,6 +119,8 @@ def test_deferred_sums_run_once_per_step_and_train_like_one_process(
         else:
             assert "DeferredSumGradientHandler" in got["handlers"]
             assert all(got["partial"])  # each rank's part until the step sums it
+            # the last micro-step's backward starts the sum; the first ones do not
+            assert got["sent_during_backward"] == [2]
 
 
 def _other_context() -> str:
@@ -139,3 +145,97 @@ def _other_context() -> str:
 
 def test_a_sum_over_a_mode_the_context_lacks_is_refused(dist: Any) -> None:
     assert dist.run(_other_context, world_size=2, timeout=60) == ["refused", "refused"]
+
+
+class TwoLayers(nn.Module):
+    """Two deferring layers and one the forward never uses (registered first)."""
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.unused = HalfBatchLinear(nn.Linear(3, 3), ctx)
+        self.first = HalfBatchLinear(nn.Linear(3, 3), ctx)
+        self.second = HalfBatchLinear(_full(), ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+def _overlapped(overlap: bool, data: int) -> dict[str, Any]:
+    parallel = dict(data=data, tensor=dict(size=2, mode="1d"))
+    ctx = create_context(dict(parallel=parallel), timeout=60)
+    try:
+        # this rank's quarter (data 2) or half of the batch
+        rows = 4 // (2 * data)
+        start = rows * (ctx.get_local_rank(M.DATA) * 2 + ctx.get_local_rank(M.PARALLEL_1D))
+        mine = slice(start, start + rows)
+        model = TwoLayers(ctx)
+        config: dict[str, Any] = {}
+        if data == 1:  # tiny buckets: one parameter each
+            handler = dict(type="DeferredSumGradientHandler", bucket_size_mb=1e-6, overlap=overlap)
+            config["gradient_handlers"] = [handler]
+        else:  # DDP, told about the unused layer
+            config["ddp"] = dict(find_unused_parameters=True)
+        engine, *_ = initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), config=config, context=ctx
+        )
+        (deferred,) = engine.gradient_handlers
+        assert isinstance(deferred, DeferredSumGradientHandler)
+        sent = []
+        for step in range(2):
+            x, t = _batch(step)
+            engine.zero_grad()
+            engine.backward(_loss(engine(x[mine]), t[mine]))
+            sent.append(deferred.sent_during_backward)
+            engine.step()
+        late = ""
+        if overlap and data == 1:  # a second backward of the same forward reaches a sum sent
+            loss = _loss(engine(x[mine]), t[mine])
+            loss.backward(retain_graph=True)
+            with pytest.raises(RuntimeError, match=r"'second.weight' got a second gradient") as e:
+                loss.backward()
+            late = str(e.value)
+        return dict(
+            sent=sent,
+            late=late,
+            unused_grad=model.unused.weight.grad,
+            state={k: v.detach().clone() for k, v in model.state_dict().items()},
+        )
+    finally:
+        ctx.destroy()
+
+
+@pytest.mark.parametrize(
+    ("overlap", "data"), [(True, 1), (False, 1), (True, 2)], ids=["overlap", "at_step", "ddp"]
+)
+def test_sums_sent_during_the_backward_equal_one_process(
+    dist: Any, overlap: bool, data: int
+) -> None:
+    """Buckets of one parameter each: the two used ones are sent inside the backward, in
+    order; the unused one (last in bucket order) waits for the step and stays ``None``.
+
+    Under DDP (data 2) nothing is sent inside the backward: DDP rewrites ``.grad`` with the
+    replicas' mean at its end, which would overwrite a sum started before.
+    """
+    results = dist.run(_overlapped, world_size=2 * data, args=(overlap, data), timeout=120)
+    ref = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    torch.manual_seed(5)
+    unused = nn.Linear(3, 3)
+    ref[0].load_state_dict(nn.Linear(3, 3).state_dict())
+    ref[2].load_state_dict(_full().state_dict())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        x, t = _batch(step)
+        opt.zero_grad()
+        (_loss(ref(x), t) / data).backward()  # DDP: the mean of the replicas' sums
+        opt.step()
+    want = {"unused.weight": unused.weight, "unused.bias": unused.bias}
+    want |= {f"first.{k}": v for k, v in ref[0].state_dict().items()}
+    want |= {f"second.{k}": v for k, v in ref[2].state_dict().items()}
+    for got in results:
+        assert got["state"].keys() == want.keys()
+        for name, value in want.items():
+            torch.testing.assert_close(got["state"][name], value.detach(), rtol=1e-6, atol=1e-6)
+        assert got["unused_grad"] is None  # no rank used it: the optimizer skipped it
+        assert got["sent"] == ([2, 4] if overlap and data == 1 else [0, 0])
+        assert ("overlap=False" in got["late"]) == (overlap and data == 1)

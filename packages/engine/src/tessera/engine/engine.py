@@ -202,6 +202,14 @@ class Engine:
         self._ddp_modules = [
             m for m in self._modules if isinstance(m, nn.parallel.DistributedDataParallel)
         ]
+        # handlers told which backward precedes a step, to overlap their sums with it: only
+        # where each micro-step runs one backward and no DDP hook rewrites .grad meanwhile
+        one_backward = isinstance(self._schedule, NonPipelineSchedule) and isinstance(
+            model, nn.Module
+        )
+        self._backward_listeners = (
+            list(self._handlers) if one_backward and not self._ddp_modules else []
+        )
         self._sync_setters: list[Callable[[bool], None]] = []
         for m in self._modules:
             setter = getattr(m, "set_requires_gradient_sync", None)  # FSDP2 modules
@@ -349,6 +357,8 @@ class Engine:
             ddp.require_backward_grad_sync = enabled
         for setter in self._sync_setters:
             setter(enabled)
+        for handler in self._backward_listeners:
+            handler.before_backward(enabled)
 
     @guarded("engine.forward")
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -539,6 +549,8 @@ class Engine:
         self._micro_step += 1
         if self._micro_step % self.gradient_accumulation != 0:
             return False
+        for handler in self._handlers:
+            handler.after_backward()
         for handler in self._handlers:
             handler.handle_gradient()
         losses, self._backpropagated_losses = self._backpropagated_losses, []

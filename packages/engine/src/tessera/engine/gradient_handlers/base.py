@@ -57,6 +57,24 @@ class BaseGradientHandler(ABC):
         for m in modules:
             yield from m.parameters()
 
+    def before_backward(self, final: bool) -> None:
+        """The next backward is the last before an optimizer step (``final``), or not.
+
+        The engine says so before each forward of a step that runs one backward on one
+        module (not for pipeline chunks, nor under DDP, whose own hooks change ``.grad``
+        during the backward). A handler that overlaps its communication with the backward
+        arms its autograd hooks here; by default nothing happens.
+        """
+        del final  # nothing to arm
+
+    def after_backward(self) -> None:
+        """Finish what :meth:`before_backward` started (by default nothing).
+
+        The engine calls every handler's before any handler's :meth:`handle_gradient`, so
+        each of those sees complete gradients.
+        """
+        return None
+
     @abstractmethod
     def handle_gradient(self) -> None:
         """Transform the gradients in place (every rank of the groups involved calls it)."""

@@ -6,20 +6,118 @@ per backward. Under the engine, which knows when the optimizer steps, that sum c
 step: one bucketed all-reduce per group for every layer together, and with gradient
 accumulation or pipeline microbatches once per step instead of once per backward. Sums are
 linear, so the result is the same (tessera.context.gradient_sums).
+
+In the last backward before a step the buckets need not wait for the step either: as PyTorch
+DDP does for data parallelism (Li et al. 2020, "PyTorch Distributed", section 3.2.3), a bucket
+is sent (asynchronously) as soon as every gradient in it is final, while autograd goes on with
+the layers below, and the step only waits for it. Buckets are sent in one fixed order on every
+rank, whatever order their gradients arrive in, so the collectives of a group always match.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tessera.context import ParallelContext, defer_gradient_sums
 
-from ..buckets import DEFAULT_BUCKET_BYTES, all_reduce_coalesced
+from ..buckets import DEFAULT_BUCKET_BYTES
 from ..context_lookup import group_if_parallel
-from .base import BaseGradientHandler, DenseGrads, ModelLike
+from .base import BaseGradientHandler, ModelLike
 
 __all__ = ["DeferredSumGradientHandler"]
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """Gradients of one mode, dtype and device, summed by one all-reduce.
+
+    ``flat`` is ``[the gradients' numel..., one usage flag per parameter]``: a flag is 1 where
+    this rank had the gradient, so after the sum a parameter no rank used gets ``None`` back
+    (as DDP leaves it, so the optimizer skips it), at no extra collective.
+    """
+
+    params: list[nn.Parameter]
+    group: dist.ProcessGroup | None
+    arrived: set[int] = field(default_factory=set)  # ids of params whose gradient is final
+    flat: torch.Tensor | None = None  # sent, not yet written back
+    work: dist.Work | None = None
+
+    @property
+    def sent(self) -> bool:
+        return self.flat is not None
+
+    def send(self) -> None:
+        """Pack this rank's gradients (zeros where it has none) and start their sum."""
+        parts: list[torch.Tensor] = []
+        used: list[float] = []
+        for p in self.params:
+            parts.append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
+            used.append(0.0 if p.grad is None else 1.0)
+        flags = torch.tensor(used, dtype=parts[0].dtype, device=parts[0].device)  # [n params]
+        self.flat = torch.cat([*parts, flags]).detach()  # [sum of numel + n params]
+        if self.group is not None:
+            self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
+
+    def write_back(self) -> None:
+        """Wait for the sum; put it into ``.grad`` (``None`` where no rank had a gradient)."""
+        assert self.flat is not None
+        if self.work is not None:
+            self.work.wait()
+        flat, offset = self.flat, 0
+        usage = flat[-len(self.params) :].tolist()
+        with torch.no_grad():
+            for p, count in zip(self.params, usage, strict=True):
+                summed = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if count == 0:
+                    p.grad = None
+                elif p.grad is None:
+                    p.grad = summed.clone()
+                else:
+                    p.grad.copy_(summed)
+        self.reset()
+
+    def reset(self) -> None:
+        if self.work is not None:
+            self.work.wait()  # a sum in flight still holds its buffer
+        self.flat, self.work = None, None
+        self.arrived.clear()
+
+
+def _buckets(
+    sums: dict[str, list[nn.Parameter]],
+    groups: dict[str, dist.ProcessGroup | None],
+    registered: Sequence[nn.Parameter],
+    bucket_bytes: int,
+) -> list[_Bucket]:
+    """Every deferred parameter in buckets, in the order they are sent.
+
+    Parameters are taken last registered first (autograd finishes the last layers' gradients
+    first), each into the open bucket of its mode, dtype and device, which closes at
+    ``bucket_bytes``; the order depends only on the model, so it is the same on every rank.
+    """
+    mode_of = {id(p): mode for mode, params in sums.items() for p in params}
+    ordered = [p for p in reversed(registered) if id(p) in mode_of]
+    open_buckets: dict[tuple[str, torch.dtype, torch.device], tuple[list[nn.Parameter], int]] = {}
+    done: list[_Bucket] = []
+    for p in ordered:
+        key = (mode_of[id(p)], p.dtype, p.device)
+        params, size = open_buckets.get(key, ([], 0))
+        params.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            done.append(_Bucket(params, groups[key[0]]))
+            params, size = [], 0
+        open_buckets[key] = (params, size)
+    done.extend(
+        _Bucket(params, groups[key[0]]) for key, (params, _) in open_buckets.items() if params
+    )
+    return done
 
 
 class DeferredSumGradientHandler(BaseGradientHandler):
@@ -31,11 +129,17 @@ class DeferredSumGradientHandler(BaseGradientHandler):
     it before clipping and the optimizer step). A loop that reads ``.grad`` between backward
     and step sees each rank's part.
 
+    With ``overlap`` the sums of the last backward before a step start during that backward,
+    bucket by bucket, when the engine says which backward that is (:meth:`before_backward`:
+    one backward per micro-step, no DDP wrapper); otherwise, and for anything not sent by then,
+    they run in :meth:`handle_gradient`. The result is the same either way.
+
     Args:
         model: The module or chunks.
         optimizer: Unused.
         context: The ParallelContext (default: the current one).
         bucket_size_mb: Size of one coalesced all-reduce.
+        overlap: Start each bucket's sum as soon as its gradients are final.
 
     Raises:
         ValueError: the layers leave sums over a mode the context does not hold.
@@ -47,10 +151,10 @@ class DeferredSumGradientHandler(BaseGradientHandler):
         optimizer: torch.optim.Optimizer | None = None,
         context: ParallelContext | None = None,
         bucket_size_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
+        overlap: bool = True,
     ) -> None:
         super().__init__(model, optimizer, context)
         modules = [model] if isinstance(model, nn.Module) else list(model)
-        self._bucket_bytes = int(bucket_size_mb * 2**20)
         #: ``{mode: parameters}`` whose gradients this handler sums over the mode's group.
         self.sums = defer_gradient_sums(modules)
         ctx = self._context
@@ -63,11 +167,80 @@ class DeferredSumGradientHandler(BaseGradientHandler):
                 f"({'no context' if ctx is None else f'modes {ctx.modes}'}); pass the "
                 "context the layers were built in"
             )
+        groups = {mode: group_if_parallel(ctx, mode) for mode in self.sums}
+        sums = {mode: [p for p in params if p.requires_grad] for mode, params in self.sums.items()}
+        registered = list(dict.fromkeys(self.parameters()))  # a tied weight once
+        self._buckets = _buckets(sums, groups, registered, int(bucket_size_mb * 2**20))
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._next = 0  # the first bucket not sent yet
+        self._armed = False
+        #: Buckets whose sum started inside a backward (not at the step), since construction.
+        self.sent_during_backward = 0
+        self.overlap = overlap
+        if overlap:
+            for bucket in self._buckets:
+                for p in bucket.params:
+                    p.register_post_accumulate_grad_hook(self._on_gradient)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+
+    def before_backward(self, final: bool) -> None:
+        """The engine's next backward is the last before a step (``final``) or not.
+
+        Anything sent and not written back is dropped: ``.grad`` still holds this rank's part,
+        so the step sends it again.
+        """
+        for bucket in self._buckets:
+            bucket.reset()
+        self._next = 0
+        self._armed = final and self.overlap
+
+    def after_backward(self) -> None:
+        """Write the sums started during the backward into ``.grad`` (before other handlers)."""
+        for bucket in self._buckets[: self._next]:
+            if bucket.sent:
+                bucket.write_back()
 
     def handle_gradient(self) -> None:
-        """Sum each deferred gradient over its group, in buckets (no division)."""
-        for mode, params in self.sums.items():
-            group = group_if_parallel(self._context, mode)
-            dense = DenseGrads(iter(params))
-            all_reduce_coalesced(dense.tensors, group, bucket_bytes=self._bucket_bytes)
-            dense.drop_unused()
+        """Sum every deferred gradient over its group, in buckets (no division)."""
+        self.after_backward()
+        self._armed = False
+        for bucket in self._buckets[self._next :]:
+            bucket.send()
+        for bucket in self._buckets[self._next :]:
+            bucket.write_back()
+        self._next = 0
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        """Autograd hook: ``param.grad`` is final for this backward; send what is ready."""
+        if not self._armed:
+            return
+        bucket = self._bucket_of[id(param)]
+        if bucket.sent:
+            raise RuntimeError(
+                f"DeferredSumGradientHandler: {self._name_of(param)} got a second gradient "
+                "after its sum had started in this backward (two backwards between the "
+                "engine's forward and step(), or a weight used by two reentrant checkpointed "
+                "regions); run one backward per engine(...) call, or configure the handler "
+                "with overlap=False: gradient_handlers=[dict(type="
+                "'DeferredSumGradientHandler', overlap=False), ...]"
+            )
+        bucket.arrived.add(id(param))
+        while self._next < len(self._buckets):
+            ready = self._buckets[self._next]
+            if len(ready.arrived) < len(ready.params):
+                break
+            ready.send()
+            self.sent_during_backward += 1
+            self._next += 1
+
+    def _name_of(self, param: torch.Tensor) -> str:
+        for name, p in self._named_parameters():
+            if p is param:
+                return f"parameter {name!r}"
+        return f"a parameter {list(param.shape)}"
+
+    def _named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        modules: Sequence[nn.Module] = (
+            [self._model] if isinstance(self._model, nn.Module) else list(self._model)
+        )
+        for m in modules:
+            yield from m.named_parameters()
