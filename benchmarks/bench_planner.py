@@ -3,8 +3,9 @@
 One pre-LN transformer block (``bench_layers_memory_comm.Block``: batch 8, seq 16, heads 4, fp32,
 gloo on CPU, one thread per rank) under four layouts of 4 ranks: pure data parallelism, 1D(4),
 2D(4) and data 2 x 1D(2). Each step is forward + backward + SGD, the replicas' gradients summed
-by one all-reduce over the data group (what the planner prices: one 25 MiB bucket); the layouts'
-steps alternate, medians are taken.
+by one all-reduce over the data group (what the planner prices: one 25 MiB bucket), the layers'
+own gradient sums (2D's LayerNorms) in autograd, without the engine (the planner's
+``engine_sums=False``); the layouts' steps alternate, medians are taken.
 
 The planner (``tessera.context.planner``) predicts each layout's step from a machine model,
 measured two ways: (a) ``calibrate()``, the planner's own short run (a matmul on one thread, a
@@ -179,7 +180,9 @@ def ranks_machine(per_rank: list[dict[str, Any]]) -> Machine:
 
 def predict(shape: ModelShape, machine: Machine) -> dict[str, float]:
     return {
-        name: estimate_layout(shape, layout, memory_budget=2**40, machine=machine).step_seconds
+        name: estimate_layout(
+            shape, layout, memory_budget=2**40, machine=machine, engine_sums=False
+        ).step_seconds
         for name, (_, layout) in LAYOUTS.items()
     }
 
@@ -236,7 +239,9 @@ def main() -> None:
     pa, pb = predicted["(a) calibrate()"], predicted["(b) on the ranks"]
     ra, rb = rank_of["(a) calibrate()"], rank_of["(b) on the ranks"]
     for i, name in enumerate(names):
-        e = estimate_layout(shape, LAYOUTS[name][1], memory_budget=2**40, machine=machine_a)
+        e = estimate_layout(
+            shape, LAYOUTS[name][1], memory_budget=2**40, machine=machine_a, engine_sums=False
+        )
         print(
             f"{name:<16} {e.collectives:>5} {e.comm_bytes / 1024:>9.1f} | "
             f"{pa[name] * 1e3:>7.2f}ms {ra[i]:>4g} | {pb[name] * 1e3:>7.2f}ms {rb[i]:>4g} | "

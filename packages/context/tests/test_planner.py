@@ -192,13 +192,51 @@ def test_whole_estimate_of_one_block_equals_the_measurement(
     bwd: int,
     calls: dict[str, int],
 ) -> None:
-    """The path plan_layouts takes (stages, microbatches, ZeRO) gives the same bytes."""
-    estimate = estimate_layout(shape, layout, memory_budget=GIB, machine=GLOO)
+    """The path plan_layouts takes (stages, microbatches, ZeRO) gives the same bytes.
+
+    With every layer summing its own gradients, as the benchmark's layers do without the engine.
+    """
+    estimate = estimate_layout(shape, layout, memory_budget=GIB, machine=GLOO, engine_sums=False)
     assert estimate.memory.parameters == params
     assert estimate.memory.activations == saved
     assert estimate.comm_bytes == fwd + bwd
     assert estimate.collectives == sum(calls.values())
     assert estimate.fits
+
+
+@pytest.mark.parametrize(
+    ("layout", "sums", "buckets"),
+    [
+        (Layout(1, 1, 4, "2d"), 2, 1),  # the two LayerNorms' affine sums
+        (Layout(1, 1, 8, "2.5d", depth=2), 6, 2),  # and the four depth sums
+        (Layout(1, 1, 8, "3d"), 2, 1),
+        (Layout(1, 1, 8, "2.5d", depth=2, zero=2), 6, 6),  # FSDP2 keeps them in autograd
+    ],
+)
+def test_under_the_engine_gradient_sums_run_once_per_step_in_buckets(
+    layout: Layout, sums: int, buckets: int
+) -> None:
+    """The sums the engine's DeferredSumGradientHandler takes over: one bucket per group.
+
+    One microbatch moves the same bytes either way; with a pipeline's ``m`` microbatches the
+    layers alone sum ``m`` times, the engine once.
+    """
+    alone = estimate_layout(BENCH_BLOCK, layout, GIB, GLOO, engine_sums=False)
+    engine = estimate_layout(BENCH_BLOCK, layout, GIB, GLOO)
+    assert engine.comm_bytes == alone.comm_bytes
+    assert alone.collectives - engine.collectives == sums - buckets
+    if layout.zero:
+        return
+    shape = replace(BENCH_BLOCK, layers=4, batch=32)
+    piped = replace(layout, pipeline=2)
+    (first, _) = stage_steps(shape, piped, FP32, "gloo", engine_sums=False)
+    per_microbatch = contributed_bytes([c for c in first.per_microbatch if c.sum_over])
+    assert per_microbatch > 0
+    m = estimate_layout(shape, piped, GIB, GLOO).microbatches
+    assert m > 1
+    alone = estimate_layout(shape, piped, GIB, GLOO, engine_sums=False)
+    engine = estimate_layout(shape, piped, GIB, GLOO)
+    assert alone.comm_bytes - engine.comm_bytes == (m - 1) * per_microbatch
 
 
 def test_mesh_linear_variant_follows_tessera_rule() -> None:

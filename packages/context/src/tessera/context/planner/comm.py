@@ -43,6 +43,7 @@ __all__ = [
     "linear_collectives",
     "mesh_algorithm",
     "pipeline_collectives",
+    "sums_once_per_step",
 ]
 
 #: The kinds of collective (and point-to-point send) the planner counts.
@@ -77,6 +78,10 @@ class Collective:
             batch of sends sends.
         calls: How many such calls a rank makes.
         phase: ``"forward"``, ``"backward"`` or ``"step"`` (gradient synchronization).
+        sum_over: For the sum of a gradient's parts that a layer may leave to the training
+            loop (``tessera.context.gradient_sums``), the group it sums over (``"depth"``:
+            2.5D's depth layers, ``"batch"``: a LayerNorm's batch blocks); ``""`` otherwise.
+            Under the engine these run once per step, bucketed (:func:`sums_once_per_step`).
     """
 
     kind: str
@@ -84,6 +89,7 @@ class Collective:
     nbytes: int
     calls: int = 1
     phase: str = "forward"
+    sum_over: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -245,7 +251,7 @@ def linear_collectives(
             _scatter(backend, q, e * x, "backward"),
         ]
     if layout.depth > 1:
-        found.append(Collective("all_reduce", layout.depth, e * (w + b), phase="backward"))
+        found.append(Collective("all_reduce", layout.depth, e * (w + b), 1, "backward", "depth"))
     return found
 
 
@@ -294,7 +300,12 @@ def _layer_norm_collectives(
         _gather(backend, q, FP32 * 2 * rows),
         Collective("all_reduce", q, FP32 * 2 * rows, phase="backward"),
         Collective(
-            "all_reduce", batch_group, precision.gradient * 2 * _ceil(hidden, q), 1, "backward"
+            "all_reduce",
+            batch_group,
+            precision.gradient * 2 * _ceil(hidden, q),
+            1,
+            "backward",
+            "batch",
         ),
     ]
 
@@ -387,6 +398,33 @@ def pipeline_collectives(
         Collective("send", 2, size),
         Collective("send", 2, size, phase="backward"),
     ]
+
+
+def sums_once_per_step(
+    per_microbatch: list[Collective],
+) -> tuple[list[Collective], list[Collective]]:
+    """Move the gradient sums a layer may defer out of the microbatch, as the engine runs them.
+
+    tessera-engine's ``DeferredSumGradientHandler`` takes over every such sum (2.5D's depth
+    all-reduce of weight and bias gradients, the LayerNorms' affine gradients over their batch
+    blocks) and runs it once per optimizer step, in 25 MiB buckets per group: the bytes of
+    one microbatch's sums, in ``ceil(bytes / bucket)`` calls, whatever the number of
+    microbatches.
+
+    Returns:
+        ``(the microbatch's other collectives, the sums once per step)``.
+    """
+    kept = [c for c in per_microbatch if not c.sum_over]
+    totals: dict[tuple[str, int], int] = {}
+    for c in per_microbatch:
+        if c.sum_over:
+            key = (c.sum_over, c.group)
+            totals[key] = totals.get(key, 0) + c.calls * c.nbytes
+    step = []
+    for (over, group), total in totals.items():
+        buckets = max(1, _ceil(total, BUCKET_BYTES))
+        step.append(Collective("all_reduce", group, _ceil(total, buckets), buckets, "step", over))
+    return kept, step
 
 
 def data_collectives(

@@ -7,7 +7,7 @@ first by the machine model; the others follow, smallest first, each with its rea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tessera.registry import ConfigError
 
@@ -18,6 +18,7 @@ from .comm import (
     data_collectives,
     head_collectives,
     pipeline_collectives,
+    sums_once_per_step,
 )
 from .layouts import (
     Layout,
@@ -103,7 +104,12 @@ class StageStep:
 
 
 def stage_steps(
-    shape: ModelShape, layout: Layout, precision: Precision, backend: str = "nccl"
+    shape: ModelShape,
+    layout: Layout,
+    precision: Precision,
+    backend: str = "nccl",
+    *,
+    engine_sums: bool = True,
 ) -> list[StageStep]:
     """The first pipeline stage's step and, with a pipeline, the last one's.
 
@@ -111,7 +117,10 @@ def stage_steps(
     and three of the head on the last stage, split evenly over the tensor ranks. With
     checkpointing the forward's tensor-parallel collectives run again in the backward (the
     recomputation runs with gradients enabled, so a mesh ``Linear`` picks the same variant).
-    ``backend`` moves the tensor modes' blocks (``comm.py``).
+    ``backend`` moves the tensor modes' blocks (``comm.py``). With ``engine_sums`` the
+    gradient sums the layers leave to the engine run once per step, bucketed
+    (:func:`~tessera.context.planner.comm.sums_once_per_step`), below ZeRO-2 as the engine
+    does; without, every layer sums in every backward, as the layers do alone.
     """
     samples = microbatch_samples(shape, layout)
     passes = 4 if layout.checkpoint else 3
@@ -133,14 +142,16 @@ def stage_steps(
         parameters = blocks * block_parameters(shape, layout)
         parameters += embedding_parameters(shape, layout, tables=tables)
         sync = data_collectives(layout, parameters, blocks, precision)
+        if engine_sums and layout.zero < 2:  # ZeRO-2/3: FSDP2 keeps them in autograd
+            talk, sums = sums_once_per_step(talk)
+            sync = sums + sync
         found.append(StageStep(flops / layout.tensor, talk, sync))
     return found
 
 
 def _times(collective: Collective, factor: int) -> Collective:
     """``collective`` with ``factor`` times its calls."""
-    c = collective
-    return Collective(c.kind, c.group, c.nbytes, c.calls * factor, c.phase)
+    return replace(collective, calls=collective.calls * factor)
 
 
 def estimate_layout(
@@ -149,6 +160,8 @@ def estimate_layout(
     memory_budget: int,
     machine: Machine = DEFAULT_MACHINE,
     dtype: str = "fp32",
+    *,
+    engine_sums: bool = True,
 ) -> LayoutEstimate:
     """Memory, communication and step time of ``layout``, and why it would not fit.
 
@@ -156,12 +169,13 @@ def estimate_layout(
     tensor-parallel and pipeline collectives: the bubble of a 1F1B or GPipe pipeline;
     Narayanan et al. 2021), plus that stage's gradient synchronization. The communication
     figures are the slowest stage's, with the tensor modes' blocks moved as ``machine.backend``
-    moves them.
+    moves them. ``engine_sums``: see :func:`stage_steps` (``False`` prices the layers as they
+    run without the engine, what ``benchmarks/bench_layers_memory_comm.py`` measures).
     """
     precision = precision_for(dtype, layout.zero)
     memory = rank_memory(shape, layout, precision)
     m = microbatches(shape, layout)
-    steps = stage_steps(shape, layout, precision, machine.backend)
+    steps = stage_steps(shape, layout, precision, machine.backend, engine_sums=engine_sums)
 
     def step_time(stage: StageStep) -> float:
         microbatch, sync = stage.seconds(machine)
