@@ -103,14 +103,20 @@ def _assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
         assert torch.equal(got[name], tensor), f"{name} differs after parallelize"
 
 
-def _per_sample_positions_under_3d(ctx: ParallelContext) -> str:
-    """Per-row positions cannot follow the rows into layout "z": a clear error."""
+def _per_sample_positions(ctx: ParallelContext) -> list[float]:
+    """Positions of each sample's own: GPT-2 (a position table) and Llama (rotary) as one process.
+
+    Every row is offset differently and one row packs two sequences (positions restart, so
+    transformers masks attention between them). Under 3d the embeddings read layout "y"'s
+    rows and attention runs on layout "z"'s, which hold other samples: both must get theirs.
+    """
     ids = token_ids()
-    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-    lm = parallelize(gpt2_lm(), context=ctx)
-    with pytest.raises(ValueError, match="per-sample position_ids"):
-        lm(ids, position_ids=positions)
-    return "refused"
+    positions = torch.stack([torch.arange(ids.shape[1]) + row for row in range(ids.shape[0])])
+    positions[1] = torch.arange(ids.shape[1]) % (ids.shape[1] // 2)  # two packed sequences
+    return [
+        _lm_matches_reference(gpt2_lm(), ctx, position_ids=positions),
+        _lm_matches_reference(llama_lm(), ctx, position_ids=positions),
+    ]
 
 
 #: Every check of a layout, each its own test on a fresh context (one failure hides no other).
@@ -128,7 +134,7 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     ),
     "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
     "vit": lambda ctx: _lm_matches_reference(vit_classifier(), ctx),
-    "per-sample positions": _per_sample_positions_under_3d,
+    "per-sample positions": _per_sample_positions,
     "dropout": lambda ctx: _dropout_streams(ctx),
     "blocks": lambda ctx: _mlp_matches_reference(ctx),
     "meta": lambda ctx: _meta_built(ctx),
@@ -136,13 +142,13 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
 }
 
 #: Checks that run under some tensor modes (or layouts, by name) only: a model without a plan
-#: (Qwen2, GPT-Neo, Phi) under a few each, per-sample positions where they are refused.
+#: (Qwen2, GPT-Neo, Phi) under a few each, per-sample positions where the batch is split.
 ONLY_UNDER = {
     "qwen2 (inferred plan)": ("1d", "2d", "sequence"),
     "gpt-neo (plan read from its blocks)": ("1d", "2d"),
     "phi (plan read from its blocks)": ("1d-sp", "3d", "sequence-ring"),
     "gpt-neox (family plan, q/k/v fused by head)": ("1d-4", "2d", "sequence-ring"),
-    "per-sample positions": ("3d",),
+    "per-sample positions": ("2d", "3d"),
 }
 
 
@@ -154,7 +160,9 @@ def _run_check(tensor: dict[str, Any], check: str) -> Any:
         ctx.destroy()
 
 
-def _lm_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float:
+def _lm_matches_reference(
+    ref: nn.Module, ctx: ParallelContext, position_ids: torch.Tensor | None = None
+) -> float:
     """A transformers language model, parallelized, against itself on one process."""
     mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
     impl = "all_to_all" if mode == "sequence" and size == 4 else "ring"
@@ -188,10 +196,10 @@ def _lm_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float:
             assert int(count) == int((labels != -100).sum())
             torch.testing.assert_close(total.detach() / count, loss.detach(), **TOL)
     else:
-        ref_logits = ref(ids).logits
+        ref_logits = ref(ids, position_ids=position_ids).logits
         vocab = ref_logits.shape[-1]
         ref_loss = F.cross_entropy(ref_logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
-        logits = model(ids).logits
+        logits = model(ids, position_ids=position_ids).logits
         loss = causal_lm_loss(logits, ids, context=ctx)
     ref_loss.backward()
     loss.backward()

@@ -32,7 +32,7 @@ from tessera.context import ParallelContext, ParallelMode
 
 from ..comm.collectives import check_divisible
 from ..comm.ops import gather_along_dim, split_along_dim
-from ..cube.layout import cube_of
+from ..cube.layout import cube_of, mark_layout
 from ..cube.loss import CrossEntropyLoss3D
 from ..dispatch.activations import gather_activation, split_activation, split_batch
 from ..mesh.layout import mesh_of
@@ -55,26 +55,24 @@ def rank_rows(name: str, value: Any, context: ParallelContext) -> Any:
 
     Non-tensors pass unchanged, as does one row of ``position_ids`` (broadcast over the
     batch). Under 3d an ``attention_mask`` takes layout ``"z"``'s rows and is ``None`` when
-    nothing is padded.
+    nothing is padded, and per-sample ``position_ids`` take layout ``"z"``'s rows too, marked
+    so: transformers builds masks (packed sequences) and rotary embeddings from them for
+    attention, which runs on layout ``"z"``, and the 3D position embedding swaps them back
+    to layout ``"y"``'s rows (``ids_in_layout_y``).
     """
     if not isinstance(value, torch.Tensor):
         return value
     if name == "position_ids" and value.shape[0] == 1:
         return value  # one row of positions, broadcast over the batch
-    if context.config.tensor_mode == "3d" and name == "attention_mask":
+    if context.config.tensor_mode == "3d" and name in ("attention_mask", "position_ids"):
         # Attention runs on a column layer's output, in layout "z", whose rows are not the
-        # rows of layout "y" that split_batch keeps: the mask takes layout "z"'s rows.
-        if bool(value.all()):
+        # rows of layout "y" that split_batch keeps: both take layout "z"'s rows.
+        if name == "attention_mask" and bool(value.all()):
             return None  # nothing masked: the causal mask alone
         rows = cube_of(context).batch("z")
-        check_divisible(value.shape[0], rows.world_size, f"attention_mask {list(value.shape)}")
-        return value.chunk(rows.world_size, 0)[rows.rank]
-    if context.config.tensor_mode == "3d" and name == "position_ids":
-        raise ValueError(
-            "under tensor mode '3d' per-sample position_ids cannot follow the rows into "
-            "attention (layout 'z' holds other samples than layout 'y', where the embeddings "
-            "read them); pass one row of position_ids"
-        )
+        check_divisible(value.shape[0], rows.world_size, f"{name} {list(value.shape)}")
+        mine = value.chunk(rows.world_size, 0)[rows.rank]
+        return mark_layout(mine, "z") if name == "position_ids" else mine
     return split_batch(value, context)
 
 

@@ -27,7 +27,7 @@ from ..comm.collectives import check_divisible
 from ..comm.ops import reduce_scatter_along_dim
 from ..grid.embedding import GridEmbedding, GridTable
 from ..shared.tables import TableLayout
-from .layout import CubeModule
+from .layout import CubeModule, ids_in_layout_y
 
 __all__ = ["Embedding3D", "VocabParallelEmbedding3D"]
 
@@ -35,15 +35,21 @@ __all__ = ["Embedding3D", "VocabParallelEmbedding3D"]
 class Embedding3D(GridEmbedding, CubeModule):
     """Embedding with the embedding dim split over INPUT x WEIGHT: weight ``[V, D/q^2]``.
 
-    Input ids ``[b/q^2, s]`` (``split_batch``); output ``[b/q^2, s, D/q]`` in layout ``"y"``.
-    Arguments and implementation: :class:`~tessera.layers.grid.embedding.GridEmbedding`'s.
+    Input ids ``[b/q^2, s]`` (``split_batch``; or marked ``"z"``, see :func:`ids_in_layout_y`);
+    output ``[b/q^2, s, D/q]`` in layout ``"y"``. Arguments and implementation:
+    :class:`~tessera.layers.grid.embedding.GridEmbedding`'s.
     """
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """See the class docstring for shapes."""
+        return super().forward(ids_in_layout_y(ids, self.cube))
 
 
 class VocabParallelEmbedding3D(GridTable, CubeModule):
     """Embedding with the vocabulary split over INPUT x WEIGHT: weight ``[V/q^2, D]``.
 
-    Input ids ``[b/q^2, s]`` (``split_batch``); output ``[b/q^2, s, D/q]`` in layout ``"y"``.
+    Input ids ``[b/q^2, s]`` (``split_batch``, or marked ``"z"``); output ``[b/q^2, s, D/q]`` in
+    layout ``"y"``.
 
     Args: as :class:`Embedding3D`, with V divisible by ``q * q`` and D by q.
     """
@@ -61,6 +67,7 @@ class VocabParallelEmbedding3D(GridTable, CubeModule):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
+        ids = ids_in_layout_y(ids, self.cube)
         self.check_batch_block(ids)
         weight = self.gather_table(self.weight, 0)  # [V/q, D]: vocabulary block y
         out = self.lookup_own_rows(ids, weight)  # [b/q^2, s, D], partial

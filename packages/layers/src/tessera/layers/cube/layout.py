@@ -50,6 +50,7 @@ __all__ = [
     "cube_of",
     "mark_layout",
     "gather_cube_activation",
+    "ids_in_layout_y",
     "split_cube_activation",
     "split_cube_batch",
     "switch_cube_layout",
@@ -222,6 +223,19 @@ def switch_cube_layout(x: torch.Tensor, cube: Cube, layout: Layout3D) -> torch.T
     group, peer = cube.mirror
     out = apply_function(_SwapLayout, x, group, peer)
     return mark_layout(out, other_layout(layout))
+
+
+def ids_in_layout_y(ids: torch.Tensor, cube: Cube) -> torch.Tensor:
+    """Row-indexed ids (``[b/q^2, s]``) in layout ``"y"``'s rows, which embeddings read.
+
+    Ids marked ``"z"`` (:func:`mark_layout`) hold layout ``"z"``'s rows: per-sample position
+    ids, which the model boundary gives in attention's rows (a mask or rotary positions built
+    from them must match the rows attention runs on); the mirror ranks swap them. Anything
+    else is returned as it is.
+    """
+    if getattr(ids, LAYOUT_ATTR, None) != "z":
+        return ids
+    return switch_cube_layout(ids, cube, "z")
 
 
 def check_layout(layout: str, owner: str) -> Layout3D:
