@@ -304,6 +304,26 @@ TIED_ACROSS_STAGES = {
 }
 
 
+def _vit_stages_train_like_one_process(ctx: ParallelContext, impl: str) -> None:
+    """A ViT's layers under 'sequence': loss and every gradient as one process; the model
+    itself, whose token split the stages took over, refuses a call."""
+    ref = vit_classifier()
+    model = parallelize(vit_classifier(), context=ctx, sequence_attention=impl)
+    layers = pipeline_layers(model)
+    pixels, labels = images()
+    ref_loss = F.cross_entropy(ref(pixels).logits, labels)
+    ref_loss.backward()
+    loss = token_loss(layers(pixels), labels, context=ctx)
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    grads = _full_grads(model, ctx, mean_loss=True)
+    for name, p in ref.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    with pytest.raises(ValueError, match="cut into pipeline layers"):
+        model(pixels)
+
+
 def _as_pipeline_layers(ctx: ParallelContext) -> int:
     """Each family, parallelized, as a sequence of layers (what pipeline stages cut) computes
     the single-process logits, and every parameter maps back to the model's own name; a head
@@ -312,7 +332,8 @@ def _as_pipeline_layers(ctx: ParallelContext) -> int:
 
     # 1D sequence parallelism: the stages carry [b, s/p, h] between the first block and the
     # final norm (BERT: the last block); under 'sequence' this rank's chunk of the tokens, from
-    # the embedding to the head, but an image model's tokens are split inside the model.
+    # the embedding to the head (a ViT's 10 tokens padded to 12 on 4 ranks, the padding mask
+    # travelling with them).
     ring = ctx.config.tensor_mode == "sequence"
     ids = token_ids()
     padded = torch.ones_like(ids)
@@ -325,10 +346,6 @@ def _as_pipeline_layers(ctx: ParallelContext) -> int:
         (bert_mlm, bert_inputs),
         (vit_classifier, images()[0]),
     ]
-    if ring:
-        with pytest.raises(ValueError, match="ViT classifier under tensor mode 'sequence'"):
-            pipeline_layers(parallelize(vit_classifier(), context=ctx))
-        cases = [case for case in cases if case[0] is not vit_classifier]
     impl = "all_to_all" if ring and ctx.get_world_size(ParallelMode.TENSOR) == 4 else "ring"
     for build, inputs in cases:
         ref = build()
@@ -346,6 +363,7 @@ def _as_pipeline_layers(ctx: ParallelContext) -> int:
     with pytest.raises(TypeError, match="knows these model families"):
         pipeline_layers(nn.Sequential(nn.Linear(2, 2)))
     if ring:
+        _vit_stages_train_like_one_process(ctx, impl)
         # a call of the whole model leaves its padding in the model for its attention layers;
         # stages, which run several microbatches at once, must never read it
         ref, model = gpt2_lm(), parallelize(gpt2_lm(), context=ctx, sequence_attention=impl)
@@ -353,7 +371,7 @@ def _as_pipeline_layers(ctx: ParallelContext) -> int:
         with torch.no_grad():
             model(input_ids=ids, attention_mask=padded)
             torch.testing.assert_close(layers(ids), _local_logits(ref(ids).logits, ctx), **TOL)
-        return len(cases)  # its attention dropout is the ring's own (the sequence layers' tests)
+        return len(layers)  # its attention dropout is the ring's own (the sequence layers' tests)
     layers = pipeline_layers(parallelize(llama_lm(), context=ctx))
     # Attention dropout (on probabilities split by heads) draws another mask on every rank
     # also when a pipeline runs the layers without the model's own forward.

@@ -167,6 +167,13 @@ def install_boundary(
                 )
             return (split_activation(args[0], context), *args[1:]), kwargs
         if plan.boundary == "images":
+            token_span = getattr(module, TOKEN_SPAN_ATTRIBUTE, None)
+            if isinstance(token_span, TokenSpan) and token_span.staged:
+                raise ValueError(
+                    f"{type(module).__name__} under tensor mode 'sequence' was cut into "
+                    "pipeline layers (pipeline_layers), whose stages now split its tokens; "
+                    "call the layers, not the model"
+                )
             return _image_inputs(args, kwargs, context, mode, type(module).__name__)
         if mode == "sequence":
             padding = getattr(module, KEY_PADDING_ATTRIBUTE, None)
@@ -280,6 +287,37 @@ def _install_sequence_span(
     last.register_forward_hook(leave)
 
 
+#: The attribute of a model whose tokens a :class:`TokenSpan` splits under 'sequence'.
+TOKEN_SPAN_ATTRIBUTE = "_tessera_token_span"
+
+
+class TokenSpan:
+    """Whether a ViT's own forward still splits its tokens under 'sequence'.
+
+    ``pipeline_layers`` sets ``staged``: from then on its stages split the tokens (each
+    microbatch carrying its own padding mask) and the model's hooks let everything pass;
+    calling the model itself is then refused (its blocks would see the whole sequence as
+    this rank's chunk).
+    """
+
+    def __init__(self) -> None:
+        self.staged = False
+
+
+def split_tokens(x: torch.Tensor, world: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[b, s, h]`` -> this rank's chunk ``[b, (s + pad)/N, h]`` and the keep-mask ``[s + pad]``.
+
+    Tokens that do not divide by the ``world`` ranks are padded at the end with zeros; the mask
+    is True on the ``s`` real tokens (every attention masks the others as keys). The split is
+    a plain slice: its backward pads this rank's chunk gradient with zeros.
+    """
+    length = x.shape[1]
+    pad = -length % world
+    keep = torch.arange(length + pad, device=x.device) < length  # [s + pad]
+    x = F.pad(x, (0, 0, 0, pad)) if pad else x  # [b, s + pad, h]
+    return x.chunk(world, 1)[rank], keep
+
+
 def _install_token_span(model: nn.Module, span: tuple[str, str], context: ParallelContext) -> None:
     """Tensor mode 'sequence' for a model that makes its tokens itself (a ViT).
 
@@ -301,24 +339,30 @@ def _install_token_span(model: nn.Module, span: tuple[str, str], context: Parall
     first, last = (model.get_submodule(name) for name in span)
     padding = getattr(model, KEY_PADDING_ATTRIBUTE, None)
     tokens = [0]  # the batch in flight's own length, before padding
+    state = TokenSpan()
+    setattr(model, TOKEN_SPAN_ATTRIBUTE, state)
 
     def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if state.staged:
+            return None  # pipeline stages pass this rank's chunk already
         x, replace = _hidden_states(args, kwargs, span[0])
         batch, length = x.shape[0], x.shape[1]
-        tokens[0], pad = length, -length % world
-        if pad and padding is None:
+        if length % world and padding is None:
             raise ValueError(
                 f"tensor mode 'sequence': the {length} tokens of {list(x.shape)} (patches and "
                 f"class token) do not divide by {world} ranks, and no attention converted by "
                 "parallelize can mask padding"
             )
+        tokens[0] = length
+        chunk, keep = split_tokens(x, world, rank)  # [b, (s + pad)/N, h], [s + pad]
         if padding is not None:  # zero tokens at the end, masked as keys, dropped at the end
-            mask = torch.arange(length + pad, device=x.device) < length  # [s + pad]
-            padding.set(mask.expand(batch, -1).chunk(world, 1)[rank] if pad else None)
-        x = F.pad(x, (0, 0, 0, pad)) if pad else x  # [b, s + pad, h]
-        return replace(x.chunk(world, 1)[rank])  # [b, (s + pad)/N, h]
+            padded = keep.shape[0] > length
+            padding.set(keep.expand(batch, -1).chunk(world, 1)[rank] if padded else None)
+        return replace(chunk)
 
     def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if state.staged:
+            return None
         if not isinstance(output, torch.Tensor):
             raise ValueError(
                 f"tensor mode 'sequence': {span[1]!r} returned {type(output).__name__}; the end "

@@ -27,7 +27,10 @@ sequence, which its attention sees gathered. Under ``'sequence'`` (Li et al. 202
 carries this rank's chunk ``[b, s/N, h]`` from the embedding to the head: the first stage embeds
 the chunk at its global positions, each block passes its chunk's positions (rotary) and the
 whole padding mask (which travels as ``[b, s]``) to the ring attention, and the head returns the
-chunk's logits ``[b, s/N, V]``, which ``causal_lm_loss`` / ``token_loss`` take as they are.
+chunk's logits ``[b, s/N, V]``, which ``causal_lm_loss`` / ``token_loss`` take as they are. A
+ViT's first stage embeds the whole images and keeps its chunk of the tokens (padded to a
+multiple of the ranks, the keep-mask travelling as ``[b, s + pad]``), and its head gathers the
+final norm's output to read the class token.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode, mark_pipeline_shared
 
+from ..comm.ops import gather_along_dim
 from ..dispatch.activations import split_batch
 from ..sequence.replicated import split_sequence_activation
 from .api import CONTEXT_ATTR, SEQUENCE_SPAN_ATTR
-from .boundary import rank_rows
+from .boundary import TOKEN_SPAN_ATTRIBUTE, TokenSpan, rank_rows, split_tokens
 from .dropout import fork_each_layer
 from .sequence import key_mask_for_attention
 
@@ -183,6 +187,9 @@ class EmbedStage(nn.Module):
         splitting = context if mode not in (None, "1d") else None  # the mesh and cube modes
         if self.family.inputs == "images":
             pixels = inputs if isinstance(inputs, torch.Tensor) else inputs["pixel_values"]
+            if mode == "sequence":  # every rank embeds the whole images, keeps its tokens
+                assert context is not None
+                return self._token_chunk(self.get_submodule("embeddings")(pixels), context)
             if splitting is not None:
                 pixels = split_batch(pixels, splitting)  # [b', C, H, W]: this rank's images
             out: torch.Tensor = self.get_submodule("embeddings")(pixels)
@@ -210,6 +217,18 @@ class EmbedStage(nn.Module):
             return hidden
         mask = local.get("attention_mask")  # [b', s]; under 3d None when nothing is padded
         return hidden, torch.ones_like(ids) if mask is None else mask
+
+    @staticmethod
+    def _token_chunk(tokens: torch.Tensor, context: ParallelContext) -> Carried:
+        """Tensor mode 'sequence', images: this rank's chunk of the embedded tokens.
+
+        ``[b, s, h]`` (patches and class token) -> ``([b, (s + pad)/N, h], [b, s + pad])``,
+        padded at the end to a multiple of the ranks; the keep-mask travels with every
+        microbatch, so each block masks the padding as keys.
+        """
+        world = context.get_world_size(ParallelMode.SEQUENCE)
+        chunk, keep = split_tokens(tokens, world, context.get_local_rank(ParallelMode.SEQUENCE))
+        return chunk, keep.long().repeat(tokens.shape[0], 1)
 
     def _sequence_chunk(
         self, given: Mapping[str, torch.Tensor], context: ParallelContext
@@ -362,17 +381,30 @@ class HeadStage(nn.Module):
     classifier: ``[b', C']`` from the class token.
     """
 
-    def __init__(self, family: Family, inner: nn.Module, head: nn.Module) -> None:
+    def __init__(
+        self,
+        family: Family,
+        inner: nn.Module,
+        head: nn.Module,
+        ring: ParallelContext | None = None,
+    ) -> None:
         super().__init__()
         self.family = family
         self._final = _adopt(self, inner, family.final)
         self.add_module(family.head, head)
+        self._ring = [ring]  # not a module attribute torch would traverse
 
     def forward(self, carried: Carried) -> torch.Tensor:
         """See the class docstring."""
         hidden = carried[0] if isinstance(carried, tuple) else carried
         for module in self._final:
             hidden = module(hidden)
+        ring = self._ring[0]
+        if self.family.inputs == "images" and ring is not None:
+            # the class token is rank 0's first: gather the chunks as the model's own forward
+            # does (its backward reduce-scatters; every rank's loss is the whole batch's)
+            group = ring.get_group(ParallelMode.SEQUENCE)
+            hidden = gather_along_dim(hidden, 1, group, partial_grad=True)  # [b, s + pad, h]
         if self.family.inputs == "images":
             hidden = hidden[:, 0, :]  # [b', h']: the class token
         out: torch.Tensor = self.get_submodule(self.family.head)(hidden)
@@ -395,9 +427,9 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
 
     Raises:
         TypeError: the model is none of the families above.
-        ValueError: a tensor mode the stages cannot carry (an image model under
-            ``'sequence'``), 1D sequence parallelism over another span than the blocks, or a
-            weight shared between other layers than the embedding and the head.
+        ValueError: a tensor mode the stages cannot carry, 1D sequence parallelism over
+            another span than the blocks, or a weight shared between other layers than the
+            embedding and the head.
     """
     family = next((f for f in FAMILIES if f.fits(model)), None)
     if family is None:
@@ -419,7 +451,10 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
         (f"layer{i}", BlockStage(family, layer, inner, split if i > 0 else 1, ring))
         for i, layer in enumerate(blocks)
     ]
-    layers.append(("head", HeadStage(family, inner, model.get_submodule(family.head))))
+    layers.append(("head", HeadStage(family, inner, model.get_submodule(family.head), ring)))
+    token_span = getattr(model, TOKEN_SPAN_ATTRIBUTE, None)
+    if isinstance(token_span, TokenSpan):  # the stages split a ViT's tokens from now on
+        token_span.staged = True
     sequential = nn.Sequential(OrderedDict(layers))
     _mark_tied(sequential, model)
     fork_each_layer(model, sequential)  # dropout on split activations: a mask per rank
@@ -432,14 +467,6 @@ def _check_mode(ctx: ParallelContext | None, family: Family) -> None:
         raise ValueError(
             f"pipeline_layers: tensor mode {mode!r} is not one the pipeline stages can carry; "
             f"use one of {[m for m in STAGE_MODES if m is not None]}"
-        )
-    if mode == "sequence" and family.inputs == "images":
-        # its tokens are made (and padded to a multiple of the ranks) inside the model, by
-        # hooks of its first block that a later stage never runs
-        raise ValueError(
-            f"pipeline_layers: a {family.name} under tensor mode 'sequence' cannot be cut into "
-            "stages (its patch tokens are split inside the model); use 1d (with "
-            "sequence_parallel for long inputs), 2d, 2.5d or 3d for its pipeline"
         )
 
 
