@@ -16,6 +16,10 @@ fp32, one torch thread per rank, one training step = forward + backward + SGD st
 Per mode (2D on 4 ranks, 2.5D on 8 ranks with depth 2, 3D on 8 ranks), in one set of processes:
 tessera's layers of the mode, Colossal-AI's, tessera 1D on the same ranks and torch's DTensor
 tensor parallelism (``parallelize_module``, ColwiseParallel / RowwiseParallel) on the same block.
+Under 3D also tessera with ``keep_gathered_operands``: Colossal-AI's ``Linear3D`` saves the
+input and weight it gathered for its backward, tessera by default only its own blocks (a third
+of Colossal-AI's saved activations here) and gathers them again; kept, tessera makes the same
+trade.
 Colossal-AI's Linear2p5D omits the all-reduce of weight gradients over the depth layers (each
 depth layer trains on its own share of the batch): the Colossal-AI side here adds it, one
 all-reduce of all its gradients over the depth group after the backward, so both compute the same.
@@ -179,10 +183,18 @@ class Impl:
         self.params = list(self.model.parameters())
 
 
-def tessera_impl(block: str, hidden: int, ref: nn.Module, ctx: Any) -> Impl:
+def tessera_impl(
+    block: str, hidden: int, ref: nn.Module, ctx: Any, *, keep_gathered: bool = False
+) -> Impl:
     from tessera.context import get_shard_info
     from tessera.engine import DeferredSumGradientHandler
-    from tessera.layers import LayerNorm, Linear, load_full_state_dict, split_activation
+    from tessera.layers import (
+        LayerNorm,
+        Linear,
+        keep_gathered_operands,
+        load_full_state_dict,
+        split_activation,
+    )
 
     model = build(
         block,
@@ -191,6 +203,8 @@ def tessera_impl(block: str, hidden: int, ref: nn.Module, ctx: Any) -> Impl:
         lambda h: LayerNorm(h, context=ctx),
     )
     load_full_state_dict(model, ref.state_dict())
+    if keep_gathered:  # 3D: the backward reuses the forward's gathered operands
+        keep_gathered_operands(model)
 
     def shard(p: torch.Tensor) -> Slicer:
         info = get_shard_info(p)
@@ -451,6 +465,8 @@ def worker(
                 "tessera": tessera_impl(block, hidden, ref, ctx),
                 "colossal": colossal_impl(block, hidden, ref, tensor_mode),
             }
+            if tensor_mode == "3d":  # Colossal-AI's 3D layers keep their gathered operands
+                impls["tessera-kept"] = tessera_impl(block, hidden, ref, ctx, keep_gathered=True)
             if block == "mlp" or (hidden // HEAD_DIM) % world == 0:  # 1D splits the heads
                 impls["tessera-1d"] = tessera_impl(block, hidden, ref, ctx_1d)
                 impls["torch-tp"] = torch_tp_impl(block, hidden, ref, mesh)
@@ -493,12 +509,12 @@ def report(mode: str, results: dict[str, Any], rows: list[str]) -> None:
             )
         times: dict[str, float] = result["times"]
         ours, theirs = times.get("tessera"), times.get("colossal")
-        one, tp = times.get("tessera-1d"), times.get("torch-tp")
+        one, tp, kept = times.get("tessera-1d"), times.get("torch-tp"), times.get("tessera-kept")
         block, hidden = key.split()
         rows.append(
             f"{name:<14} {block:<6} {hidden:>6} | {ms(ours):>8} {ms(theirs):>9} "
-            f"{ratio(ours, theirs):>6} | {ms(one):>7} {ratio(one, ours):>6} | "
-            f"{ms(tp):>7} {ratio(tp, ours):>6}"
+            f"{ratio(ours, theirs):>6} | {ms(kept):>6} {ratio(kept, theirs):>6} | "
+            f"{ms(one):>7} {ratio(one, ours):>6} | {ms(tp):>7} {ratio(tp, ours):>6}"
         )
 
 
@@ -535,7 +551,8 @@ def main() -> None:
         report(mode, ranks[0], rows)
     head = (
         f"{'mode':<14} {'block':<6} {'hidden':>6} | {'tessera':>8} {'colossal':>9} "
-        f"{'ratio':>6} | {'1D':>7} {'1D/t':>6} | {'torchTP':>7} {'TP/t':>6}"
+        f"{'ratio':>6} | {'kept':>6} {'kept/C':>6} | {'1D':>7} {'1D/t':>6} | {'torchTP':>7} "
+        f"{'TP/t':>6}"
     )
     print("\nStep time, ms (median over steps, slowest rank)")
     print(head)
@@ -543,7 +560,10 @@ def main() -> None:
     for row in rows:
         print(row)
     print(
-        "ratio = tessera / Colossal-AI (goal <= 0.8); 1D = tessera 1D (Megatron) and torchTP = "
+        "ratio = tessera / Colossal-AI (goal <= 0.8); kept = tessera 3D with "
+        "keep_gathered_operands (each backward reuses its forward's gathered operands, as "
+        "Colossal-AI's Linear3D does, for more saved activations), kept/C its ratio; "
+        "1D = tessera 1D (Megatron) and torchTP = "
         "torch DTensor parallelize_module (ColwiseParallel / RowwiseParallel) on the same ranks "
         "and block; 1D/t and TP/t = their time / tessera's time in the mode. '-': not run "
         "(heads not divisible by the ranks) or not timed (a correctness check failed)."

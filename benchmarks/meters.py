@@ -37,6 +37,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from queue import Empty
 from typing import Any
 
 import torch
@@ -205,15 +206,25 @@ def run_ranks(fn: Fn, world: int, *args: Any) -> list[Any]:
     """Run ``fn(rank, world, port, *args)`` in ``world`` spawned processes; results by rank.
 
     ``fn`` is a module-level function; ``port`` is a free MASTER_PORT for its process group.
-    If a rank fails, torch terminates the others and raises its traceback here.
+    If a rank fails, torch terminates the others and raises its traceback here. The results
+    are read while the ranks run: a process that has put a large result in the queue does not
+    exit until it is read, so joining first would wait forever.
     """
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+    queue = mp.get_context("spawn").Queue()
+    ranks = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
         _entry,
         args=(fn, world, free_port(), queue, args),
         nprocs=world,
-        join=True,
+        join=False,
         start_method="spawn",
     )
-    results = dict(queue.get() for _ in range(world))
+    results: dict[int, Any] = {}
+    while len(results) < world:
+        try:
+            rank, value = queue.get(timeout=1.0)
+            results[rank] = value
+        except Empty:
+            ranks.join(timeout=0)  # raises the traceback of a rank that failed
+    while not ranks.join():
+        pass
     return [results[rank] for rank in range(world)]

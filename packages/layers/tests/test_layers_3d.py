@@ -10,6 +10,7 @@ errors.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,7 @@ from tessera.layers import (
     cube_of,
     gather_activation,
     gather_full_state_dict,
+    keep_gathered_operands,
     load_full_state_dict,
     split_activation,
     split_batch,
@@ -463,17 +465,29 @@ class _Forced(Linear3D):
 
     def forward(self, x: torch.Tensor) -> Any:
         bias = None if self.bias is None else self.bias.reshape(-1)
-        return cube_linear(x, self.weight, self.cube, self.input_layout, self.algorithm, bias=bias)
+        return cube_linear(
+            x,
+            self.weight,
+            self.cube,
+            self.input_layout,
+            self.algorithm,
+            bias=bias,
+            keep=self.keep_gathered,
+        )
 
 
 def _cube_linear(ctx: ParallelContext) -> None:
-    """Both variants of the product against torch, in both layouts; fused parts alike."""
+    """Both variants of the product against torch, in both layouts, keeping the gathered
+    operands or not; fused parts alike."""
     x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(5))
-    for algorithm in ("gathered", "stationary"):
+    for algorithm, keep in itertools.product(("gathered", "stationary"), (False, True)):
         for layout, other in (("y", "z"), ("z", "y")):
-            name = f"cube_linear {algorithm} {layout}"
+            name = f"cube_linear {algorithm} {layout} keep={keep}"
             bias = layout == "y"
-            par = _Forced(H, 12, bias, input_layout=layout, algorithm=algorithm, context=ctx)
+            par = _Forced(
+                H, 12, bias, input_layout=layout, algorithm=algorithm, keep_gathered=keep,
+                context=ctx,
+            )  # fmt: skip
             ref = nn.Linear(H, 12, bias=bias)
             check(name, ref, par, x, ctx, in_layout=layout, out_layout=other)
     # A layer that keeps the layout: the product's output swapped with the mirror rank.
@@ -485,28 +499,58 @@ def _cube_linear(ctx: ParallelContext) -> None:
     # Fused q, k, v parts: the stationary variant equals the gathered one, with blocks moved
     # pairwise (gloo's path) and by collectives (NCCL's path).
     import tessera.layers.comm.inflight as inflight
+    import tessera.layers.cube.matmul as matmul
 
-    def run(algorithm: str) -> tuple[torch.Tensor | None, ...]:
+    gathers = {"backward": 0}
+    counted = {name: getattr(matmul, name) for name in ("start_all_gather", "start_gather_blocks")}
+
+    def counting(real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            gathers["backward"] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    def run(algorithm: str, keep: bool = False) -> tuple[torch.Tensor | None, ...]:
         torch.manual_seed(3)
-        layer = _Forced(H, 24, fused=3, algorithm=algorithm, context=ctx)  # with a bias
+        layer = _Forced(H, 24, fused=3, algorithm=algorithm, keep_gathered=keep, context=ctx)
         xb = block(x, ctx, "y").clone().requires_grad_()
         out = layer(xb)
-        (out * torch.arange(out.numel()).view(out.shape).sin()).sum().backward()
-        return out.detach(), layer.weight.grad, layer.bias.grad, xb.grad
+        gathers["backward"] = 0
+        for name, real in counted.items():  # the gathers of the backward
+            setattr(matmul, name, counting(real))
+        try:
+            (out * torch.arange(out.numel()).view(out.shape).sin()).sum().backward()
+        finally:
+            for name, real in counted.items():
+                setattr(matmul, name, real)
+        return out.detach(), layer.weight.grad, layer.bias.grad, xb.grad, gathers["backward"]
 
     gathered, stationary = run("gathered"), run("stationary")
+    kept_gathered, kept_stationary = run("gathered", keep=True), run("stationary", keep=True)
     pairwise = inflight._pairwise
     inflight._pairwise = lambda group: False  # type: ignore[assignment]
     try:
         over_collectives = run("stationary")
     finally:
         inflight._pairwise = pairwise  # type: ignore[assignment]
-    for want, *got in zip(gathered, stationary, over_collectives, strict=True):
+    # kept operands: the gathered variant's backward gathers dy only (not W, not the rows),
+    # the stationary one its bias runs only (not the input plane's rows)
+    assert (gathered[-1], kept_gathered[-1]) == (3, 1)
+    assert (stationary[-1], kept_stationary[-1]) == (2, 1)
+    results = (stationary, over_collectives, kept_gathered, kept_stationary)
+    for want, *got in zip(gathered[:-1], *(r[:-1] for r in results), strict=True):
         assert want is not None and all(g is not None for g in got)
         for g in got:
             torch.testing.assert_close(g, want, **TOL)
     assert choose_cube_algorithm(2, 4, 4, 2, backward=True) == "gathered"
     assert choose_cube_algorithm(1, 4, 4, 2, backward=True) == "stationary"
+    # keeping the operands, the backward gathers nothing again: the forward's rule decides
+    assert choose_cube_algorithm(3, 4, 16, 2, backward=True) == "stationary"
+    assert choose_cube_algorithm(3, 4, 16, 2, backward=True, keep=True) == "gathered"
+    model = nn.Sequential(Linear3D(H, 12, context=ctx), nn.Sequential(Linear3D(12, H, context=ctx)))
+    assert keep_gathered_operands(model) == 2
+    assert all(m.keep_gathered for m in model.modules() if isinstance(m, Linear3D))
 
 
 def _deferred_sums(ctx: ParallelContext) -> dict[str, int]:

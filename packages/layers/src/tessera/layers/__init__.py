@@ -32,7 +32,7 @@ from tessera.layers.cube.classifier import Classifier3D, VocabParallelClassifier
 from tessera.layers.cube.dropout import Dropout3D, SequenceDropout, ShardedDropout
 from tessera.layers.cube.embedding import Embedding3D, VocabParallelEmbedding3D
 from tessera.layers.cube.layout import LAYOUTS_3D, Cube, CubeModule, Layout3D, cube_of
-from tessera.layers.cube.linear import Linear3D
+from tessera.layers.cube.linear import Linear3D, keep_gathered_operands
 from tessera.layers.cube.loss import (
     Accuracy3D,
     CrossEntropyLoss3D,
@@ -286,4 +286,5 @@ __all__ = [
     "ones",
     "zeros",
     "xavier_uniform",
+    "keep_gathered_operands",
 ]

@@ -15,6 +15,7 @@ through which its gradient is summed (``copy_to_group``, inside autograd).
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from tessera.context import ParallelContext
 
@@ -32,7 +33,7 @@ from .layout import (
 )
 from .matmul import cube_linear
 
-__all__ = ["Linear3D"]
+__all__ = ["Linear3D", "keep_gathered_operands"]
 
 
 class Linear3D(DenseModule, CubeModule):
@@ -59,6 +60,9 @@ class Linear3D(DenseModule, CubeModule):
         fused: The output is this many equal parts (q, k, v), each split over the cube on its
             own (see :class:`~tessera.layers.Linear1DCol`); weight ``[fused, out/(fused q^2),
             in/q]``.
+        keep_gathered: Save the operands the forward gathered (rows, weight) for the backward
+            instead of gathering them again: less communication for more saved activations
+            (:mod:`~tessera.layers.cube.matmul`); also set by :func:`keep_gathered_operands`.
         device: Parameter device (default the context's).
         context: The ParallelContext (default the current one).
     """
@@ -76,10 +80,12 @@ class Linear3D(DenseModule, CubeModule):
         input_layout: Layout3D = "y",
         output_layout: Layout3D | None = None,
         fused: int = 1,
+        keep_gathered: bool = False,
         device: torch.device | str | None = None,
         context: ParallelContext | None = None,
     ) -> None:
         super().__init__(context, device)
+        self.keep_gathered = keep_gathered
         self.input_layout: Layout3D = check_layout(input_layout, self.owner)
         self._output_layout = (
             other_layout(self.input_layout)
@@ -127,11 +133,13 @@ class Linear3D(DenseModule, CubeModule):
         )
         local_bias = flat_bias(self.bias)
         if not self.skip_bias_add:  # the bias's gradient rides in the product's collectives
-            y = cube_linear(x, self.weight, cube, self.input_layout, bias=local_bias)
+            y = cube_linear(
+                x, self.weight, cube, self.input_layout, bias=local_bias, keep=self.keep_gathered
+            )
             if self.output_layout == self.input_layout:  # back to the input's layout
                 return switch_cube_layout(y, cube, other_layout(self.input_layout))
             return mark_layout(y, self.output_layout)  # [b/q^2, ..., out/q]
-        y = cube_linear(x, self.weight, cube, self.input_layout)
+        y = cube_linear(x, self.weight, cube, self.input_layout, keep=self.keep_gathered)
         bias = (
             None
             if local_bias is None
@@ -142,3 +150,23 @@ class Linear3D(DenseModule, CubeModule):
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""
         return f"{self.dense_repr()}input_layout={self.input_layout!r}, " + super().extra_repr()
+
+
+def keep_gathered_operands(model: nn.Module, keep: bool = True) -> int:
+    """Let every :class:`Linear3D` in ``model`` keep (or not) its gathered operands.
+
+    Kept, each layer's backward reuses the rows and weight blocks its forward gathered instead
+    of gathering them again, as Colossal-AI's 3D layers do: one gather fewer per operand and
+    layer in the backward (``benchmarks/bench_colossal.py --keep-gathered`` measures it), for
+    ``(q - 1)(n k + o k)`` more saved elements per layer (``n`` rows, ``k = in/q``,
+    ``o = out/q^2``; ``q^2 n k`` where the weights stay), so 3D no longer saves exactly the
+    single process's activations over ``P``. Off by default. Works on a model built with
+    tessera's layers or converted by ``parallelize``.
+
+    Returns:
+        How many layers were set.
+    """
+    layers = [m for m in model.modules() if isinstance(m, Linear3D)]
+    for layer in layers:
+        layer.keep_gathered = keep
+    return len(layers)

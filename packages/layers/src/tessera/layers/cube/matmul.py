@@ -25,6 +25,13 @@ The weights stay when ``3 q n k + 2 n o < 3 o k`` (``q n k + n o < o k`` without
 few rows per rank against wide layers, the case of small batches (:func:`choose_cube_algorithm`,
 the same choice on every rank). Both give the same result to rounding.
 
+**Keeping the gathered operands** (``keep=True``; Colossal-AI's ``Linear3D`` always does): the
+forward saves what it gathered (the rows and the weight, or the input plane's rows) for the
+backward, which then gathers them no more: ``(q - 1)(2 n k + 2 n o q + 2 o k)`` and
+``(q^2 - 1)(2 n k + 2 n o)`` elements, the weights staying when ``q n k + n o < o k``. It
+costs ``(q - 1)(n k + o k)`` (operands travel) or ``q^2 n k`` (weights stay) more saved
+elements per layer; by default a layer saves only its own blocks.
+
 Fused parts (q, k, v in one weight): with ``f`` parts, a rank's ``o`` output features are
 ``f`` runs of ``r = o / f``; the other layout's ``out/q`` features of axis index ``b`` (and the
 bias ``[out/q]``) are, per part, the ``q`` WEIGHT ranks' runs in order: ``(part, x, run)``.
@@ -55,7 +62,7 @@ CubeAlgorithm = Literal["gathered", "stationary"]
 
 
 def choose_cube_algorithm(
-    rows: int, in_block: int, out_block: int, q: int, *, backward: bool
+    rows: int, in_block: int, out_block: int, q: int, *, backward: bool, keep: bool = False
 ) -> CubeAlgorithm:
     """The variant that sends fewer elements (the module docstring's counts).
 
@@ -65,9 +72,10 @@ def choose_cube_algorithm(
         out_block: ``o = out/q^2``, the rows of this rank's weight block.
         q: The side of the cube.
         backward: Whether a backward follows (training).
+        keep: Whether the forward keeps its gathered operands for the backward.
     """
     n, k, o = rows, in_block, out_block
-    if backward:
+    if backward and not keep:
         return "stationary" if 3 * q * n * k + 2 * n * o < 3 * o * k else "gathered"
     return "stationary" if q * n * k + n * o < o * k else "gathered"
 
@@ -99,21 +107,23 @@ class _GatheredCubeLinear(BlockLinearFunction):
 
     @staticmethod
     def product(
-        x: torch.Tensor, weight: torch.Tensor, cube: Cube, layout: Layout3D
-    ) -> torch.Tensor:
+        x: torch.Tensor, weight: torch.Tensor, cube: Cube, layout: Layout3D, keep: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """See the class docstring."""
         across, hidden, axis = cube.across(layout), cube.hidden(layout), cube.weight
         x_all = start_all_gather(x, 0, across.group, across.world_size)  # [q n, k]
         # A fused weight [fused, o/fused, k] is gathered part by part (dim -2).
         w_all = start_all_gather(weight, -2, axis.group, axis.world_size)
-        partial = torch.matmul(x_all.wait(), flat_weight(w_all.wait()).t())  # [q n, out/q]
-        return start_reduce_scatter(partial, 0, hidden.group, hidden.world_size).wait()
+        rows, table = x_all.wait(), w_all.wait()  # [q n, k], [.., out/q, k]
+        partial = torch.matmul(rows, flat_weight(table).t())  # [q n, out/q]
+        out = start_reduce_scatter(partial, 0, hidden.group, hidden.world_size).wait()
+        return (out, (rows, table)) if keep else out
 
     @staticmethod
     def backward(
         ctx: Any, grad: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
-        x, weight = ctx.saved_tensors
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None]:
+        x, weight, *kept = ctx.saved_tensors
         cube: Cube = ctx.grid[0]
         layout: Layout3D = ctx.grid[1]
         across, hidden, axis = cube.across(layout), cube.hidden(layout), cube.weight
@@ -121,17 +131,24 @@ class _GatheredCubeLinear(BlockLinearFunction):
         k = x.shape[-1]
         dy = grad.reshape(-1, grad.shape[-1])  # [n, out/q]
         g_all = start_all_gather(dy, 0, hidden.group, hidden.world_size)
-        w_all = start_all_gather(weight, -2, axis.group, axis.world_size) if need_x else None
-        rows = x.reshape(-1, k)
-        x_all = start_all_gather(rows, 0, across.group, across.world_size) if need_w else None
+        w_all: Pending | None = None
+        x_all: Pending | None = None
+        if kept:  # the forward's gathered rows and weight
+            x_all, w_all = Pending.done(kept[0]), Pending.done(kept[1])
+        else:
+            if need_x:
+                w_all = start_all_gather(weight, -2, axis.group, axis.world_size)
+            if need_w:
+                rows = x.reshape(-1, k)
+                x_all = start_all_gather(rows, 0, across.group, across.world_size)
         g = g_all.wait()  # [q n, out/q]
         grad_x = None
-        if w_all is not None:  # [q n, k], partial sums over ``B``
+        if need_x and w_all is not None:  # [q n, k], partial sums over ``B``
             dx_all = torch.matmul(g, flat_weight(w_all.wait()))
             grad_x = start_reduce_scatter(dx_all, 0, across.group, across.world_size)
         params = None
         if need_w or need_b:
-            dw_all = None if x_all is None else g.t() @ x_all.wait()  # [out/q, k]
+            dw_all = None if x_all is None or not need_w else g.t() @ x_all.wait()  # [out/q, k]
             params = _sum_over_weight(
                 dw_all, g.sum(0) if need_b else None, weight, axis.group, cube.q
             )
@@ -165,7 +182,7 @@ def _finish(
     params: Pending | None,
     weight: torch.Tensor,
     need_w: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None]:
     """Wait for the input gradient, then split the weight and bias gradients."""
     dx = None if grad_x is None else grad_x.wait().view(x_shape)
     grad_w = grad_b = None
@@ -174,7 +191,7 @@ def _finish(
         size = weight.numel() if need_w else 0
         grad_w = flat[:size].view(weight.shape) if need_w else None
         grad_b = flat[size:] if flat.numel() > size else None
-    return dx, grad_w, grad_b, None, None
+    return dx, grad_w, grad_b, None, None, None
 
 
 # ---------------------------------------------------------------------------- weights stay
@@ -195,24 +212,25 @@ class _StationaryCubeLinear(BlockLinearFunction):
 
     @staticmethod
     def product(
-        x: torch.Tensor, weight: torch.Tensor, cube: Cube, layout: Layout3D
-    ) -> torch.Tensor:
+        x: torch.Tensor, weight: torch.Tensor, cube: Cube, layout: Layout3D, keep: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """See the class docstring."""
         in_plane, out_plane, q = cube.batch(layout), cube.batch(other_layout(layout)), cube.q
         w = flat_weight(weight)  # [o, k]
-        inputs = start_gather_blocks(x, in_plane.group, in_plane.world_size)
-        parts = torch.matmul(inputs.wait(), w.t())  # [q^2, n, o]: every row block, partial
+        inputs = start_gather_blocks(x, in_plane.group, in_plane.world_size).wait()
+        parts = torch.matmul(inputs, w.t())  # [q^2, n, o]: every row block, partial
         # entry a' q + x' from rank (x', a', b): this rank's rows, run x', partial over a'
         got = start_all_to_all_blocks(parts, out_plane.group, out_plane.world_size).wait()
         n, o, f = x.shape[0], w.shape[0], _parts(weight)
         summed = got.view(q, q, n, f, o // f).sum(0)  # [q (x'), n, f, r]
-        return summed.permute(1, 2, 0, 3).reshape(n, q * o)  # [n, out/q]: (part, x', run)
+        out = summed.permute(1, 2, 0, 3).reshape(n, q * o)  # [n, out/q]: (part, x', run)
+        return (out, (inputs,)) if keep else out
 
     @staticmethod
     def backward(
         ctx: Any, grad: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
-        x, weight = ctx.saved_tensors
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None]:
+        x, weight, *kept = ctx.saved_tensors
         cube: Cube = ctx.grid[0]
         layout: Layout3D = ctx.grid[1]
         in_plane, out_plane, q = (
@@ -227,11 +245,13 @@ class _StationaryCubeLinear(BlockLinearFunction):
         runs = grad.reshape(n, f, q, o // f).permute(2, 0, 1, 3).reshape(q, n, o)
         sends = runs.unsqueeze(0).expand(q, q, n, o).reshape(q * q, n, o)
         grads = start_all_to_all_blocks(sends, out_plane.group, out_plane.world_size)
-        inputs = (
-            start_gather_blocks(x.reshape(-1, k), in_plane.group, in_plane.world_size)
-            if need_w
-            else None
-        )
+        inputs: Pending | None = None
+        if need_w:  # every row of the input plane: kept by the forward, or gathered again
+            inputs = (
+                Pending.done(kept[0])
+                if kept
+                else start_gather_blocks(x.reshape(-1, k), in_plane.group, in_plane.world_size)
+            )
         dys = grads.wait().reshape(-1, o)  # [q^2 n, o]: every row's gradient of this rank's o
         bias = None
         if need_b:  # this rank's run of db, complete; the q WEIGHT ranks' runs side by side
@@ -245,7 +265,7 @@ class _StationaryCubeLinear(BlockLinearFunction):
         if inputs is not None:
             grad_w = (dys.t() @ inputs.wait().reshape(-1, k)).view(weight.shape)
         dx = None if grad_x is None else grad_x.wait().view(x.shape)
-        return dx, grad_w, None if bias is None else bias.wait(), None, None
+        return dx, grad_w, None if bias is None else bias.wait(), None, None, None
 
 
 _ALGORITHMS: dict[CubeAlgorithm, type[BlockLinearFunction]] = {
@@ -262,6 +282,7 @@ def cube_linear(
     algorithm: CubeAlgorithm | None = None,
     *,
     bias: torch.Tensor | None = None,
+    keep: bool = False,
 ) -> torch.Tensor:
     """``x W^T (+ b)`` from blocks; the result is in the other layout.
 
@@ -274,6 +295,7 @@ def cube_linear(
         algorithm: ``"gathered"`` or ``"stationary"``; default: :func:`choose_cube_algorithm`'s.
         bias: ``[out/q]``, the other axis's block, replicated over the rest of the cube; its
             gradient is summed over the output's batch group.
+        keep: Save the gathered operands for the backward instead of gathering them again.
 
     Returns:
         ``[b/q^2, ..., out/q]`` in the other layout.
@@ -286,5 +308,7 @@ def cube_linear(
         )
         rows = x.numel() // x.shape[-1]
         out_block = weight.numel() // weight.shape[-1]
-        algorithm = choose_cube_algorithm(rows, x.shape[-1], out_block, cube.q, backward=backward)
-    return apply_function(_ALGORITHMS[algorithm], x, weight, bias, cube, input_layout)
+        algorithm = choose_cube_algorithm(
+            rows, x.shape[-1], out_block, cube.q, backward=backward, keep=keep
+        )
+    return apply_function(_ALGORITHMS[algorithm], x, weight, bias, cube, input_layout, keep)

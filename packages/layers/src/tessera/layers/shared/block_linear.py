@@ -28,8 +28,9 @@ class BlockLinearFunction(torch.autograd.Function):
     each grid argument).
     """
 
-    #: ``product(x [n, k], weight, *grid) -> [n, out_local]``, the variant's communication.
-    product: ClassVar[Callable[..., torch.Tensor]]
+    #: ``product(x [n, k], weight, *grid) -> [n, out_local]``, the variant's communication;
+    #: or ``([n, out_local], kept)``: tensors saved for the backward after ``x`` and ``weight``.
+    product: ClassVar[Callable[..., torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]]]
 
     @classmethod
     def forward(
@@ -43,11 +44,14 @@ class BlockLinearFunction(torch.autograd.Function):
         """``x [.., k]`` -> ``[.., out_local]`` through ``product``, plus the bias."""
         dtype, x, weight, bias = cast_operands(x, weight, bias)
         ctx.grid, ctx.has_bias = grid, bias is not None
-        ctx.save_for_backward(x, weight)
         lead = x.shape[:-1]
         with computing_in(dtype, x.device):
             out = cls.product(x.detach().reshape(-1, x.shape[-1]), weight.detach(), *grid)
+            kept: tuple[torch.Tensor, ...] = ()
+            if isinstance(out, tuple):  # the variant keeps what it gathered for its backward
+                out, kept = out
             out = out if bias is None else out.add_(bias)
+        ctx.save_for_backward(x, weight, *kept)
         return out.view(*lead, out.shape[-1])
 
 
