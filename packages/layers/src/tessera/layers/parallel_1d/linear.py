@@ -77,7 +77,7 @@ class _ColumnLinear(torch.autograd.Function):
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.save_for_backward(x, weight)
         with computing_in(dtype, x.device):
-            return F.linear(x.detach(), weight.detach(), None if bias is None else bias.detach())
+            return F.linear(x, weight, bias)  # grad mode is off in forward: nothing to detach
 
     @staticmethod
     def backward(
@@ -92,6 +92,43 @@ class _ColumnLinear(torch.autograd.Function):
         grad_w = flat.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
         grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return None if grad_x is None else grad_x.wait(), grad_w, grad_b, None
+
+
+class _RowLinear(torch.autograd.Function):
+    """A row-parallel ``F.linear``, Megatron's ``g`` and the bias add in one.
+
+    The partial product is all-reduced in place (it is this function's own buffer: no copy
+    for the collective) and the replicated bias added to the sum in place, so the forward
+    makes one ``[.., out]`` tensor where ``F.linear`` + ``reduce_from_group`` + ``+ bias``
+    make three, and autograd records one node instead of three.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        dtype, x, weight, bias = cast_operands(x, weight, bias)
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        with computing_in(dtype, x.device):
+            y = F.linear(x, weight)  # [.., out], partial sums
+            dist.all_reduce(y, group=group)
+            return y if bias is None else y.add_(bias)
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        flat = grad.reshape(-1, grad.shape[-1])  # [tokens, out], replicated
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None  # [.., in/p]
+        grad_w = flat.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
 
 
 class Linear1DCol(DenseModule, Module1D):
@@ -308,6 +345,10 @@ class Linear1DRow(DenseModule, Module1D):
             if self.skip_bias_add:
                 return streamed, self.bias
             return streamed if self.bias is None else streamed + self.bias
+        if not self.sequence_parallel and self.tp.world_size > 1:  # g and the bias, fused
+            added = None if self.skip_bias_add else self.bias
+            fused = apply_function(_RowLinear, x, self.weight, added, group)
+            return (fused, self.bias) if self.skip_bias_add else fused
         y = F.linear(x, self.weight)  # [.., out], partial sums
         if self.sequence_parallel:
             y = reduce_scatter_along_dim(y, self.SEQUENCE_DIM, group)  # [b, s/p, out]
