@@ -224,7 +224,11 @@ def run_ranks(fn: Fn, world: int, *args: Any) -> list[Any]:
             rank, value = queue.get(timeout=1.0)
             results[rank] = value
         except Empty:
-            ranks.join(timeout=0)  # raises the traceback of a rank that failed
+            # raises the traceback of a rank that failed; all done with results missing:
+            # a rank returned nothing the queue could carry
+            if ranks.join(timeout=0) and queue.empty():
+                missing = sorted(set(range(world)) - set(results))
+                raise RuntimeError(f"run_ranks: ranks {missing} exited without a result") from None
     while not ranks.join():
         pass
     return [results[rank] for rank in range(world)]

@@ -239,3 +239,121 @@ def test_sums_sent_during_the_backward_equal_one_process(
         assert got["unused_grad"] is None  # no rank used it: the optimizer skipped it
         assert got["sent"] == ([2, 4] if overlap and data == 1 else [0, 0])
         assert ("overlap=False" in got["late"]) == (overlap and data == 1)
+
+
+class OnlyDeferred(nn.Module):
+    """A ``[3, 3]`` weight every rank holds whole, its gradient always left to the handler."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 3, generator=torch.Generator().manual_seed(seed)))
+
+    def defer_gradient_sum(self) -> dict[str, list[nn.Parameter]]:
+        return {M.PARALLEL_1D: [self.weight]}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+class Chain(nn.Module):
+    """``x a b c``; with ``divergent`` rank 1 skips ``c`` (registered last: sent first)."""
+
+    def __init__(self, rank: int, divergent: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.c = OnlyDeferred(1), OnlyDeferred(2), OnlyDeferred(3)
+        self.skip_c = divergent and rank == 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.b(self.a(x))
+        return y if self.skip_c else self.c(y)
+
+
+def _local_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _summed(local: dict[str, torch.Tensor | None], group: Any) -> dict[str, torch.Tensor | None]:
+    """Each gradient summed over the ranks that had one (``None`` where none had)."""
+    out: dict[str, torch.Tensor | None] = {}
+    for name, grad in local.items():
+        parts: list[Any] = [None, None]
+        tdist.all_gather_object(parts, grad, group=group)
+        present = [g for g in parts if g is not None]
+        out[name] = sum(present) if present else None  # type: ignore[assignment]
+    return out
+
+
+def _assert_grads(model: nn.Module, want: dict[str, torch.Tensor | None]) -> None:
+    for name, p in model.named_parameters():
+        if want[name] is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad, want[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def _edges() -> str:
+    ctx = create_context(dict(parallel=dict(tensor=dict(size=2, mode="1d"))), timeout=30)
+    try:
+        rank, cpu = ctx.get_local_rank(M.PARALLEL_1D), ctx.get_cpu_group(M.PARALLEL_1D)
+        handler = dict(type="DeferredSumGradientHandler", bucket_size_mb=1e-6)
+        config = dict(gradient_handlers=[handler])
+        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(10 + rank))
+
+        def build(divergent: bool) -> tuple[Any, Any, Chain]:
+            model = Chain(rank, divergent)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            engine, *_ = initialize(model, opt, config=config, context=ctx)
+            return engine, engine.gradient_handlers[0], model
+
+        # c has a gradient on rank 0 only: rank 0 sends its bucket inside the backward, rank 1
+        # cannot; a forward with gradients before the step (a metric) makes every rank send
+        # the rest and drop them, and the step sums them all again, matched
+        engine, deferred, model = build(divergent=True)
+        engine.zero_grad()
+        engine.backward(engine(x).square().sum())
+        local = _local_grads(model)
+        engine(x)
+        deferred.after_backward()
+        _assert_grads(model, _summed(local, cpu))
+        assert model.c.weight.grad is not None  # rank 1 had none: it gets rank 0's
+        engine.step()
+
+        # frozen when the handler was built, trained later: summed at the step, not left
+        # partial; two forwards before their two backwards: nothing starts early
+        engine, deferred, model = build(divergent=False)
+        model.b.weight.requires_grad_(False)
+        engine, deferred, model = build(divergent=False)
+        model.b.weight.requires_grad_(True)
+        engine.zero_grad()
+        first, second = engine(x), engine(2 * x)
+        engine.backward(first.square().sum())
+        engine.backward(second.square().sum())
+        local = _local_grads(model)
+        assert deferred.sent_during_backward == 0
+        deferred.after_backward()
+        _assert_grads(model, _summed(local, cpu))
+        engine.step()
+
+        # a second initialize of the same model: only the new handler's hooks fire
+        old = deferred
+        engine, *_ = initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), config=config, context=ctx
+        )
+        deferred = engine.gradient_handlers[0]
+        engine.zero_grad()
+        engine.backward(engine(x).square().sum())
+        assert (old.sent_during_backward, deferred.sent_during_backward) == (0, 3)
+        # a gradient changed after its sum started: refused, not overwritten
+        model.a.weight.grad.mul_(2)
+        with pytest.raises(RuntimeError, match=r"'a.weight' changed between the backward"):
+            engine.step()
+        return "ok"
+    finally:
+        ctx.destroy()
+
+
+def test_overlapped_sums_stay_matched_and_complete(dist: Any) -> None:
+    """Sums started in a backward: a gradient on one rank only, a forward before the step, a
+    parameter unfrozen after the handler was built, two forwards before their backwards, a
+    second initialize, a gradient changed before the step."""
+    assert dist.run(_edges, world_size=2, timeout=120) == ["ok", "ok"]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hf_models import (
     GPT2_CONFIG,
+    SEQ,
     bert_mlm,
     gpt2_lm,
     gpt_neo_lm,
@@ -113,6 +114,11 @@ def _per_sample_positions(ctx: ParallelContext) -> list[float]:
     ids = token_ids()
     positions = torch.stack([torch.arange(ids.shape[1]) + row for row in range(ids.shape[0])])
     positions[1] = torch.arange(ids.shape[1]) % (ids.shape[1] // 2)  # two packed sequences
+    if ctx.config.tensor_mode == "3d":  # positions changed on the way: their rows are unknown
+        lm = parallelize(gpt2_lm(), context=ctx)
+        lm.transformer.wpe.register_forward_pre_hook(lambda m, args: (args[0].view(-1, SEQ),))
+        with pytest.raises(ValueError, match="changed the per-sample position_ids"):
+            lm(ids, position_ids=positions)
     return [
         _lm_matches_reference(gpt2_lm(), ctx, position_ids=positions),
         _lm_matches_reference(llama_lm(), ctx, position_ids=positions),

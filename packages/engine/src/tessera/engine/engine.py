@@ -202,19 +202,18 @@ class Engine:
         self._ddp_modules = [
             m for m in self._modules if isinstance(m, nn.parallel.DistributedDataParallel)
         ]
-        # handlers told which backward precedes a step, to overlap their sums with it: only
-        # where each micro-step runs one backward and no DDP hook rewrites .grad meanwhile
-        one_backward = isinstance(self._schedule, NonPipelineSchedule) and isinstance(
-            model, nn.Module
-        )
-        self._backward_listeners = (
-            list(self._handlers) if one_backward and not self._ddp_modules else []
-        )
         self._sync_setters: list[Callable[[bool], None]] = []
         for m in self._modules:
             setter = getattr(m, "set_requires_gradient_sync", None)  # FSDP2 modules
             if callable(setter):
                 self._sync_setters.append(setter)
+        # handlers told which backward precedes a step, to overlap their sums with it: only
+        # where each micro-step runs one backward and no DDP / FSDP2 hook rewrites .grad then
+        one_backward = isinstance(self._schedule, NonPipelineSchedule) and isinstance(
+            model, nn.Module
+        )
+        rewritten = bool(self._ddp_modules or self._sync_setters)
+        self._backward_listeners = list(self._handlers) if one_backward and not rewritten else []
         first = next((p for m in self._modules for p in m.parameters()), None)
         self._device_type = first.device.type if first is not None else "cpu"
         self._tokens: TokenCounter | None = None

@@ -32,7 +32,8 @@ from tessera.context import ParallelContext, ParallelMode
 
 from ..comm.collectives import check_divisible
 from ..comm.ops import gather_along_dim, split_along_dim
-from ..cube.layout import cube_of, mark_layout
+from ..cube.embedding import Embedding3D
+from ..cube.layout import LAYOUT_ATTR, cube_of, mark_layout
 from ..cube.loss import CrossEntropyLoss3D
 from ..dispatch.activations import gather_activation, split_activation, split_batch
 from ..mesh.layout import mesh_of
@@ -150,6 +151,9 @@ def install_boundary(
     whole (see :func:`_install_sequence_span`).
     """
     splits_batch = mode != "1d"
+    position_tables = [
+        m for m in model.modules() if isinstance(m, Embedding3D) and m.reads_positions
+    ]
 
     def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if plan.causal_lm and kwargs.get("labels") is not None:
@@ -191,6 +195,9 @@ def install_boundary(
         for key in (*BATCH_KWARGS, "position_ids"):
             if key in kwargs:
                 kwargs[key] = rank_rows(key, kwargs[key], context)
+        marked = getattr(kwargs.get("position_ids"), LAYOUT_ATTR, None) == "z"
+        for table in position_tables:  # they must arrive still marked
+            table.expects_marked_ids = marked
         return args, kwargs
 
     model.register_forward_pre_hook(before, with_kwargs=True)

@@ -397,6 +397,8 @@ class Converter:
         _adopt(new, module, {})
         if role == "position_embedding":  # one row of positions serves every batch block
             setattr(new, "check_split_batch", False)  # noqa: B010  (a GridModule's flag)
+            if isinstance(new, Embedding3D):  # per-sample ones come in layout "z"'s rows
+                new.reads_positions = True
         assert isinstance(new.weight, nn.Parameter)
         self.replaced[id(module.weight)] = new.weight
         return new

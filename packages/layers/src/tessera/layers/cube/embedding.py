@@ -27,7 +27,7 @@ from ..comm.collectives import check_divisible
 from ..comm.ops import reduce_scatter_along_dim
 from ..grid.embedding import GridEmbedding, GridTable
 from ..shared.tables import TableLayout
-from .layout import CubeModule, ids_in_layout_y
+from .layout import LAYOUT_ATTR, CubeModule, ids_in_layout_y
 
 __all__ = ["Embedding3D", "VocabParallelEmbedding3D"]
 
@@ -40,8 +40,24 @@ class Embedding3D(GridEmbedding, CubeModule):
     :class:`~tessera.layers.grid.embedding.GridEmbedding`'s.
     """
 
+    #: A position table converted by ``parallelize``: the model's boundary hands out
+    #: per-sample position ids in layout ``"z"``'s rows, marked.
+    reads_positions: bool = False
+    #: Set by the boundary for the forward it starts: marked ids were handed out. Ids that
+    #: then arrive unmarked were changed on the way (a view, an offset), and whose rows they
+    #: hold can no longer be told: an error, not a guess.
+    expects_marked_ids: bool = False
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """See the class docstring for shapes."""
+        expected, self.expects_marked_ids = self.expects_marked_ids, False
+        if expected and getattr(ids, LAYOUT_ATTR, None) != "z":
+            raise ValueError(
+                f"{self.owner}: the model changed the per-sample position_ids on their way "
+                "to its position table (a new tensor: a view or an offset), so under tensor "
+                "mode '3d' their rows (layout 'z', where attention runs) can no longer be "
+                "swapped to the table's layout 'y'; pass one row of position_ids [1, s]"
+            )
         return super().forward(ids_in_layout_y(ids, self.cube))
 
 

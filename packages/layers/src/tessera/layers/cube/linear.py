@@ -158,7 +158,7 @@ def keep_gathered_operands(model: nn.Module, keep: bool = True) -> int:
     Kept, each layer's backward reuses the rows and weight blocks its forward gathered instead
     of gathering them again, as Colossal-AI's 3D layers do: one gather fewer per operand and
     layer in the backward (``benchmarks/bench_colossal.py --keep-gathered`` measures it), for
-    ``(q - 1)(n k + o k)`` more saved elements per layer (``n`` rows, ``k = in/q``,
+    ``q (n k + o k)`` more saved elements per layer (``n`` rows, ``k = in/q``,
     ``o = out/q^2``; ``q^2 n k`` where the weights stay), so 3D no longer saves exactly the
     single process's activations over ``P``. Off by default. Works on a model built with
     tessera's layers or converted by ``parallelize``.

@@ -29,8 +29,9 @@ the same choice on every rank). Both give the same result to rounding.
 forward saves what it gathered (the rows and the weight, or the input plane's rows) for the
 backward, which then gathers them no more: ``(q - 1)(2 n k + 2 n o q + 2 o k)`` and
 ``(q^2 - 1)(2 n k + 2 n o)`` elements, the weights staying when ``q n k + n o < o k``. It
-costs ``(q - 1)(n k + o k)`` (operands travel) or ``q^2 n k`` (weights stay) more saved
-elements per layer; by default a layer saves only its own blocks.
+costs ``q (n k + o k)`` (operands travel: the gathered rows and weight) or ``q^2 n k``
+(weights stay: the input plane's rows) more saved elements per layer; by default a layer
+saves only its own blocks.
 
 Fused parts (q, k, v in one weight): with ``f`` parts, a rank's ``o`` output features are
 ``f`` runs of ``r = o / f``; the other layout's ``out/q`` features of axis index ``b`` (and the
