@@ -170,6 +170,31 @@ def phi_lm(seed: int = 0) -> nn.Module:
     return _distinct(PhiForCausalLM(PhiConfig(**PHI_CONFIG)), seed)
 
 
+def olmo_lm(seed: int = 0) -> nn.Module:
+    """``OlmoForCausalLM`` (laid out as Llama; its LayerNorms have no parameters and no
+    epsilon attribute: recognized by what they compute), sized like :data:`LLAMA_CONFIG`."""
+    from transformers import OlmoConfig, OlmoForCausalLM
+
+    torch.manual_seed(seed)
+    return _distinct(OlmoForCausalLM(OlmoConfig(**LLAMA_CONFIG)), seed)
+
+
+def granite_lm(seed: int = 0) -> nn.Module:
+    """``GraniteForCausalLM`` (laid out as Llama; its own RMSNorm class, recognized by what it
+    computes; embedding, residual, attention and logit multipliers), sized like Llama's."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(seed)
+    config = GraniteConfig(
+        **LLAMA_CONFIG,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.3,
+        logits_scaling=4.0,
+    )
+    return _distinct(GraniteForCausalLM(config), seed)
+
+
 def bert_mlm(seed: int = 0, **overrides: Any) -> nn.Module:
     """``BertForMaskedLM`` from :data:`BERT_CONFIG`, its weights drawn from ``seed``."""
     from transformers import BertConfig, BertForMaskedLM

@@ -23,9 +23,11 @@ from hf_models import (
     gpt2_lm,
     gpt_neo_lm,
     gpt_neox_lm,
+    granite_lm,
     images,
     llama_lm,
     masked_labels,
+    olmo_lm,
     phi_lm,
     qwen2_lm,
     token_ids,
@@ -138,6 +140,12 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "gpt-neox (family plan, q/k/v fused by head)": lambda ctx: _lm_matches_reference(
         gpt_neox_lm(), ctx
     ),
+    "olmo (family plan, norms without parameters)": lambda ctx: _lm_matches_reference(
+        olmo_lm(), ctx
+    ),
+    "granite (family plan, its own RMSNorm class)": lambda ctx: _lm_matches_reference(
+        granite_lm(), ctx
+    ),
     "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
     "vit": lambda ctx: _lm_matches_reference(vit_classifier(), ctx),
     "per-sample positions": _per_sample_positions,
@@ -154,6 +162,8 @@ ONLY_UNDER = {
     "gpt-neo (plan read from its blocks)": ("1d", "2d"),
     "phi (plan read from its blocks)": ("1d-sp", "3d", "sequence-ring"),
     "gpt-neox (family plan, q/k/v fused by head)": ("1d-4", "2d", "sequence-ring"),
+    "olmo (family plan, norms without parameters)": ("1d-sp", "2d"),
+    "granite (family plan, its own RMSNorm class)": ("3d",),
     "per-sample positions": ("2d", "3d"),
 }
 
@@ -537,6 +547,13 @@ def test_transformers_models_and_plain_blocks_equal_single_process(
     assert all(r == results[0] for r in results)  # losses agree on every rank
 
 
+class _ScaledEmbedding(nn.Embedding):
+    """An embedding that scales its rows in a forward of its own (as Gemma's does)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * 4.0
+
+
 def _errors() -> list[str]:
     """Each misuse raises before any collective, naming what to do."""
     from transformers import GPT2LMHeadModel
@@ -579,6 +596,13 @@ def _errors() -> list[str]:
             TypeError,
             "takes an nn.Linear",
             lambda: parallelize(copy.deepcopy(block), {"0": "col", "3": "row"}, context=ctx),
+        )
+        scaled = nn.ModuleDict({"embed": _ScaledEmbedding(16, 8)})
+        expect(
+            TypeError,
+            r"'embed' \(_ScaledEmbedding\) has role 'embedding', but its class overrides "
+            r"torch.nn.Embedding.forward",
+            lambda: parallelize(scaled, {"embed": "embedding"}, context=ctx),
         )
         expect(
             ValueError,
@@ -666,7 +690,7 @@ def _errors() -> list[str]:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 19
+    assert len(results[0]) == 20
 
 
 def test_inner_norms_follow_a_column_layer_and_precede_a_row_layer() -> None:
@@ -709,7 +733,8 @@ def _tiny(family: str) -> nn.Module:
     configs = {
         "OPT": dict(small, ffn_dim=32, word_embed_proj_dim=16),
         "GPTNeoX": small,
-        "Olmo": small,
+        "Nemotron": dict(small, num_key_value_heads=4, head_dim=4),
+        "GPTBigCode": dict(vocab_size=32, n_embd=16, n_layer=1, n_head=4, n_positions=16),
         "GPTJ": dict(vocab_size=32, n_embd=16, n_layer=1, n_head=4, n_positions=16, rotary_dim=4),
         "Phi": dict(small, qk_layernorm=True),
         "Qwen3": dict(small, num_key_value_heads=2, head_dim=4),
@@ -723,7 +748,8 @@ def _tiny(family: str) -> nn.Module:
     [
         ("OPT", r"no role for model\.decoder\.embed_positions \(OPTLearnedPositionalEmbedding\)"),
         ("GPTNeoX", "0 attention modules with separate q, k and v projections"),
-        ("Olmo", r"no role for model\.layers\.0\.input_layernorm \(OlmoLayerNorm\)"),
+        ("Nemotron", r"no role for model\.layers\.0\.input_layernorm \(NemotronLayerNorm1P\)"),
+        ("GPTBigCode", "0 attention modules with separate q, k and v projections"),
         ("Phi", r"no role for model\.layers\.0\.self_attn\.q_layernorm .* inside the attention"),
         ("Qwen3", r"no role for model\.layers\.0\.self_attn\.q_norm .* inside the attention"),
     ],
@@ -733,18 +759,73 @@ def test_a_model_unlike_the_usual_block_stack_gets_no_plan_and_the_reason(
 ) -> None:
     # OPT's positions are shifted inside its own embedding class, GPT-NeoX fuses q, k, v in
     # an order its shape does not tell (its family plan, which knows the order, takes it),
-    # OLMo's norms have no parameters but would normalize over a split hidden dim, Phi's and
+    # Nemotron's LayerNorm subclass scales by 1 + weight in a forward of its own, GPTBigCode
+    # fuses them per head or shares one key and value (and is no GPT-2, whose module names
+    # it has: see the test below), Phi's and
     # Qwen3's per-head norms of q and k would see a share of the heads on each rank: each
     # would train wrong, silently, under a guessed plan. (Qwen3 is laid out as Llama but for
     # those norms: the Llama family's plan is not inferred either.)
     from tessera.layers.conversion.plan import infer_plan
     from tessera.layers.conversion.structure import infer_structure
 
-    if family == "Qwen3":
+    if family in ("Qwen3", "GPTBigCode"):
         assert infer_plan(_tiny(family)) is None
     report = infer_structure(_tiny(family))
     assert report.rules is None
     assert re.search(reason, report.reason), report.reason
+
+
+@pytest.mark.parametrize("multi_query", [False, True])
+def test_gpt_bigcode_is_not_taken_for_gpt2(multi_query: bool) -> None:
+    # GPTBigCode's modules have GPT-2's names (h.0.attn.c_attn, ...), but its c_attn is an
+    # nn.Linear holding q, k, v side by side per head, or one shared key and value. Cut as
+    # GPT-2's [3, heads, d] it ran without an error and trained 3.6% off one process (1D, 2
+    # ranks); now no plan is guessed for it.
+    from tessera.layers.conversion.plan import plan_for
+
+    model = _tiny("GPTBigCode")
+    if not multi_query:
+        import transformers
+
+        config = transformers.GPTBigCodeConfig(
+            vocab_size=32, n_embd=16, n_layer=1, n_head=4, n_positions=16, multi_query=False
+        )
+        model = transformers.GPTBigCodeForCausalLM(config)
+    with pytest.raises(ValueError, match=r"ships no plan for GPTBigCodeForCausalLM .* GPT-2"):
+        plan_for(model, None)
+
+
+def _norm(family: str, cls: str, *args: Any, device: str = "cpu") -> nn.Module:
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    with torch.device(device):
+        return getattr(module, cls)(*args)  # type: ignore[no-any-return]
+
+
+def test_norms_are_recognized_by_what_they_compute() -> None:
+    from tessera.layers.conversion.norms import NormSpec, norm_spec
+
+    # Copies of Llama's RMSNorm under other names, on the meta device too (probed with
+    # random weights), and OLMo's LayerNorm without parameters or an epsilon attribute.
+    granite = NormSpec("rms", (8,), 1e-6, True, False)
+    assert norm_spec("n", _norm("granite", "GraniteRMSNorm", 8)) == granite
+    assert norm_spec("n", _norm("granite", "GraniteRMSNorm", 8, 1e-5, device="meta")) == (
+        NormSpec("rms", (8,), 1e-5, True, False)
+    )
+    assert norm_spec("n", _norm("olmo", "OlmoLayerNorm", 8)) == (
+        NormSpec("layer", (8,), 1e-5, False, False)
+    )
+    # Gemma's RMSNorm scales by 1 + weight; Nemotron's is an nn.LayerNorm subclass that does
+    # the same in a forward of its own: neither is what tessera's norms compute.
+    with pytest.raises(
+        TypeError, match=r"'n' \(GemmaRMSNorm\).* something other than a LayerNorm or an RMSNorm"
+    ):
+        norm_spec("n", _norm("gemma", "GemmaRMSNorm", 8))
+    with pytest.raises(
+        TypeError, match=r"NemotronLayerNorm1P.* something other than a LayerNorm \(eps"
+    ):
+        norm_spec("n", _norm("nemotron", "NemotronLayerNorm1P", 8))
 
 
 def test_the_usual_block_stack_is_read_into_megatron_roles() -> None:

@@ -42,6 +42,7 @@ from ..parallel_1d.patch_embedding import PatchEmbedding1D
 from ..shared.initializers import Initializer
 from ..state.full_form import FullForm, set_full_form
 from ..state.state_dict import load_full_state_dict
+from .norms import norm_spec
 from .patch import PatchEmbeddingAdapter, patch_sizes
 
 __all__ = ["Converter", "LinearShape", "linear_shape"]
@@ -57,10 +58,6 @@ HEAD_ATTRIBUTES = (
 )
 
 
-#: transformers' RMSNorm classes that compute ``weight * x / rms(x)`` exactly (Gemma's, which
-#: scales by ``1 + weight``, is not among them).
-RMS_NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
-
 #: ``kind -> mode -> class`` of the norms ``parallelize`` builds.
 NORMS: dict[str, dict[str, Any]] = {
     "layer": {
@@ -71,49 +68,6 @@ NORMS: dict[str, dict[str, Any]] = {
     },
     "rms": {"1d": RMSNorm1D, "2d": RMSNorm2D, "2.5d": RMSNorm2p5D, "3d": RMSNorm3D},
 }
-
-
-@dataclass(frozen=True)
-class NormSpec:
-    """A norm's sizes, whatever class holds it."""
-
-    kind: str  # "layer" or "rms"
-    shape: tuple[int, ...]
-    eps: float
-    affine: bool
-    bias: bool
-
-
-def norm_spec(name: str, module: nn.Module) -> NormSpec:
-    """The sizes of ``module``: ``nn.LayerNorm``, ``nn.RMSNorm`` or a known transformers RMSNorm.
-
-    Raises:
-        TypeError: any other module.
-    """
-    if isinstance(module, nn.LayerNorm):
-        return NormSpec(
-            "layer",
-            tuple(module.normalized_shape),
-            module.eps,
-            module.elementwise_affine,
-            module.bias is not None,
-        )
-    if isinstance(module, nn.RMSNorm):
-        weight = module.weight
-        dtype = weight.dtype if weight is not None else torch.get_default_dtype()
-        eps = module.eps if module.eps is not None else torch.finfo(dtype).eps
-        return NormSpec(
-            "rms", tuple(module.normalized_shape), eps, module.elementwise_affine, False
-        )
-    if type(module).__name__ in RMS_NORM_CLASSES:
-        shape = tuple(_tensor(module, "weight").shape)
-        epsilon = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-        assert isinstance(epsilon, float), f"{type(module).__name__} has no epsilon"
-        return NormSpec("rms", shape, epsilon, True, False)
-    raise TypeError(
-        f"parallelize: {name!r} ({type(module).__name__}) has role 'norm', which takes an "
-        f"nn.LayerNorm, an nn.RMSNorm or one of transformers' {', '.join(RMS_NORM_CLASSES)}"
-    )
 
 
 class _Made(TypedDict):
@@ -153,7 +107,7 @@ class LinearShape:
     transposed: bool
 
 
-def _is_conv1d(module: nn.Module) -> bool:
+def is_conv1d(module: nn.Module) -> bool:
     """Transformers' ``Conv1D`` (recognized by shape, so transformers need not be installed)."""
     return (
         type(module).__name__ == "Conv1D"
@@ -162,15 +116,35 @@ def _is_conv1d(module: nn.Module) -> bool:
     )
 
 
+def computes_as(module: nn.Module, base: type[nn.Module]) -> bool:
+    """Whether ``module`` is a ``base`` that computes as one: its class keeps ``base.forward``.
+
+    A subclass with a forward of its own (an embedding that scales its output, a linear layer
+    that adds a scaled residual) would lose what it adds once replaced by a tessera layer.
+    """
+    return isinstance(module, base) and type(module).forward is base.forward
+
+
+def _overrides(name: str, module: nn.Module, base: type[nn.Module], role: str) -> TypeError:
+    return TypeError(
+        f"parallelize: {name!r} ({type(module).__name__}) has role {role!r}, but its class "
+        f"overrides {base.__module__.split('.')[0]}.nn.{base.__name__}.forward, so what it "
+        "computes is not what tessera's layer of that role would compute; leave it out of the "
+        "plan or give it a plain module"
+    )
+
+
 def linear_shape(name: str, module: nn.Module, role: str) -> LinearShape:
     """The sizes of ``module``, an ``nn.Linear`` or a ``Conv1D``.
 
     Raises:
-        TypeError: the module is neither.
+        TypeError: the module is neither, or overrides ``nn.Linear.forward``.
     """
+    if isinstance(module, nn.Linear) and not computes_as(module, nn.Linear):
+        raise _overrides(name, module, nn.Linear, role)
     if isinstance(module, nn.Linear):
         return LinearShape(module.in_features, module.out_features, module.bias is not None, False)
-    if _is_conv1d(module):
+    if is_conv1d(module):
         in_features, out_features = _tensor(module, "weight").shape
         return LinearShape(in_features, out_features, module.bias is not None, True)
     raise TypeError(
@@ -372,6 +346,8 @@ class Converter:
                 f"parallelize: {name!r} ({type(module).__name__}) has role {role!r}, which "
                 "takes an nn.Embedding"
             )
+        if not computes_as(module, nn.Embedding):
+            raise _overrides(name, module, nn.Embedding, role)
         if module.max_norm is not None or module.sparse:
             raise ValueError(
                 f"parallelize: {name!r} uses max_norm or sparse gradients, which tessera's "
@@ -472,6 +448,8 @@ class Converter:
                 f"parallelize: {name!r} ({type(module).__name__}) has role 'head', which takes "
                 "an nn.Linear"
             )
+        if not computes_as(module, nn.Linear):
+            raise _overrides(name, module, nn.Linear, "head")
         tied = self.replaced.get(id(module.weight))
         dims = (module.in_features, module.out_features, tied, module.bias is not None)
         made = self._made_like(module.weight)

@@ -52,6 +52,7 @@ from typing import Literal
 
 from torch import nn
 
+from .converters import is_conv1d
 from .structure import infer_structure
 
 __all__ = [
@@ -322,13 +323,27 @@ def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
     )
 
 
+def _any_linear(module: nn.Module) -> bool:
+    return True
+
+
+def _gpt2_fused(module: nn.Module) -> bool:
+    """GPT-2's ``c_attn`` is a transformers ``Conv1D`` whose rows are q, k, v in turn.
+
+    GPTBigCode (StarCoder, SantaCoder) has modules of the same names, but its ``c_attn`` is an
+    ``nn.Linear`` holding each head's q, k and v side by side, or one shared key and value
+    (multi-query): cut as GPT-2's, every head would mix, without an error.
+    """
+    return is_conv1d(module)
+
+
 #: Model families whose module layout other models share (Mistral and Qwen2 are laid out as
-#: Llama; Pythia is GPT-NeoX), by the name of a module that marks each family and its plan
-#: builder.
-FAMILIES: dict[str, tuple[str, Callable[[str, bool], Plan]]] = {
-    "Llama": ("layers.0.self_attn.q_proj", _llama),
-    "GPT-2": ("h.0.attn.c_attn", _gpt2),
-    "GPT-NeoX": ("layers.0.attention.query_key_value", _gpt_neox),
+#: Llama; Pythia is GPT-NeoX), by the name of a module that marks each family, what that
+#: module must be for the family's plan to hold, and the plan builder.
+FAMILIES: dict[str, tuple[str, Callable[[nn.Module], bool], Callable[[str, bool], Plan]]] = {
+    "Llama": ("layers.0.self_attn.q_proj", _any_linear, _llama),
+    "GPT-2": ("h.0.attn.c_attn", _gpt2_fused, _gpt2),
+    "GPT-NeoX": ("layers.0.attention.query_key_value", _any_linear, _gpt_neox),
 }
 
 
@@ -342,10 +357,10 @@ def infer_plan(model: nn.Module) -> Plan | None:
     in a module of its own) would stay whole and see split activations, silently wrong, so
     such a model gets no plan and the caller must write one.
     """
-    names = [name for name, _ in model.named_modules() if name]
-    for marker, build in FAMILIES.values():
-        found = [n for n in names if n == marker or n.endswith("." + marker)]
-        if not found:
+    modules = dict(model.named_modules())
+    for marker, laid_out, build in FAMILIES.values():
+        found = [n for n in modules if n == marker or n.endswith("." + marker)]
+        if not found or not laid_out(modules[found[0]]):
             continue
         prefix = found[0][: len(found[0]) - len(marker)]
         causal_lm = isinstance(getattr(model, "lm_head", None), nn.Linear) and prefix != ""

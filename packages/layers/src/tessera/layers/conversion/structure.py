@@ -18,7 +18,7 @@ module the plan does not know would stay whole and see split activations, silent
   projection's layout (``[3, heads, d]``, ``[heads, 3, d]``, ...) cannot be read from its
   shape, and splitting the wrong one mixes heads;
 - embeddings must be plain ``nn.Embedding`` (a subclass may shift or scale inside its forward)
-  and norms ones tessera computes exactly (:func:`~.converters.norm_spec`).
+  and norms ones tessera computes exactly (:func:`~.norms.norm_spec`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .converters import linear_shape, norm_spec
+from .converters import linear_shape
+from .norms import norm_spec
 
 __all__ = ["QKV_NAMES", "OUTPUT_NAMES", "StructureReport", "infer_structure"]
 
