@@ -775,6 +775,18 @@ def test_a_model_unlike_the_usual_block_stack_gets_no_plan_and_the_reason(
     assert re.search(reason, report.reason), report.reason
 
 
+def test_a_subclass_keeps_its_base_class_plan_only_while_that_plan_covers_it() -> None:
+    from tessera.layers.conversion.plan import BUILTIN_PLANS, plan_for
+
+    model = llama_lm(distinct=False)
+    model.__class__ = type("ExtendedLlama", (type(model),), {})
+    assert plan_for(model, None) is BUILTIN_PLANS["LlamaForCausalLM"]
+    for layer in model.model.layers:  # a per-head norm of q its base class lacks
+        layer.self_attn.q_norm = nn.LayerNorm(4)
+    with pytest.raises(ValueError, match=r"no plan for ExtendedLlama .* inside the attention"):
+        plan_for(model, None)
+
+
 @pytest.mark.parametrize("multi_query", [False, True])
 def test_gpt_bigcode_is_not_taken_for_gpt2(multi_query: bool) -> None:
     # GPTBigCode's modules have GPT-2's names (h.0.attn.c_attn, ...), but its c_attn is an

@@ -288,8 +288,9 @@ BUILTIN_PLANS: dict[str, Plan] = {
 def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
     """The plan to use: the given one (a dict becomes a ``"features"`` plan) or the model's.
 
-    The model's: the plan shipped for its class, else the plan of the family it is laid out
-    as (:func:`infer_plan`), else the roles read from its transformer blocks
+    The model's: the plan shipped for its class (or for a base class, if that plan still
+    covers every module with parameters), else the plan of the family it is laid out as
+    (:func:`infer_plan`), else the roles read from its transformer blocks
     (:func:`~.structure.infer_structure`).
 
     Raises:
@@ -301,7 +302,12 @@ def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
         return Plan(dict(plan))
     for cls in type(model).__mro__:
         if cls.__name__ in BUILTIN_PLANS:
-            return BUILTIN_PLANS[cls.__name__]
+            shipped = BUILTIN_PLANS[cls.__name__]
+            # A subclass may add modules its base lacks (a norm inside attention): its base's
+            # plan holds only if it still names every module with parameters.
+            if cls is type(model) or _covers(model, shipped):
+                return shipped
+            break
     inferred = infer_plan(model)
     if inferred is not None:
         return inferred
