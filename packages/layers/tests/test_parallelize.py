@@ -141,10 +141,10 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
         gpt_neox_lm(), ctx
     ),
     "olmo (family plan, norms without parameters)": lambda ctx: _lm_matches_reference(
-        olmo_lm(), ctx
+        _with_plan(olmo_lm(), "Llama LM plan inferred"), ctx
     ),
     "granite (family plan, its own RMSNorm class)": lambda ctx: _lm_matches_reference(
-        granite_lm(), ctx
+        _with_plan(granite_lm(), "Llama LM plan inferred"), ctx
     ),
     "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
     "vit": lambda ctx: _lm_matches_reference(vit_classifier(), ctx),
@@ -166,6 +166,14 @@ ONLY_UNDER = {
     "granite (family plan, its own RMSNorm class)": ("3d",),
     "per-sample positions": ("2d", "3d"),
 }
+
+
+def _with_plan(model: nn.Module, name: str) -> nn.Module:
+    """``model``, after checking that the plan ``parallelize`` will pick is the one named."""
+    from tessera.layers.conversion.plan import plan_for
+
+    assert plan_for(model, None).name.startswith(name), plan_for(model, None).name
+    return model
 
 
 def _run_check(tensor: dict[str, Any], check: str) -> Any:
@@ -803,7 +811,9 @@ def test_gpt_bigcode_is_not_taken_for_gpt2(multi_query: bool) -> None:
             vocab_size=32, n_embd=16, n_layer=1, n_head=4, n_positions=16, multi_query=False
         )
         model = transformers.GPTBigCodeForCausalLM(config)
-    with pytest.raises(ValueError, match=r"ships no plan for GPTBigCodeForCausalLM .* GPT-2"):
+    with pytest.raises(
+        ValueError, match=r"no plan for GPTBigCodeForCausalLM .* 0 attention modules"
+    ):
         plan_for(model, None)
 
 
@@ -831,13 +841,66 @@ def test_norms_are_recognized_by_what_they_compute() -> None:
     # Gemma's RMSNorm scales by 1 + weight; Nemotron's is an nn.LayerNorm subclass that does
     # the same in a forward of its own: neither is what tessera's norms compute.
     with pytest.raises(
-        TypeError, match=r"'n' \(GemmaRMSNorm\).* something other than a LayerNorm or an RMSNorm"
+        TypeError, match=r"'n' \(GemmaRMSNorm\).* differ from a LayerNorm or an RMSNorm"
     ):
         norm_spec("n", _norm("gemma", "GemmaRMSNorm", 8))
-    with pytest.raises(
-        TypeError, match=r"NemotronLayerNorm1P.* something other than a LayerNorm \(eps"
-    ):
+    with pytest.raises(TypeError, match=r"NemotronLayerNorm1P.* differ from a LayerNorm \(eps"):
         norm_spec("n", _norm("nemotron", "NemotronLayerNorm1P", 8))
+
+
+class _OverSequence(nn.Module):
+    """An RMSNorm over dim 1 (the sequence): equal to one over the hidden dim on 2-D rows."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(hidden)), 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.square().mean(1, keepdim=True) + self.eps)
+
+
+class _DetachedRMS(_OverSequence):
+    """An RMSNorm whose statistics carry no gradient: the same output, other gradients."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps).detach()
+        return self.weight * x * scale
+
+
+class _NormWithDropout(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm, self.drop = nn.LayerNorm(hidden), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.norm(x))  # type: ignore[no-any-return]
+
+
+def test_a_norm_that_computes_something_else_is_refused() -> None:
+    from tessera.layers.conversion.converters import linear_shape
+    from tessera.layers.conversion.norms import norm_spec
+
+    with pytest.raises(TypeError, match=r"_OverSequence.* differ from"):
+        norm_spec("n", _OverSequence(8))
+    with pytest.raises(TypeError, match=r"_DetachedRMS.* differ from"):
+        norm_spec("n", _DetachedRMS(8))
+    with pytest.raises(TypeError, match="holds submodules"):
+        norm_spec("n", _NormWithDropout(8).eval())
+    hooked = nn.LayerNorm(8)
+    hooked.register_forward_hook(lambda m, args, out: out * 2)
+    with pytest.raises(TypeError, match="a hook, a parametrization or an instance forward"):
+        norm_spec("n", hooked)
+    linear = nn.Linear(8, 8)
+    linear.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    with pytest.raises(TypeError, match=r"overrides torch.nn.Linear.forward"):
+        linear_shape("fc", linear, "col")
+
+
+def test_a_gpt2_layout_without_a_shipped_plan_gets_the_gpt2_family_plan() -> None:
+    from tessera.layers.conversion.plan import infer_plan
+
+    plan = infer_plan(gpt2_lm(distinct=False))  # Conv1D c_attn: GPT-2's fused layout
+    assert plan is not None and plan.name.startswith("GPT-2 LM plan inferred")
 
 
 def test_the_usual_block_stack_is_read_into_megatron_roles() -> None:

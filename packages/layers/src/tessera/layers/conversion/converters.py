@@ -42,7 +42,7 @@ from ..parallel_1d.patch_embedding import PatchEmbedding1D
 from ..shared.initializers import Initializer
 from ..state.full_form import FullForm, set_full_form
 from ..state.state_dict import load_full_state_dict
-from .norms import norm_spec
+from .norms import computes_as, computes_own_forward, norm_spec
 from .patch import PatchEmbeddingAdapter, patch_sizes
 
 __all__ = ["Converter", "LinearShape", "linear_shape"]
@@ -116,15 +116,6 @@ def is_conv1d(module: nn.Module) -> bool:
     )
 
 
-def computes_as(module: nn.Module, base: type[nn.Module]) -> bool:
-    """Whether ``module`` is a ``base`` that computes as one: its class keeps ``base.forward``.
-
-    A subclass with a forward of its own (an embedding that scales its output, a linear layer
-    that adds a scaled residual) would lose what it adds once replaced by a tessera layer.
-    """
-    return isinstance(module, base) and type(module).forward is base.forward
-
-
 def _overrides(name: str, module: nn.Module, base: type[nn.Module], role: str) -> TypeError:
     return TypeError(
         f"parallelize: {name!r} ({type(module).__name__}) has role {role!r}, but its class "
@@ -144,6 +135,8 @@ def linear_shape(name: str, module: nn.Module, role: str) -> LinearShape:
         raise _overrides(name, module, nn.Linear, role)
     if isinstance(module, nn.Linear):
         return LinearShape(module.in_features, module.out_features, module.bias is not None, False)
+    if is_conv1d(module) and not computes_own_forward(module):
+        raise _overrides(name, module, nn.Linear, role)
     if is_conv1d(module):
         in_features, out_features = _tensor(module, "weight").shape
         return LinearShape(in_features, out_features, module.bias is not None, True)

@@ -11,22 +11,27 @@ of its own (Nemotron's ``LayerNorm1P`` scales by ``1 + weight``). transformers d
 class per model family (``LlamaRMSNorm``, ``MistralRMSNorm``, ``GraniteRMSNorm``, ...), most of
 them copies of Llama's, but not all: Gemma's scales by ``1 + weight``, and OLMo's LayerNorm
 has no parameters at all. A class name cannot tell them apart, so any other module is
-*probed*: a copy of it, with random weights, is run on random rows at two scales (``1`` and
-``1e-3``, where the epsilon dominates the mean square) and compared with both formulas. It is
-accepted only if it matches one to float32 rounding; a norm that computes anything else is
-refused by name, never approximated.
+*probed*: it is called with random weights in place of its own (``torch.func.functional_call``,
+so a model on the meta device can be probed) on random rows ``[2, 3, h]`` at two scales (``1``
+and ``1e-3``, where the epsilon dominates the mean square), and its output and its gradients
+for the rows and the weights are compared with both formulas (fp32, relative 1e-5 on the
+output). It is accepted only if it matches one; a norm that computes anything else is refused
+with an error naming it, never approximated. The probe runs in fp32 and in the module's
+current train / eval mode; a module holding submodules (a dropout), buffers, hooks or
+parametrizations is not probed but refused.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
+from torch.nn.utils import parametrize
 
-__all__ = ["NormSpec", "norm_spec"]
+__all__ = ["NormSpec", "computes_as", "computes_own_forward", "norm_spec"]
 
 #: Attribute names under which norm classes keep their epsilon.
 EPSILON_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps")
@@ -49,7 +54,7 @@ class NormSpec:
 
 def _torch_norm(module: nn.Module) -> NormSpec | None:
     """The spec of a torch norm that computes as one (a subclass may not: it is probed)."""
-    if type(module).forward is nn.LayerNorm.forward and isinstance(module, nn.LayerNorm):
+    if isinstance(module, nn.LayerNorm) and computes_as(module, nn.LayerNorm):
         return NormSpec(
             "layer",
             tuple(module.normalized_shape),
@@ -57,7 +62,7 @@ def _torch_norm(module: nn.Module) -> NormSpec | None:
             module.elementwise_affine,
             module.bias is not None,
         )
-    if type(module).forward is nn.RMSNorm.forward and isinstance(module, nn.RMSNorm):
+    if isinstance(module, nn.RMSNorm) and computes_as(module, nn.RMSNorm):
         weight = module.weight
         dtype = weight.dtype if weight is not None else torch.get_default_dtype()
         eps = module.eps if module.eps is not None else torch.finfo(dtype).eps
@@ -98,36 +103,90 @@ def _formula(
     return y if weight is None else y * weight
 
 
+def _matches(
+    module: nn.Module, spec: NormSpec, params: dict[str, torch.Tensor], rows: torch.Tensor
+) -> bool:
+    """Whether ``module`` with ``params`` gives ``spec``'s output and gradients on ``rows``."""
+    grad_out = torch.randn(rows.shape, generator=torch.Generator().manual_seed(1))
+    inputs = (
+        rows.clone().requires_grad_(),
+        {k: v.clone().requires_grad_() for k, v in params.items()},
+    )
+    want_inputs = (
+        rows.clone().requires_grad_(),
+        {k: v.clone().requires_grad_() for k, v in params.items()},
+    )
+    got = functional_call(module, inputs[1], (inputs[0],))
+    if not isinstance(got, torch.Tensor) or got.shape != rows.shape:
+        return False
+    want = _formula(spec, want_inputs[0], want_inputs[1].get("weight"), want_inputs[1].get("bias"))
+    leaves = [inputs[0], *inputs[1].values()]
+    want_leaves = [want_inputs[0], *want_inputs[1].values()]
+    grads = torch.autograd.grad(got, leaves, grad_out, allow_unused=True)
+    want_grads = torch.autograd.grad(want, want_leaves, grad_out)
+    return torch.allclose(got, want, 1e-5, 1e-5) and all(
+        g is not None and torch.allclose(g, w, 1e-4, 1e-5)
+        for g, w in zip(grads, want_grads, strict=True)
+    )
+
+
 def _probe(module: nn.Module) -> tuple[NormSpec | None, str]:
     """The spec ``module`` computes exactly (see the module docstring), or why none."""
+    if not computes_own_forward(module):
+        return None, "a hook, a parametrization or an instance forward changes what it computes"
+    if any(True for _ in module.children()):
+        return None, "it holds submodules (a dropout, say) the replacement would drop"
     specs, reason = _candidates(module)
     if not specs:
         return None, reason
-    probe = copy.deepcopy(module).to_empty(device="cpu").float()  # meta weights have no values
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in probe.parameters():
-            p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
-        params = dict(probe.named_parameters())
-        weight, bias = params.get("weight"), params.get("bias")
-        rows = torch.randn((4, *specs[0].shape), generator=g) + 0.3
+    # Random weights in place of the module's own (which may be on the meta device).
+    params = {
+        name: 1 + 0.5 * torch.randn(p.shape, generator=g) for name, p in module.named_parameters()
+    }
+    rows = torch.randn((2, 3, *specs[0].shape), generator=g) + 0.3  # [b, s, h]
+    for spec in specs:
         try:
-            outputs = [(scale, probe(rows * scale)) for scale in (1.0, 1e-3)]
+            if all(_matches(module, spec, params, rows * scale) for scale in (1.0, 1e-3)):
+                return spec, ""
         except Exception as error:  # any failure means "not a plain norm"
             return None, f"it cannot be called on rows alone ({type(error).__name__})"
-        for spec in specs:
-            if all(
-                isinstance(out, torch.Tensor)
-                and out.shape == rows.shape
-                and torch.allclose(out, _formula(spec, rows * scale, weight, bias), 1e-5, 1e-5)
-                for scale, out in outputs
-            ):
-                return spec, ""
     kinds = " or ".join(
         sorted({"a LayerNorm" if s.kind == "layer" else "an RMSNorm" for s in specs})
     )
     epsilons = ", ".join(sorted({f"{s.eps:g}" for s in specs}))
-    return None, f"on probe rows it computes something other than {kinds} (eps {epsilons})"
+    return None, (
+        f"on probe rows [2, 3, {specs[0].shape[0]}] its output or gradients differ from "
+        f"{kinds} (eps {epsilons})"
+    )
+
+
+def computes_own_forward(module: nn.Module) -> bool:
+    """Whether ``module`` computes only what its class's forward says.
+
+    A forward hook, a forward set on the instance or a parametrization of a parameter
+    changes what it computes; a tessera layer put in its place would not.
+    """
+    return (
+        "forward" not in vars(module)
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+        and not parametrize.is_parametrized(module)
+    )
+
+
+def computes_as(module: nn.Module, base: type[nn.Module]) -> bool:
+    """Whether ``module`` is a ``base`` that computes as one: its class keeps ``base.forward``.
+
+    A subclass with a forward of its own (an embedding that scales its output, a linear layer
+    that adds a scaled residual) would lose what it adds once replaced by a tessera layer, and
+    so would a hook, an instance forward or a parametrization.
+    """
+    return (
+        isinstance(module, base)
+        and type(module).forward is base.forward
+        and computes_own_forward(module)
+    )
 
 
 def norm_spec(name: str, module: nn.Module) -> NormSpec:
