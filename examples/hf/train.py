@@ -134,6 +134,7 @@ def main() -> None:
             dict(
                 config=Path(args.config).stem,
                 world_size=ctx.world_size,
+                device=str(ctx.device),
                 steps=trainer.global_step,
                 test_loss=test_loss,
                 losses=recorder.losses,

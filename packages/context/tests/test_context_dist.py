@@ -328,3 +328,40 @@ def test_device_mesh(dist: Any) -> None:
         assert r["tp_ranks"] == r["tp_expected"]
         assert r["dp_sum"] == float(rank % 2 + rank % 2 + 2)
         assert r["cached"]
+
+
+def _new_group_without_sort_ranks(
+    calls: list[list[int]],
+) -> Any:
+    """``dist.new_group`` as torch 2.11 has it: no ``sort_ranks`` (it sorts every group)."""
+
+    def new_group(ranks: list[int] | None = None, timeout: Any = None, backend: Any = None) -> str:
+        calls.append(list(ranks or []))
+        return "group"
+
+    return new_group
+
+
+def test_groups_keep_their_order_on_a_torch_that_would_sort_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A torch without ``sort_ranks`` builds every built-in group; an unsorted one is refused."""
+    from datetime import timedelta
+
+    from tessera.context.groups import new_group_in_order
+
+    calls: list[list[int]] = []
+    monkeypatch.setattr(dist, "new_group", _new_group_without_sort_ranks(calls))
+    assert new_group_in_order((0, 2, 5), timedelta(seconds=1), None) == "group"
+    assert calls == [[0, 2, 5]]
+    with pytest.raises(RuntimeError, match=r"process group \[4, 1\] lists its ranks out of"):
+        new_group_in_order((4, 1), timedelta(seconds=1), "gloo")
+    assert calls == [[0, 2, 5]]  # refused before any group was created
+    for world, parallel in [
+        (8, {"tensor": {"size": 8, "mode": "3d"}}),
+        (16, {"pipeline": 2, "tensor": {"size": 8, "mode": "2.5d", "depth": 2}}),
+        (8, {"pipeline": 2, "tensor": {"size": 4, "mode": "2d"}}),
+        (8, {"tensor": {"size": 4, "mode": "sequence"}}),
+    ]:
+        for groups in rank_groups(ParallelConfig.from_dict(parallel, world)).values():
+            assert all(list(g) == sorted(g) for g in groups), (parallel, groups)

@@ -249,6 +249,38 @@ def test_nccl_binds_the_communicator_to_the_rank_device(
     assert (str(device) if device is not None else None) == expected
 
 
+@pytest.mark.parametrize(
+    ("local_rank", "local_world", "match"),
+    [
+        (1, None, "local rank 1 has no GPU: this process sees 1 CUDA device"),
+        (0, "2", "2 processes on this node but it has 1 CUDA device"),  # rank 0 too
+    ],
+)
+def test_more_processes_than_gpus_is_a_clear_error_before_the_rendezvous(
+    monkeypatch: pytest.MonkeyPatch, local_rank: int, local_world: str | None, match: str
+) -> None:
+    """NCCL runs one process per GPU: say so before set_device or NCCL fails, or ranks wait."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("reached the GPU or the network")
+
+    monkeypatch.setattr(torch.cuda, "set_device", refuse)
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+    env = {"RANK": str(local_rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(local_rank)}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # nothing listens: never dialled
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if local_world is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+    with pytest.raises(ConfigError, match=match) as caught:
+        launch_from_torch({})
+    assert "backend='gloo'" in str(caught.value)
+
+
 def _launch_mixed_layouts() -> str:
     """Ranks 0-1 get a 1D layout, ranks 2-3 a 2D one: a clear error, not a hang in new_group."""
     rank = int(os.environ["RANK"])

@@ -9,16 +9,18 @@ nothing else. :func:`build_groups` creates them collectively from a layout.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from .layouts import Group
 from .modes import ModeLike, mode_key
 
-__all__ = ["Membership", "ProcessGroups", "build_groups"]
+__all__ = ["Membership", "ProcessGroups", "build_groups", "new_group_in_order"]
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,33 @@ class ProcessGroups:
         self._members.clear()
 
 
+def new_group_in_order(ranks: Group, timeout: timedelta, backend: str | None) -> dist.ProcessGroup:
+    """``dist.new_group`` whose local ranks follow ``ranks``' order (collective).
+
+    A mode's coordinates are local ranks, so a group listed out of increasing order must keep
+    that order. torch's ``new_group`` sorts the ranks unless it is given ``sort_ranks=False``,
+    which older releases (2.11 among them) do not have; there every built-in layout still
+    works (its groups are listed in increasing order), and a plug-in layout that lists a group
+    out of order is refused on every rank alike, before the group is created.
+
+    Raises:
+        RuntimeError: ``ranks`` is out of increasing order and this torch would sort it.
+    """
+    group: dist.ProcessGroup
+    if "sort_ranks" in inspect.signature(dist.new_group).parameters:
+        group = dist.new_group(list(ranks), timeout=timeout, backend=backend, sort_ranks=False)
+        return group
+    if list(ranks) != sorted(ranks):
+        raise RuntimeError(
+            f"process group {list(ranks)} lists its ranks out of increasing order, and "
+            f"torch {torch.__version__}'s new_group has no sort_ranks=False to keep that order "
+            "(its local ranks would be those of the sorted list); list the group's ranks in "
+            "increasing order, or use a torch whose new_group takes sort_ranks"
+        )
+    group = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+    return group
+
+
 def build_groups(
     layout: Mapping[str, list[Group]],
     rank: int,
@@ -152,12 +181,7 @@ def build_groups(
     def group_of(ranks: Group, kind: str) -> dist.ProcessGroup | None:
         key = (kind, ranks)
         if key not in cache:
-            pg = dist.new_group(
-                list(ranks),
-                timeout=timeout,
-                backend=None if kind == "main" else "gloo",
-                sort_ranks=False,
-            )
+            pg = new_group_in_order(ranks, timeout, None if kind == "main" else "gloo")
             member = rank in ranks
             cache[key] = pg if member else None
             if member:

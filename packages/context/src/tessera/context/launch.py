@@ -292,6 +292,7 @@ def _launch(
     *,
     agent_store: bool,
     attempt: str,
+    local_world_size: int | None = None,
 ) -> ParallelContext:
     backend, seed, timeout = options.backend, options.seed, options.timeout
     heartbeat_interval, rendezvous_timeout = options.heartbeat_interval, options.rendezvous_timeout
@@ -321,6 +322,7 @@ def _launch(
             raise ConfigError(f"backend {backend!r} needs CUDA, which is not available")
         if local_rank is None:
             local_rank = rank % torch.cuda.device_count()
+        _check_gpu_of(local_rank, local_world_size, rank, backend)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
@@ -383,6 +385,38 @@ def _env_int(name: str, launcher: str) -> int:
         raise RuntimeError(f"{launcher}: {name}={value!r} is not an integer") from None
 
 
+def _check_gpu_of(local_rank: int, local_world_size: int | None, rank: int, backend: str) -> None:
+    """This process's GPU must exist: NCCL runs one process per GPU.
+
+    Without the check, ``set_device`` fails with "invalid device ordinal", or, where the
+    local rank wraps onto a GPU another process holds, NCCL fails at the first collective
+    with "Duplicate GPU detected". Where the launcher says how many processes share the node
+    (torchrun's ``LOCAL_WORLD_SIZE``), every one of them raises, the ones with a GPU too, so
+    none is left waiting at the rendezvous for the others.
+
+    Raises:
+        ConfigError: ``local_rank`` is not the index of a GPU this process sees, or the node
+            runs more processes than it has GPUs.
+    """
+    count = torch.cuda.device_count()
+    if local_world_size is not None and local_world_size > count:
+        raise ConfigError(
+            f"rank {rank}: {local_world_size} processes on this node but it has {count} CUDA "
+            f"device(s), and backend {backend!r} needs one GPU per process; start at most "
+            f"{count} process(es) per node (torchrun --nproc-per-node {count}), or pass "
+            "backend='gloo' to run every rank on the CPU"
+        )
+    if not 0 <= local_rank < count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        seen = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise ConfigError(
+            f"rank {rank}: local rank {local_rank} has no GPU: this process sees {count} CUDA "
+            f"device(s){seen}, and backend {backend!r} needs one GPU per process; start at "
+            f"most {count} process(es) per node, pass local_rank= the index of this "
+            "process's GPU among those it sees, or pass backend='gloo' to run on the CPU"
+        )
+
+
 def launch_from_torch(
     config: ConfigLike,
     options: LaunchOptions | None = None,
@@ -404,6 +438,9 @@ def launch_from_torch(
         host=host,
         port=_env_int("MASTER_PORT", name),
         local_rank=_env_int("LOCAL_RANK", name),
+        local_world_size=(
+            _env_int("LOCAL_WORLD_SIZE", name) if "LOCAL_WORLD_SIZE" in os.environ else None
+        ),
         options=resolved,
         # torchrun's agent already hosts a store on MASTER_PORT: every rank is a client of it,
         # and keys are kept apart per restart.
