@@ -9,7 +9,7 @@ from torch import nn
 def build(
     vocab: int, *, kind: str, seq_len: int, hidden: int, depth: int, heads: int, seed: int
 ) -> nn.Module:
-    """``GPT2LMHeadModel`` or ``LlamaForCausalLM``, its weights drawn from ``seed``.
+    """``GPT2LMHeadModel``, ``LlamaForCausalLM`` or ``Phi3ForCausalLM``, from ``seed``.
 
     Built the same way on every rank (and with no context current: transformers' classes do
     not read tessera's), so every layout starts from the same full weights.
@@ -44,4 +44,20 @@ def build(
             max_position_embeddings=seq_len,
         )
         return LlamaForCausalLM(config)
-    raise ValueError(f"model.kind must be 'gpt2' or 'llama', got {kind!r}")
+    if kind == "phi3":  # q, k, v fused with grouped-query attention; gate and up fused
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        config = Phi3Config(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=depth,
+            num_attention_heads=heads,
+            num_key_value_heads=heads // 2,
+            max_position_embeddings=seq_len,
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+        return Phi3ForCausalLM(config)
+    raise ValueError(f"model.kind must be 'gpt2', 'llama' or 'phi3', got {kind!r}")

@@ -195,6 +195,26 @@ def granite_lm(seed: int = 0) -> nn.Module:
     return _distinct(GraniteForCausalLM(config), seed)
 
 
+def phi3_lm(seed: int = 0) -> nn.Module:
+    """``Phi3ForCausalLM`` (q, k and v fused in ``qkv_proj`` with grouped-query attention: 8
+    query and 4 key/value heads; gate and up fused in ``gate_up_proj``), sized like Llama's."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Phi3Config(**LLAMA_CONFIG, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return _distinct(Phi3ForCausalLM(config), seed)
+
+
+def glm4_lm(seed: int = 0) -> nn.Module:
+    """``Glm4ForCausalLM`` (gate and up fused in ``gate_up_proj``, chunked in two by the MLP; a
+    norm after attention and after the MLP; partial rotary), sized like Llama's."""
+    from transformers import Glm4Config, Glm4ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Glm4Config(**LLAMA_CONFIG, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return _distinct(Glm4ForCausalLM(config), seed)
+
+
 def bert_mlm(seed: int = 0, **overrides: Any) -> nn.Module:
     """``BertForMaskedLM`` from :data:`BERT_CONFIG`, its weights drawn from ``seed``."""
     from transformers import BertConfig, BertForMaskedLM

@@ -20,6 +20,7 @@ from hf_models import (
     GPT2_CONFIG,
     SEQ,
     bert_mlm,
+    glm4_lm,
     gpt2_lm,
     gpt_neo_lm,
     gpt_neox_lm,
@@ -28,6 +29,7 @@ from hf_models import (
     llama_lm,
     masked_labels,
     olmo_lm,
+    phi3_lm,
     phi_lm,
     qwen2_lm,
     token_ids,
@@ -146,6 +148,12 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "granite (family plan, its own RMSNorm class)": lambda ctx: _lm_matches_reference(
         _with_plan(granite_lm(), "Llama LM plan inferred"), ctx
     ),
+    "phi3 (fused q/k/v with grouped-query attention, fused gate/up)": lambda ctx: (
+        _lm_matches_reference(phi3_lm(), ctx)
+    ),
+    "glm4 (family plan, fused gate/up, norms after attention and MLP)": lambda ctx: (
+        _lm_matches_reference(_with_plan(glm4_lm(), "GLM-4 LM plan inferred"), ctx)
+    ),
     "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
     "vit": lambda ctx: _lm_matches_reference(vit_classifier(), ctx),
     "per-sample positions": _per_sample_positions,
@@ -164,6 +172,8 @@ ONLY_UNDER = {
     "gpt-neox (family plan, q/k/v fused by head)": ("1d-4", "2d", "sequence-ring"),
     "olmo (family plan, norms without parameters)": ("1d-sp", "2d"),
     "granite (family plan, its own RMSNorm class)": ("3d",),
+    "phi3 (fused q/k/v with grouped-query attention, fused gate/up)": ("1d-4", "1d-sp", "3d"),
+    "glm4 (family plan, fused gate/up, norms after attention and MLP)": ("1d", "2d"),
     "per-sample positions": ("2d", "3d"),
 }
 
@@ -746,6 +756,9 @@ def _tiny(family: str) -> nn.Module:
         "GPTJ": dict(vocab_size=32, n_embd=16, n_layer=1, n_head=4, n_positions=16, rotary_dim=4),
         "Phi": dict(small, qk_layernorm=True),
         "Qwen3": dict(small, num_key_value_heads=2, head_dim=4),
+        "Glm": dict(small, num_key_value_heads=2, pad_token_id=None),
+        "Glm4": dict(small, num_key_value_heads=2, pad_token_id=None),
+        "Phi3": dict(small, num_key_value_heads=2, pad_token_id=None),
     }
     config = getattr(transformers, f"{family}Config")(**configs[family])
     return getattr(transformers, f"{family}ForCausalLM")(config)  # type: ignore[no-any-return]
@@ -760,6 +773,7 @@ def _tiny(family: str) -> nn.Module:
         ("GPTBigCode", "0 attention modules with separate q, k and v projections"),
         ("Phi", r"no role for model\.layers\.0\.self_attn\.q_layernorm .* inside the attention"),
         ("Qwen3", r"no role for model\.layers\.0\.self_attn\.q_norm .* inside the attention"),
+        ("Glm", r"gate_up_proj makes 64 features where .*down_proj takes 32: .*'gate_up'"),
     ],
 )
 def test_a_model_unlike_the_usual_block_stack_gets_no_plan_and_the_reason(
@@ -778,9 +792,97 @@ def test_a_model_unlike_the_usual_block_stack_gets_no_plan_and_the_reason(
 
     if family in ("Qwen3", "GPTBigCode"):
         assert infer_plan(_tiny(family)) is None
+    # GLM's MLP chunks its gate_up_proj in two halves: a plain column split gave each rank
+    # the gate of some features and the up of others, and trained wrong without an error.
     report = infer_structure(_tiny(family))
     assert report.rules is None
     assert re.search(reason, report.reason), report.reason
+
+
+@pytest.mark.parametrize(
+    ("family", "plan"),
+    [("Phi3", "Phi-3 LM"), ("Glm", "GLM LM plan inferred"), ("Glm4", "GLM-4 LM plan inferred")],
+)
+def test_fused_projection_families_get_plans_naming_their_fused_roles(
+    family: str, plan: str
+) -> None:
+    """Phi-3 (q/k/v and gate/up fused), GLM and GLM-4 (gate/up fused) by class or layout."""
+    from tessera.layers.conversion.plan import plan_for
+
+    chosen = plan_for(_tiny(family), None)
+    assert chosen.name == plan or chosen.name.startswith(plan), chosen.name
+    assert chosen.rules["model.layers.*.mlp.gate_up_proj"] == "gate_up"
+    if family == "Phi3":
+        assert chosen.rules["model.layers.*.self_attn.qkv_proj"] == "qkv"
+
+
+def test_a_fused_gate_and_up_named_as_a_plain_column_layer_is_refused() -> None:
+    """Its width tells: a ``col`` layer makes what the row layer takes, ``gate_up`` twice."""
+    from dataclasses import replace
+
+    from tessera.layers.conversion.plan import match_plan, plan_for
+
+    model = _tiny("Glm")
+    plan = plan_for(model, None)
+    match_plan(model, plan, "2d")  # the family's plan: gate_up_proj is 'gate_up'
+    as_col = replace(plan, rules={**plan.rules, "model.layers.*.mlp.gate_up_proj": "col"})
+    with pytest.raises(
+        ValueError,
+        match=r"under tensor mode '2d': the 'col' layer 'model.layers.0.mlp.gate_up_proj' makes "
+        r"64 features, but the 'row' layer 'model.layers.0.mlp.down_proj' after it takes 32 .*"
+        r"need role 'gate_up'",
+    ):
+        match_plan(model, as_col, "2d")
+    gated = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(16, 8))  # halves of 16
+    match_plan(gated, replace(plan, rules={"0": "gate_up", "2": "row"}), "1d")
+    plain = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    with pytest.raises(ValueError, match=r"the 'gate_up' layer '0' makes 16 features, but"):
+        match_plan(plain, replace(plan, rules={"0": "gate_up", "2": "row"}), "1d")
+
+
+def test_an_attention_registering_its_output_projection_first_is_read_in_data_flow_order() -> None:
+    from tessera.layers.conversion.plan import match_plan, plan_for
+
+    model = _tiny("Phi3")
+    roles = list(match_plan(model, plan_for(model, None), "1d"))
+    attention = [n for n in roles if ".self_attn." in n]
+    assert [n.rsplit(".", 1)[1] for n in attention] == ["qkv_proj", "o_proj"]
+    registered = list(model.model.layers[0].self_attn._modules)
+    assert registered == ["o_proj", "qkv_proj"]  # the other way round
+
+
+def test_parts_of_unequal_sizes_are_held_interleaved_by_group() -> None:
+    """A rank's block of the grouped form is its share of each part: q, k, v heads in turn."""
+    from tessera.layers import FullForm
+    from tessera.layers.state.sections import SectionOrder, grouped, parts_in_turn
+
+    sections = (32, 8, 8)  # 8 query heads and 2 key/value heads of 4
+    original = torch.randn(48, 5)
+    form = FullForm((48, 5), sections=sections)
+    full = form.from_original(original, (48, 5))
+    assert torch.equal(form.to_original(full), original)
+    assert not torch.equal(full, original)
+    for rank in range(2):
+        block = full[rank * 24 : (rank + 1) * 24]  # a column split over 2 ranks
+        want = torch.cat(
+            [
+                original[rank * 16 : (rank + 1) * 16],  # query heads 4 rank .. 4 rank + 3
+                original[32 + rank * 4 : 32 + (rank + 1) * 4],  # the key head they share
+                original[40 + rank * 4 : 40 + (rank + 1) * 4],  # the value head they share
+            ]
+        )
+        assert torch.equal(parts_in_turn(block, sections, dim=0), want)
+        x = torch.randn(3, 5)
+        hook = SectionOrder(sections)
+        torch.testing.assert_close(hook(nn.Identity(), (x,), x @ block.t()), x @ want.t())
+    features = torch.randn(2, 3, 48)
+    assert torch.equal(parts_in_turn(grouped(features, sections), sections), features)
+    transposed = FullForm((5, 48), transposed=True, sections=sections)  # a Conv1D's [in, out]
+    assert torch.equal(
+        transposed.to_original(transposed.from_original(original.t(), (48, 5))), original.t()
+    )
+    with pytest.raises(ValueError, match="two or more positive sizes"):
+        FullForm((48, 5), sections=(48,))
 
 
 def test_a_subclass_keeps_its_base_class_plan_only_while_that_plan_covers_it() -> None:

@@ -14,6 +14,7 @@ al. 2022) and the 2D/2.5D mesh (Xu et al. 2021; Wang et al. 2021).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -41,6 +42,7 @@ from ..parallel_1d.norm import LayerNorm1D, RMSNorm1D
 from ..parallel_1d.patch_embedding import PatchEmbedding1D
 from ..shared.initializers import Initializer
 from ..state.full_form import FullForm, set_full_form
+from ..state.sections import SectionOrder
 from ..state.state_dict import load_full_state_dict
 from .norms import computes_as, computes_own_forward, norm_spec
 from .patch import PatchEmbeddingAdapter, patch_sizes
@@ -78,12 +80,43 @@ class _Made(TypedDict):
     context: ParallelContext
 
 
-#: Head counts of a transformers config (checked, never changed: every layer shares it).
+#: Head counts of a transformers config (an attention module gets a copy with its share).
 CONFIG_HEAD_ATTRIBUTES = ("num_attention_heads", "num_key_value_heads")
+#: Roles of a linear layer whose outputs are split (a column layer), and how many equal parts
+#: each splits on its own: q, k and v side by side (GPT-2's ``c_attn``), an MLP's gate and up
+#: projections side by side (Phi-3's and GLM's ``gate_up_proj``).
+COLUMN_PARTS = {"col": 1, "qkv": 3, "gate_up": 2}
+
+
+@dataclass(frozen=True)
+class Heads:
+    """An attention module's head counts before ``parallelize`` divides them."""
+
+    query: int
+    key_value: int
+    dim: int | None
 
 
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _heads_of(module: nn.Module, found: dict[str, int], config: object) -> Heads:
+    """The whole head counts of an attention module (its own attributes, else its config)."""
+
+    def count(*values: object) -> int | None:
+        return next((v for v in values if isinstance(v, int) and not isinstance(v, bool)), None)
+
+    query = count(
+        found.get("num_heads"),
+        found.get("num_attention_heads"),
+        getattr(config, "num_attention_heads", None),
+    )
+    key_value = count(
+        found.get("num_key_value_heads"), getattr(config, "num_key_value_heads", None), query
+    )
+    dim = count(getattr(module, "head_dim", None), getattr(config, "head_dim", None))
+    return Heads(query or 0, key_value or 0, dim)
 
 
 def _no_init(tensor: torch.Tensor, fan_in: int, fan_out: int) -> None:
@@ -199,6 +232,8 @@ class Converter:
         self.attention_modules = attention
         #: ``id(plain parameter) -> tessera parameter``, for heads tied to an embedding.
         self.replaced: dict[int, nn.Parameter] = {}
+        #: Attention module name -> its whole head counts (read before they are divided).
+        self.heads: dict[str, Heads] = {}
 
     @property
     def share(self) -> int:
@@ -211,7 +246,7 @@ class Converter:
 
     def convert(self, name: str, module: nn.Module, role: str) -> nn.Module:
         """The module to put in place of ``module`` (``module`` itself if it stays)."""
-        if role in ("col", "qkv", "row"):
+        if role in COLUMN_PARTS or role == "row":
             return self.linear(name, module, role)
         if role == "dense":
             return self.dense(name, module)
@@ -245,13 +280,19 @@ class Converter:
         )
 
     def linear(self, name: str, module: nn.Module, role: str) -> nn.Module:
-        """``col`` / ``qkv`` / ``row``: the mode's linear layer.
+        """``col`` / ``qkv`` / ``gate_up`` / ``row``: the mode's linear layer.
 
         Under 3D a ``col`` layer takes layout ``"y"`` (between blocks) and returns ``"z"``; a
-        ``row`` layer takes ``"z"`` back to ``"y"`` (Bian et al. 2021).
+        ``row`` layer takes ``"z"`` back to ``"y"`` (Bian et al. 2021). A ``qkv`` layer of
+        grouped-query attention (fewer key/value heads than query heads: parts of unequal
+        sizes) is held interleaved by group and its output put back in q, k, v order
+        (:class:`~tessera.layers.state.sections.SectionOrder`).
         """
         shape = linear_shape(name, module, role)
-        fused = 3 if role == "qkv" else 1
+        fused = COLUMN_PARTS.get(role, 1)
+        sections = self._qkv_sections(name, shape) if role == "qkv" else ()
+        if sections:
+            fused = 1
         weight = _tensor(module, "weight")
         dims = (shape.in_features, shape.out_features, shape.bias)
         made = self._made_like(weight)
@@ -271,11 +312,40 @@ class Converter:
             cls = Linear2D if self.mode == "2d" else Linear2p5D
             new = cls(*dims, fused=fused, **made)
         forms: dict[str, FullForm] = {}
-        if shape.transposed or fused > 1:
-            forms["weight"] = FullForm(tuple(weight.shape), transposed=shape.transposed)
-        if shape.bias and fused > 1:
-            forms["bias"] = FullForm((shape.out_features,))
+        if shape.transposed or fused > 1 or sections:
+            forms["weight"] = FullForm(tuple(weight.shape), shape.transposed, sections)
+        if shape.bias and (fused > 1 or sections):
+            forms["bias"] = FullForm((shape.out_features,), sections=sections)
+        if sections:
+            new.register_forward_hook(SectionOrder(sections))
         return _adopt(new, module, forms)
+
+    def _qkv_sections(self, name: str, shape: LinearShape) -> tuple[int, ...]:
+        """The sizes of q, k and v in a fused projection of grouped-query attention.
+
+        ``()`` where they are equal thirds (the fused layer's own ``[3, out/3, in]`` form
+        holds them) or the layer is in no attention module of the plan.
+
+        Raises:
+            ValueError: the attention's head counts do not add up to the layer's outputs.
+        """
+        owner = max((a for a in self.heads if name.startswith(f"{a}.")), key=len, default=None)
+        if owner is None:
+            return ()
+        heads = self.heads[owner]
+        if heads.query == 0 or heads.key_value == heads.query:
+            return ()
+        per_head = shape.out_features // (heads.query + 2 * heads.key_value)
+        dim = heads.dim if heads.dim is not None else per_head
+        sections = (heads.query * dim, heads.key_value * dim, heads.key_value * dim)
+        if sum(sections) != shape.out_features:
+            raise ValueError(
+                f"parallelize: {name!r} has role 'qkv', but its {shape.out_features} outputs "
+                f"are not q, k and v of {owner!r}'s {heads.query} query and {heads.key_value} "
+                f"key/value heads of {dim} ({heads.query} * {dim} + 2 * {heads.key_value} * "
+                f"{dim} = {sum(sections)})"
+            )
+        return sections
 
     def dense(self, name: str, module: nn.Module) -> nn.Module:
         """``dense``: a linear layer that keeps the layout between blocks.
@@ -298,9 +368,10 @@ class Converter:
     def attention(self, name: str, module: nn.Module) -> nn.Module:
         """``attention``: head counts and widths become this rank's share (in place).
 
-        Counts the module holds (``num_heads``, ``split_size``, ...) are divided; counts its
-        transformers config holds (grouped-query attention's ``num_key_value_heads``) are only
-        checked, for modules that reshape with ``-1`` heads (Llama's).
+        Counts the module holds (``num_heads``, ``split_size``, ...) are divided. Its
+        transformers config is shared by every layer and the model, so the module gets a copy
+        of its own holding its share of the config's counts (Phi-3 finds where k starts in its
+        fused projection from ``config.num_attention_heads``).
 
         Raises:
             ValueError: a count is not divisible by the number of ranks splitting the heads.
@@ -328,8 +399,15 @@ class Converter:
                     f"ranks that split the heads under tensor mode {self.mode!r} "
                     f"({value} % {share} = {value % share}); each rank needs whole heads"
                 )
-        for attr, value in found.items():  # the module's own counts; the config is shared
+        self.heads[name] = _heads_of(module, found, config)
+        for attr, value in found.items():
             setattr(module, attr, value // share)
+        if from_config:
+            local = copy.copy(config)  # the model's config, and every other layer's, stay whole
+            for attr in CONFIG_HEAD_ATTRIBUTES:
+                if _is_count(getattr(config, attr, None)):
+                    setattr(local, attr, getattr(config, attr) // share)
+            setattr(module, "config", local)  # noqa: B010  (not a submodule or parameter)
         return module
 
     def embedding(self, name: str, module: nn.Module, role: str) -> nn.Module:

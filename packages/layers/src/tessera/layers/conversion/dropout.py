@@ -36,6 +36,8 @@ from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode, derive_seed
 
+from .plan import COLUMN_ROLES
+
 __all__ = ["RANK_FORK_ATTR", "RankFork", "fork_each_layer", "install_dropout_streams"]
 
 #: The attribute of a parallelized model holding its :class:`RankFork` when the fork spans its
@@ -124,7 +126,7 @@ def install_dropout_streams(
     else:
         for name, role in roles.items():
             layer = model.get_submodule(name)
-            if role in ("col", "qkv"):
+            if role in COLUMN_ROLES:
                 layer.register_forward_hook(fork.enter)
             elif role == "row":
                 layer.register_forward_pre_hook(fork.leave)

@@ -11,8 +11,15 @@ papers need to know of a transformer; every activation layout follows from them:
     A linear layer (``nn.Linear`` or transformers' ``Conv1D``) whose outputs are split: the
     first layer of an MLP, a query, key or value projection.
 ``"qkv"``
-    A ``"col"`` layer whose output is q, k and v side by side (GPT-2's ``c_attn``): each of
-    the three is split on its own, so a rank holds the same heads of all three.
+    A ``"col"`` layer whose output is q, k and v side by side (GPT-2's ``c_attn``, Phi-3's
+    ``qkv_proj``): each of the three is split on its own, so a rank holds the same heads of all
+    three. With grouped-query attention (fewer key/value heads than query heads, read from the
+    ``"attention"`` module around it) the three differ in size; a rank still holds whole query
+    heads with exactly the key/value heads they attend with.
+``"gate_up"``
+    A ``"col"`` layer whose output is an MLP's gate and up projections side by side (Phi-3's
+    and GLM's ``gate_up_proj``, split in two halves by the model): each half is split on its
+    own.
 ``"row"``
     A linear layer whose inputs are split: the second layer of an MLP, an attention output.
 ``"dense"``
@@ -52,11 +59,12 @@ from typing import Literal
 
 from torch import nn
 
-from .converters import is_conv1d
+from .converters import COLUMN_PARTS, is_conv1d, linear_shape
 from .structure import infer_structure
 
 __all__ = [
     "BUILTIN_PLANS",
+    "COLUMN_ROLES",
     "FAMILIES",
     "ROLES",
     "Plan",
@@ -73,6 +81,7 @@ __all__ = [
 Role = Literal[
     "col",
     "qkv",
+    "gate_up",
     "row",
     "dense",
     "embedding",
@@ -86,6 +95,7 @@ Role = Literal[
 ROLES: tuple[str, ...] = (
     "col",
     "qkv",
+    "gate_up",
     "row",
     "dense",
     "embedding",
@@ -95,6 +105,8 @@ ROLES: tuple[str, ...] = (
     "attention",
     "patch_embedding",
 )
+#: Roles of a linear layer whose outputs are split (a column layer, Megatron-LM's "A").
+COLUMN_ROLES: tuple[str, ...] = tuple(COLUMN_PARTS)
 Boundary = Literal["tokens", "features", "images"]
 
 
@@ -216,6 +228,41 @@ def _gpt_neox(prefix: str, causal_lm: bool) -> Plan:
     )
 
 
+def _fused_llama(prefix: str, causal_lm: bool, *, qkv: bool, name: str) -> Plan:
+    """Llama's block with its projections fused.
+
+    Gate and up in ``mlp.gate_up_proj`` (``[gate; up]``, chunked in two by the MLP) and, with
+    ``qkv``, q, k and v in ``self_attn.qkv_proj`` (``[q heads; k heads; v heads]``, fewer k/v
+    heads than q heads under grouped-query attention).
+    """
+    block = f"{prefix}layers.*"
+    fused = (".gate_proj", ".up_proj", *((".q_proj", ".k_proj", ".v_proj") if qkv else ()))
+    llama = _llama(prefix, causal_lm)
+    rules = {k: v for k, v in llama.rules.items() if not k.endswith(fused)}
+    rules[f"{block}.mlp.gate_up_proj"] = "gate_up"
+    if qkv:
+        rules[f"{block}.self_attn.qkv_proj"] = "qkv"
+    return replace(llama, rules=rules, name=name + (" LM" if causal_lm else ""))
+
+
+def _phi3(prefix: str, causal_lm: bool) -> Plan:
+    """Phi-3 and Phi-4-mini: q, k, v fused, gate and up fused."""
+    return _fused_llama(prefix, causal_lm, qkv=True, name="Phi-3")
+
+
+def _glm(prefix: str, causal_lm: bool) -> Plan:
+    """GLM: gate and up fused."""
+    return _fused_llama(prefix, causal_lm, qkv=False, name="GLM")
+
+
+def _glm4(prefix: str, causal_lm: bool) -> Plan:
+    """GLM-4: GLM's block with a norm after attention and one after the MLP."""
+    glm = _fused_llama(prefix, causal_lm, qkv=False, name="GLM-4")
+    block = f"{prefix}layers.*"
+    norms = {f"{block}.post_self_attn_layernorm": "norm", f"{block}.post_mlp_layernorm": "norm"}
+    return replace(glm, rules={**glm.rules, **norms})
+
+
 def _bert(prefix: str, masked_lm: bool) -> Plan:
     layer = f"{prefix}encoder.layer.*"
     rules = {
@@ -280,6 +327,8 @@ BUILTIN_PLANS: dict[str, Plan] = {
     "GPT2Model": _gpt2("", causal_lm=False),
     "LlamaForCausalLM": _llama("model.", causal_lm=True),
     "LlamaModel": _llama("", causal_lm=False),
+    "Phi3ForCausalLM": _phi3("model.", causal_lm=True),
+    "Phi3Model": _phi3("", causal_lm=False),
     "BertForMaskedLM": _bert("bert.", masked_lm=True),
     "ViTForImageClassification": _vit(),
 }
@@ -329,8 +378,12 @@ def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
     )
 
 
-def _any_linear(module: nn.Module) -> bool:
+def _any_module(module: nn.Module) -> bool:
     return True
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear)
 
 
 def _gpt2_fused(module: nn.Module) -> bool:
@@ -344,12 +397,15 @@ def _gpt2_fused(module: nn.Module) -> bool:
 
 
 #: Model families whose module layout other models share (Mistral and Qwen2 are laid out as
-#: Llama; Pythia is GPT-NeoX), by the name of a module that marks each family, what that
-#: module must be for the family's plan to hold, and the plan builder.
+#: Llama; Pythia is GPT-NeoX; Phi-4-mini is Phi-3), by the name of a module that marks each
+#: family, what that module must be for the family's plan to hold, and the plan builder.
 FAMILIES: dict[str, tuple[str, Callable[[nn.Module], bool], Callable[[str, bool], Plan]]] = {
-    "Llama": ("layers.0.self_attn.q_proj", _any_linear, _llama),
+    "Llama": ("layers.0.self_attn.q_proj", _any_module, _llama),
     "GPT-2": ("h.0.attn.c_attn", _gpt2_fused, _gpt2),
-    "GPT-NeoX": ("layers.0.attention.query_key_value", _any_linear, _gpt_neox),
+    "GPT-NeoX": ("layers.0.attention.query_key_value", _any_module, _gpt_neox),
+    "Phi-3": ("layers.0.self_attn.qkv_proj", _plain_linear, _phi3),
+    "GLM": ("layers.0.mlp.gate_up_proj", _plain_linear, _glm),
+    "GLM-4": ("layers.0.post_mlp_layernorm", _any_module, _glm4),
 }
 
 
@@ -433,9 +489,87 @@ def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
             f"{names[:8]}{' ...' if len(names) > 8 else ''})"
         )
     order = {name: i for i, name in enumerate(names)}
-    ordered = dict(sorted(roles.items(), key=lambda item: order[item[0]]))
+    ordered = _in_data_flow_order(dict(sorted(roles.items(), key=lambda item: order[item[0]])))
     _check_pairs(ordered, plan, mode)
+    _check_mlp_widths(model, ordered, plan, mode)
     return ordered
+
+
+def _check_mlp_widths(model: nn.Module, roles: Mapping[str, str], plan: Plan, mode: str) -> None:
+    """Outside attention, a column layer makes what the row layer after it takes.
+
+    An MLP that chunks a layer's output in two (``gate, up = x.chunk(2, -1)``) needs that
+    layer's role to be ``gate_up``: as a plain ``col`` layer each rank would get the gate of
+    some features and the up of others, and train wrong without an error. Its width tells:
+    ``col`` makes as many features as the row layer takes, ``gate_up`` twice as many.
+    (Attention's q, k and v may differ from what its output projection takes: grouped-query
+    attention has fewer key/value heads.)
+
+    Raises:
+        ValueError: a column layer outside attention makes another width than that.
+    """
+    attention = [name for name, role in roles.items() if role == "attention"]
+    columns: list[str] = []
+    for name, role in roles.items():
+        if role in COLUMN_ROLES:
+            if not any(name.startswith(f"{a}.") for a in attention):
+                columns.append(name)
+            continue
+        if role != "row":
+            continue
+        row_width = _width(model, name, "row")
+        if row_width is None:
+            columns = []
+            continue
+        for column in columns:
+            column_role, made = roles[column], _width(model, column, roles[column])
+            if made is None or column_role == "qkv":
+                continue  # q, k, v outside an attention module: a features plan's own block
+            if made == row_width * COLUMN_PARTS[column_role]:
+                continue
+            hint = (
+                " (a gate and an up projection in one layer, chunked in two by the model, "
+                "need role 'gate_up')"
+                if column_role == "col" and made == 2 * row_width
+                else ""
+            )
+            raise ValueError(
+                f"parallelize under tensor mode {mode!r}: the {column_role!r} layer {column!r} "
+                f"makes {made} features, but the 'row' layer {name!r} after it takes "
+                f"{row_width} (a {column_role!r} layer makes {COLUMN_PARTS[column_role]} x what "
+                f"its row layer takes) in the {plan.name}{hint}"
+            )
+        columns = []
+
+
+def _width(model: nn.Module, name: str, role: str) -> int | None:
+    """The features a linear layer makes (a column role) or takes (``row``); None: no linear."""
+    try:
+        shape = linear_shape(name, model.get_submodule(name), role)
+    except TypeError:
+        return None  # not a linear layer: the converter names what is wrong with it
+    return shape.in_features if role == "row" else shape.out_features
+
+
+def _in_data_flow_order(roles: dict[str, str]) -> dict[str, str]:
+    """``roles``, the linear layers inside each attention module in data-flow order.
+
+    Modules are listed in the order they were registered, which is the order data flows through
+    them, except where an attention module registers its output projection first: Phi-3's
+    creates ``o_proj`` before ``qkv_proj``. Inside an ``attention`` module the q, k and v
+    projections (column roles) always run before the output projection (``row``), so there they
+    are put first, each group in its own order. Nowhere else is the order changed: a row layer
+    before its column layer anywhere else is the error :func:`_check_pairs` reports.
+    """
+    names = list(roles)
+    for attention in (n for n, role in roles.items() if role == "attention"):
+        inside = [i for i, n in enumerate(names) if n.startswith(f"{attention}.")]
+        linear = [names[i] for i in inside if roles[names[i]] in (*COLUMN_ROLES, "row")]
+        flow = [n for n in linear if roles[n] != "row"] + [n for n in linear if roles[n] == "row"]
+        slots = [i for i in inside if roles[names[i]] in (*COLUMN_ROLES, "row")]
+        for slot, name in zip(slots, flow, strict=True):
+            names[slot] = name
+    return {name: roles[name] for name in names}
 
 
 def resolve_span(model: nn.Module, span: tuple[str, str]) -> tuple[str, str]:
@@ -496,7 +630,7 @@ def inner_norms(roles: Mapping[str, str]) -> set[str]:
     after it is a row layer, so a model that registers an MLP's layers out of data-flow order
     (``w1, w2, w3``) does not make the next block's input norm an inner one.
     """
-    linear = ("col", "qkv", "row", "dense")
+    linear = (*COLUMN_ROLES, "row", "dense")
     names = list(roles)
     inner: set[str] = set()
     for i, name in enumerate(names):
@@ -504,7 +638,7 @@ def inner_norms(roles: Mapping[str, str]) -> set[str]:
             continue
         before = next((roles[n] for n in reversed(names[:i]) if roles[n] in linear), None)
         after = next((roles[n] for n in names[i + 1 :] if roles[n] in linear), None)
-        if before in ("col", "qkv") and after == "row":
+        if before in COLUMN_ROLES and after == "row":
             inner.add(name)
     return inner
 
@@ -521,7 +655,7 @@ def _check_pairs(roles: Mapping[str, str], plan: Plan, mode: str) -> None:
     """
     open_col = False
     for name, role in roles.items():
-        if role in ("col", "qkv"):
+        if role in COLUMN_ROLES:
             open_col = True
         elif role == "row":
             if not open_col:
@@ -532,7 +666,7 @@ def _check_pairs(roles: Mapping[str, str], plan: Plan, mode: str) -> None:
                 )
             open_col = False
     if open_col:
-        last = [name for name, role in roles.items() if role in ("col", "qkv")][-1]
+        last = [name for name, role in roles.items() if role in COLUMN_ROLES][-1]
         raise ValueError(
             f"parallelize under tensor mode {mode!r}: the {plan.name} ends with the 'col' layer "
             f"{last!r} and no 'row' layer after it; its output would stay split (make the last "

@@ -171,6 +171,7 @@ def _inside_attention(attention: nn.Module, name: str, projections: set[str]) ->
 def _mlp_rules(block: nn.Module, prefix: str, hidden: int, taken: set[str]) -> dict[str, str] | str:
     """``{name: role}`` of the block's linear layers outside attention: the MLP, or why not."""
     rules: dict[str, str] = {}
+    widths: dict[str, int] = {}  # the MLP width each layer makes or takes
     for name, module in _children(block, prefix):
         if name in taken or any(name.startswith(t + ".") for t in taken):
             continue
@@ -179,14 +180,26 @@ def _mlp_rules(block: nn.Module, prefix: str, hidden: int, taken: set[str]) -> d
             continue
         fan_in, fan_out = sizes
         if fan_in == hidden and fan_out != hidden:
-            rules[name] = "col"
+            rules[name], widths[name] = "col", fan_out
         elif fan_out == hidden and fan_in != hidden:
-            rules[name] = "row"
+            rules[name], widths[name] = "row", fan_in
         else:
             return f"{name} ({fan_in} -> {fan_out}) is neither into nor out of the MLP width"
     roles = list(rules.values())
     if roles.count("row") != 1 or "col" not in roles:
         return f"{prefix}'s MLP is not one or more layers out of the hidden size and one back"
+    (row,) = [name for name, role in rules.items() if role == "row"]
+    for name, role in rules.items():
+        # Wider than what the row layer takes: the MLP splits the output (a gate and an up
+        # projection in one layer, chunked in two), and a plain column split would hand
+        # each rank the wrong halves.
+        if role == "col" and widths[name] != widths[row]:
+            return (
+                f"{name} makes {widths[name]} features where {row} takes {widths[row]}: the MLP "
+                f"splits {name}'s output (a gate and an up projection in one layer?), which a "
+                f"plain column split would mix up; name its role ('gate_up' for [gate; up] "
+                "halves)"
+            )
     return rules
 
 

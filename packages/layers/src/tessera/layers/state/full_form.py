@@ -7,13 +7,25 @@ numbers differently: transformers' GPT-2 ``Conv1D`` stores ``[in, out]`` with q,
 by side. ``parallelize`` records the original form on each parameter it converts, so
 ``gather_full_state_dict`` returns tensors that load into the original class exactly and
 ``load_full_state_dict`` takes the original model's state dict as it is.
+
+A fused projection whose parts differ in size (grouped-query attention's q, k and v in one
+matmul, Phi-3's ``qkv_proj``) cannot be cut into equal ``[fused, out/fused, in]`` parts. tessera
+holds it with its rows *interleaved by group* instead: the output rows of every part are cut into
+``G`` equal groups (``G`` the greatest common divisor of the parts' sizes) and the tessera form
+lists group 0 of every part, then group 1 of every part, and so on. A contiguous block of that
+form, which is what a column split gives each rank, then holds the same fraction of every part
+(whole heads of q with exactly the key/value heads they attend with), and the form is the same
+for every layout, so checkpoints reshard.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from .sections import grouped, parts_in_turn
 
 __all__ = ["FULL_FORM_ATTR", "FullForm", "get_full_form", "set_full_form"]
 
@@ -30,13 +42,29 @@ class FullForm:
             ``Conv1D``).
         transposed: The original is the transpose of the tessera form flattened to two dims
             (``Conv1D`` stores ``[in, out]`` where tessera holds ``[out, in]``).
+        sections: The sizes of the parts of the output dim (dim 0 of ``[out, in]`` and of a
+            bias ``[out]``) that tessera holds interleaved by group (see the module
+            docstring); ``()``: none.
     """
 
     original_shape: tuple[int, ...]
     transposed: bool = False
+    sections: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.sections and (len(self.sections) < 2 or min(self.sections) < 1):
+            raise ValueError(f"sections must be two or more positive sizes, got {self.sections}")
+
+    @property
+    def groups(self) -> int:
+        """``G``: how many groups each part's rows are cut into (1 without sections)."""
+        return math.gcd(*self.sections) if self.sections else 1
 
     def to_original(self, full: torch.Tensor) -> torch.Tensor:
         """The tessera full tensor in the original form (a new contiguous tensor)."""
+        if self.sections:
+            rows = self.original_shape[1] if self.transposed else self.original_shape[0]
+            full = parts_in_turn(full.reshape(rows, -1), self.sections, dim=0)
         if self.transposed:
             rows, cols = self.original_shape
             return full.reshape(cols, rows).t().contiguous()
@@ -54,6 +82,8 @@ class FullForm:
                 f"{list(original.shape)}"
             )
         t = original.t() if self.transposed else original
+        if self.sections:
+            t = grouped(t.reshape(t.shape[0], -1), self.sections, dim=0)
         return t.reshape(full_shape)
 
 
