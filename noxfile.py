@@ -19,7 +19,7 @@ import nox
 
 ROOT = pathlib.Path(__file__).parent
 
-# The one place that pins torch. Packages declare a range (torch>=2.4); environments install
+# The one place that pins torch. Packages declare a range (torch>=2.6); environments install
 # exactly this version, for which the machine has a local CPU wheel.
 TORCH = "torch==2.13.0"
 
