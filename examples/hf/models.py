@@ -31,33 +31,23 @@ def build(
             eos_token_id=None,
         )
         return GPT2LMHeadModel(config)
+    # Llama's and Phi-3's blocks, grouped-query attention (half as many key/value heads)
+    sizes = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=depth,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        max_position_embeddings=seq_len,
+    )
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=depth,
-            num_attention_heads=heads,
-            num_key_value_heads=heads // 2,
-            max_position_embeddings=seq_len,
-        )
-        return LlamaForCausalLM(config)
-    if kind == "phi3":  # q, k, v fused with grouped-query attention; gate and up fused
+        return LlamaForCausalLM(LlamaConfig(**sizes))
+    if kind == "phi3":  # q, k, v fused; gate and up fused
         from transformers import Phi3Config, Phi3ForCausalLM
 
-        config = Phi3Config(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=depth,
-            num_attention_heads=heads,
-            num_key_value_heads=heads // 2,
-            max_position_embeddings=seq_len,
-            pad_token_id=None,
-            bos_token_id=None,
-            eos_token_id=None,
-        )
-        return Phi3ForCausalLM(config)
+        no_ids = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+        return Phi3ForCausalLM(Phi3Config(**sizes, **no_ids))
     raise ValueError(f"model.kind must be 'gpt2', 'llama' or 'phi3', got {kind!r}")

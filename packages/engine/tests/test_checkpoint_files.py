@@ -233,6 +233,38 @@ def test_export_cli_writes_a_plain_state_dict(tmp_path: Path) -> None:
         assert torch.equal(a, b)
 
 
+def test_a_tensor_held_in_another_form_never_loads_into_its_original_module(
+    tmp_path: Path,
+) -> None:
+    """A transposed weight of the same shape (a square Conv1D): nothing but the mark tells."""
+    from tessera.context import get_stored_form, set_stored_form
+
+    model, _ = _save(tmp_path / "plain")  # no forms: loads as before
+    converted = make_model(1)
+    weight = next(p for p in converted.parameters() if p.dim() == 2)
+    set_stored_form(weight, "transposed")
+    name = next(n for n, p in converted.named_parameters() if p is weight)
+    save_checkpoint(tmp_path / "converted", CheckpointParts(converted))
+    assert json.loads((tmp_path / "converted" / "state.json").read_text())["stored_forms"] == {
+        name: "transposed"
+    }
+    with pytest.raises(CheckpointError, match=rf"{name}: the checkpoint holds it in the form "
+                       r"transposed, this model in the form of its module"):  # fmt: skip
+        load_checkpoint(tmp_path / "converted", CheckpointParts(make_model(2)))
+    with pytest.raises(CheckpointError, match=rf"{name}: the checkpoint holds it in the form of "
+                       r"its module, this model in the form transposed"):  # fmt: skip
+        load_checkpoint(tmp_path / "plain", CheckpointParts(converted))
+    same = make_model(3)
+    set_stored_form(next(p for p in same.parameters() if p.dim() == 2), "transposed")
+    load_checkpoint(tmp_path / "converted", CheckpointParts(same))  # the same form: loads
+    for a, b in zip(converted.parameters(), same.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert get_stored_form(weight) == "transposed"
+    with pytest.raises(CheckpointError, match=rf"1 tensors are held in tessera's form.*{name}"):
+        export_torch_state_dict(tmp_path / "converted")
+    assert set(export_torch_state_dict(tmp_path / "plain")) == set(model.state_dict())
+
+
 class _Losses(BaseHook):
     def __init__(self) -> None:
         super().__init__(priority=50)

@@ -205,6 +205,16 @@ def phi3_lm(seed: int = 0) -> nn.Module:
     return _distinct(Phi3ForCausalLM(config), seed)
 
 
+def glm_lm(seed: int = 0) -> nn.Module:
+    """``GlmForCausalLM`` (gate and up fused in ``gate_up_proj``; partial rotary), sized like
+    Llama's."""
+    from transformers import GlmConfig, GlmForCausalLM
+
+    torch.manual_seed(seed)
+    config = GlmConfig(**LLAMA_CONFIG, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return _distinct(GlmForCausalLM(config), seed)
+
+
 def glm4_lm(seed: int = 0) -> nn.Module:
     """``Glm4ForCausalLM`` (gate and up fused in ``gate_up_proj``, chunked in two by the MLP; a
     norm after attention and after the MLP; partial rotary), sized like Llama's."""

@@ -21,6 +21,7 @@ from hf_models import (
     SEQ,
     bert_mlm,
     glm4_lm,
+    glm_lm,
     gpt2_lm,
     gpt_neo_lm,
     gpt_neox_lm,
@@ -149,7 +150,10 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
         _with_plan(granite_lm(), "Llama LM plan inferred"), ctx
     ),
     "phi3 (fused q/k/v with grouped-query attention, fused gate/up)": lambda ctx: (
-        _lm_matches_reference(phi3_lm(), ctx)
+        _lm_matches_reference(phi3_lm(), ctx, then_attention="eager")  # built with sdpa
+    ),
+    "glm (family plan, fused gate/up)": lambda ctx: _lm_matches_reference(
+        _with_plan(glm_lm(), "GLM LM plan inferred"), ctx
     ),
     "glm4 (family plan, fused gate/up, norms after attention and MLP)": lambda ctx: (
         _lm_matches_reference(_with_plan(glm4_lm(), "GLM-4 LM plan inferred"), ctx)
@@ -173,6 +177,7 @@ ONLY_UNDER = {
     "olmo (family plan, norms without parameters)": ("1d-sp", "2d"),
     "granite (family plan, its own RMSNorm class)": ("3d",),
     "phi3 (fused q/k/v with grouped-query attention, fused gate/up)": ("1d-4", "1d-sp", "3d"),
+    "glm (family plan, fused gate/up)": ("1d-4",),
     "glm4 (family plan, fused gate/up, norms after attention and MLP)": ("1d", "2d"),
     "per-sample positions": ("2d", "3d"),
 }
@@ -195,12 +200,27 @@ def _run_check(tensor: dict[str, Any], check: str) -> Any:
 
 
 def _lm_matches_reference(
-    ref: nn.Module, ctx: ParallelContext, position_ids: torch.Tensor | None = None
+    ref: nn.Module,
+    ctx: ParallelContext,
+    position_ids: torch.Tensor | None = None,
+    *,
+    then_attention: str | None = None,
 ) -> float:
-    """A transformers language model, parallelized, against itself on one process."""
+    """A transformers language model, parallelized, against itself on one process.
+
+    ``then_attention``: both switch to this attention implementation after ``parallelize``
+    (the converted attention modules must follow the model's config, as the masks do).
+    """
     mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
     impl = "all_to_all" if mode == "sequence" and size == 4 else "ring"
     model = parallelize(copy.deepcopy(ref), sequence_attention=impl, context=ctx)
+    if then_attention is not None:
+        for lm in (ref, model):
+            lm.set_attn_implementation(then_attention)
+        (attention,) = {
+            m.config._attn_implementation for m in model.modules() if hasattr(m, "config")
+        }
+        assert attention == then_attention
     original = ref.state_dict()
     _assert_same_state(gather_full_state_dict(model, context=ctx), original)
     if ref.get_output_embeddings() is not None:
@@ -838,6 +858,44 @@ def test_a_fused_gate_and_up_named_as_a_plain_column_layer_is_refused() -> None:
     plain = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
     with pytest.raises(ValueError, match=r"the 'gate_up' layer '0' makes 16 features, but"):
         match_plan(plain, replace(plan, rules={"0": "gate_up", "2": "row"}), "1d")
+    match_plan(model, as_col, "sequence")  # nothing is split under 'sequence'
+    # q, k, v narrower than the output projection: grouped-query attention named without its
+    # attention module (Llama's reshapes by -1 heads) is no MLP and passes
+    llama = _tiny("Qwen3")
+    attention_only = {
+        f"model.layers.0.self_attn.{name}": role
+        for name, role in [
+            ("q_proj", "col"),
+            ("k_proj", "col"),
+            ("v_proj", "col"),
+            ("o_proj", "row"),
+        ]
+    }
+    match_plan(llama, replace(plan, rules=attention_only), "1d")
+
+
+def test_an_attention_module_sees_its_share_of_the_heads_and_follows_the_model_config() -> None:
+    """A view, not a copy: switching the model's attention implementation reaches it."""
+    import pickle
+
+    from transformers import GPT2Config
+
+    from tessera.layers.conversion.head_share import HeadShareConfig
+
+    shared = GPT2Config(n_head=4, n_embd=16)
+    view = HeadShareConfig(shared, 2)
+    assert (view.num_attention_heads, view.n_head, shared.n_head, view.n_embd) == (2, 2, 4, 16)
+    shared._attn_implementation = "eager"
+    assert view._attn_implementation == "eager"
+    view.use_cache = False  # a write reaches the model's config
+    assert shared.use_cache is False
+    holder = nn.Module()
+    holder.config, holder.view = shared, view
+    copied = copy.deepcopy(holder)
+    assert isinstance(copied.view, HeadShareConfig) and copied.view.n_head == 2
+    copied.config._attn_implementation = "sdpa"
+    assert copied.view._attn_implementation == "sdpa"  # still a view of the copied config
+    assert pickle.loads(pickle.dumps(view)).num_attention_heads == 2
 
 
 def test_an_attention_registering_its_output_projection_first_is_read_in_data_flow_order() -> None:
@@ -883,6 +941,14 @@ def test_parts_of_unequal_sizes_are_held_interleaved_by_group() -> None:
     )
     with pytest.raises(ValueError, match="two or more positive sizes"):
         FullForm((48, 5), sections=(48,))
+    # checkpoints read the form through tessera.context (the engine knows no layer)
+    from tessera.context import get_stored_form
+    from tessera.layers import set_full_form
+
+    param = nn.Parameter(full)
+    set_full_form(param, form)
+    expected = "FullForm(original_shape=(48, 5), transposed=False, sections=(32, 8, 8))"
+    assert get_stored_form(param) == expected
 
 
 def test_a_subclass_keeps_its_base_class_plan_only_while_that_plan_covers_it() -> None:

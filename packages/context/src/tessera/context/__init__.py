@@ -58,7 +58,13 @@ from tessera.context.seeds import (
     set_host_rng_state,
     set_seed,
 )
-from tessera.context.shard import ShardInfo, get_shard_info, set_shard_info
+from tessera.context.shard import (
+    ShardInfo,
+    get_shard_info,
+    get_stored_form,
+    set_shard_info,
+    set_stored_form,
+)
 from tessera.context.tied import PIPELINE_SHARED_ATTR, mark_pipeline_shared, pipeline_shared_key
 from tessera.registry import ConfigError
 
@@ -119,6 +125,8 @@ __all__ = [
     "ShardInfo",
     "set_shard_info",
     "get_shard_info",
+    "set_stored_form",
+    "get_stored_form",
     # gradient sums a layer leaves to the training loop
     "DEFERRED_SUM_ATTR",
     "DefersGradientSum",

@@ -30,7 +30,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.context import ParallelContext, ParallelMode, ShardInfo, get_shard_info, set_shard_info
+from tessera.context import (
+    ParallelContext,
+    ParallelMode,
+    ShardInfo,
+    get_shard_info,
+    get_stored_form,
+    set_shard_info,
+    set_stored_form,
+)
 
 __all__ = ["fsdp_units", "rebuild_optimizer", "shard_with_fsdp2", "zero_redundancy_optimizer"]
 
@@ -185,18 +193,20 @@ def _tessera_attributes(model: nn.Module) -> dict[str, dict[str, object]]:
     return marks
 
 
-def _shard_infos(model: nn.Module) -> dict[str, ShardInfo]:
-    """``name -> ShardInfo`` of every parameter that carries one."""
-    infos: dict[str, ShardInfo] = {}
+def _shard_infos(model: nn.Module) -> dict[str, tuple[ShardInfo | None, str]]:
+    """``name -> (ShardInfo, stored form)`` of every parameter that carries either."""
+    infos: dict[str, tuple[ShardInfo | None, str]] = {}
     for name, p in model.named_parameters():
-        info = get_shard_info(p)
-        if info is not None:
-            infos[name] = info
+        info, form = get_shard_info(p), get_stored_form(p)
+        if info is not None or form:
+            infos[name] = (info, form)
     return infos
 
 
-def _reattach_shard_infos(model: nn.Module, infos: dict[str, ShardInfo]) -> None:
-    """Put each recorded ShardInfo on the parameter of the same name (FSDP2 made new ones).
+def _reattach_shard_infos(model: nn.Module, infos: dict[str, tuple[ShardInfo | None, str]]) -> None:
+    """Put each recorded ShardInfo (and stored form) on the parameter of the same name.
+
+    FSDP2 made new parameters.
 
     A new parameter is a DTensor over DATA whose (global) shape is the tensor-parallel block's,
     so ``info.local_shape`` still describes it.
@@ -211,8 +221,11 @@ def _reattach_shard_infos(model: nn.Module, infos: dict[str, ShardInfo]) -> None
             f"after fully_shard the model has no parameters named {missing}; their ShardInfo "
             "(tensor-parallel placement) cannot be carried over"
         )
-    for name, info in infos.items():
-        set_shard_info(current[name], info)
+    for name, (info, form) in infos.items():
+        if info is not None:
+            set_shard_info(current[name], info)
+        if form:
+            set_stored_form(current[name], form)
 
 
 def rebuild_optimizer(

@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from tessera.context import ParallelContext, ParallelMode
+from tessera.context import ParallelContext, ParallelMode, get_stored_form
 
 from ..engine import Engine
 from ..master_weights import MasterWeights
@@ -152,6 +152,14 @@ class CheckpointInfo:
     extra: Any
     same_layout: bool
     dataloader: dict[str, Any] | None
+
+
+def stored_forms(modules: Sequence[nn.Module]) -> dict[str, str]:
+    """``name -> stored form`` of the model's tensors held in another form than their module's.
+
+    Read from the model's own tensors (an fp32 master copy carries no marks).
+    """
+    return {name: form for name, t in model_tensors(modules) if (form := get_stored_form(t))}
 
 
 def _model_tensors(
@@ -343,6 +351,7 @@ def _save(
     errors: list[str] = []
     blocks: dict[str, Block] = {}
     names: list[str] = []
+    forms: dict[str, str] = {}
     values: dict[str, Any] = {}
     settings: dict[str, Any] = {}
     payload = b""
@@ -350,6 +359,7 @@ def _save(
         for name, tensor in _model_tensors(parts, modules):
             blocks[MODEL_PREFIX + name] = block_of(name, tensor)
             names.append(name)
+        forms = stored_forms(modules)
         if parts.optimizer is not None:
             oblocks, values, settings = optimizer_parts(
                 parts.optimizer, _parameter_names(parts, modules)
@@ -362,6 +372,7 @@ def _save(
         {
             "errors": errors,
             "names": names,
+            "forms": forms,
             "stage": _pipeline_rank(comm),
             "values": values,
             "settings": settings,
@@ -399,6 +410,7 @@ def _save(
                 "epoch": int(epoch),
                 "layout": _layout(comm),
                 "model_keys": sorted({n for g in gathered for n in g["names"]}),
+                "stored_forms": {n: f for g in gathered for n, f in sorted(g["forms"].items())},
                 "has_optimizer": any(g["optimizer"] for g in gathered),
                 "param_groups": all_settings,
                 "optimizer_values": all_values,
@@ -580,6 +592,7 @@ def _match(directory: Path, parts: CheckpointParts, strict: bool, found: _Found)
     try:
         saved = _saved_tensors(directory)
         modules = unwrap_modules(parts.model)
+        forms = stored_forms(modules)
         for name, tensor in _model_tensors(parts, modules):
             found.names.append(name)
             key = MODEL_PREFIX + name
@@ -588,6 +601,18 @@ def _match(directory: Path, parts: CheckpointParts, strict: bool, found: _Found)
                 if strict:
                     found.errors.append(f"{name} (global shape {list(block.global_shape)}) is "
                                         "not in the checkpoint")  # fmt: skip
+                continue
+            # (a checkpoint written before stored forms were recorded has no entry to compare)
+            saved_forms = found.state.get("stored_forms")
+            saved_form = saved_forms.get(name, "") if saved_forms is not None else None
+            form = forms.get(name, "")
+            if saved_form is not None and saved_form != form:
+                found.errors.append(
+                    f"{name}: the checkpoint holds it in the form {saved_form or 'of its module'}"
+                    f", this model in the form {form or 'of its module'} (convert the model as "
+                    "the one that saved it was, e.g. with the same parallelize plan, and take "
+                    "the original form from tessera.layers.gather_full_state_dict)"
+                )
                 continue
             saved_shape = saved[key][1]
             if saved_shape != block.global_shape:

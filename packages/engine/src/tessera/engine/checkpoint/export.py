@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from .api import MODEL_PREFIX
+from .api import MODEL_PREFIX, STATE_JSON
 from .blocks import Block
 from .comm import Comm
+from .errors import CheckpointError
 from .files import fsync_dir, read_json, verify_checkpoint
 from .planners import METADATA_JSON, metadata_from_json
 from .reading import read_blocks
@@ -43,9 +44,21 @@ def export_torch_state_dict(
     Raises:
         CheckpointCorruptError: a file of the checkpoint is missing, altered or does not
             decode (named).
+        CheckpointError: the checkpoint holds tensors in a form of tessera's
+            (``tessera.context.set_stored_form``: a model converted by ``parallelize``).
     """
     directory = Path(path).absolute()
     verify_checkpoint(directory, Comm.local())
+    forms = read_json(directory / STATE_JSON).get("stored_forms", {})
+    if forms:
+        names = sorted(forms)
+        raise CheckpointError(
+            f"{directory}: {len(names)} tensors are held in tessera's form, not their original "
+            f"module's ({names[0]}: {forms[names[0]]}; all: {names[:8]}"
+            f"{' ...' if len(names) > 8 else ''}), so no plain module would take them as they "
+            "are; load the checkpoint into the converted model (load_checkpoint, any layout) "
+            "and take the original state dict from tessera.layers.gather_full_state_dict"
+        )
     metadata = metadata_from_json(read_json(directory / METADATA_JSON), directory / METADATA_JSON)
     blocks: dict[str, Block] = {}
     for key, md in metadata.state_dict_metadata.items():

@@ -14,7 +14,6 @@ al. 2022) and the 2D/2.5D mesh (Xu et al. 2021; Wang et al. 2021).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -44,6 +43,7 @@ from ..shared.initializers import Initializer
 from ..state.full_form import FullForm, set_full_form
 from ..state.sections import SectionOrder
 from ..state.state_dict import load_full_state_dict
+from .head_share import HEAD_COUNTS, HeadShareConfig
 from .norms import computes_as, computes_own_forward, norm_spec
 from .patch import PatchEmbeddingAdapter, patch_sizes
 
@@ -80,8 +80,8 @@ class _Made(TypedDict):
     context: ParallelContext
 
 
-#: Head counts of a transformers config (an attention module gets a copy with its share).
-CONFIG_HEAD_ATTRIBUTES = ("num_attention_heads", "num_key_value_heads")
+#: Head counts of a transformers config (an attention module sees its share of them).
+CONFIG_HEAD_ATTRIBUTES = HEAD_COUNTS
 #: Roles of a linear layer whose outputs are split (a column layer), and how many equal parts
 #: each splits on its own: q, k and v side by side (GPT-2's ``c_attn``), an MLP's gate and up
 #: projections side by side (Phi-3's and GLM's ``gate_up_proj``).
@@ -369,9 +369,8 @@ class Converter:
         """``attention``: head counts and widths become this rank's share (in place).
 
         Counts the module holds (``num_heads``, ``split_size``, ...) are divided. Its
-        transformers config is shared by every layer and the model, so the module gets a copy
-        of its own holding its share of the config's counts (Phi-3 finds where k starts in its
-        fused projection from ``config.num_attention_heads``).
+        transformers config is shared by every layer and the model, so the module gets a view
+        of it holding its share of the config's counts (:class:`~.head_share.HeadShareConfig`).
 
         Raises:
             ValueError: a count is not divisible by the number of ranks splitting the heads.
@@ -402,12 +401,8 @@ class Converter:
         self.heads[name] = _heads_of(module, found, config)
         for attr, value in found.items():
             setattr(module, attr, value // share)
-        if from_config:
-            local = copy.copy(config)  # the model's config, and every other layer's, stay whole
-            for attr in CONFIG_HEAD_ATTRIBUTES:
-                if _is_count(getattr(config, attr, None)):
-                    setattr(local, attr, getattr(config, attr) // share)
-            setattr(module, "config", local)  # noqa: B010  (not a submodule or parameter)
+        if from_config:  # a view: this rank's head counts, everything else the model's
+            setattr(module, "config", HeadShareConfig(config, share))  # noqa: B010
         return module
 
     def embedding(self, name: str, module: nn.Module, role: str) -> nn.Module:

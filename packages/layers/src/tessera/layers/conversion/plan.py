@@ -496,18 +496,22 @@ def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
 
 
 def _check_mlp_widths(model: nn.Module, roles: Mapping[str, str], plan: Plan, mode: str) -> None:
-    """Outside attention, a column layer makes what the row layer after it takes.
+    """Outside attention, a column layer makes no more than the row layer after it takes.
 
     An MLP that chunks a layer's output in two (``gate, up = x.chunk(2, -1)``) needs that
     layer's role to be ``gate_up``: as a plain ``col`` layer each rank would get the gate of
-    some features and the up of others, and train wrong without an error. Its width tells:
-    ``col`` makes as many features as the row layer takes, ``gate_up`` twice as many.
-    (Attention's q, k and v may differ from what its output projection takes: grouped-query
-    attention has fewer key/value heads.)
+    some features and the up of others, and train wrong without an error. Its width tells: a
+    ``col`` layer wider than what the row layer takes is refused, and a ``gate_up`` layer must
+    make exactly twice that (its halves are split apart). Narrower ``col`` layers pass: q, k
+    and v of grouped-query attention in a plan that names no ``attention`` module. Under
+    ``sequence`` nothing is split and nothing is checked.
 
     Raises:
-        ValueError: a column layer outside attention makes another width than that.
+        ValueError: a column layer outside attention is wider than that, or a ``gate_up``
+            layer is not twice its row layer's width.
     """
+    if mode == "sequence":
+        return
     attention = [name for name, role in roles.items() if role == "attention"]
     columns: list[str] = []
     for name, role in roles.items():
@@ -525,7 +529,8 @@ def _check_mlp_widths(model: nn.Module, roles: Mapping[str, str], plan: Plan, mo
             column_role, made = roles[column], _width(model, column, roles[column])
             if made is None or column_role == "qkv":
                 continue  # q, k, v outside an attention module: a features plan's own block
-            if made == row_width * COLUMN_PARTS[column_role]:
+            wanted = row_width * COLUMN_PARTS[column_role]
+            if made == wanted or (column_role == "col" and made < wanted):
                 continue
             hint = (
                 " (a gate and an up projection in one layer, chunked in two by the model, "
@@ -536,8 +541,8 @@ def _check_mlp_widths(model: nn.Module, roles: Mapping[str, str], plan: Plan, mo
             raise ValueError(
                 f"parallelize under tensor mode {mode!r}: the {column_role!r} layer {column!r} "
                 f"makes {made} features, but the 'row' layer {name!r} after it takes "
-                f"{row_width} (a {column_role!r} layer makes {COLUMN_PARTS[column_role]} x what "
-                f"its row layer takes) in the {plan.name}{hint}"
+                f"{row_width} (a 'col' layer makes at most what its row layer takes, a 'gate_up' "
+                f"layer twice that) in the {plan.name}{hint}"
             )
         columns = []
 

@@ -190,9 +190,9 @@ def _mlp_rules(block: nn.Module, prefix: str, hidden: int, taken: set[str]) -> d
         return f"{prefix}'s MLP is not one or more layers out of the hidden size and one back"
     (row,) = [name for name, role in rules.items() if role == "row"]
     for name, role in rules.items():
-        # Wider than what the row layer takes: the MLP splits the output (a gate and an up
-        # projection in one layer, chunked in two), and a plain column split would hand
-        # each rank the wrong halves.
+        # Another width than what the row layer takes: the MLP does more than an elementwise
+        # step between them (a gate and an up projection in one layer, chunked in two), and a
+        # plain column split would hand each rank the wrong features. A guess is refused.
         if role == "col" and widths[name] != widths[row]:
             return (
                 f"{name} makes {widths[name]} features where {row} takes {widths[row]}: the MLP "

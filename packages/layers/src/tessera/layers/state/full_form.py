@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.context import set_stored_form
+
 from .sections import grouped, parts_in_turn
 
 __all__ = ["FULL_FORM_ATTR", "FullForm", "get_full_form", "set_full_form"]
@@ -88,8 +90,13 @@ class FullForm:
 
 
 def set_full_form(param: torch.Tensor, form: FullForm) -> None:
-    """Record ``form`` on ``param`` (read by the full state dict functions)."""
+    """Record ``form`` on ``param`` (read by the full state dict functions).
+
+    Also named for checkpoints (``tessera.context.set_stored_form``), which then refuse to
+    load the tensor into a module that holds the original form.
+    """
     setattr(param, FULL_FORM_ATTR, form)
+    set_stored_form(param, repr(form))
 
 
 def get_full_form(param: torch.Tensor) -> FullForm | None:
