@@ -30,8 +30,14 @@ STEPS = 6
 
 
 def run(config: str, nproc: int, tmp_path: Path, model: str = "llama") -> dict[str, object]:
-    """One torchrun job of ``examples/hf/train.py``; its JSON summary."""
+    """One torchrun job of ``examples/hf/train.py``; its JSON summary.
+
+    Runs without a pipeline also save an engine checkpoint at the end, whose export must be
+    the original class's state dict (tessera's forms, GPT-2's transposed Conv1D and fused
+    q/k/v, turned back).
+    """
     result = tmp_path / f"{model}-{config}.json"
+    checkpoint = tmp_path / f"{model}-{config}-checkpoint"
     command = [
         sys.executable,
         "-m",
@@ -46,10 +52,13 @@ def run(config: str, nproc: int, tmp_path: Path, model: str = "llama") -> dict[s
         str(result),
         f"--set=model.kind={model}",
         f"--set=train.steps={STEPS}",
+        f"--set=train.checkpoint='{checkpoint}'",
     ]
     code, output = finish(start(command, job_env(), tmp_path), JOB_TIMEOUT)
     assert code == 0, f"{config} failed ({code}):\n{output[-6000:]}"
     assert "(strict)" in output, output[-3000:]
+    if "pipeline" not in config:
+        assert "the engine checkpoint exports to the same state dict" in output, output[-3000:]
     summary: dict[str, object] = json.loads(result.read_text())
     return summary
 

@@ -37,7 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpt"))
 from data import CharVocab, corpus
 
 from tessera.context import launch_from_torch
-from tessera.engine import LossHook, Trainer, get_dataloader, initialize
+from tessera.engine import (
+    CheckpointParts,
+    LossHook,
+    Trainer,
+    export_torch_state_dict,
+    get_dataloader,
+    initialize,
+    save_checkpoint,
+)
 from tessera.layers import (
     causal_lm_loss,
     gather_full_state_dict,
@@ -50,7 +58,7 @@ from tessera.pipeline import build_pipeline_model
 DEFAULTS: dict[str, Any] = dict(
     seed=42,
     model=dict(kind="gpt2", seq_len=32, hidden=32, depth=2, heads=4),
-    train=dict(batch_size=16, steps=20, lr=3e-3, num_test=32),
+    train=dict(batch_size=16, steps=20, lr=3e-3, num_test=32, checkpoint=None),
 )
 
 
@@ -121,6 +129,16 @@ def main() -> None:
     exported = build(vocab.size, seed=cfg.seed, **model_cfg)
     exported.load_state_dict(full, strict=True)
     changed = sum(not torch.equal(full[k], v) for k, v in original.items())
+    if train_cfg.checkpoint is not None and ctx.pipeline_size == 1:
+        # An engine checkpoint holds tessera's forms (Conv1D transposed, q/k/v fused); its
+        # export turns them back: the same original state dict as the gather above.
+        save_checkpoint(train_cfg.checkpoint, CheckpointParts(model))
+        if trainer.is_display_rank:
+            exported_state = export_torch_state_dict(train_cfg.checkpoint)
+            assert sorted(exported_state) == sorted(full)
+            assert all(torch.equal(exported_state[k], v) for k, v in full.items())
+            build(vocab.size, seed=cfg.seed, **model_cfg).load_state_dict(exported_state)
+            print("the engine checkpoint exports to the same state dict (strict)", flush=True)
     if trainer.is_display_rank:
         print(
             f"[{Path(args.config).stem}] {ctx.world_size} ranks, {model_cfg['kind']}: test loss "

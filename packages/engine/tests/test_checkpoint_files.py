@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -233,35 +234,35 @@ def test_export_cli_writes_a_plain_state_dict(tmp_path: Path) -> None:
         assert torch.equal(a, b)
 
 
-def test_a_tensor_held_in_another_form_never_loads_into_its_original_module(
+def test_a_tensor_held_in_another_form_loads_only_into_that_form_and_exports_as_its_module(
     tmp_path: Path,
 ) -> None:
-    """A transposed weight of the same shape (a square Conv1D): nothing but the mark tells."""
-    from tessera.context import get_stored_form, set_stored_form
+    """A weight held transposed (a Conv1D's): where the shapes agree only the form tells."""
+    from tessera.context import FullForm, set_full_form
 
-    model, _ = _save(tmp_path / "plain")  # no forms: loads as before
+    model, _ = _save(tmp_path / "plain")  # no forms: loads and exports as before
     converted = make_model(1)
-    weight = next(p for p in converted.parameters() if p.dim() == 2)
-    set_stored_form(weight, "transposed")
-    name = next(n for n, p in converted.named_parameters() if p is weight)
+    name, weight = next((n, p) for n, p in converted.named_parameters() if p.dim() == 2)
+    form = FullForm((weight.shape[1], weight.shape[0]), transposed=True)  # the module's [in, out]
+    set_full_form(weight, form)
     save_checkpoint(tmp_path / "converted", CheckpointParts(converted))
-    assert json.loads((tmp_path / "converted" / "state.json").read_text())["stored_forms"] == {
-        name: "transposed"
-    }
+    recorded = json.loads((tmp_path / "converted" / "state.json").read_text())["stored_forms"]
+    assert recorded == {name: form.to_json()}
+    held = re.escape(repr(form))
     with pytest.raises(CheckpointError, match=rf"{name}: the checkpoint holds it in the form "
-                       r"transposed, this model in the form of its module"):  # fmt: skip
+                       rf"{held}, this model in the form of its module"):  # fmt: skip
         load_checkpoint(tmp_path / "converted", CheckpointParts(make_model(2)))
     with pytest.raises(CheckpointError, match=rf"{name}: the checkpoint holds it in the form of "
-                       r"its module, this model in the form transposed"):  # fmt: skip
+                       rf"its module, this model in the form {held}"):  # fmt: skip
         load_checkpoint(tmp_path / "plain", CheckpointParts(converted))
     same = make_model(3)
-    set_stored_form(next(p for p in same.parameters() if p.dim() == 2), "transposed")
+    set_full_form(dict(same.named_parameters())[name], form)
     load_checkpoint(tmp_path / "converted", CheckpointParts(same))  # the same form: loads
     for a, b in zip(converted.parameters(), same.parameters(), strict=True):
         assert torch.equal(a, b)
-    assert get_stored_form(weight) == "transposed"
-    with pytest.raises(CheckpointError, match=rf"1 tensors are held in tessera's form.*{name}"):
-        export_torch_state_dict(tmp_path / "converted")
+    exported = export_torch_state_dict(tmp_path / "converted")  # the module's own form
+    for key, tensor in converted.state_dict().items():
+        assert torch.equal(exported[key], tensor.t() if key == name else tensor), key
     assert set(export_torch_state_dict(tmp_path / "plain")) == set(model.state_dict())
 
 

@@ -23,6 +23,13 @@ from tessera.context.failures import (
     RankFailedError,
     is_communication_error,
 )
+from tessera.context.full_form import (
+    FullForm,
+    get_full_form,
+    grouped,
+    parts_in_turn,
+    set_full_form,
+)
 from tessera.context.gradient_sums import (
     DEFERRED_SUM_ATTR,
     DefersGradientSum,
@@ -58,13 +65,7 @@ from tessera.context.seeds import (
     set_host_rng_state,
     set_seed,
 )
-from tessera.context.shard import (
-    ShardInfo,
-    get_shard_info,
-    get_stored_form,
-    set_shard_info,
-    set_stored_form,
-)
+from tessera.context.shard import ShardInfo, get_shard_info, set_shard_info
 from tessera.context.tied import PIPELINE_SHARED_ATTR, mark_pipeline_shared, pipeline_shared_key
 from tessera.registry import ConfigError
 
@@ -125,8 +126,12 @@ __all__ = [
     "ShardInfo",
     "set_shard_info",
     "get_shard_info",
-    "set_stored_form",
-    "get_stored_form",
+    # forms of a full tensor other than its original module's
+    "FullForm",
+    "set_full_form",
+    "get_full_form",
+    "grouped",
+    "parts_in_turn",
     # gradient sums a layer leaves to the training loop
     "DEFERRED_SUM_ATTR",
     "DefersGradientSum",

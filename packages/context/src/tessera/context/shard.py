@@ -17,20 +17,10 @@ import torch
 
 from .modes import ModeLike, mode_key
 
-__all__ = [
-    "SHARD_INFO_ATTR",
-    "STORED_FORM_ATTR",
-    "ShardInfo",
-    "get_shard_info",
-    "get_stored_form",
-    "set_shard_info",
-    "set_stored_form",
-]
+__all__ = ["SHARD_INFO_ATTR", "ShardInfo", "get_shard_info", "set_shard_info"]
 
 #: The attribute under which ``set_shard_info`` stores the description on a tensor.
 SHARD_INFO_ATTR = "_tessera_shard_info"
-#: The attribute under which ``set_stored_form`` stores its description.
-STORED_FORM_ATTR = "_tessera_stored_form"
 
 
 def _ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
@@ -244,21 +234,3 @@ def get_shard_info(tensor: torch.Tensor) -> ShardInfo | None:
     """The ShardInfo attached to ``tensor``, or ``None`` for a parameter nobody split."""
     info = getattr(tensor, SHARD_INFO_ATTR, None)
     return info if isinstance(info, ShardInfo) else None
-
-
-def set_stored_form(tensor: torch.Tensor, form: str) -> None:
-    """Say how the full tensor tessera holds differs from what the model's own module held.
-
-    A layer that converts a module someone else wrote may hold its numbers in another order
-    of the same or another shape (a transformers ``Conv1D`` transposed, q/k/v fused by part or
-    interleaved by group). ``form`` names that form; it must be the same in every layout, so
-    checkpoints can compare it, and refuse to load a tensor into a module holding the other
-    form (which, where the shapes agree, nothing else would notice).
-    """
-    setattr(tensor, STORED_FORM_ATTR, str(form))
-
-
-def get_stored_form(tensor: torch.Tensor) -> str:
-    """What :func:`set_stored_form` recorded on ``tensor``; ``""``: the module's own form."""
-    form = getattr(tensor, STORED_FORM_ATTR, "")
-    return form if isinstance(form, str) else ""

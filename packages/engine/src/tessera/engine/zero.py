@@ -31,13 +31,14 @@ import torch
 from torch import nn
 
 from tessera.context import (
+    FullForm,
     ParallelContext,
     ParallelMode,
     ShardInfo,
+    get_full_form,
     get_shard_info,
-    get_stored_form,
+    set_full_form,
     set_shard_info,
-    set_stored_form,
 )
 
 __all__ = ["fsdp_units", "rebuild_optimizer", "shard_with_fsdp2", "zero_redundancy_optimizer"]
@@ -193,23 +194,23 @@ def _tessera_attributes(model: nn.Module) -> dict[str, dict[str, object]]:
     return marks
 
 
-def _shard_infos(model: nn.Module) -> dict[str, tuple[ShardInfo | None, str]]:
-    """``name -> (ShardInfo, stored form)`` of every parameter that carries either."""
-    infos: dict[str, tuple[ShardInfo | None, str]] = {}
+def _shard_infos(model: nn.Module) -> dict[str, tuple[ShardInfo | None, FullForm | None]]:
+    """``name -> (ShardInfo, FullForm)`` of every parameter that carries either."""
+    infos: dict[str, tuple[ShardInfo | None, FullForm | None]] = {}
     for name, p in model.named_parameters():
-        info, form = get_shard_info(p), get_stored_form(p)
-        if info is not None or form:
+        info, form = get_shard_info(p), get_full_form(p)
+        if info is not None or form is not None:
             infos[name] = (info, form)
     return infos
 
 
-def _reattach_shard_infos(model: nn.Module, infos: dict[str, tuple[ShardInfo | None, str]]) -> None:
-    """Put each recorded ShardInfo (and stored form) on the parameter of the same name.
+def _reattach_shard_infos(
+    model: nn.Module, infos: dict[str, tuple[ShardInfo | None, FullForm | None]]
+) -> None:
+    """Put each recorded ShardInfo (and FullForm) on the parameter of the same name.
 
-    FSDP2 made new parameters.
-
-    A new parameter is a DTensor over DATA whose (global) shape is the tensor-parallel block's,
-    so ``info.local_shape`` still describes it.
+    FSDP2 made new parameters. A new parameter is a DTensor over DATA whose (global) shape is
+    the tensor-parallel block's, so ``info.local_shape`` still describes it.
 
     Raises:
         RuntimeError: a parameter that carried a ShardInfo has no successor of that name.
@@ -224,8 +225,8 @@ def _reattach_shard_infos(model: nn.Module, infos: dict[str, tuple[ShardInfo | N
     for name, (info, form) in infos.items():
         if info is not None:
             set_shard_info(current[name], info)
-        if form:
-            set_stored_form(current[name], form)
+        if form is not None:
+            set_full_form(current[name], form)
 
 
 def rebuild_optimizer(

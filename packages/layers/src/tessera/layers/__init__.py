@@ -7,6 +7,7 @@ context's tensor mode (1D, 2D, 2.5D, 3D, sequence), or plain torch without tenso
 parallelism. See the package README for the contract every layer keeps.
 """
 
+from tessera.context import FullForm, get_full_form, set_full_form
 from tessera.layers.comm.ops import (
     all_to_all,
     broadcast,
@@ -128,7 +129,6 @@ from tessera.layers.shared.serial import (
     SerialPatchEmbedding,
 )
 from tessera.layers.shared.shards import new_parameter, shard_info
-from tessera.layers.state.full_form import FullForm, get_full_form, set_full_form
 from tessera.layers.state.state_dict import gather_full_state_dict, load_full_state_dict
 
 __all__ = [

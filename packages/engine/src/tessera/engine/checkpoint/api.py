@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from tessera.context import ParallelContext, ParallelMode, get_stored_form
+from tessera.context import FullForm, ParallelContext, ParallelMode, get_full_form
 
 from ..engine import Engine
 from ..master_weights import MasterWeights
@@ -154,12 +154,21 @@ class CheckpointInfo:
     dataloader: dict[str, Any] | None
 
 
-def stored_forms(modules: Sequence[nn.Module]) -> dict[str, str]:
-    """``name -> stored form`` of the model's tensors held in another form than their module's.
+def stored_forms(modules: Sequence[nn.Module]) -> dict[str, dict[str, Any]]:
+    """``name -> FullForm`` (as JSON) of the model's tensors held in another form.
 
+    Another form than the module they were converted from held (``tessera.context.FullForm``).
     Read from the model's own tensors (an fp32 master copy carries no marks).
     """
-    return {name: form for name, t in model_tensors(modules) if (form := get_stored_form(t))}
+    return {
+        name: form.to_json()
+        for name, t in model_tensors(modules)
+        if (form := get_full_form(t)) is not None
+    }
+
+
+def _form_text(form: dict[str, Any] | None) -> str:
+    return "of its module" if form is None else repr(FullForm.from_json(form))
 
 
 def _model_tensors(
@@ -351,7 +360,7 @@ def _save(
     errors: list[str] = []
     blocks: dict[str, Block] = {}
     names: list[str] = []
-    forms: dict[str, str] = {}
+    forms: dict[str, dict[str, Any]] = {}
     values: dict[str, Any] = {}
     settings: dict[str, Any] = {}
     payload = b""
@@ -602,16 +611,15 @@ def _match(directory: Path, parts: CheckpointParts, strict: bool, found: _Found)
                     found.errors.append(f"{name} (global shape {list(block.global_shape)}) is "
                                         "not in the checkpoint")  # fmt: skip
                 continue
-            # (a checkpoint written before stored forms were recorded has no entry to compare)
+            # (a checkpoint written before forms were recorded has no entry to compare)
             saved_forms = found.state.get("stored_forms")
-            saved_form = saved_forms.get(name, "") if saved_forms is not None else None
-            form = forms.get(name, "")
-            if saved_form is not None and saved_form != form:
+            saved_form = saved_forms.get(name) if saved_forms is not None else None
+            if saved_forms is not None and saved_form != forms.get(name):
                 found.errors.append(
-                    f"{name}: the checkpoint holds it in the form {saved_form or 'of its module'}"
-                    f", this model in the form {form or 'of its module'} (convert the model as "
-                    "the one that saved it was, e.g. with the same parallelize plan, and take "
-                    "the original form from tessera.layers.gather_full_state_dict)"
+                    f"{name}: the checkpoint holds it in the form {_form_text(saved_form)}, this "
+                    f"model in the form {_form_text(forms.get(name))} (convert the model as the "
+                    "one that saved it was, e.g. with the same parallelize plan; "
+                    "export_torch_state_dict gives the original form)"
                 )
                 continue
             saved_shape = saved[key][1]

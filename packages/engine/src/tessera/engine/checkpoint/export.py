@@ -2,7 +2,9 @@
 
 Any layout's checkpoint assembles into full tensors (DCP reads every chunk into a tensor of
 the global shape) in one process, without a process group. The result is what
-``model.state_dict()`` of the single-process model returns, so ``load_state_dict`` takes it.
+``model.state_dict()`` of the single-process model returns, so ``load_state_dict`` takes it:
+a tensor held in another form than its original module's (``tessera.context.FullForm``: a
+transformers ``Conv1D`` transposed, fused q/k/v) is turned back into that module's form.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from pathlib import Path
 
 import torch
 
+from tessera.context import FullForm
+
 from .api import MODEL_PREFIX, STATE_JSON
 from .blocks import Block
 from .comm import Comm
-from .errors import CheckpointError
 from .files import fsync_dir, read_json, verify_checkpoint
 from .planners import METADATA_JSON, metadata_from_json
 from .reading import read_blocks
@@ -44,21 +47,9 @@ def export_torch_state_dict(
     Raises:
         CheckpointCorruptError: a file of the checkpoint is missing, altered or does not
             decode (named).
-        CheckpointError: the checkpoint holds tensors in a form of tessera's
-            (``tessera.context.set_stored_form``: a model converted by ``parallelize``).
     """
     directory = Path(path).absolute()
     verify_checkpoint(directory, Comm.local())
-    forms = read_json(directory / STATE_JSON).get("stored_forms", {})
-    if forms:
-        names = sorted(forms)
-        raise CheckpointError(
-            f"{directory}: {len(names)} tensors are held in tessera's form, not their original "
-            f"module's ({names[0]}: {forms[names[0]]}; all: {names[:8]}"
-            f"{' ...' if len(names) > 8 else ''}), so no plain module would take them as they "
-            "are; load the checkpoint into the converted model (load_checkpoint, any layout) "
-            "and take the original state dict from tessera.layers.gather_full_state_dict"
-        )
     metadata = metadata_from_json(read_json(directory / METADATA_JSON), directory / METADATA_JSON)
     blocks: dict[str, Block] = {}
     for key, md in metadata.state_dict_metadata.items():
@@ -69,6 +60,10 @@ def export_torch_state_dict(
         blocks[key] = Block(torch.empty(shape, dtype=md.properties.dtype), shape, (0,) * len(shape))
     read_blocks(directory, blocks, Comm.local())
     state = {key[len(MODEL_PREFIX) :]: b.local for key, b in blocks.items()}
+    # tensors of modules converted by parallelize: back to the form the original module held
+    forms = read_json(directory / STATE_JSON).get("stored_forms", {})
+    for name, form in forms.items():
+        state[name] = FullForm.from_json(form).to_original(state[name])
     if out_file is not None:
         out = Path(out_file).absolute()
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ loads its shard from the plain module's ``state_dict`` through :func:`load_full_
 so the shard is cut from the existing values, never re-initialized. Where the plain module
 holds a parameter in another form than tessera's (transformers' ``Conv1D`` stores
 ``[in, out]``; a fused q/k/v projection is kept as ``[3, out/3, in]``), the parameter gets a
-:class:`~tessera.layers.state.full_form.FullForm`, so full state dicts still speak the original
+:class:`~tessera.context.FullForm`, so full state dicts still speak the original
 form.
 
 Modes: ``"1d"`` (Megatron-LM, Shoeybi et al. 2019, with sequence parallelism by Korthikanti et
@@ -20,7 +20,7 @@ from typing import Any, TypedDict
 import torch
 from torch import nn
 
-from tessera.context import ParallelContext, ParallelMode
+from tessera.context import FullForm, ParallelContext, ParallelMode, set_full_form
 
 from ..cube.classifier import Classifier3D
 from ..cube.embedding import Embedding3D
@@ -40,7 +40,6 @@ from ..parallel_1d.linear import Linear1DCol, Linear1DRow
 from ..parallel_1d.norm import LayerNorm1D, RMSNorm1D
 from ..parallel_1d.patch_embedding import PatchEmbedding1D
 from ..shared.initializers import Initializer
-from ..state.full_form import FullForm, set_full_form
 from ..state.sections import SectionOrder
 from ..state.state_dict import load_full_state_dict
 from .head_share import HEAD_COUNTS, HeadShareConfig
@@ -97,25 +96,29 @@ class Heads:
     dim: int | None
 
 
+def _first_count(*values: object) -> int | None:
+    """The first of ``values`` that is a count (an ``int``, not a ``bool``), else ``None``."""
+    for value in values:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return _first_count(value) is not None
 
 
 def _heads_of(module: nn.Module, found: dict[str, int], config: object) -> Heads:
     """The whole head counts of an attention module (its own attributes, else its config)."""
-
-    def count(*values: object) -> int | None:
-        return next((v for v in values if isinstance(v, int) and not isinstance(v, bool)), None)
-
-    query = count(
+    query = _first_count(
         found.get("num_heads"),
         found.get("num_attention_heads"),
         getattr(config, "num_attention_heads", None),
     )
-    key_value = count(
+    key_value = _first_count(
         found.get("num_key_value_heads"), getattr(config, "num_key_value_heads", None), query
     )
-    dim = count(getattr(module, "head_dim", None), getattr(config, "head_dim", None))
+    dim = _first_count(getattr(module, "head_dim", None), getattr(config, "head_dim", None))
     return Heads(query or 0, key_value or 0, dim)
 
 

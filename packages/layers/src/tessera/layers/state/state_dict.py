@@ -5,7 +5,7 @@ block sits in the full tensor, so loading slices the full tensor, and gathering 
 tensor rank's blocks (one all-gather per dtype) and writes each at its offsets. 2D, 2.5D and
 3D layers get both for free as long as they attach a ShardInfo to what they split.
 A parameter that ``parallelize`` converted from another form (a transposed ``Conv1D``, fused
-q/k/v) carries a :class:`~tessera.layers.state.full_form.FullForm`: both functions speak the
+q/k/v) carries a :class:`~tessera.context.FullForm`: both functions speak the
 original model's form, so its state dict goes in and comes out unchanged.
 """
 
@@ -16,12 +16,11 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from tessera.context import ParallelContext, ParallelMode, ShardInfo, get_shard_info
+from tessera.context import ParallelContext, ParallelMode, ShardInfo, get_full_form, get_shard_info
 
 from ..comm.collectives import all_gather_along
 from ..shared.base import ParallelModule
 from ..shared.context_access import resolve_context
-from .full_form import get_full_form
 
 __all__ = ["gather_full_state_dict", "load_full_state_dict"]
 

@@ -4,7 +4,7 @@ tessera keeps every parameter in a form that ``ShardInfo`` can describe and that
 for every layout: torch's ``[out, in]`` for a linear weight, ``[fused, out/fused, in]`` for a
 fused one (q, k and v in one matmul). A model written by someone else may hold the same
 numbers differently: transformers' GPT-2 ``Conv1D`` stores ``[in, out]`` with q, k and v side
-by side. ``parallelize`` records the original form on each parameter it converts, so
+by side. tessera-layers' ``parallelize`` records the original form on each parameter it converts, so
 ``gather_full_state_dict`` returns tensors that load into the original class exactly and
 ``load_full_state_dict`` takes the original model's state dict as it is.
 
@@ -16,20 +16,29 @@ lists group 0 of every part, then group 1 of every part, and so on. A contiguous
 form, which is what a column split gives each rank, then holds the same fraction of every part
 (whole heads of q with exactly the key/value heads they attend with), and the form is the same
 for every layout, so checkpoints reshard.
+
+It lives here, with ``ShardInfo``, because the engine reads it too, without knowing any layer:
+checkpoints record each parameter's form, load a tensor only into a parameter of the same
+form, and export the original form.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from tessera.context import set_stored_form
-
-from .sections import grouped, parts_in_turn
-
-__all__ = ["FULL_FORM_ATTR", "FullForm", "get_full_form", "set_full_form"]
+__all__ = [
+    "FULL_FORM_ATTR",
+    "FullForm",
+    "get_full_form",
+    "grouped",
+    "parts_in_turn",
+    "set_full_form",
+]
 
 #: The attribute under which ``set_full_form`` stores the description on a parameter.
 FULL_FORM_ATTR = "_tessera_full_form"
@@ -57,11 +66,6 @@ class FullForm:
         if self.sections and (len(self.sections) < 2 or min(self.sections) < 1):
             raise ValueError(f"sections must be two or more positive sizes, got {self.sections}")
 
-    @property
-    def groups(self) -> int:
-        """``G``: how many groups each part's rows are cut into (1 without sections)."""
-        return math.gcd(*self.sections) if self.sections else 1
-
     def to_original(self, full: torch.Tensor) -> torch.Tensor:
         """The tessera full tensor in the original form (a new contiguous tensor)."""
         if self.sections:
@@ -88,18 +92,56 @@ class FullForm:
             t = grouped(t.reshape(t.shape[0], -1), self.sections, dim=0)
         return t.reshape(full_shape)
 
+    def to_json(self) -> dict[str, Any]:
+        """The form as plain JSON (a checkpoint's ``state.json`` records it)."""
+        return {
+            "original_shape": list(self.original_shape),
+            "transposed": self.transposed,
+            "sections": list(self.sections),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FullForm:
+        """The form :meth:`to_json` wrote."""
+        return cls(
+            tuple(int(s) for s in data["original_shape"]),
+            bool(data["transposed"]),
+            tuple(int(s) for s in data.get("sections", ())),
+        )
+
 
 def set_full_form(param: torch.Tensor, form: FullForm) -> None:
-    """Record ``form`` on ``param`` (read by the full state dict functions).
-
-    Also named for checkpoints (``tessera.context.set_stored_form``), which then refuse to
-    load the tensor into a module that holds the original form.
-    """
+    """Record ``form`` on ``param`` (read by the full state dict functions and checkpoints)."""
     setattr(param, FULL_FORM_ATTR, form)
-    set_stored_form(param, repr(form))
 
 
 def get_full_form(param: torch.Tensor) -> FullForm | None:
     """The :class:`FullForm` recorded on ``param``, or ``None`` (the forms agree)."""
     form = getattr(param, FULL_FORM_ATTR, None)
     return form if isinstance(form, FullForm) else None
+
+
+def parts_in_turn(x: torch.Tensor, sections: tuple[int, ...], dim: int = -1) -> torch.Tensor:
+    """Features interleaved by group along ``dim`` -> the same features, part after part.
+
+    ``x.shape[dim]`` may be any whole number of groups (a rank's share of the output).
+    """
+    groups = math.gcd(*sections)
+    widths = [s // groups for s in sections]  # one group's features of each part
+    moved = x.movedim(dim, -1)
+    by_group = moved.reshape(
+        *moved.shape[:-1], moved.shape[-1] // sum(widths), sum(widths)
+    )  # [.., G', u]
+    pieces = torch.split(by_group, widths, dim=-1)  # each [..., G', s_i/G]
+    return torch.cat([p.flatten(-2) for p in pieces], dim=-1).movedim(-1, dim)
+
+
+def grouped(x: torch.Tensor, sections: tuple[int, ...], dim: int = -1) -> torch.Tensor:
+    """The inverse of :func:`parts_in_turn`: whole parts along ``dim`` -> interleaved by group."""
+    groups = math.gcd(*sections)
+    moved = x.movedim(dim, -1)
+    pieces = torch.split(moved, list(sections), dim=-1)  # each [..., s_i]
+    by_group = torch.cat(
+        [p.reshape(*p.shape[:-1], groups, -1) for p in pieces], dim=-1
+    )  # [.., G, u]
+    return by_group.flatten(-2).movedim(-1, dim)
