@@ -9,7 +9,9 @@ from torch import nn
 def build(
     vocab: int, *, kind: str, seq_len: int, hidden: int, depth: int, heads: int, seed: int
 ) -> nn.Module:
-    """``GPT2LMHeadModel``, ``LlamaForCausalLM`` or ``Phi3ForCausalLM``, from ``seed``.
+    """``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Phi3ForCausalLM`` or ``Qwen3ForCausalLM``.
+
+    Weights drawn from ``seed``.
 
     Built the same way on every rank (and with no context current: transformers' classes do
     not read tessera's), so every layout starts from the same full weights.
@@ -31,7 +33,7 @@ def build(
             eos_token_id=None,
         )
         return GPT2LMHeadModel(config)
-    # Llama's and Phi-3's blocks, grouped-query attention (half as many key/value heads)
+    # Llama's, Phi-3's and Qwen3's blocks, grouped-query attention (half as many key/value heads)
     sizes = dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -50,4 +52,8 @@ def build(
 
         no_ids = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
         return Phi3ForCausalLM(Phi3Config(**sizes, **no_ids))
-    raise ValueError(f"model.kind must be 'gpt2', 'llama' or 'phi3', got {kind!r}")
+    if kind == "qwen3":  # each query and key head normalized (q_norm, k_norm)
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        return Qwen3ForCausalLM(Qwen3Config(**sizes, head_dim=hidden // heads, pad_token_id=None))
+    raise ValueError(f"model.kind must be 'gpt2', 'llama', 'phi3' or 'qwen3', got {kind!r}")

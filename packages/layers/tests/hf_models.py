@@ -99,7 +99,7 @@ def qwen2_lm(seed: int = 0, **overrides: Any) -> nn.Module:
 #: One GPT-Neo (no plan of its own: read from its blocks; learned positions, its attention a
 #: module inside the block's, written out in its forward) and one Phi (read from its blocks:
 #: attention and MLP side by side on one norm, biases, partial rotary, head counts in the
-#: config only), sized like the GPT-2.
+#: config only, each query and key head normalized by a LayerNorm), sized like the GPT-2.
 GPT_NEO_CONFIG: dict[str, Any] = dict(
     vocab_size=32,
     max_position_embeddings=16,
@@ -123,6 +123,7 @@ PHI_CONFIG: dict[str, Any] = dict(
     num_attention_heads=4,
     max_position_embeddings=16,
     partial_rotary_factor=0.5,
+    qk_layernorm=True,
     resid_pdrop=0.0,
     embd_pdrop=0.0,
     attention_dropout=0.0,
@@ -179,6 +180,16 @@ def olmo_lm(seed: int = 0) -> nn.Module:
     return _distinct(OlmoForCausalLM(OlmoConfig(**LLAMA_CONFIG)), seed)
 
 
+def olmo2_lm(seed: int = 0) -> nn.Module:
+    """``Olmo2ForCausalLM`` (norms after attention and MLP, none before; RMSNorms over all
+    query features and all key features, ``q_norm`` and ``k_norm``), sized like Llama's."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Olmo2Config(**LLAMA_CONFIG, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return _distinct(Olmo2ForCausalLM(config), seed)
+
+
 def granite_lm(seed: int = 0) -> nn.Module:
     """``GraniteForCausalLM`` (laid out as Llama; its own RMSNorm class, recognized by what it
     computes; embedding, residual, attention and logit multipliers), sized like Llama's."""
@@ -203,6 +214,16 @@ def phi3_lm(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     config = Phi3Config(**LLAMA_CONFIG, pad_token_id=None, bos_token_id=None, eos_token_id=None)
     return _distinct(Phi3ForCausalLM(config), seed)
+
+
+def qwen3_lm(seed: int = 0) -> nn.Module:
+    """``Qwen3ForCausalLM`` (Llama's layout with each query and key head normalized by an
+    RMSNorm over its 4 features, ``q_norm`` and ``k_norm``), sized like Llama's."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(**LLAMA_CONFIG, head_dim=4, pad_token_id=None)
+    return _distinct(Qwen3ForCausalLM(config), seed)
 
 
 def glm_lm(seed: int = 0) -> nn.Module:

@@ -30,10 +30,12 @@ from hf_models import (
     images,
     llama_lm,
     masked_labels,
+    olmo2_lm,
     olmo_lm,
     phi3_lm,
     phi_lm,
     qwen2_lm,
+    qwen3_lm,
     token_ids,
     token_types,
     vit_classifier,
@@ -42,6 +44,7 @@ from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode, create_context
 from tessera.layers import (
+    BUILTIN_PLANS,
     causal_lm_loss,
     gather_full_state_dict,
     gather_logits,
@@ -140,7 +143,13 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "llama": lambda ctx: _lm_matches_reference(llama_lm(), ctx),
     "qwen2 (inferred plan)": lambda ctx: _lm_matches_reference(qwen2_lm(), ctx),
     "gpt-neo (plan read from its blocks)": lambda ctx: _lm_matches_reference(gpt_neo_lm(), ctx),
-    "phi (plan read from its blocks)": lambda ctx: _lm_matches_reference(phi_lm(), ctx),
+    "phi (plan read from its blocks, query and key heads normalized)": lambda ctx: (
+        _lm_matches_reference(phi_lm(), ctx)
+    ),
+    "qwen3 (query and key heads normalized)": lambda ctx: _lm_matches_reference(qwen3_lm(), ctx),
+    "olmo2 (plan read from its blocks, norms of all query and key features)": lambda ctx: (
+        _lm_matches_reference(_with_plan(olmo2_lm(), "plan read from"), ctx)
+    ),
     "gpt-neox (family plan, q/k/v fused by head)": lambda ctx: _lm_matches_reference(
         gpt_neox_lm(), ctx
     ),
@@ -173,7 +182,13 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
 ONLY_UNDER = {
     "qwen2 (inferred plan)": ("1d", "2d", "sequence"),
     "gpt-neo (plan read from its blocks)": ("1d", "2d"),
-    "phi (plan read from its blocks)": ("1d-sp", "3d", "sequence-ring"),
+    "phi (plan read from its blocks, query and key heads normalized)": (
+        "1d-sp",
+        "3d",
+        "sequence-ring",
+    ),
+    "qwen3 (query and key heads normalized)": ("1d", "2.5d"),
+    "olmo2 (plan read from its blocks, norms of all query and key features)": ("1d", "3d"),
     "gpt-neox (family plan, q/k/v fused by head)": ("1d-4", "2d", "sequence-ring"),
     "olmo (family plan, norms without parameters)": ("1d-sp", "2d"),
     "granite (family plan, its own RMSNorm class)": ("3d",),
@@ -668,6 +683,30 @@ def _errors() -> list[str]:
             r"num_heads = 3 is not divisible by the 2 ranks",
             lambda: parallelize(odd_heads, context=ctx),
         )
+        olmo2 = _tiny("Olmo2")  # its q_norm and k_norm span all heads' features
+        layers = "model.layers.*"
+        olmo2_plan = {
+            rule: role
+            for rule, role in BUILTIN_PLANS["Qwen3ForCausalLM"].rules.items()
+            if "layernorm" not in rule
+        }
+        olmo2_plan |= {f"{layers}.post_attention_layernorm": "norm"}
+        olmo2_plan |= {f"{layers}.post_feedforward_layernorm": "norm"}
+        expect(
+            ValueError,
+            r"'model.layers.0.self_attn.q_norm' has role 'head_norm', which normalizes one "
+            r"head's features \('model.layers.0.self_attn''s heads have 4\), but it normalizes 16",
+            lambda: parallelize(olmo2, olmo2_plan, context=ctx),
+        )
+        qwen3 = _tiny("Qwen3")  # q_norm as a plain norm: kept whole, it would see 2 of 4 heads
+        as_norm = {**BUILTIN_PLANS["Qwen3ForCausalLM"].rules}
+        as_norm["model.layers.*.self_attn.q_norm"] = "norm"
+        expect(
+            ValueError,
+            r"'model.layers.0.self_attn.q_norm' has role 'norm' inside the attention module "
+            r"'model.layers.0.self_attn', but it normalizes one head's 4 features; .*'head_norm'",
+            lambda: parallelize(qwen3, as_norm, context=ctx),
+        )
         lm = parallelize(gpt2_lm(), context=ctx)
         assert isinstance(lm, GPT2LMHeadModel)
         ids = token_ids()
@@ -729,7 +768,7 @@ def _errors() -> list[str]:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 20
+    assert len(results[0]) == 22
 
 
 def test_inner_norms_follow_a_column_layer_and_precede_a_row_layer() -> None:
@@ -777,6 +816,7 @@ def _tiny(family: str) -> nn.Module:
         "GPTJ": dict(vocab_size=32, n_embd=16, n_layer=1, n_head=4, n_positions=16, rotary_dim=4),
         "Phi": dict(small, qk_layernorm=True),
         "Qwen3": dict(small, num_key_value_heads=2, head_dim=4),
+        "Olmo2": dict(small, num_key_value_heads=2, pad_token_id=None, eos_token_id=None),
         "Glm": dict(small, num_key_value_heads=2, pad_token_id=None),
         "Glm4": dict(small, num_key_value_heads=2, pad_token_id=None),
         "Phi3": dict(small, num_key_value_heads=2, pad_token_id=None),
@@ -792,8 +832,6 @@ def _tiny(family: str) -> nn.Module:
         ("GPTNeoX", "0 attention modules with separate q, k and v projections"),
         ("Nemotron", r"no role for model\.layers\.0\.input_layernorm \(NemotronLayerNorm1P\)"),
         ("GPTBigCode", "0 attention modules with separate q, k and v projections"),
-        ("Phi", r"no role for model\.layers\.0\.self_attn\.q_layernorm .* inside the attention"),
-        ("Qwen3", r"no role for model\.layers\.0\.self_attn\.q_norm .* inside the attention"),
         ("Glm", r"gate_up_proj makes 64 features where .*down_proj takes 32: .*'gate_up'"),
     ],
 )
@@ -804,14 +842,11 @@ def test_a_model_unlike_the_usual_block_stack_gets_no_plan_and_the_reason(
     # an order its shape does not tell (its family plan, which knows the order, takes it),
     # Nemotron's LayerNorm subclass scales by 1 + weight in a forward of its own, GPTBigCode
     # fuses them per head or shares one key and value (and is no GPT-2, whose module names
-    # it has: see the test below), Phi's and
-    # Qwen3's per-head norms of q and k would see a share of the heads on each rank: each
-    # would train wrong, silently, under a guessed plan. (Qwen3 is laid out as Llama but for
-    # those norms: the Llama family's plan is not inferred either.)
+    # it has: see the test below): each would train wrong, silently, under a guessed plan.
     from tessera.layers.conversion.plan import infer_plan
     from tessera.layers.conversion.structure import infer_structure
 
-    if family in ("Qwen3", "GPTBigCode"):
+    if family == "GPTBigCode":
         assert infer_plan(_tiny(family)) is None
     # GLM's MLP chunks its gate_up_proj in two halves: a plain column split gave each rank
     # the gate of some features and the up of others, and trained wrong without an error.
@@ -835,6 +870,35 @@ def test_fused_projection_families_get_plans_naming_their_fused_roles(
     assert chosen.rules["model.layers.*.mlp.gate_up_proj"] == "gate_up"
     if family == "Phi3":
         assert chosen.rules["model.layers.*.self_attn.qkv_proj"] == "qkv"
+
+
+def test_norms_of_each_head_get_role_head_norm_inside_attention_only() -> None:
+    """Qwen3's ``q_norm``/``k_norm`` by its family plan, Phi's ``q_layernorm`` read from its
+    blocks, OLMo-2's norms over all query and all key features a plain ``norm`` inside the
+    attention; a ``head_norm`` outside attention is refused."""
+    from dataclasses import replace
+
+    from tessera.layers.conversion.plan import match_plan, plan_for
+
+    qwen3 = _tiny("Qwen3")
+    plan = plan_for(qwen3, None)
+    assert plan.name == "Qwen3 LM"
+    for norm in ("q_norm", "k_norm"):
+        assert plan.rules[f"model.layers.*.self_attn.{norm}"] == "head_norm"
+    read = plan_for(_tiny("Phi"), None)
+    assert read.name.startswith("plan read from the transformer blocks"), read.name
+    for norm in ("q_layernorm", "k_layernorm"):
+        assert read.rules[f"model.layers.*.self_attn.{norm}"] == "head_norm"
+    olmo2 = plan_for(_tiny("Olmo2"), None)
+    for norm in ("q_norm", "k_norm"):
+        assert olmo2.rules[f"model.layers.*.self_attn.{norm}"] == "norm"
+    no_attention = {k: v for k, v in plan.rules.items() if v != "attention"}
+    with pytest.raises(
+        ValueError,
+        match=r"'model.layers.0.self_attn.q_norm' has role 'head_norm', but no module around it "
+        "has role 'attention'",
+    ):
+        match_plan(qwen3, replace(plan, rules=no_attention), "2d")
 
 
 def test_a_fused_gate_and_up_named_as_a_plain_column_layer_is_refused() -> None:
@@ -955,6 +1019,11 @@ def test_a_subclass_keeps_its_base_class_plan_only_while_that_plan_covers_it() -
     assert plan_for(model, None) is BUILTIN_PLANS["LlamaForCausalLM"]
     for layer in model.model.layers:  # a per-head norm of q its base class lacks
         layer.self_attn.q_norm = nn.LayerNorm(4)
+    read = plan_for(model, None)  # not Llama's: read from the blocks, the norm a head norm
+    assert read.name.startswith("plan read from the transformer blocks of ExtendedLlama")
+    assert read.rules["model.layers.*.self_attn.q_norm"] == "head_norm"
+    for layer in model.model.layers:  # a module no role describes
+        layer.self_attn.gate = nn.Linear(4, 4)
     with pytest.raises(ValueError, match=r"no plan for ExtendedLlama .* inside the attention"):
         plan_for(model, None)
 

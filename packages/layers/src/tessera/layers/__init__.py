@@ -111,6 +111,7 @@ from tessera.layers.shared.cross_entropy import (
 )
 from tessera.layers.shared.dense import LinearOutput
 from tessera.layers.shared.errors import ModeNotImplementedError
+from tessera.layers.shared.head_norm import HeadLayerNorm, HeadRMSNorm
 from tessera.layers.shared.initializers import (
     Initializer,
     fan_in_uniform,
@@ -169,6 +170,8 @@ __all__ = [
     "VocabParallelClassifier1D",
     "LayerNorm1D",
     "RMSNorm1D",
+    "HeadLayerNorm",
+    "HeadRMSNorm",
     "Dropout1D",
     "PatchEmbedding1D",
     "VocabParallelCrossEntropyLoss1D",

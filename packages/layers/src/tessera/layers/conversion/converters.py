@@ -39,6 +39,7 @@ from ..parallel_1d.embedding import VocabParallelEmbedding1D
 from ..parallel_1d.linear import Linear1DCol, Linear1DRow
 from ..parallel_1d.norm import LayerNorm1D, RMSNorm1D
 from ..parallel_1d.patch_embedding import PatchEmbedding1D
+from ..shared.head_norm import HeadLayerNorm, HeadRMSNorm
 from ..shared.initializers import Initializer
 from ..state.sections import SectionOrder
 from ..state.state_dict import load_full_state_dict
@@ -259,6 +260,8 @@ class Converter:
             return self.embedding(name, module, role)
         if role == "norm":
             return self.norm(name, module)
+        if role == "head_norm":
+            return self.head_norm(name, module)
         if role == "patch_embedding":
             return self.patch_embedding(name, module)
         return self.head(name, module)
@@ -323,6 +326,10 @@ class Converter:
             new.register_forward_hook(SectionOrder(sections))
         return _adopt(new, module, forms)
 
+    def _attention_around(self, name: str) -> str | None:
+        """The innermost converted attention module holding ``name``, if any."""
+        return max((a for a in self.heads if name.startswith(f"{a}.")), key=len, default=None)
+
     def _qkv_sections(self, name: str, shape: LinearShape) -> tuple[int, ...]:
         """The sizes of q, k and v in a fused projection of grouped-query attention.
 
@@ -332,7 +339,7 @@ class Converter:
         Raises:
             ValueError: the attention's head counts do not add up to the layer's outputs.
         """
-        owner = max((a for a in self.heads if name.startswith(f"{a}.")), key=len, default=None)
+        owner = self._attention_around(name)
         if owner is None:
             return ()
         heads = self.heads[owner]
@@ -449,8 +456,23 @@ class Converter:
         return new
 
     def norm(self, name: str, module: nn.Module) -> nn.Module:
-        """``norm``: a LayerNorm or RMSNorm over the hidden dim in the mode's layout."""
+        """``norm``: a LayerNorm or RMSNorm over the hidden dim in the mode's layout.
+
+        Inside an attention module it normalizes a projection's output over all its heads'
+        features (OLMo-2's ``q_norm``), split like the heads: statistics over the ranks.
+
+        Raises:
+            ValueError: inside an attention module it normalizes one head's features (as a
+                plain norm of this rank's heads it would get only their share of its gradient).
+        """
         spec = norm_spec(name, module)
+        owner = self._attention_around(name)
+        if owner is not None and spec.shape == (self.heads[owner].dim,):
+            raise ValueError(
+                f"parallelize: {name!r} has role 'norm' inside the attention module {owner!r}, "
+                f"but it normalizes one head's {spec.shape[0]} features; a norm of each head "
+                "(q_norm, k_norm) takes role 'head_norm'"
+            )
         inner = name in self.inner_norms
         in_span = self.sequence_parallel and name in self.sequence_span
         if self.mode == "1d" and not in_span and not inner:
@@ -473,6 +495,47 @@ class Converter:
             )
         else:
             new = family[self.mode](*args, device=self._device(weight), context=self.context)
+        return _adopt(new, module, {})
+
+    def head_norm(self, name: str, module: nn.Module) -> nn.Module:
+        """``head_norm``: a norm of each head's features, its weight summed over the ranks.
+
+        The plan put it inside an ``attention`` module (``match_plan`` checks), converted
+        before it (modules come in ``named_modules`` order), so that module's head size is known.
+
+        Raises:
+            ValueError: the norm normalizes another size than one head's features (a norm
+                over all heads' features, OLMo-2's ``q_norm``, would need statistics from every
+                rank holding some of them).
+            TypeError: the module does not compute exactly a LayerNorm or an RMSNorm.
+        """
+        owner = self._attention_around(name)
+        assert owner is not None, f"{name}: match_plan lets no head_norm outside attention"
+        spec = norm_spec(name, module)
+        dim = self.heads[owner].dim
+        if dim is None:
+            raise ValueError(
+                f"parallelize: {name!r} has role 'head_norm', but neither the attention module "
+                f"{owner!r} nor its config says how many features a head has (head_dim)"
+            )
+        if spec.shape != (dim,):
+            raise ValueError(
+                f"parallelize: {name!r} has role 'head_norm', which normalizes one head's "
+                f"features ({owner!r}'s heads have {dim}), but it normalizes {spec.shape[0]}; "
+                "a norm over several heads' features needs statistics from every rank holding "
+                "some of them, which this role does not gather"
+            )
+        weight = _tensor(module, "weight") if spec.affine else torch.empty(0)
+        cls = HeadRMSNorm if spec.kind == "rms" else HeadLayerNorm
+        new = cls(
+            spec.shape,
+            spec.eps,
+            spec.affine,
+            spec.bias,
+            weight.dtype,
+            device=self._device(weight),
+            context=self.context,
+        )
         return _adopt(new, module, {})
 
     def patch_embedding(self, name: str, module: nn.Module) -> nn.Module:

@@ -32,6 +32,10 @@ papers need to know of a transformer; every activation layout follows from them:
     A learned position embedding, added to every row of the batch.
 ``"norm"``
     A LayerNorm (or RMSNorm) over the hidden dim.
+``"head_norm"``
+    A LayerNorm (or RMSNorm) inside an ``"attention"`` module over one head's features, one
+    weight for every head (Qwen3's ``q_norm`` and ``k_norm``, "QK normalization"): each rank
+    normalizes its heads on its own, and the weight's gradient is summed over the tensor ranks.
 ``"patch_embedding"``
     A ViT's embedding: patches, class token and position table (transformers'
     ``ViTEmbeddings``).
@@ -87,6 +91,7 @@ Role = Literal[
     "embedding",
     "position_embedding",
     "norm",
+    "head_norm",
     "head",
     "attention",
     "patch_embedding",
@@ -101,6 +106,7 @@ ROLES: tuple[str, ...] = (
     "embedding",
     "position_embedding",
     "norm",
+    "head_norm",
     "head",
     "attention",
     "patch_embedding",
@@ -263,6 +269,16 @@ def _glm4(prefix: str, causal_lm: bool) -> Plan:
     return replace(glm, rules={**glm.rules, **norms})
 
 
+def _qwen3(prefix: str, causal_lm: bool) -> Plan:
+    """Qwen3: Llama's block with its query and key heads normalized (``q_norm``, ``k_norm``)."""
+    llama = _llama(prefix, causal_lm)
+    attention = f"{prefix}layers.*.self_attn"
+    norms = {f"{attention}.q_norm": "head_norm", f"{attention}.k_norm": "head_norm"}
+    return replace(
+        llama, rules={**llama.rules, **norms}, name="Qwen3" + (" LM" if causal_lm else "")
+    )
+
+
 def _bert(prefix: str, masked_lm: bool) -> Plan:
     layer = f"{prefix}encoder.layer.*"
     rules = {
@@ -329,6 +345,8 @@ BUILTIN_PLANS: dict[str, Plan] = {
     "LlamaModel": _llama("", causal_lm=False),
     "Phi3ForCausalLM": _phi3("model.", causal_lm=True),
     "Phi3Model": _phi3("", causal_lm=False),
+    "Qwen3ForCausalLM": _qwen3("model.", causal_lm=True),
+    "Qwen3Model": _qwen3("", causal_lm=False),
     "BertForMaskedLM": _bert("bert.", masked_lm=True),
     "ViTForImageClassification": _vit(),
 }
@@ -398,7 +416,8 @@ def _gpt2_fused(module: nn.Module) -> bool:
 
 #: Model families whose module layout other models share (Mistral and Qwen2 are laid out as
 #: Llama; Pythia is GPT-NeoX; Phi-4-mini is Phi-3), by the name of a module that marks each
-#: family, what that module must be for the family's plan to hold, and the plan builder.
+#: family, what that module must be for the family's plan to hold, and the plan builder. Llama
+#: comes before Qwen3, whose marker Llama's plan cannot cover (its head norms).
 FAMILIES: dict[str, tuple[str, Callable[[nn.Module], bool], Callable[[str, bool], Plan]]] = {
     "Llama": ("layers.0.self_attn.q_proj", _any_module, _llama),
     "GPT-2": ("h.0.attn.c_attn", _gpt2_fused, _gpt2),
@@ -406,6 +425,7 @@ FAMILIES: dict[str, tuple[str, Callable[[nn.Module], bool], Callable[[str, bool]
     "Phi-3": ("layers.0.self_attn.qkv_proj", _plain_linear, _phi3),
     "GLM": ("layers.0.mlp.gate_up_proj", _plain_linear, _glm),
     "GLM-4": ("layers.0.post_mlp_layernorm", _any_module, _glm4),
+    "Qwen3": ("layers.0.self_attn.q_norm", _any_module, _qwen3),
 }
 
 
@@ -492,7 +512,24 @@ def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
     ordered = _in_data_flow_order(dict(sorted(roles.items(), key=lambda item: order[item[0]])))
     _check_pairs(ordered, plan, mode)
     _check_mlp_widths(model, ordered, plan, mode)
+    _check_norms_in_attention(ordered, plan, mode)
     return ordered
+
+
+def _check_norms_in_attention(roles: Mapping[str, str], plan: Plan, mode: str) -> None:
+    """A ``head_norm`` sits inside an attention module, which says how wide a head is.
+
+    Raises:
+        ValueError: a ``head_norm`` has no ``attention`` module around it.
+    """
+    attention = [name for name, role in roles.items() if role == "attention"]
+    for name, role in roles.items():
+        if role == "head_norm" and not any(name.startswith(f"{a}.") for a in attention):
+            raise ValueError(
+                f"parallelize under tensor mode {mode!r}: {name!r} has role 'head_norm', but no "
+                f"module around it has role 'attention' in the {plan.name}; a head norm "
+                "normalizes the heads of the attention it sits in (name that module too)"
+            )
 
 
 def _check_mlp_widths(model: nn.Module, roles: Mapping[str, str], plan: Plan, mode: str) -> None:
@@ -633,13 +670,20 @@ def inner_norms(roles: Mapping[str, str]) -> set[str]:
     Linear): split features under 1D, layout ``"z"`` under 3D. A norm counts only when the
     nearest linear layer before it (in the modules' order) is a column layer *and* the nearest
     after it is a row layer, so a model that registers an MLP's layers out of data-flow order
-    (``w1, w2, w3``) does not make the next block's input norm an inner one.
+    (``w1, w2, w3``) does not make the next block's input norm an inner one. A ``norm`` inside
+    an ``attention`` module is always one: everything there between the q, k, v projections
+    and the output projection is split by heads (OLMo-2's ``q_norm`` over all query features,
+    registered after the output projection).
     """
     linear = (*COLUMN_ROLES, "row", "dense")
     names = list(roles)
+    attention = [name for name, role in roles.items() if role == "attention"]
     inner: set[str] = set()
     for i, name in enumerate(names):
         if roles[name] != "norm":
+            continue
+        if any(name.startswith(f"{a}.") for a in attention):
+            inner.add(name)
             continue
         before = next((roles[n] for n in reversed(names[:i]) if roles[n] in linear), None)
         after = next((roles[n] for n in names[i + 1 :] if roles[n] in linear), None)

@@ -128,20 +128,22 @@ def _attention_rules(block: nn.Module, prefix: str, hidden: int) -> dict[str, st
             if len(outputs) != 1:
                 return f"attention {name!r} has q, k, v but no one output projection"
             rules = {name: "attention"}
+            widths: set[int] = set()  # what the q, k and v projections make
             for projection in (q, k, v):
                 sizes = _linear_or_none(f"{name}.{projection}", children[projection])
                 if sizes is None or sizes[0] != hidden:
                     return f"{name}.{projection} is not a linear layer from the hidden size"
                 rules[f"{name}.{projection}"] = "col"
+                widths.add(sizes[1])
             out = outputs[0]
             sizes = _linear_or_none(f"{name}.{out}", children[out])
             if sizes is None or sizes[1] != hidden:
                 return f"{name}.{out} is not a linear layer onto the hidden size"
             rules[f"{name}.{out}"] = "row"
-            extra = _inside_attention(module, name, {q, k, v, out})
-            if extra:
-                return extra
-            found.append(rules)
+            inside = _inside_attention(module, name, {q, k, v, out}, widths)
+            if isinstance(inside, str):
+                return inside
+            found.append({**rules, **inside})
     if len(found) != 1:
         return (
             f"{prefix} has {len(found)} attention modules with separate q, k and v projections "
@@ -150,22 +152,43 @@ def _attention_rules(block: nn.Module, prefix: str, hidden: int) -> dict[str, st
     return found[0]
 
 
-def _inside_attention(attention: nn.Module, name: str, projections: set[str]) -> str:
-    """Why the attention holds more than its four projections (empty: it does not).
+def _head_dim(attention: nn.Module) -> int | None:
+    """The features of one head, as the attention module or its config says."""
+    for value in (
+        getattr(attention, "head_dim", None),
+        getattr(getattr(attention, "config", None), "head_dim", None),
+    ):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
-    Its heads are split, so a parameter of its own or of another submodule (a per-head norm
-    of q and k, Qwen3's or OLMo2's) would see a share of the heads and get a share of its
-    gradient on each rank: the replicas would drift apart. A parameter-free norm inside it
-    would normalize over split heads.
+
+def _inside_attention(
+    attention: nn.Module, name: str, projections: set[str], widths: set[int]
+) -> dict[str, str] | str:
+    """Roles of what the attention holds besides its four projections, or why there are none.
+
+    Its heads are split, so a parameter of its own or of another submodule would see a share
+    of the heads and get a share of its gradient on each rank: the replicas would drift apart.
+    Two kinds of module there have a role: a norm of each head's features (Qwen3's ``q_norm``,
+    Phi's ``q_layernorm``): ``head_norm``, whose gradient is summed over the ranks; and a norm
+    over all the features a q, k or v projection makes (``widths``; OLMo-2's ``q_norm``):
+    ``norm``, over the split features, its statistics gathered over the ranks.
     """
     if any(True for _ in attention.parameters(recurse=False)):
         return f"attention {name!r} holds parameters of its own"
+    head_dim = _head_dim(attention)
+    rules: dict[str, str] = {}
     for child, module in attention.named_modules():
         if not child or child.split(".")[0] in projections:
             continue
-        if _owns_parameters(module) or _looks_like_norm(module):
+        if head_dim is not None and _is_norm(child, module, head_dim) and _owns_parameters(module):
+            rules[f"{name}.{child}"] = "head_norm"
+        elif any(_is_norm(child, module, width) for width in widths - {head_dim}):
+            rules[f"{name}.{child}"] = "norm"
+        elif _owns_parameters(module) or _looks_like_norm(module):
             return f"no role for {name}.{child} ({type(module).__name__}) inside the attention"
-    return ""
+    return rules
 
 
 def _mlp_rules(block: nn.Module, prefix: str, hidden: int, taken: set[str]) -> dict[str, str] | str:
