@@ -129,7 +129,7 @@ def main() -> None:
     exported = build(vocab.size, seed=cfg.seed, **model_cfg)
     exported.load_state_dict(full, strict=True)
     changed = sum(not torch.equal(full[k], v) for k, v in original.items())
-    if train_cfg.checkpoint is not None and ctx.pipeline_size == 1:
+    if train_cfg.checkpoint is not None:
         # An engine checkpoint holds tessera's forms (Conv1D transposed, q/k/v fused); its
         # export turns them back: the same original state dict as the gather above.
         save_checkpoint(train_cfg.checkpoint, CheckpointParts(model))

@@ -266,6 +266,30 @@ def test_a_tensor_held_in_another_form_loads_only_into_that_form_and_exports_as_
     assert set(export_torch_state_dict(tmp_path / "plain")) == set(model.state_dict())
 
 
+def test_layers_restating_a_model_export_under_the_model_names(tmp_path: Path) -> None:
+    """A stage of pipeline layers saves under its own names and exports under the model's."""
+    from tessera.context import set_original_names
+
+    model = make_model(0)
+    restated = nn.Sequential()
+    restated.add_module("body", model)  # the same tensors, their names prefixed
+    names = {name: f"model.{name}" for name in model.state_dict()}
+    set_original_names(model, names)
+    save_checkpoint(tmp_path / "c", CheckpointParts(restated))
+    recorded = json.loads((tmp_path / "c" / "state.json").read_text())["original_names"]
+    assert recorded == {f"body.{name}": original for name, original in names.items()}
+    load_checkpoint(tmp_path / "c", CheckpointParts(restated))  # loads under its own names
+    exported = export_torch_state_dict(tmp_path / "c")
+    assert set(exported) == set(names.values())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(exported[names[name]], tensor), name
+    with pytest.raises(ValueError, match=r"\['extra'\] are not in the state dict of"):
+        set_original_names(model, {"extra": "x"})
+    first, second = list(model.state_dict())[:2]
+    with pytest.raises(ValueError, match=rf"'{first}' and '{second}' of .* would both be 'w'"):
+        set_original_names(model, {first: "w", second: "w"})
+
+
 class _Losses(BaseHook):
     def __init__(self) -> None:
         super().__init__(priority=50)

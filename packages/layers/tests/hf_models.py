@@ -96,6 +96,15 @@ def qwen2_lm(seed: int = 0, **overrides: Any) -> nn.Module:
     return _distinct(model, seed)
 
 
+def mistral_lm(seed: int = 0, **overrides: Any) -> nn.Module:
+    """``MistralForCausalLM`` (laid out as Llama, attending within a sliding window)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    model = MistralForCausalLM(MistralConfig(**{**LLAMA_CONFIG, "head_dim": 4, **overrides}))
+    return _distinct(model, seed)
+
+
 #: One GPT-Neo (no plan of its own: read from its blocks; learned positions, its attention a
 #: module inside the block's, written out in its forward) and one Phi (read from its blocks:
 #: attention and MLP side by side on one norm, biases, partial rotary, head counts in the
@@ -224,6 +233,30 @@ def qwen3_lm(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     config = Qwen3Config(**LLAMA_CONFIG, head_dim=4, pad_token_id=None)
     return _distinct(Qwen3ForCausalLM(config), seed)
+
+
+def gemma_lm(family: str = "Gemma", seed: int = 0) -> nn.Module:
+    """``GemmaForCausalLM``, ``Gemma2ForCausalLM`` or ``Gemma3ForCausalLM`` (text), sized like
+    Llama's: token rows scaled by sqrt(hidden) in the embedding's own forward, RMSNorms scaling
+    by ``1 + weight``, a head tied to the embedding; Gemma 2 and 3 add norms before and after
+    the MLP, soft caps of the scores (2) or norms of each query and key head (3)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config_class = "Gemma3TextConfig" if family == "Gemma3" else f"{family}Config"
+    config = getattr(transformers, config_class)(**LLAMA_CONFIG, head_dim=4, pad_token_id=None)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    return _distinct(model, seed)
+
+
+def nemotron_lm(seed: int = 0) -> nn.Module:
+    """``NemotronForCausalLM`` (LayerNorms scaling by ``1 + weight`` in a forward of their own,
+    an MLP of up and down projections, partial rotary), sized like Llama's."""
+    from transformers import NemotronConfig, NemotronForCausalLM
+
+    torch.manual_seed(seed)
+    config = NemotronConfig(**LLAMA_CONFIG, head_dim=4, bos_token_id=None, eos_token_id=None)
+    return _distinct(NemotronForCausalLM(config), seed)
 
 
 def glm_lm(seed: int = 0) -> nn.Module:

@@ -21,6 +21,7 @@ from hf_models import (
     GPT2_CONFIG,
     SEQ,
     bert_mlm,
+    gemma_lm,
     glm4_lm,
     glm_lm,
     gpt2_lm,
@@ -30,6 +31,8 @@ from hf_models import (
     images,
     llama_lm,
     masked_labels,
+    mistral_lm,
+    nemotron_lm,
     olmo2_lm,
     olmo_lm,
     phi3_lm,
@@ -42,7 +45,7 @@ from hf_models import (
 )
 from torch import nn
 
-from tessera.context import ParallelContext, ParallelMode, create_context
+from tessera.context import ParallelContext, ParallelMode, create_context, original_names_of
 from tessera.layers import (
     BUILTIN_PLANS,
     causal_lm_loss,
@@ -168,6 +171,18 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "glm4 (family plan, fused gate/up, norms after attention and MLP)": lambda ctx: (
         _lm_matches_reference(_with_plan(glm4_lm(), "GLM-4 LM plan inferred"), ctx)
     ),
+    "gemma (family plan, scaled token rows, norms scaling by 1 + weight)": lambda ctx: (
+        _lm_matches_reference(_with_plan(gemma_lm(), "Llama LM plan inferred"), ctx)
+    ),
+    "gemma2 (plan read from its blocks, soft-capped scores)": lambda ctx: _lm_matches_reference(
+        _with_plan(gemma_lm("Gemma2"), "plan read from"), ctx
+    ),
+    "gemma3 (plan read from its blocks, heads normalized by 1 + weight)": lambda ctx: (
+        _lm_matches_reference(_with_plan(gemma_lm("Gemma3"), "plan read from"), ctx)
+    ),
+    "nemotron (plan read from its blocks, LayerNorms scaling by 1 + weight)": lambda ctx: (
+        _lm_matches_reference(_with_plan(nemotron_lm(), "plan read from"), ctx)
+    ),
     "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
     "vit": lambda ctx: _lm_matches_reference(vit_classifier(), ctx),
     "per-sample positions": _per_sample_positions,
@@ -195,6 +210,10 @@ ONLY_UNDER = {
     "phi3 (fused q/k/v with grouped-query attention, fused gate/up)": ("1d-4", "1d-sp", "3d"),
     "glm (family plan, fused gate/up)": ("1d-4",),
     "glm4 (family plan, fused gate/up, norms after attention and MLP)": ("1d", "2d"),
+    "gemma (family plan, scaled token rows, norms scaling by 1 + weight)": ("2d",),
+    "gemma2 (plan read from its blocks, soft-capped scores)": ("1d-sp",),
+    "gemma3 (plan read from its blocks, heads normalized by 1 + weight)": ("1d", "3d"),
+    "nemotron (plan read from its blocks, LayerNorms scaling by 1 + weight)": ("1d-sp",),
     "per-sample positions": ("2d", "3d"),
 }
 
@@ -428,6 +447,7 @@ def _as_pipeline_layers(ctx: ParallelContext) -> int:
         assert sorted(set(names.values())) == sorted(
             n for n, _ in model.named_parameters(remove_duplicate=False)
         )
+        assert original_names_of([layers]) == names  # what engine checkpoints export under
         tied = [n for n, p in model.named_parameters() if pipeline_shared_key(p) is not None]
         assert tied == TIED_ACROSS_STAGES.get(build.__name__, []), tied
     with pytest.raises(TypeError, match="knows these model families"):
@@ -751,6 +771,16 @@ def _errors() -> list[str]:
             "'sum_and_count' is not supported under tensor mode 'sequence'",
             lambda: token_loss(torch.zeros(4, 4, 32), ids, reduction="sum_and_count", context=seq),
         )
+        # Gemma 2 soft-caps its scores, and a sliding window shorter than the sequence hides
+        # keys: the ring computes neither, so the model's first attention call is refused.
+        gemma2 = parallelize(gemma_lm("Gemma2"), context=seq)
+        expect(ValueError, r"passes softcap=50.0 to its attention", lambda: gemma2(ids))
+        windowed = parallelize(mistral_lm(sliding_window=4), context=seq)
+        expect(
+            ValueError,
+            "sliding window of 4 tokens, shorter than the sequence of 8",
+            lambda: windowed(ids),
+        )
         # GPT-Neo writes its attention out in its forward: the ring cannot reach it.
         expect(TypeError, "does not use", lambda: parallelize(gpt_neo_lm(), context=seq))
         lm = parallelize(gpt2_lm(), context=seq)
@@ -768,7 +798,7 @@ def _errors() -> list[str]:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 22
+    assert len(results[0]) == 24
 
 
 def test_inner_norms_follow_a_column_layer_and_precede_a_row_layer() -> None:
@@ -830,7 +860,6 @@ def _tiny(family: str) -> nn.Module:
     [
         ("OPT", r"no role for model\.decoder\.embed_positions \(OPTLearnedPositionalEmbedding\)"),
         ("GPTNeoX", "0 attention modules with separate q, k and v projections"),
-        ("Nemotron", r"no role for model\.layers\.0\.input_layernorm \(NemotronLayerNorm1P\)"),
         ("GPTBigCode", "0 attention modules with separate q, k and v projections"),
         ("Glm", r"gate_up_proj makes 64 features where .*down_proj takes 32: .*'gate_up'"),
     ],
@@ -840,7 +869,7 @@ def test_a_model_unlike_the_usual_block_stack_gets_no_plan_and_the_reason(
 ) -> None:
     # OPT's positions are shifted inside its own embedding class, GPT-NeoX fuses q, k, v in
     # an order its shape does not tell (its family plan, which knows the order, takes it),
-    # Nemotron's LayerNorm subclass scales by 1 + weight in a forward of its own, GPTBigCode
+    # GPTBigCode
     # fuses them per head or shares one key and value (and is no GPT-2, whose module names
     # it has: see the test below): each would train wrong, silently, under a guessed plan.
     from tessera.layers.conversion.plan import infer_plan
@@ -1072,13 +1101,13 @@ def test_norms_are_recognized_by_what_they_compute() -> None:
         NormSpec("layer", (8,), 1e-5, False, False)
     )
     # Gemma's RMSNorm scales by 1 + weight; Nemotron's is an nn.LayerNorm subclass that does
-    # the same in a forward of its own: neither is what tessera's norms compute.
-    with pytest.raises(
-        TypeError, match=r"'n' \(GemmaRMSNorm\).* differ from a LayerNorm or an RMSNorm"
-    ):
-        norm_spec("n", _norm("gemma", "GemmaRMSNorm", 8))
-    with pytest.raises(TypeError, match=r"NemotronLayerNorm1P.* differ from a LayerNorm \(eps"):
-        norm_spec("n", _norm("nemotron", "NemotronLayerNorm1P", 8))
+    # the same in a forward of its own: tessera's norms take it as weight_offset=1.
+    assert norm_spec("n", _norm("gemma", "GemmaRMSNorm", 8)) == (
+        NormSpec("rms", (8,), 1e-6, True, False, offset=1.0)
+    )
+    assert norm_spec("n", _norm("nemotron", "NemotronLayerNorm1P", 8)) == (
+        NormSpec("layer", (8,), 1e-5, True, True, offset=1.0)
+    )
 
 
 class _OverSequence(nn.Module):

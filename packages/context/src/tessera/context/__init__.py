@@ -57,6 +57,11 @@ from tessera.context.launch import (
 from tessera.context.launch_options import LaunchOptions
 from tessera.context.layouts import Group, Groups, coordinates, global_rank
 from tessera.context.modes import ModeLike, ParallelMode
+from tessera.context.original_names import (
+    ORIGINAL_NAMES_ATTR,
+    original_names_of,
+    set_original_names,
+)
 from tessera.context.planner import LayoutEstimate, Machine, ModelShape, plan_layouts
 from tessera.context.seeds import (
     RngStreams,
@@ -132,6 +137,10 @@ __all__ = [
     "get_full_form",
     "grouped",
     "parts_in_turn",
+    # names a model someone else wrote gives the tensors a restated model holds
+    "ORIGINAL_NAMES_ATTR",
+    "set_original_names",
+    "original_names_of",
     # gradient sums a layer leaves to the training loop
     "DEFERRED_SUM_ATTR",
     "DefersGradientSum",

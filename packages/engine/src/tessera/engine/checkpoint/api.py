@@ -38,7 +38,13 @@ from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from tessera.context import FullForm, ParallelContext, ParallelMode, get_full_form
+from tessera.context import (
+    FullForm,
+    ParallelContext,
+    ParallelMode,
+    get_full_form,
+    original_names_of,
+)
 
 from ..engine import Engine
 from ..master_weights import MasterWeights
@@ -361,6 +367,7 @@ def _save(
     blocks: dict[str, Block] = {}
     names: list[str] = []
     forms: dict[str, dict[str, Any]] = {}
+    originals: dict[str, str] = {}
     values: dict[str, Any] = {}
     settings: dict[str, Any] = {}
     payload = b""
@@ -369,6 +376,7 @@ def _save(
             blocks[MODEL_PREFIX + name] = block_of(name, tensor)
             names.append(name)
         forms = stored_forms(modules)
+        originals = original_names_of(modules)
         if parts.optimizer is not None:
             oblocks, values, settings = optimizer_parts(
                 parts.optimizer, _parameter_names(parts, modules)
@@ -382,6 +390,7 @@ def _save(
             "errors": errors,
             "names": names,
             "forms": forms,
+            "originals": originals,
             "stage": _pipeline_rank(comm),
             "values": values,
             "settings": settings,
@@ -420,6 +429,9 @@ def _save(
                 "layout": _layout(comm),
                 "model_keys": sorted({n for g in gathered for n in g["names"]}),
                 "stored_forms": {n: f for g in gathered for n, f in sorted(g["forms"].items())},
+                "original_names": {
+                    n: o for g in gathered for n, o in sorted(g["originals"].items())
+                },
                 "has_optimizer": any(g["optimizer"] for g in gathered),
                 "param_groups": all_settings,
                 "optimizer_values": all_values,

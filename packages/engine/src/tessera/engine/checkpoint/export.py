@@ -4,7 +4,9 @@ Any layout's checkpoint assembles into full tensors (DCP reads every chunk into 
 the global shape) in one process, without a process group. The result is what
 ``model.state_dict()`` of the single-process model returns, so ``load_state_dict`` takes it:
 a tensor held in another form than its original module's (``tessera.context.FullForm``: a
-transformers ``Conv1D`` transposed, fused q/k/v) is turned back into that module's form.
+transformers ``Conv1D`` transposed, fused q/k/v) is turned back into that module's form, and
+a tensor of layers that restate a model (``pipeline_layers``' stages,
+``tessera.context.set_original_names``) is named as that model names it.
 """
 
 from __future__ import annotations
@@ -61,9 +63,12 @@ def export_torch_state_dict(
     read_blocks(directory, blocks, Comm.local())
     state = {key[len(MODEL_PREFIX) :]: b.local for key, b in blocks.items()}
     # tensors of modules converted by parallelize: back to the form the original module held
-    forms = read_json(directory / STATE_JSON).get("stored_forms", {})
-    for name, form in forms.items():
+    saved = read_json(directory / STATE_JSON)
+    for name, form in saved.get("stored_forms", {}).items():
         state[name] = FullForm.from_json(form).to_original(state[name])
+    # tensors of layers that restate a model (pipeline stages): under the model's names
+    originals: dict[str, str] = saved.get("original_names", {})
+    state = {originals.get(name, name): tensor for name, tensor in state.items()}
     if out_file is not None:
         out = Path(out_file).absolute()
         out.parent.mkdir(parents=True, exist_ok=True)

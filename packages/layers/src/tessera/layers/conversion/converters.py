@@ -41,8 +41,10 @@ from ..parallel_1d.norm import LayerNorm1D, RMSNorm1D
 from ..parallel_1d.patch_embedding import PatchEmbedding1D
 from ..shared.head_norm import HeadLayerNorm, HeadRMSNorm
 from ..shared.initializers import Initializer
+from ..shared.norm_over_group import ParallelNorm
 from ..state.sections import SectionOrder
 from ..state.state_dict import load_full_state_dict
+from .embedding_scale import ScaledRows, embedding_scale
 from .head_share import HEAD_COUNTS, HeadShareConfig
 from .norms import computes_as, computes_own_forward, norm_spec
 from .patch import PatchEmbeddingAdapter, patch_sizes
@@ -422,7 +424,8 @@ class Converter:
                 f"parallelize: {name!r} ({type(module).__name__}) has role {role!r}, which "
                 "takes an nn.Embedding"
             )
-        if not computes_as(module, nn.Embedding):
+        scale = embedding_scale(module) if role == "embedding" else None
+        if scale is None and not computes_as(module, nn.Embedding):
             raise _overrides(name, module, nn.Embedding, role)
         if module.max_norm is not None or module.sparse:
             raise ValueError(
@@ -447,6 +450,8 @@ class Converter:
             context=self.context,
         )
         _adopt(new, module, {})
+        if scale is not None and scale != 1.0:  # Gemma's rows times sqrt(hidden)
+            new.register_forward_hook(ScaledRows(scale))
         if role == "position_embedding":  # one row of positions serves every batch block
             setattr(new, "check_split_batch", False)  # noqa: B010  (a GridModule's flag)
             if isinstance(new, Embedding3D):  # per-sample ones come in layout "z"'s rows
@@ -480,7 +485,7 @@ class Converter:
         weight = _tensor(module, "weight") if spec.affine else torch.empty(0)
         args = (spec.shape, spec.eps, spec.affine, spec.bias, weight.dtype)
         family = NORMS[spec.kind]
-        new: nn.Module
+        new: ParallelNorm
         if self.mode == "1d":  # an inner norm sees the whole sequence (the column gathered it)
             new = family["1d"](
                 *args,
@@ -495,6 +500,7 @@ class Converter:
             )
         else:
             new = family[self.mode](*args, device=self._device(weight), context=self.context)
+        new.weight_offset = spec.offset  # 1: it scales by 1 + weight (Gemma's)
         return _adopt(new, module, {})
 
     def head_norm(self, name: str, module: nn.Module) -> nn.Module:
@@ -536,6 +542,7 @@ class Converter:
             device=self._device(weight),
             context=self.context,
         )
+        new.weight_offset = spec.offset
         return _adopt(new, module, {})
 
     def patch_embedding(self, name: str, module: nn.Module) -> nn.Module:

@@ -9,13 +9,15 @@ Sennrich 2019), each with an optional elementwise weight (and, for LayerNorm, bi
 ``nn.LayerNorm`` and ``nn.RMSNorm`` say so by their class, unless a subclass computes a forward
 of its own (Nemotron's ``LayerNorm1P`` scales by ``1 + weight``). transformers defines one RMSNorm
 class per model family (``LlamaRMSNorm``, ``MistralRMSNorm``, ``GraniteRMSNorm``, ...), most of
-them copies of Llama's, but not all: Gemma's scales by ``1 + weight``, and OLMo's LayerNorm
-has no parameters at all. A class name cannot tell them apart, so any other module is
+them copies of Llama's, but not all: Gemma's scales by ``1 + weight`` (its weight starts at zero;
+tessera's norms take that as ``weight_offset=1``), and OLMo's LayerNorm has no parameters at
+all. A class name cannot tell them apart, so any other module is
 *probed*: it is called with random weights in place of its own (``torch.func.functional_call``,
 so a model on the meta device can be probed) on random rows ``[2, 3, h]`` at two scales (``1``
 and ``1e-3``, where the epsilon dominates the mean square), and its output and its gradients
 for the rows and the weights are compared with both formulas (fp32, relative 1e-5 on the
-output). It is accepted only if it matches one; a norm that computes anything else is refused
+output), each scaling by ``weight`` or by ``1 + weight``. It is accepted only if it matches
+one; a norm that computes anything else is refused
 with an error naming it, never approximated. The probe runs in fp32 and in the module's
 current train / eval mode; a module holding submodules (a dropout), buffers, hooks or
 parametrizations is not probed but refused.
@@ -50,6 +52,7 @@ class NormSpec:
     eps: float
     affine: bool
     bias: bool
+    offset: float = 0.0  # added to the weight where it scales: 1 for ``1 + weight``
 
 
 def _torch_norm(module: nn.Module) -> NormSpec | None:
@@ -91,12 +94,20 @@ def _candidates(module: nn.Module) -> tuple[list[NormSpec], str]:
     epsilons = [float(e) for e in named if isinstance(e, float)][:1] or list(USUAL_EPSILONS)
     affine = weight is not None
     kinds = ("layer",) if bias is not None else ("layer", "rms")
-    return [NormSpec(k, shape, e, affine, bias is not None) for k in kinds for e in epsilons], ""
+    offsets = (0.0, 1.0) if affine else (0.0,)
+    return [
+        NormSpec(k, shape, e, affine, bias is not None, offset)
+        for offset in offsets
+        for k in kinds
+        for e in epsilons
+    ], ""
 
 
 def _formula(
     spec: NormSpec, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
+    if weight is not None:
+        weight = weight + spec.offset
     if spec.kind == "layer":
         return F.layer_norm(x, spec.shape, weight, bias, spec.eps)
     y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + spec.eps)
@@ -153,7 +164,7 @@ def _probe(module: nn.Module) -> tuple[NormSpec | None, str]:
             return None, f"it cannot be called on rows alone ({type(error).__name__})"
     kinds = " or ".join(
         sorted({"a LayerNorm" if s.kind == "layer" else "an RMSNorm" for s in specs})
-    )
+    ) + (" (scaled by weight or 1 + weight)" if specs[0].affine else "")
     epsilons = ", ".join(sorted({f"{s.eps:g}" for s in specs}))
     return None, (
         f"on probe rows [2, 3, {specs[0].shape[0]}] its output or gradients differ from "

@@ -136,10 +136,15 @@ def sequence_attention(
             or a pipeline stage's whole key mask from :func:`key_mask_for_attention`.
         scaling: The score scale (default ``1 / sqrt(d)``).
         dropout: Dropout probability on the attention weights.
-        **kwargs: Ignored (position ids and cache flags transformers passes along).
+        **kwargs: Position ids and cache flags transformers passes along (ignored), and what
+            changes the scores, checked by :func:`_check_score_options`.
 
     Returns:
         ``([b, s/N, heads, d], None)``: transformers' layout, no attention weights.
+
+    Raises:
+        ValueError: an option the ring does not compute would change the result (a sliding
+            window shorter than the sequence, a soft cap of the scores, attention sinks).
     """
     spec = getattr(module, SEQUENCE_ATTRIBUTE, None)
     if not isinstance(spec, SequenceAttention):
@@ -147,6 +152,7 @@ def sequence_attention(
             f"{type(module).__name__} uses attention {ATTENTION_NAME!r} but was not converted "
             "by tessera.layers.parallelize under tensor mode 'sequence'"
         )
+    _check_score_options(module, kwargs, query.shape[-2] * spec.sequence.world_size)
     if attention_mask is not None and getattr(attention_mask, _KEY_MASK_MARK, False):
         # a pipeline stage's, over every key: nothing masked, or additive in the scores' dtype
         key_mask = (
@@ -177,6 +183,44 @@ def sequence_attention(
         dropout_stream=False,  # parallelize forked the generator per rank (dropout.py)
     )  # [b, heads, s/N, d]
     return out.transpose(1, 2).contiguous(), None
+
+
+#: Options transformers passes to an attention function that change its scores, and why the
+#: ring cannot take them (it computes plain softmax attention, causal or under a key mask).
+_SCORE_OPTIONS = {
+    "softcap": "caps the scores (tanh(scores / cap) * cap, Gemma 2)",
+    "s_aux": "adds attention sinks to the softmax",
+    "sinks": "adds attention sinks to the softmax",
+    "head_mask": "scales the attention weights of some heads",
+}
+
+
+def _check_score_options(module: nn.Module, options: dict[str, Any], length: int) -> None:
+    """Refuse what would make the ring's attention differ from the model's own.
+
+    A sliding window counts only where it is shorter than the whole sequence (``length``,
+    every rank's tokens): a window that long leaves every key of a causal query in view.
+
+    Raises:
+        ValueError: naming the module, the option and what to use instead.
+    """
+    owner = type(module).__name__
+    window = options.get("sliding_window")
+    if window is not None and int(window) < length:
+        raise ValueError(
+            f"{owner} under tensor mode 'sequence' attends within a sliding window of {window} "
+            f"tokens, shorter than the sequence of {length}, which the ring's attention does not "
+            "compute (every query would see every earlier key); use tensor mode '1d' with "
+            "sequence_parallel=True, or sequences no longer than the window"
+        )
+    for name, what in _SCORE_OPTIONS.items():
+        if options.get(name) is not None:
+            raise ValueError(
+                f"{owner} under tensor mode 'sequence' passes {name}={options[name]!r} to its "
+                f"attention, which {what}; the ring's attention does not compute that, so the "
+                "result would differ from the model's: use tensor mode '1d' (with "
+                "sequence_parallel=True for long sequences) or '2d' / '2.5d' / '3d'"
+            )
 
 
 def install_sequence_attention(

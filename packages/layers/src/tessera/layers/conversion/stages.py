@@ -43,7 +43,12 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from tessera.context import ParallelContext, ParallelMode, mark_pipeline_shared
+from tessera.context import (
+    ParallelContext,
+    ParallelMode,
+    mark_pipeline_shared,
+    set_original_names,
+)
 
 from ..comm.ops import gather_along_dim
 from ..dispatch.activations import split_batch
@@ -423,7 +428,9 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
     Returns:
         An ``nn.Sequential`` of ``embed``, ``layer0`` ... ``layer{N-1}``, ``head``, holding the
         model's modules. Weights the head shares with the embedding are marked
-        ``mark_pipeline_shared`` (key: the weight's name in ``model``).
+        ``mark_pipeline_shared`` (key: the weight's name in ``model``), and each layer carries
+        the model's names of its tensors (``set_original_names``), which engine checkpoints
+        record and export under.
 
     Raises:
         TypeError: the model is none of the families above.
@@ -457,6 +464,7 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
         token_span.staged = True
     sequential = nn.Sequential(OrderedDict(layers))
     _mark_tied(sequential, model)
+    _mark_original_names(sequential, model)
     fork_each_layer(model, sequential)  # dropout on split activations: a mask per rank
     return sequential
 
@@ -523,6 +531,19 @@ def _mark_tied(layers: nn.Sequential, model: nn.Module) -> None:
                 "and the head may share a weight across stages"
             )
         mark_pipeline_shared(p, name)
+
+
+def _mark_original_names(layers: nn.Sequential, model: nn.Module) -> None:
+    """Give each layer the model's names of its tensors (``tessera.context.set_original_names``).
+
+    A stage holds some of the layers; the engine's checkpoints then record the model's names
+    of what each stage saves, and export under them.
+    """
+    names = original_names(layers, model)
+    for layer_name, layer in layers.named_children():
+        prefix = f"{layer_name}."
+        own = {n[len(prefix) :]: o for n, o in names.items() if n.startswith(prefix)}
+        set_original_names(layer, own)
 
 
 def _context_of(model: nn.Module) -> ParallelContext | None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .converters import linear_shape
+from .embedding_scale import embedding_scale
 from .norms import norm_spec
 
 __all__ = ["QKV_NAMES", "OUTPUT_NAMES", "StructureReport", "infer_structure"]
@@ -111,7 +112,9 @@ def _token_embedding(model: nn.Module) -> tuple[str, nn.Embedding] | None:
     found = [
         (name, module)
         for name, module in model.named_modules()
-        if type(module) is nn.Embedding and (vocab is None or module.num_embeddings == vocab)
+        if isinstance(module, nn.Embedding)
+        and embedding_scale(module) is not None  # plain, or rows times a constant (Gemma's)
+        and (vocab is None or module.num_embeddings == vocab)
     ]
     return found[0] if len(found) == 1 else None
 
@@ -286,7 +289,9 @@ def infer_structure(model: nn.Module) -> StructureReport:
     """
     embedding = _token_embedding(model)
     if embedding is None:
-        return StructureReport(None, "no single plain nn.Embedding of the vocabulary size")
+        return StructureReport(
+            None, "no single nn.Embedding of the vocabulary size (plain, or scaling its rows)"
+        )
     token, table = embedding
     hidden, vocab = table.embedding_dim, table.num_embeddings
     blocks = _block_list(model)

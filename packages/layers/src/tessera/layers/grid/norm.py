@@ -90,7 +90,7 @@ class GroupLayerNorm(ParallelNorm, GridModule):
         )
         return layer_norm_over_group(
             x,
-            self.weight,
+            self.scale(self.weight),
             self.bias,
             self.hidden,
             self.eps,

@@ -71,6 +71,7 @@ class LayerNorm1D(ParallelNorm, Module1D):
         if self.sequence_parallel:
             weight = None if weight is None else self.summed_over_group(weight)
             bias = None if bias is None else self.summed_over_group(bias)
+        weight = self.scale(weight)
         if self.RMS:
             return F.rms_norm(x, self.normalized_shape, weight, self.eps)
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
@@ -94,6 +95,7 @@ class LayerNorm1D(ParallelNorm, Module1D):
         local = h // world
         block = slice(self.tp.rank * local, (self.tp.rank + 1) * local)
         weight = None if self.weight is None else self.summed_over_group(self.weight)[block]
+        weight = self.scale(weight)
         bias = None if self.bias is None else self.summed_over_group(self.bias)[block]
         return layer_norm_over_group(x, weight, bias, h, self.eps, self.tp, rms=self.RMS)
 

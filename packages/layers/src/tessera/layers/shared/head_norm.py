@@ -70,7 +70,7 @@ class HeadLayerNorm(ParallelNorm):
         (dim,) = self.normalized_shape
         check_input_dim(x, dim, f"{type(self).__name__}({dim})", "head_dim")
         group = self.tensor.group
-        weight = None if self.weight is None else copy_to_group(self.weight, group)
+        weight = None if self.weight is None else self.scale(copy_to_group(self.weight, group))
         bias = None if self.bias is None else copy_to_group(self.bias, group)
         if self.RMS:
             return F.rms_norm(x, self.normalized_shape, weight, self.eps)

@@ -176,11 +176,15 @@ class ParallelNorm(ParallelModule):
     where the statistics come from.
 
     Attributes (set by the norm): ``normalized_shape`` and ``eps``; :meth:`make_affine` sets
-    ``weight`` and ``bias``.
+    ``weight`` and ``bias``. ``weight_offset`` (default 0) is added to the weight where it
+    scales: ``parallelize`` sets 1 for a norm that scales by ``1 + weight`` (Gemma's RMSNorm,
+    whose weight starts at zero; Nemotron's LayerNorm1P).
     """
 
     #: Normalize by the root mean square only (RMSNorm, Zhang and Sennrich 2019).
     RMS: ClassVar[bool] = False
+    #: Added to the weight where it scales the normalized rows.
+    weight_offset: float = 0.0
 
     normalized_shape: tuple[int, ...]
     eps: float
@@ -225,6 +229,13 @@ class ParallelNorm(ParallelModule):
         self.weight = param("weight", ones()) if elementwise_affine else None
         self.bias = param("bias", zeros()) if elementwise_affine and bias else None
 
+    def scale(self, weight: torch.Tensor | None) -> torch.Tensor | None:
+        """``weight`` (this norm's, or the part the mode routes to this rank) plus the offset."""
+        if weight is None or not self.weight_offset:
+            return weight
+        return weight + self.weight_offset
+
     def norm_repr(self) -> str:
         """``normalized_shape, eps=.., ``: how every such norm's ``print`` opens."""
-        return f"{self.normalized_shape}, eps={self.eps}, "
+        offset = f"weight_offset={self.weight_offset}, " if self.weight_offset else ""
+        return f"{self.normalized_shape}, eps={self.eps}, {offset}"

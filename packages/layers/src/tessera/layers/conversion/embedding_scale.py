@@ -1,0 +1,86 @@
+"""Token embeddings that scale their rows, recognized by what they compute.
+
+Gemma multiplies every embedded row by ``sqrt(hidden)`` (Gemma Team 2024, section 2; its
+``ScaledWordEmbedding`` is an ``nn.Embedding`` with a forward of its own). A tessera embedding put
+in its place computes the plain lookup, so ``parallelize`` takes such a module only when a probe
+shows that it computes exactly ``F.embedding(ids, weight, padding_idx) * c`` for the constant
+``c`` it keeps (``embed_scale``), and then scales the tessera embedding's output by ``c`` with a
+forward hook (:class:`ScaledRows`). Anything else with a forward of its own stays refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from .norms import computes_as, computes_own_forward
+
+__all__ = ["ScaledRows", "embedding_scale"]
+
+#: Attributes under which an embedding keeps the constant it scales its rows by.
+SCALE_ATTRIBUTES = ("scalar_embed_scale", "embed_scale", "embedding_scale")
+
+
+def _constant(value: object) -> float | None:
+    """``value`` as a float if it is one number (a float, or a one-element tensor with values)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta:
+        return float(value.item())
+    return None
+
+
+def embedding_scale(module: nn.Embedding) -> float | None:
+    """The constant ``module`` multiplies its rows by (``1.0`` for a plain ``nn.Embedding``).
+
+    ``None`` when it computes anything else than a scaled lookup, or keeps no constant to say
+    by how much (see the module docstring).
+    """
+    if computes_as(module, nn.Embedding):
+        return 1.0
+    if not computes_own_forward(module) or any(True for _ in module.children()):
+        return None
+    found = [c for a in SCALE_ATTRIBUTES if (c := _constant(getattr(module, a, None))) is not None]
+    if not found:
+        return None
+    scale = found[0]
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(module.num_embeddings, module.embedding_dim, generator=g)
+    ids = torch.randint(0, module.num_embeddings, (2, 5), generator=g)
+    values: dict[str, Any] = {"weight": weight}
+    values |= {
+        name: torch.tensor(scale, dtype=buffer.dtype)
+        for name, buffer in module.named_buffers()
+        if buffer.numel() == 1
+    }
+    try:
+        got = functional_call(module, values, (ids,))
+    except Exception:  # any failure means "not a scaled lookup"
+        return None
+    want = F.embedding(ids, weight, module.padding_idx) * scale
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return None
+    return scale if torch.allclose(got, want, rtol=1e-6, atol=0.0) else None
+
+
+class ScaledRows:
+    """A forward hook multiplying a module's output by a constant (a scaled embedding's).
+
+    In the output's dtype, as the scaled embedding multiplies in its weight's.
+    """
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        """The module's output times the constant."""
+        return output * torch.tensor(self.scale, dtype=output.dtype, device=output.device)
+
+    def __repr__(self) -> str:
+        return f"ScaledRows({self.scale})"
