@@ -235,7 +235,7 @@ def qwen3_lm(seed: int = 0) -> nn.Module:
     return _distinct(Qwen3ForCausalLM(config), seed)
 
 
-def gemma_lm(family: str = "Gemma", seed: int = 0) -> nn.Module:
+def gemma_lm(family: str = "Gemma", seed: int = 0, **overrides: Any) -> nn.Module:
     """``GemmaForCausalLM``, ``Gemma2ForCausalLM`` or ``Gemma3ForCausalLM`` (text), sized like
     Llama's: token rows scaled by sqrt(hidden) in the embedding's own forward, RMSNorms scaling
     by ``1 + weight``, a head tied to the embedding; Gemma 2 and 3 add norms before and after
@@ -244,7 +244,8 @@ def gemma_lm(family: str = "Gemma", seed: int = 0) -> nn.Module:
 
     torch.manual_seed(seed)
     config_class = "Gemma3TextConfig" if family == "Gemma3" else f"{family}Config"
-    config = getattr(transformers, config_class)(**LLAMA_CONFIG, head_dim=4, pad_token_id=None)
+    sizes = {**LLAMA_CONFIG, "head_dim": 4, "pad_token_id": None, **overrides}
+    config = getattr(transformers, config_class)(**sizes)
     model = getattr(transformers, f"{family}ForCausalLM")(config)
     return _distinct(model, seed)
 

@@ -1040,6 +1040,41 @@ def test_parts_of_unequal_sizes_are_held_interleaved_by_group() -> None:
     assert FullForm.from_json(json.loads(json.dumps(form.to_json()))) == form
 
 
+def _doubled_logits(model: nn.Module) -> nn.Module:
+    """``model`` as an instance of a subclass whose forward doubles the logits."""
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = super(type(self), self).forward(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+    model.__class__ = type("DoubledLlama", (type(model),), {"forward": forward})
+    return model
+
+
+def test_pipeline_layers_compute_what_the_model_computes_or_are_refused() -> None:
+    """What a family member's forward does beyond its modules: done, or caught by the probe.
+
+    Before, Granite's multipliers, Gemma 2's capped logits and Mistral's window were left out
+    by the stages, which trained wrong without an error (logits 1.4, 0.002 and 1.7 off).
+    """
+    ids = token_ids()
+    windowed = {"sliding_window": 4}  # shorter than the 8 tokens: a key falls out of view
+    for model in (
+        granite_lm(),
+        gemma_lm("Gemma2", sliding_window=4),  # capped logits, every other block windowed
+        mistral_lm(**windowed),  # every block windowed
+        qwen2_lm(use_sliding_window=True, max_window_layers=1, **windowed),
+    ):
+        model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(pipeline_layers(model)(ids), model(ids).logits, **TOL)
+    with pytest.raises(ValueError, match=r"DoubledLlama compute other logits than its forward"):
+        pipeline_layers(_doubled_logits(llama_lm()))
+    with pytest.raises(ValueError, match=r"Gemma3ForCausalLM cannot run as its forward does"):
+        pipeline_layers(gemma_lm("Gemma3"))  # its blocks take two rotary embeddings
+
+
 def test_a_subclass_keeps_its_base_class_plan_only_while_that_plan_covers_it() -> None:
     from tessera.layers.conversion.plan import BUILTIN_PLANS, plan_for
 

@@ -15,9 +15,15 @@ head]``, holding the model's own modules (the parameters are the same tensors):
   projection).
 
 Families, found by their modules: Llama-style causal LMs (Llama, Mistral, Qwen2), GPT-2,
-BERT's masked LM and the ViT classifier. A head tied to the token embedding is marked
-``mark_pipeline_shared``: the first and the last stage each hold a copy, and the engine sums
-the two gradients (Narayanan et al. 2021), so the copies train as the one tied weight.
+BERT's masked LM and the ViT classifier. A family member may do more in its forward than its
+modules do; what the stages know of is done as the model does it (a block's sliding window,
+from ``config.layer_types`` or ``config.sliding_window``; Granite's embedding and logit
+multipliers, Cohere's logit scale, Gemma 2's soft cap of the logits), and anything else is
+caught by :func:`pipeline_layers` itself, which runs the model and its layers once on a small
+batch and refuses layers that compute something else, naming the difference. A head tied to
+the token embedding is marked ``mark_pipeline_shared``: the first and the last stage each hold
+a copy, and the engine sums the two gradients (Narayanan et al. 2021), so the copies train as
+the one tied weight.
 
 Tensor modes: 1D, 2D, 2.5D and 3D (the activations between stages are the mode's blocks, the
 same shape on every stage). Under 1D sequence parallelism (Korthikanti et al. 2022) the first
@@ -36,11 +42,12 @@ final norm's output to read the class token.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tessera.context import (
@@ -184,6 +191,9 @@ class EmbedStage(nn.Module):
         self.family = family
         _adopt(self, inner, family.embeds)
         self._context = [context]  # not a module attribute torch would traverse
+        config = getattr(inner, "config", None)
+        # Granite multiplies the token rows in its model's forward, not in a module
+        self.embedding_multiplier = getattr(config, "embedding_multiplier", None)
 
     def forward(self, inputs: torch.Tensor | Mapping[str, torch.Tensor]) -> Carried:
         """See the class docstring."""
@@ -284,7 +294,41 @@ class EmbedStage(nn.Module):
             )
             return out
         out = modules["embed_tokens"](ids)
+        if self.embedding_multiplier is not None:
+            out = out * self.embedding_multiplier
         return out
+
+
+def _attends_in_window(config: object, index: int, family: Family) -> bool:
+    """Whether block ``index`` attends within a sliding window, as the base model decides.
+
+    transformers' models say it in ``config.layer_types`` (Qwen2, Gemma 2, Ministral: one
+    entry per block) or, without it, by ``config.sliding_window`` alone (Mistral, Phi-3,
+    Starcoder2: every block).
+
+    Raises:
+        ValueError: a block of another kind (``"linear_attention"``, ...), or a window in a
+            family whose stages build no causal mask.
+    """
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list | tuple):
+        kind = types[index]
+        if kind not in ("full_attention", "sliding_attention"):
+            raise ValueError(
+                f"pipeline_layers ({family.name}): block {index} is of type {kind!r} "
+                "(config.layer_types); its stages build the masks of 'full_attention' and "
+                "'sliding_attention' blocks only"
+            )
+        sliding = kind == "sliding_attention"
+    else:
+        sliding = getattr(config, "sliding_window", None) is not None
+    sliding = bool(sliding)
+    if sliding and family.mask != "causal":
+        raise ValueError(
+            f"pipeline_layers ({family.name}): block {index} attends within a sliding window, "
+            "which its stages build for causal language models only"
+        )
+    return sliding
 
 
 class BlockStage(nn.Module):
@@ -297,6 +341,7 @@ class BlockStage(nn.Module):
         inner: nn.Module,
         sequence_split: int = 1,
         ring: ParallelContext | None = None,
+        index: int = 0,
     ) -> None:
         super().__init__()
         self.family = family
@@ -309,6 +354,7 @@ class BlockStage(nn.Module):
         rotary = inner.get_submodule(family.rotary) if family.rotary else None
         self._rotary = [rotary]  # shared by every layer, holds no parameters
         self._config = getattr(inner, "config", None)
+        self.sliding = _attends_in_window(self._config, index, family)
 
     def forward(self, carried: Carried) -> Carried:
         """``[b', s, h']`` (with its ``[b', s]`` padding mask) -> the same."""
@@ -364,10 +410,15 @@ class BlockStage(nn.Module):
         self, hidden: torch.Tensor, padding: torch.Tensor | None, positions: torch.Tensor
     ) -> Any:
         """The mask transformers' attention takes, built as the base model builds it."""
-        from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+        from transformers.masking_utils import (
+            create_bidirectional_mask,
+            create_causal_mask,
+            create_sliding_window_causal_mask,
+        )
 
         if self.family.mask == "causal":
-            return create_causal_mask(
+            build = create_sliding_window_causal_mask if self.sliding else create_causal_mask
+            return build(
                 config=self._config,
                 inputs_embeds=hidden,
                 attention_mask=padding,
@@ -395,6 +446,7 @@ class HeadStage(nn.Module):
     ) -> None:
         super().__init__()
         self.family = family
+        self._config = getattr(inner, "config", None)
         self._final = _adopt(self, inner, family.final)
         self.add_module(family.head, head)
         self._ring = [ring]  # not a module attribute torch would traverse
@@ -413,7 +465,25 @@ class HeadStage(nn.Module):
         if self.family.inputs == "images":
             hidden = hidden[:, 0, :]  # [b', h']: the class token
         out: torch.Tensor = self.get_submodule(self.family.head)(hidden)
-        return out
+        return _logits_as_the_model_makes_them(out, self._config)
+
+
+def _logits_as_the_model_makes_them(logits: torch.Tensor, config: object) -> torch.Tensor:
+    """What a causal LM's forward does to its head's output: elementwise, so split logits too.
+
+    Granite divides by ``logits_scaling``, Cohere multiplies by ``logit_scale``, Gemma 2 and 3
+    cap them softly (``cap * tanh(logits / cap)``, ``final_logit_softcapping``).
+    """
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling is not None:
+        logits = logits / scaling
+    scale = getattr(config, "logit_scale", None)
+    if isinstance(scale, int | float) and not isinstance(scale, bool):
+        logits = logits * scale
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None) -> nn.Sequential:
@@ -455,10 +525,15 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
     ring = ctx if ctx is not None and ctx.config.tensor_mode == "sequence" else None
     layers: list[tuple[str, nn.Module]] = [("embed", EmbedStage(family, inner, ctx))]
     layers += [
-        (f"layer{i}", BlockStage(family, layer, inner, split if i > 0 else 1, ring))
+        (f"layer{i}", BlockStage(family, layer, inner, split if i > 0 else 1, ring, i))
         for i, layer in enumerate(blocks)
     ]
     layers.append(("head", HeadStage(family, inner, model.get_submodule(family.head), ring)))
+    # what the model computes on a probe batch, while its own forward may still be called
+    probe = (
+        None if any(p.is_meta for p in model.parameters()) else _probe_inputs(model, family, ctx)
+    )
+    want = None if probe is None else _quietly(model, lambda: model(probe).logits)
     token_span = getattr(model, TOKEN_SPAN_ATTRIBUTE, None)
     if isinstance(token_span, TokenSpan):  # the stages split a ViT's tokens from now on
         token_span.staged = True
@@ -466,7 +541,92 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
     _mark_tied(sequential, model)
     _mark_original_names(sequential, model)
     fork_each_layer(model, sequential)  # dropout on split activations: a mask per rank
+    if probe is not None and want is not None:
+        _check_like_the_model(sequential, model, family, ctx, probe, want)
     return sequential
+
+
+def _probe_inputs(model: nn.Module, family: Family, ctx: ParallelContext | None) -> torch.Tensor:
+    """A small whole batch every tensor mode splits: ``P`` rows of ``2P`` tokens, ``P`` images.
+
+    ``P`` is the number of tensor ranks; the same values on every rank (a fixed seed).
+    """
+    ranks = 1 if ctx is None else ctx.get_world_size(ParallelMode.TENSOR)
+    config = getattr(model, "config", None)
+    g = torch.Generator().manual_seed(0)
+    weight = next(model.parameters())
+    if family.inputs == "images":
+        size, channels = int(config.image_size), int(config.num_channels)  # type: ignore[union-attr]
+        pixels = torch.randn(ranks, channels, size, size, generator=g)
+        return pixels.to(weight.device, weight.dtype)
+    longest = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 0)
+    length = 2 * ranks if not longest or 2 * ranks <= longest else ranks
+    vocab = int(config.vocab_size)  # type: ignore[union-attr]
+    return torch.randint(0, vocab, (ranks, length), generator=g).to(weight.device)
+
+
+def _quietly(model: nn.Module, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``run()`` with ``model`` in eval mode, no gradients, the random generators untouched.
+
+    Every module's train / eval mode is restored afterwards.
+    """
+    training = {module: module.training for module in model.modules()}
+    cuda = [p.device for p in model.parameters() if p.device.type == "cuda"][:1]
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            model.eval()
+            return run()
+    finally:
+        for module, mode in training.items():
+            module.training = mode
+
+
+def _check_like_the_model(
+    layers: nn.Sequential,
+    model: nn.Module,
+    family: Family,
+    ctx: ParallelContext | None,
+    probe: torch.Tensor,
+    want: torch.Tensor,
+) -> None:
+    """Refuse layers whose logits on ``probe`` differ from the model's (``want``).
+
+    A model laid out as a family may compute more in its forward than in its modules (a
+    multiplier, a cap of the logits, a mask of its own), which the stages would leave out
+    silently. One forward of the layers in eval mode, without gradients (:func:`_quietly`), on
+    the batch the model ran (:func:`_probe_inputs`). The largest difference is taken over the
+    tensor ranks, so every rank decides alike. A model whose parameters have no values (the
+    meta device) is not probed.
+
+    Raises:
+        ValueError: the layers' logits differ from the model's beyond rounding, or the
+            layers fail where the model runs (Gemma 3's blocks take two rotary embeddings).
+    """
+    ranks = 1 if ctx is None else ctx.get_world_size(ParallelMode.TENSOR)
+    try:
+        got = _quietly(model, lambda: layers(probe))
+    except (TypeError, ValueError, RuntimeError) as error:  # alike on every rank
+        raise ValueError(
+            f"pipeline_layers ({family.name}): the layers of {type(model).__name__} cannot run "
+            f"as its forward does ({type(error).__name__}: {error}); train it without a "
+            "pipeline, or restate it as layers yourself"
+        ) from error
+    if got.shape != want.shape:
+        gap = torch.tensor(float("inf"), device=want.device)
+    else:
+        gap = (got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1.0)
+    if ctx is not None and ranks > 1:
+        dist.all_reduce(gap, op=dist.ReduceOp.MAX, group=ctx.get_group(ParallelMode.TENSOR))
+    bound = 1e-5 if want.dtype == torch.float32 else 1e-2
+    if float(gap) > bound:
+        raise ValueError(
+            f"pipeline_layers ({family.name}): the layers of {type(model).__name__} compute "
+            f"other logits than its forward on a probe batch of {list(probe.shape)} (largest "
+            f"difference {float(gap):.2e} of the largest logit, over {ranks} tensor ranks); its "
+            "forward does something its modules do not (a multiplier, a cap, a mask of its "
+            "own), which the stages would leave out. Train it without a pipeline, or restate it "
+            "as layers yourself"
+        )
 
 
 def _check_mode(ctx: ParallelContext | None, family: Family) -> None:
