@@ -801,6 +801,42 @@ def test_misuse_is_a_clear_error(dist) -> None:
     assert len(results[0]) == 24
 
 
+def _offset_norms() -> int:
+    """Norms scaling by ``1 + weight`` (Gemma's): built on meta they start at a scale of 1, and
+    in bf16 they add the 1 in fp32, as Gemma does (in bf16 a weight of 0.003 would vanish)."""
+    from tessera.layers import HeadRMSNorm, RMSNorm1D
+    from tessera.layers.shared.norm_over_group import ParallelNorm
+
+    ctx = _context(dict(size=2, mode="1d", sequence_parallel=True))
+    try:
+        with meta_parameters():
+            empty = gemma_lm("Gemma3")
+        model = parallelize(empty, context=ctx)
+        offset = [m for m in model.modules() if isinstance(m, ParallelNorm) and m.weight_offset]
+        assert any(isinstance(m, HeadRMSNorm) for m in offset)
+        assert any(isinstance(m, RMSNorm1D) for m in offset)  # the sequence span's norms
+        for norm in offset:
+            assert norm.weight is not None and bool((norm.weight == 0).all()), norm
+        gemma = _norm("gemma", "GemmaRMSNorm", 16).to(torch.bfloat16)
+        ours = RMSNorm1D(16, 1e-6, dtype=torch.bfloat16, context=ctx)
+        ours.weight_offset = 1.0
+        with torch.no_grad():
+            for norm in (gemma, ours):
+                norm.weight.fill_(0.003)
+        x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0)).bfloat16()
+        scale = (ours(x).float() / gemma._norm(x.float())).mean()
+        assert abs(float(scale) - 1.003) < 5e-4, float(scale)
+        torch.testing.assert_close(ours(x), gemma(x), rtol=0.0, atol=0.0)
+    finally:
+        ctx.destroy()
+    return len(offset)
+
+
+def test_norms_scaling_by_one_plus_weight_start_and_compute_as_gemmas(dist) -> None:
+    results = dist.run(_offset_norms, world_size=2, timeout=120.0)
+    assert results[0] > 0
+
+
 def test_inner_norms_follow_a_column_layer_and_precede_a_row_layer() -> None:
     from tessera.layers.conversion.plan import inner_norms
 
@@ -1064,6 +1100,8 @@ def test_pipeline_layers_compute_what_the_model_computes_or_are_refused() -> Non
         granite_lm(),
         gemma_lm("Gemma2", sliding_window=4),  # capped logits, every other block windowed
         mistral_lm(**windowed),  # every block windowed
+        # Mistral's config carries layer_types, which its forward ignores: every block slides
+        mistral_lm(layer_types=["full_attention"] * 2, **windowed),
         qwen2_lm(use_sliding_window=True, max_window_layers=1, **windowed),
     ):
         model.eval()

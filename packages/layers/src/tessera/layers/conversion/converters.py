@@ -46,7 +46,7 @@ from ..state.sections import SectionOrder
 from ..state.state_dict import load_full_state_dict
 from .embedding_scale import ScaledRows, embedding_scale
 from .head_share import HEAD_COUNTS, HeadShareConfig
-from .norms import computes_as, computes_own_forward, norm_spec
+from .norms import NormSpec, computes_as, computes_own_forward, norm_spec
 from .patch import PatchEmbeddingAdapter, patch_sizes
 
 __all__ = ["Converter", "LinearShape", "linear_shape"]
@@ -204,6 +204,19 @@ def _adopt(new: nn.Module, old: nn.Module, forms: dict[str, FullForm]) -> nn.Mod
     for pname, p in new.named_parameters():
         p.requires_grad_(pname not in frozen)
     new.train(old.training)
+    return new
+
+
+def _offset(new: ParallelNorm, spec: NormSpec, weight: torch.Tensor) -> ParallelNorm:
+    """``new`` scaling by ``offset + weight``, as the module it replaces (Gemma's ``1 + w``).
+
+    Built from a module on the meta device (no values to load), its weight starts where the
+    module's own initialization starts it, at ``1 - offset`` (a scale of 1), not at 1.
+    """
+    new.weight_offset = spec.offset
+    if spec.offset and weight.is_meta and new.weight is not None:
+        with torch.no_grad():
+            new.weight.fill_(1.0 - spec.offset)
     return new
 
 
@@ -500,8 +513,7 @@ class Converter:
             )
         else:
             new = family[self.mode](*args, device=self._device(weight), context=self.context)
-        new.weight_offset = spec.offset  # 1: it scales by 1 + weight (Gemma's)
-        return _adopt(new, module, {})
+        return _adopt(_offset(new, spec, weight), module, {})
 
     def head_norm(self, name: str, module: nn.Module) -> nn.Module:
         """``head_norm``: a norm of each head's features, its weight summed over the ranks.
@@ -542,8 +554,7 @@ class Converter:
             device=self._device(weight),
             context=self.context,
         )
-        new.weight_offset = spec.offset
-        return _adopt(new, module, {})
+        return _adopt(_offset(new, spec, weight), module, {})
 
     def patch_embedding(self, name: str, module: nn.Module) -> nn.Module:
         """``patch_embedding``: a ViT's embeddings, computed by the mode's patch embedding.

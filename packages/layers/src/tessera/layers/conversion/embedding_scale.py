@@ -46,18 +46,23 @@ def embedding_scale(module: nn.Embedding) -> float | None:
         return 1.0
     if not computes_own_forward(module) or any(True for _ in module.children()):
         return None
-    found = [c for a in SCALE_ATTRIBUTES if (c := _constant(getattr(module, a, None))) is not None]
-    if not found:
+    # The value the forward multiplies by: a buffer's own (rounded to its dtype, as a bf16
+    # model holds it), else the exact number kept beside it (a meta buffer has no value).
+    kept = [getattr(module, a, None) for a in SCALE_ATTRIBUTES]
+    found = [c for c in map(_constant, kept) if c is not None]
+    buffers = [c for c in kept if isinstance(c, torch.Tensor) and c.numel() == 1]
+    held = [_constant(b) for b in buffers if not b.is_meta]
+    scale = held[0] if held and held[0] is not None else (found[0] if found else None)
+    if scale is None:
         return None
-    scale = found[0]
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(module.num_embeddings, module.embedding_dim, generator=g)
     ids = torch.randint(0, module.num_embeddings, (2, 5), generator=g)
     values: dict[str, Any] = {"weight": weight}
-    values |= {
-        name: torch.tensor(scale, dtype=buffer.dtype)
+    values |= {  # meta buffers get the kept number, so the probe can run
+        name: torch.tensor(scale)
         for name, buffer in module.named_buffers()
-        if buffer.numel() == 1
+        if buffer.numel() == 1 and buffer.is_meta
     }
     try:
         got = functional_call(module, values, (ids,))

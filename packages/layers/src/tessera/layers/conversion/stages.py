@@ -41,6 +41,7 @@ final norm's output to read the class token.
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -299,19 +300,46 @@ class EmbedStage(nn.Module):
         return out
 
 
-def _attends_in_window(config: object, index: int, family: Family) -> bool:
+def _mask_reads(inner: nn.Module) -> set[str]:
+    """Which of ``layer_types`` and ``sliding_window`` the base model's forward reads.
+
+    Both may sit in a config whose model ignores one of them: Mistral's, Mixtral's and
+    Qwen3-MoE's configs carry ``layer_types``, but their forward slides every block whenever
+    ``sliding_window`` is set. The forward's own source tells which one it builds masks from.
+
+    Raises:
+        ValueError: the source cannot be read while the config names a window.
+    """
+    config = getattr(inner, "config", None)
+    windowed = getattr(config, "sliding_window", None) is not None or "sliding_attention" in (
+        getattr(config, "layer_types", None) or ()
+    )
+    try:
+        source = inspect.getsource(type(inner).forward)
+    except (OSError, TypeError) as error:
+        if not windowed:
+            return set()
+        raise ValueError(
+            f"pipeline_layers: {type(inner).__name__}'s config names a sliding window, but the "
+            "source of its forward, which says how its blocks use it, cannot be read"
+        ) from error
+    return {name for name in ("layer_types", "sliding_window") if name in source}
+
+
+def _attends_in_window(config: object, index: int, family: Family, reads: set[str]) -> bool:
     """Whether block ``index`` attends within a sliding window, as the base model decides.
 
-    transformers' models say it in ``config.layer_types`` (Qwen2, Gemma 2, Ministral: one
-    entry per block) or, without it, by ``config.sliding_window`` alone (Mistral, Phi-3,
-    Starcoder2: every block).
+    ``reads`` is what the base model's forward reads (:func:`_mask_reads`): ``layer_types``,
+    one entry per block (Qwen2, Qwen3, Gemma 2, Cohere 2, Ministral), else
+    ``sliding_window`` alone, every block (Mistral, Mixtral, Phi-3, Starcoder2), else neither
+    (Llama: every block sees every earlier token).
 
     Raises:
         ValueError: a block of another kind (``"linear_attention"``, ...), or a window in a
             family whose stages build no causal mask.
     """
     types = getattr(config, "layer_types", None)
-    if isinstance(types, list | tuple):
+    if "layer_types" in reads and isinstance(types, list | tuple):
         kind = types[index]
         if kind not in ("full_attention", "sliding_attention"):
             raise ValueError(
@@ -319,10 +347,9 @@ def _attends_in_window(config: object, index: int, family: Family) -> bool:
                 "(config.layer_types); its stages build the masks of 'full_attention' and "
                 "'sliding_attention' blocks only"
             )
-        sliding = kind == "sliding_attention"
+        sliding = bool(kind == "sliding_attention")
     else:
-        sliding = getattr(config, "sliding_window", None) is not None
-    sliding = bool(sliding)
+        sliding = "sliding_window" in reads and getattr(config, "sliding_window", None) is not None
     if sliding and family.mask != "causal":
         raise ValueError(
             f"pipeline_layers ({family.name}): block {index} attends within a sliding window, "
@@ -342,6 +369,7 @@ class BlockStage(nn.Module):
         sequence_split: int = 1,
         ring: ParallelContext | None = None,
         index: int = 0,
+        reads: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__()
         self.family = family
@@ -354,7 +382,7 @@ class BlockStage(nn.Module):
         rotary = inner.get_submodule(family.rotary) if family.rotary else None
         self._rotary = [rotary]  # shared by every layer, holds no parameters
         self._config = getattr(inner, "config", None)
-        self.sliding = _attends_in_window(self._config, index, family)
+        self.sliding = _attends_in_window(self._config, index, family, set(reads))
 
     def forward(self, carried: Carried) -> Carried:
         """``[b', s, h']`` (with its ``[b', s]`` padding mask) -> the same."""
@@ -523,9 +551,10 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
     assert isinstance(blocks, nn.ModuleList)  # family.fits
     split = _sequence_split(model, family, blocks, ctx)
     ring = ctx if ctx is not None and ctx.config.tensor_mode == "sequence" else None
+    reads = frozenset(_mask_reads(inner))
     layers: list[tuple[str, nn.Module]] = [("embed", EmbedStage(family, inner, ctx))]
     layers += [
-        (f"layer{i}", BlockStage(family, layer, inner, split if i > 0 else 1, ring, i))
+        (f"layer{i}", BlockStage(family, layer, inner, split if i > 0 else 1, ring, i, reads))
         for i, layer in enumerate(blocks)
     ]
     layers.append(("head", HeadStage(family, inner, model.get_submodule(family.head), ring)))
@@ -546,10 +575,16 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
     return sequential
 
 
+#: The probe is longer than a sliding window up to this many tokens, so it sees it at work.
+PROBE_WINDOWS_UP_TO = 256
+
+
 def _probe_inputs(model: nn.Module, family: Family, ctx: ParallelContext | None) -> torch.Tensor:
     """A small whole batch every tensor mode splits: ``P`` rows of ``2P`` tokens, ``P`` images.
 
-    ``P`` is the number of tensor ranks; the same values on every rank (a fixed seed).
+    ``P`` is the number of tensor ranks; the same values on every rank (a fixed seed). A
+    sliding window of fewer than :data:`PROBE_WINDOWS_UP_TO` tokens makes the rows longer
+    than it (a multiple of ``P``), within the model's positions.
     """
     ranks = 1 if ctx is None else ctx.get_world_size(ParallelMode.TENSOR)
     config = getattr(model, "config", None)
@@ -560,7 +595,12 @@ def _probe_inputs(model: nn.Module, family: Family, ctx: ParallelContext | None)
         pixels = torch.randn(ranks, channels, size, size, generator=g)
         return pixels.to(weight.device, weight.dtype)
     longest = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 0)
-    length = 2 * ranks if not longest or 2 * ranks <= longest else ranks
+    length = 2 * ranks
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and window < PROBE_WINDOWS_UP_TO:  # a key falls out of view
+        length = ranks * (window // ranks + 1)
+    if longest and length > longest:
+        length = ranks
     vocab = int(config.vocab_size)  # type: ignore[union-attr]
     return torch.randint(0, vocab, (ranks, length), generator=g).to(weight.device)
 
@@ -603,22 +643,32 @@ def _check_like_the_model(
             layers fail where the model runs (Gemma 3's blocks take two rotary embeddings).
     """
     ranks = 1 if ctx is None else ctx.get_world_size(ParallelMode.TENSOR)
+    failure: Exception | None = None
+    gap = float("inf")
     try:
         got = _quietly(model, lambda: layers(probe))
-    except (TypeError, ValueError, RuntimeError) as error:  # alike on every rank
+        if got.shape == want.shape:
+            largest = want.float().abs().max().clamp(min=1.0)
+            gap = float((got.float() - want.float()).abs().max() / largest)
+    except (TypeError, ValueError, RuntimeError) as error:
+        failure = error
+    # over the tensor ranks (a NaN counts as infinite), so that every rank raises alike and
+    # none is left waiting in a collective
+    seen = torch.tensor(
+        [float(failure is not None), gap if gap == gap else float("inf")], device=want.device
+    )
+    if ctx is not None and ranks > 1:
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=ctx.get_group(ParallelMode.TENSOR))
+    failed, gap = bool(seen[0] > 0), float(seen[1])
+    if failed:
+        what = f"{type(failure).__name__}: {failure}" if failure else "it failed on another rank"
         raise ValueError(
             f"pipeline_layers ({family.name}): the layers of {type(model).__name__} cannot run "
-            f"as its forward does ({type(error).__name__}: {error}); train it without a "
-            "pipeline, or restate it as layers yourself"
-        ) from error
-    if got.shape != want.shape:
-        gap = torch.tensor(float("inf"), device=want.device)
-    else:
-        gap = (got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1.0)
-    if ctx is not None and ranks > 1:
-        dist.all_reduce(gap, op=dist.ReduceOp.MAX, group=ctx.get_group(ParallelMode.TENSOR))
+            f"as its forward does ({what}); train it without a pipeline, or restate it as "
+            "layers yourself"
+        ) from failure
     bound = 1e-5 if want.dtype == torch.float32 else 1e-2
-    if float(gap) > bound:
+    if not float(gap) <= bound:
         raise ValueError(
             f"pipeline_layers ({family.name}): the layers of {type(model).__name__} compute "
             f"other logits than its forward on a probe batch of {list(probe.shape)} (largest "

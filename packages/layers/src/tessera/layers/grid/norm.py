@@ -88,13 +88,15 @@ class GroupLayerNorm(ParallelNorm, GridModule):
         grid.check_local(
             x, -1, self.hidden // grid.q, f"{self.owner}({self.hidden})", name="normalized_shape"
         )
-        return layer_norm_over_group(
-            x,
-            self.scale(self.weight),
-            self.bias,
+        rows, weight, bias = self.with_offset(x, self.weight, self.bias)
+        y = layer_norm_over_group(
+            rows,
+            weight,
+            bias,
             self.hidden,
             self.eps,
             split,
             rms=self.RMS,
             param_group=None if self.affine_sum_deferred else self.batch_group(),
         )
+        return y.to(x.dtype)

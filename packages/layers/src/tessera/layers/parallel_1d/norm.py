@@ -71,10 +71,12 @@ class LayerNorm1D(ParallelNorm, Module1D):
         if self.sequence_parallel:
             weight = None if weight is None else self.summed_over_group(weight)
             bias = None if bias is None else self.summed_over_group(bias)
-        weight = self.scale(weight)
+        rows, weight, bias = self.with_offset(x, weight, bias)
         if self.RMS:
-            return F.rms_norm(x, self.normalized_shape, weight, self.eps)
-        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+            y = F.rms_norm(rows, self.normalized_shape, weight, self.eps)
+        else:
+            y = F.layer_norm(rows, self.normalized_shape, weight, bias, self.eps)
+        return y.to(x.dtype)
 
     def _split_features(self, x: torch.Tensor) -> torch.Tensor:
         """LayerNorm of a column-parallel layer's output ``[.., h/p]`` (Listing 1's middle).
@@ -95,9 +97,10 @@ class LayerNorm1D(ParallelNorm, Module1D):
         local = h // world
         block = slice(self.tp.rank * local, (self.tp.rank + 1) * local)
         weight = None if self.weight is None else self.summed_over_group(self.weight)[block]
-        weight = self.scale(weight)
         bias = None if self.bias is None else self.summed_over_group(self.bias)[block]
-        return layer_norm_over_group(x, weight, bias, h, self.eps, self.tp, rms=self.RMS)
+        rows, weight, bias = self.with_offset(x, weight, bias)
+        y = layer_norm_over_group(rows, weight, bias, h, self.eps, self.tp, rms=self.RMS)
+        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""

@@ -70,11 +70,14 @@ class HeadLayerNorm(ParallelNorm):
         (dim,) = self.normalized_shape
         check_input_dim(x, dim, f"{type(self).__name__}({dim})", "head_dim")
         group = self.tensor.group
-        weight = None if self.weight is None else self.scale(copy_to_group(self.weight, group))
+        weight = None if self.weight is None else copy_to_group(self.weight, group)
         bias = None if self.bias is None else copy_to_group(self.bias, group)
+        rows, weight, bias = self.with_offset(x, weight, bias)
         if self.RMS:
-            return F.rms_norm(x, self.normalized_shape, weight, self.eps)
-        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+            y = F.rms_norm(rows, self.normalized_shape, weight, self.eps)
+        else:
+            y = F.layer_norm(rows, self.normalized_shape, weight, bias, self.eps)
+        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""

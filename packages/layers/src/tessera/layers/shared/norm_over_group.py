@@ -229,11 +229,24 @@ class ParallelNorm(ParallelModule):
         self.weight = param("weight", ones()) if elementwise_affine else None
         self.bias = param("bias", zeros()) if elementwise_affine and bias else None
 
-    def scale(self, weight: torch.Tensor | None) -> torch.Tensor | None:
-        """``weight`` (this norm's, or the part the mode routes to this rank) plus the offset."""
-        if weight is None or not self.weight_offset:
-            return weight
-        return weight + self.weight_offset
+    def with_offset(
+        self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The input, weight and bias as the norm computes with them.
+
+        ``weight`` and ``bias`` are this norm's, or the parts the mode routes to this rank.
+        Without an offset they are returned as they are. With one, all three in fp32 and the
+        offset added to the weight, as Gemma computes ``1 + weight``: in bf16 a weight below
+        ``2^-8`` would vanish beside the 1, and its updates never reach the forward. The
+        caller casts the result back to ``x``'s dtype.
+        """
+        if not self.weight_offset:
+            return x, weight, bias
+        return (
+            x.float(),
+            None if weight is None else weight.float() + self.weight_offset,
+            None if bias is None else bias.float(),
+        )
 
     def norm_repr(self) -> str:
         """``normalized_shape, eps=.., ``: how every such norm's ``print`` opens."""
