@@ -1088,7 +1088,9 @@ def _doubled_logits(model: nn.Module) -> nn.Module:
     return model
 
 
-def test_pipeline_layers_compute_what_the_model_computes_or_are_refused() -> None:
+def test_pipeline_layers_compute_what_the_model_computes_or_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """What a family member's forward does beyond its modules: done, or caught by the probe.
 
     Before, Granite's multipliers, Gemma 2's capped logits and Mistral's window were left out
@@ -1103,14 +1105,21 @@ def test_pipeline_layers_compute_what_the_model_computes_or_are_refused() -> Non
         # Mistral's config carries layer_types, which its forward ignores: every block slides
         mistral_lm(layer_types=["full_attention"] * 2, **windowed),
         qwen2_lm(use_sliding_window=True, max_window_layers=1, **windowed),
+        gemma_lm("Gemma3", sliding_window=4),  # a rotary embedding per kind of block
     ):
         model.eval()
         with torch.no_grad():
             torch.testing.assert_close(pipeline_layers(model)(ids), model(ids).logits, **TOL)
     with pytest.raises(ValueError, match=r"DoubledLlama compute other logits than its forward"):
         pipeline_layers(_doubled_logits(llama_lm()))
-    with pytest.raises(ValueError, match=r"Gemma3ForCausalLM cannot run as its forward does"):
-        pipeline_layers(gemma_lm("Gemma3"))  # its blocks take two rotary embeddings
+    from tessera.layers.conversion import stages
+
+    def fails(self: Any, carried: Any) -> Any:
+        raise TypeError("a block wants what its stage does not pass")
+
+    monkeypatch.setattr(stages.BlockStage, "forward", fails)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM cannot run as its forward does "):
+        pipeline_layers(llama_lm())
 
 
 def test_a_subclass_keeps_its_base_class_plan_only_while_that_plan_covers_it() -> None:

@@ -383,6 +383,12 @@ class BlockStage(nn.Module):
         self._rotary = [rotary]  # shared by every layer, holds no parameters
         self._config = getattr(inner, "config", None)
         self.sliding = _attends_in_window(self._config, index, family, set(reads))
+        # Gemma 3 keeps one rotary embedding per kind of block (local and global frequencies)
+        takes_kind = (
+            rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+        )
+        types = getattr(self._config, "layer_types", None)
+        self._rotary_kind = {"layer_type": types[index]} if takes_kind and types else {}
 
     def forward(self, carried: Carried) -> Carried:
         """``[b', s, h']`` (with its ``[b', s]`` padding mask) -> the same."""
@@ -413,7 +419,7 @@ class BlockStage(nn.Module):
             kwargs["position_ids"] = positions  # [1, s/N]
         rotary = self._rotary[0]
         if rotary is not None:
-            kwargs["position_embeddings"] = rotary(hidden, position_ids=positions)
+            kwargs["position_embeddings"] = rotary(hidden, positions, **self._rotary_kind)
         return kwargs
 
     def _whole_kwargs(self, hidden: torch.Tensor, padding: torch.Tensor | None) -> dict[str, Any]:
@@ -431,7 +437,7 @@ class BlockStage(nn.Module):
             kwargs["position_ids"] = positions
         rotary = self._rotary[0]
         if rotary is not None:
-            kwargs["position_embeddings"] = rotary(whole, position_ids=positions)
+            kwargs["position_embeddings"] = rotary(whole, positions, **self._rotary_kind)
         return kwargs
 
     def _attention_mask(
@@ -640,7 +646,7 @@ def _check_like_the_model(
 
     Raises:
         ValueError: the layers' logits differ from the model's beyond rounding, or the
-            layers fail where the model runs (Gemma 3's blocks take two rotary embeddings).
+            layers fail where the model runs (a block wanting what its stage does not pass).
     """
     ranks = 1 if ctx is None else ctx.get_world_size(ParallelMode.TENSOR)
     failure: Exception | None = None
