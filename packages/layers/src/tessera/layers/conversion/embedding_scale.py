@@ -55,9 +55,11 @@ def embedding_scale(module: nn.Embedding) -> float | None:
     scale = held[0] if held and held[0] is not None else (found[0] if found else None)
     if scale is None:
         return None
+    # on the module's device (its buffer multiplies there), on the CPU for a meta module
+    device = torch.device("cpu") if module.weight.is_meta else module.weight.device
     g = torch.Generator().manual_seed(0)
-    weight = torch.randn(module.num_embeddings, module.embedding_dim, generator=g)
-    ids = torch.randint(0, module.num_embeddings, (2, 5), generator=g)
+    weight = torch.randn(module.num_embeddings, module.embedding_dim, generator=g).to(device)
+    ids = torch.randint(0, module.num_embeddings, (2, 5), generator=g).to(device)
     values: dict[str, Any] = {"weight": weight}
     values |= {  # meta buffers get the kept number, so the probe can run
         name: torch.tensor(scale)
