@@ -9,7 +9,8 @@ from torch import nn
 def build(
     vocab: int, *, kind: str, seq_len: int, hidden: int, depth: int, heads: int, seed: int
 ) -> nn.Module:
-    """``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Phi3ForCausalLM`` or ``Qwen3ForCausalLM``.
+    """``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Phi3ForCausalLM``, ``Qwen3ForCausalLM`` or
+    ``Gemma2ForCausalLM``.
 
     Weights drawn from ``seed``.
 
@@ -33,7 +34,8 @@ def build(
             eos_token_id=None,
         )
         return GPT2LMHeadModel(config)
-    # Llama's, Phi-3's and Qwen3's blocks, grouped-query attention (half as many key/value heads)
+    # Llama's, Phi-3's, Qwen3's and Gemma 2's blocks, grouped-query attention (half as many
+    # key/value heads)
     sizes = dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -56,4 +58,11 @@ def build(
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         return Qwen3ForCausalLM(Qwen3Config(**sizes, head_dim=hidden // heads, pad_token_id=None))
-    raise ValueError(f"model.kind must be 'gpt2', 'llama', 'phi3' or 'qwen3', got {kind!r}")
+    if kind == "gemma2":  # rows scaled by sqrt(hidden), norms by 1 + weight, capped logits
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        head_dim = hidden // heads
+        return Gemma2ForCausalLM(Gemma2Config(**sizes, head_dim=head_dim, pad_token_id=None))
+    raise ValueError(
+        f"model.kind must be 'gpt2', 'llama', 'phi3', 'qwen3' or 'gemma2', got {kind!r}"
+    )

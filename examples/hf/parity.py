@@ -1,6 +1,7 @@
 """A transformers model under every layout next to one process: loss curves side by side.
 
-    python examples/hf/parity.py [--model gpt2|llama|phi3|qwen3] [--steps 20] [--configs 1d 2d ...]
+    python examples/hf/parity.py [--model gpt2|llama|phi3|qwen3|gemma2] [--steps 20]
+        [--configs 1d 2d ...]
 
 Each layout is launched with torchrun (``examples/hf/train.py``) from the same weights on the
 same batches; the table gives each run's final test loss and the largest relative difference
@@ -36,7 +37,9 @@ LAYOUTS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt2", choices=("gpt2", "llama", "phi3", "qwen3"))
+    parser.add_argument(
+        "--model", default="gpt2", choices=("gpt2", "llama", "phi3", "qwen3", "gemma2")
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--configs", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = parser.parse_args()
