@@ -7,12 +7,21 @@ from torch import nn
 
 
 def build(
-    vocab: int, *, kind: str, seq_len: int, hidden: int, depth: int, heads: int, seed: int
+    vocab: int,
+    *,
+    kind: str,
+    seq_len: int,
+    hidden: int,
+    depth: int,
+    heads: int,
+    seed: int,
+    kv_heads: int | None = None,
 ) -> nn.Module:
     """``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Phi3ForCausalLM``, ``Qwen3ForCausalLM`` or
     ``Gemma2ForCausalLM``.
 
-    Weights drawn from ``seed``.
+    Weights drawn from ``seed``. All but GPT-2 use grouped-query attention with ``kv_heads``
+    key/value heads (default half the query heads; 1 is multi-query attention).
 
     Built the same way on every rank (and with no context current: transformers' classes do
     not read tessera's), so every layout starts from the same full weights.
@@ -34,15 +43,14 @@ def build(
             eos_token_id=None,
         )
         return GPT2LMHeadModel(config)
-    # Llama's, Phi-3's, Qwen3's and Gemma 2's blocks, grouped-query attention (half as many
-    # key/value heads)
+    # Llama's, Phi-3's, Qwen3's and Gemma 2's blocks, grouped-query attention
     sizes = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=depth,
         num_attention_heads=heads,
-        num_key_value_heads=heads // 2,
+        num_key_value_heads=heads // 2 if kv_heads is None else kv_heads,
         max_position_embeddings=seq_len,
     )
     if kind == "llama":

@@ -1,7 +1,7 @@
 """A transformers model under every layout next to one process: loss curves side by side.
 
-    python examples/hf/parity.py [--model gpt2|llama|phi3|qwen3|gemma2] [--steps 20]
-        [--configs 1d 2d ...]
+    python examples/hf/parity.py [--model gpt2|llama|phi3|qwen3|gemma2] [--kv-heads N]
+        [--steps 20] [--configs 1d 2d ...]
 
 Each layout is launched with torchrun (``examples/hf/train.py``) from the same weights on the
 same batches; the table gives each run's final test loss and the largest relative difference
@@ -40,10 +40,15 @@ def main() -> None:
     parser.add_argument(
         "--model", default="gpt2", choices=("gpt2", "llama", "phi3", "qwen3", "gemma2")
     )
+    parser.add_argument(
+        "--kv-heads", type=int, help="key/value heads (default half the query heads; 1: MQA)"
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--configs", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = parser.parse_args()
     overrides = [f"model.kind={args.model}", f"train.steps={args.steps}"]
+    if args.kv_heads is not None:
+        overrides.append(f"model.kv_heads={args.kv_heads}")
     with tempfile.TemporaryDirectory(prefix="tessera-hf-") as tmp:
 
         def run(config: str, nproc: int) -> dict[str, object]:
@@ -60,7 +65,9 @@ def main() -> None:
         ]
     base = single["losses"]
     assert isinstance(base, list)
-    print(f"\n{args.model}, {args.steps} steps: single process test loss {single['test_loss']:.6f}")
+    kv = "" if args.kv_heads is None else f" with {args.kv_heads} key/value heads"
+    base_loss = f"single process test loss {single['test_loss']:.6f}"
+    print(f"\n{args.model}{kv}, {args.steps} steps: {base_loss}")
     print(f"{'layout':>11} {'ranks':>5} {'test loss':>10} {'max rel. diff of losses':>24}")
     for name, nproc, result in rows:
         losses = result["losses"]

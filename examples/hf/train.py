@@ -57,7 +57,7 @@ from tessera.pipeline import build_pipeline_model
 
 DEFAULTS: dict[str, Any] = dict(
     seed=42,
-    model=dict(kind="gpt2", seq_len=32, hidden=32, depth=2, heads=4),
+    model=dict(kind="gpt2", seq_len=32, hidden=32, depth=2, heads=4, kv_heads=None),
     train=dict(batch_size=16, steps=20, lr=3e-3, num_test=32, checkpoint=None),
 )
 

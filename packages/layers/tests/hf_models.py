@@ -225,13 +225,13 @@ def phi3_lm(seed: int = 0) -> nn.Module:
     return _distinct(Phi3ForCausalLM(config), seed)
 
 
-def qwen3_lm(seed: int = 0) -> nn.Module:
+def qwen3_lm(seed: int = 0, **overrides: Any) -> nn.Module:
     """``Qwen3ForCausalLM`` (Llama's layout with each query and key head normalized by an
     RMSNorm over its 4 features, ``q_norm`` and ``k_norm``), sized like Llama's."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(**LLAMA_CONFIG, head_dim=4, pad_token_id=None)
+    config = Qwen3Config(**{**LLAMA_CONFIG, "head_dim": 4, "pad_token_id": None, **overrides})
     return _distinct(Qwen3ForCausalLM(config), seed)
 
 

@@ -43,9 +43,16 @@ from hf_models import (
     token_types,
     vit_classifier,
 )
+from mesh_reference import sum_deferred
 from torch import nn
 
-from tessera.context import ParallelContext, ParallelMode, create_context, original_names_of
+from tessera.context import (
+    ParallelContext,
+    ParallelMode,
+    create_context,
+    defer_gradient_sums,
+    original_names_of,
+)
 from tessera.layers import (
     BUILTIN_PLANS,
     causal_lm_loss,
@@ -145,6 +152,7 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "gpt2": lambda ctx: _lm_matches_reference(gpt2_lm(), ctx),
     "llama": lambda ctx: _lm_matches_reference(llama_lm(), ctx),
     "qwen2 (inferred plan)": lambda ctx: _lm_matches_reference(qwen2_lm(), ctx),
+    "fewer key/value heads than tensor ranks (repeated)": lambda ctx: _repeated_heads(ctx),
     "gpt-neo (plan read from its blocks)": lambda ctx: _lm_matches_reference(gpt_neo_lm(), ctx),
     "phi (plan read from its blocks, query and key heads normalized)": lambda ctx: (
         _lm_matches_reference(phi_lm(), ctx)
@@ -196,6 +204,7 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
 #: (Qwen2, GPT-Neo, Phi) under a few each, per-sample positions where the batch is split.
 ONLY_UNDER = {
     "qwen2 (inferred plan)": ("1d", "2d", "sequence"),
+    "fewer key/value heads than tensor ranks (repeated)": ("1d-4", "1d-sp", "2.5d", "3d"),
     "gpt-neo (plan read from its blocks)": ("1d", "2d"),
     "phi (plan read from its blocks, query and key heads normalized)": (
         "1d-sp",
@@ -240,15 +249,21 @@ def _lm_matches_reference(
     position_ids: torch.Tensor | None = None,
     *,
     then_attention: str | None = None,
+    defer: bool = False,
 ) -> float:
     """A transformers language model, parallelized, against itself on one process.
 
     ``then_attention``: both switch to this attention implementation after ``parallelize``
     (the converted attention modules must follow the model's config, as the masks do).
+    ``defer``: the layers leave their gradient sums to the caller, which sums after the
+    backward as the engine does at the step.
     """
     mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
     impl = "all_to_all" if mode == "sequence" and size == 4 else "ring"
     model = parallelize(copy.deepcopy(ref), sequence_attention=impl, context=ctx)
+    sums = defer_gradient_sums([model]) if defer else {}
+    if defer:
+        assert sums, "nothing deferred"
     if then_attention is not None:
         for lm in (ref, model):
             lm.set_attn_implementation(then_attention)
@@ -292,6 +307,7 @@ def _lm_matches_reference(
         loss = causal_lm_loss(logits, ids, context=ctx)
     ref_loss.backward()
     loss.backward()
+    sum_deferred(sums, ctx)
     torch.testing.assert_close(loss, ref_loss, **TOL)
     torch.testing.assert_close(logits, _local_logits(ref_logits.detach(), ctx), **TOL)
     torch.testing.assert_close(gather_logits(logits, context=ctx), ref_logits.detach(), **TOL)
@@ -307,6 +323,23 @@ def _lm_matches_reference(
     load_full_state_dict(model, original)
     _assert_same_state(gather_full_state_dict(model, context=ctx), original)
     return round(float(loss.detach()), 5)
+
+
+def _repeated_heads(ctx: ParallelContext) -> list[float]:
+    """Key/value heads fewer than the ranks splitting heads: each rank computes the one its
+    query heads attend with (a Llama with one, multi-query; on 4 ranks a Qwen3 with 2, each
+    key head normalized on its own), and a norm over all key features is refused. The repeats'
+    gradients are summed in autograd under 1D, at the step (deferred) under 2.5D, 3D and for
+    the Qwen3."""
+    mode = ctx.config.tensor_mode
+    llama = llama_lm(num_key_value_heads=1)
+    results = [_lm_matches_reference(llama, ctx, defer=mode in ("2.5d", "3d"))]
+    if ctx.get_world_size(ParallelMode.TENSOR) == 4:
+        results.append(_lm_matches_reference(qwen3_lm(num_key_value_heads=2), ctx, defer=True))
+        olmo2 = _tiny("Olmo2", num_attention_heads=8, num_key_value_heads=2)
+        with pytest.raises(ValueError, match="normalizes all key heads' features"):
+            parallelize(olmo2, context=ctx)
+    return results
 
 
 def _dropout_streams(ctx: ParallelContext) -> str:
@@ -703,6 +736,21 @@ def _errors() -> list[str]:
             r"num_heads = 3 is not divisible by the 2 ranks",
             lambda: parallelize(odd_heads, context=ctx),
         )
+        three_kv = llama_lm(hidden_size=24, num_attention_heads=6, num_key_value_heads=3)
+        expect(
+            ValueError,
+            r"num_key_value_heads = 3 is not divisible by the 2 ranks that split the heads "
+            r"under tensor mode '1d' \(nor, for key/value heads, a divisor of it\)",
+            lambda: parallelize(three_kv, context=ctx),
+        )
+        fused_mqa = _tiny("Phi3", num_key_value_heads=1)  # q, k, v in one qkv_proj
+        expect(
+            ValueError,
+            r"'model.layers.0.self_attn.qkv_proj' computes q, k and v of "
+            r"'model.layers.0.self_attn' in one projection, which has 1 key/value heads for "
+            r"the 2 ranks .* takes separate key and value projections",
+            lambda: parallelize(fused_mqa, context=ctx),
+        )
         olmo2 = _tiny("Olmo2")  # its q_norm and k_norm span all heads' features
         layers = "model.layers.*"
         olmo2_plan = {
@@ -798,7 +846,7 @@ def _errors() -> list[str]:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 24
+    assert len(results[0]) == 26
 
 
 def _offset_norms() -> int:
@@ -869,7 +917,7 @@ def test_a_plan_with_an_unknown_role_is_refused() -> None:
         Plan({"fc1": "column"})
 
 
-def _tiny(family: str) -> nn.Module:
+def _tiny(family: str, **overrides: Any) -> nn.Module:
     import transformers
 
     small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1)
@@ -887,7 +935,7 @@ def _tiny(family: str) -> nn.Module:
         "Glm4": dict(small, num_key_value_heads=2, pad_token_id=None),
         "Phi3": dict(small, num_key_value_heads=2, pad_token_id=None),
     }
-    config = getattr(transformers, f"{family}Config")(**configs[family])
+    config = getattr(transformers, f"{family}Config")(**{**configs[family], **overrides})
     return getattr(transformers, f"{family}ForCausalLM")(config)  # type: ignore[no-any-return]
 
 

@@ -48,6 +48,7 @@ from .embedding_scale import ScaledRows, embedding_scale
 from .head_share import HEAD_COUNTS, HeadShareConfig
 from .norms import NormSpec, computes_as, computes_own_forward, norm_spec
 from .patch import PatchEmbeddingAdapter, patch_sizes
+from .repeated_heads import RepeatedHeads
 
 __all__ = ["Converter", "LinearShape", "linear_shape"]
 
@@ -82,6 +83,10 @@ class _Made(TypedDict):
     context: ParallelContext
 
 
+#: The count of key/value heads (an attribute of the module or of its config).
+KEY_VALUE_COUNT = "num_key_value_heads"
+#: Query heads per key/value head, which transformers' attention modules keep.
+KEY_VALUE_GROUPS = "num_key_value_groups"
 #: Head counts of a transformers config (an attention module sees its share of them).
 CONFIG_HEAD_ATTRIBUTES = HEAD_COUNTS
 #: Roles of a linear layer whose outputs are split (a column layer), and how many equal parts
@@ -310,28 +315,16 @@ class Converter:
         (:class:`~tessera.layers.state.sections.SectionOrder`).
         """
         shape = linear_shape(name, module, role)
+        owner = self._attention_around(name)
+        if role == "col" and owner is not None and self._repeats(owner, shape.out_features):
+            return self.repeated_heads(name, module, shape, self.heads[owner])
         fused = COLUMN_PARTS.get(role, 1)
         sections = self._qkv_sections(name, shape) if role == "qkv" else ()
         if sections:
             fused = 1
         weight = _tensor(module, "weight")
         dims = (shape.in_features, shape.out_features, shape.bias)
-        made = self._made_like(weight)
-        new: nn.Module
-        in_span = self.sequence_parallel and name in self.sequence_span
-        if self.mode == "1d" and role == "row":
-            new = Linear1DRow(*dims, sequence_parallel=in_span, **made)
-        elif self.mode == "1d":
-            in_attention = any(name.startswith(f"{a}.") for a in self.attention_modules)
-            new = Linear1DCol(
-                *dims, sequence_parallel=in_span and not in_attention, fused=fused, **made
-            )
-        elif self.mode == "3d":
-            layout: Layout3D = "z" if role == "row" else "y"
-            new = Linear3D(*dims, input_layout=layout, fused=fused, **made)
-        else:
-            cls = Linear2D if self.mode == "2d" else Linear2p5D
-            new = cls(*dims, fused=fused, **made)
+        new = self._mode_linear(name, role, dims, fused, self._made_like(weight))
         forms: dict[str, FullForm] = {}
         if shape.transposed or fused > 1 or sections:
             forms["weight"] = FullForm(tuple(weight.shape), shape.transposed, sections)
@@ -340,6 +333,65 @@ class Converter:
         if sections:
             new.register_forward_hook(SectionOrder(sections))
         return _adopt(new, module, forms)
+
+    def _mode_linear(
+        self, name: str, role: str, dims: tuple[int, int, bool], fused: int, made: _Made
+    ) -> nn.Module:
+        """The mode's linear layer of ``role`` for the plain layer ``name``."""
+        in_span = self.sequence_parallel and name in self.sequence_span
+        if self.mode == "1d" and role == "row":
+            return Linear1DRow(*dims, sequence_parallel=in_span, **made)
+        if self.mode == "1d":
+            in_attention = any(name.startswith(f"{a}.") for a in self.attention_modules)
+            return Linear1DCol(
+                *dims, sequence_parallel=in_span and not in_attention, fused=fused, **made
+            )
+        if self.mode == "3d":
+            layout: Layout3D = "z" if role == "row" else "y"
+            return Linear3D(*dims, input_layout=layout, fused=fused, **made)
+        cls = Linear2D if self.mode == "2d" else Linear2p5D
+        return cls(*dims, fused=fused, **made)
+
+    def _repeats(self, owner: str, width: int) -> bool:
+        """Whether ``width`` features are all key (or value) heads of ``owner``, repeated.
+
+        They are repeated where ``owner`` has fewer key/value heads than the ranks splitting
+        heads; ``width`` tells a key or value projection (or a norm over its output) from a
+        query one.
+        """
+        heads = self.heads[owner]
+        return (
+            heads.key_value < self.share
+            and heads.dim is not None
+            and width == heads.key_value * heads.dim
+        )
+
+    def repeated_heads(
+        self, name: str, module: nn.Module, shape: LinearShape, heads: Heads
+    ) -> nn.Module:
+        """A key or value projection with fewer heads than ranks: each head repeated.
+
+        Each rank computes the one head its query heads attend with, by the mode's column
+        layer of one head per rank, from the whole weight (see
+        :class:`~tessera.layers.conversion.repeated_heads.RepeatedHeads`).
+        """
+        assert heads.dim is not None, f"{name}: attention() requires head_dim to repeat heads"
+        weight = _tensor(module, "weight")
+        made = self._made_like(weight)
+        repeated = (shape.in_features, self.share * heads.dim, True)
+        blocks: _Made = {**made, "weight_initializer": _no_init, "bias_initializer": _no_init}
+        layer = self._mode_linear(name, "col", repeated, 1, blocks)
+        new = RepeatedHeads(
+            layer,
+            heads.key_value,
+            heads.dim,
+            shape.bias,
+            weight.dtype,
+            device=made["device"],
+            context=self.context,
+        )
+        forms = {"weight": FullForm(tuple(weight.shape), transposed=True)}
+        return _adopt(new, module, forms if shape.transposed else {})
 
     def _attention_around(self, name: str) -> str | None:
         """The innermost converted attention module holding ``name``, if any."""
@@ -358,6 +410,14 @@ class Converter:
         if owner is None:
             return ()
         heads = self.heads[owner]
+        if heads.key_value < self.share:
+            raise ValueError(
+                f"parallelize: {name!r} computes q, k and v of {owner!r} in one projection, "
+                f"which has {heads.key_value} key/value heads for the {self.share} ranks that "
+                f"split heads under tensor mode {self.mode!r}: repeating key/value heads over "
+                "ranks takes separate key and value projections; use a tensor size that "
+                f"divides {heads.key_value}"
+            )
         if heads.query == 0 or heads.key_value == heads.query:
             return ()
         per_head = shape.out_features // (heads.query + 2 * heads.key_value)
@@ -397,8 +457,12 @@ class Converter:
         transformers config is shared by every layer and the model, so the module gets a view
         of it holding its share of the config's counts (:class:`~.head_share.HeadShareConfig`).
 
+        Key/value heads fewer than the ranks (a divisor of their number) are repeated: each
+        rank keeps one, the one its query heads attend with (see :meth:`repeated_heads`).
+
         Raises:
-            ValueError: a count is not divisible by the number of ranks splitting the heads.
+            ValueError: a count is not divisible by the number of ranks splitting the heads (a
+                key/value count: nor divides it), or heads to repeat have no known size.
         """
         share = self.share
         found = {
@@ -417,15 +481,26 @@ class Converter:
                 f"{', '.join(CONFIG_HEAD_ATTRIBUTES)}: its heads cannot be checked"
             )
         for attr, value in {**found, **from_config}.items():
-            if value % share != 0:
-                raise ValueError(
-                    f"parallelize: {name}.{attr} = {value} is not divisible by the {share} "
-                    f"ranks that split the heads under tensor mode {self.mode!r} "
-                    f"({value} % {share} = {value % share}); each rank needs whole heads"
-                )
-        self.heads[name] = _heads_of(module, found, config)
+            if value % share == 0 or (attr.endswith(KEY_VALUE_COUNT) and share % value == 0):
+                continue  # key/value heads fewer than the ranks are repeated, one per rank
+            also = " (nor, for key/value heads, a divisor of it)" if KEY_VALUE_COUNT in attr else ""
+            raise ValueError(
+                f"parallelize: {name}.{attr} = {value} is not divisible by the {share} "
+                f"ranks that split the heads under tensor mode {self.mode!r}{also} "
+                f"({value} % {share} = {value % share}); each rank needs whole heads"
+            )
+        heads = self.heads[name] = _heads_of(module, found, config)
+        if heads.key_value < share and heads.dim is None:
+            raise ValueError(
+                f"parallelize: attention module {name!r} has {heads.key_value} key/value heads "
+                f"for {share} ranks, so each is repeated on {share // heads.key_value} ranks, "
+                "but neither the module nor its config says how many features a head has "
+                "(head_dim), so its key and value projections cannot be told from its query one"
+            )
         for attr, value in found.items():
-            setattr(module, attr, value // share)
+            setattr(module, attr, max(value // share, 1))
+        if heads.key_value < share and _is_count(getattr(module, KEY_VALUE_GROUPS, None)):
+            setattr(module, KEY_VALUE_GROUPS, heads.query // share)  # this rank's queries, one kv
         if from_config:  # a view: this rank's head counts, everything else the model's
             setattr(module, "config", HeadShareConfig(config, share))  # noqa: B010
         return module
@@ -490,6 +565,14 @@ class Converter:
                 f"parallelize: {name!r} has role 'norm' inside the attention module {owner!r}, "
                 f"but it normalizes one head's {spec.shape[0]} features; a norm of each head "
                 "(q_norm, k_norm) takes role 'head_norm'"
+            )
+        if owner is not None and self._repeats(owner, spec.shape[-1]):
+            raise ValueError(
+                f"parallelize: {name!r} normalizes all key heads' features of {owner!r}, whose "
+                f"{self.heads[owner].key_value} key/value heads are repeated over the "
+                f"{self.share} ranks that split heads under tensor mode {self.mode!r}: no rank "
+                "holds a share of those features to normalize; use a tensor size that divides "
+                "the key/value heads"
             )
         inner = name in self.inner_norms
         in_span = self.sequence_parallel and name in self.sequence_span

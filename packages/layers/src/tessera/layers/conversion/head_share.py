@@ -7,7 +7,7 @@ model, so it cannot be changed; and a copy would stop following it: a later
 ``model.set_attn_implementation("sdpa")`` would reach the model's mask builders but not the
 attention, which would keep running eager on a mask built for sdpa (not causal), silently. So
 the module gets a view: the head counts are this rank's, every other read and every write goes
-to the shared config.
+to the shared config. Key/value heads fewer than the ranks are repeated, one on each rank.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ class HeadShareConfig:
         for name in HEAD_COUNTS:
             value = getattr(shared, name, None)
             if isinstance(value, int) and not isinstance(value, bool):
-                counts[name] = value // share
+                counts[name] = max(value // share, 1)  # fewer key/value heads: one, repeated
                 if name in aliases:  # GPT-2 stores num_attention_heads as n_head
-                    counts[aliases[name]] = value // share
+                    counts[aliases[name]] = counts[name]
         object.__setattr__(self, "_shared", shared)
         object.__setattr__(self, "_counts", counts)
 
