@@ -17,8 +17,8 @@ def build(
     seed: int,
     kv_heads: int | None = None,
 ) -> nn.Module:
-    """``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Phi3ForCausalLM``, ``Qwen3ForCausalLM`` or
-    ``Gemma2ForCausalLM``.
+    """``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Phi3ForCausalLM``, ``Qwen3ForCausalLM``,
+    ``MixtralForCausalLM`` or ``Gemma2ForCausalLM``.
 
     Weights drawn from ``seed``. All but GPT-2 use grouped-query attention with ``kv_heads``
     key/value heads (default half the query heads; 1 is multi-query attention).
@@ -43,7 +43,7 @@ def build(
             eos_token_id=None,
         )
         return GPT2LMHeadModel(config)
-    # Llama's, Phi-3's, Qwen3's and Gemma 2's blocks, grouped-query attention
+    # Llama's, Phi-3's, Qwen3's, Mixtral's and Gemma 2's blocks, grouped-query attention
     sizes = dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -66,11 +66,16 @@ def build(
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         return Qwen3ForCausalLM(Qwen3Config(**sizes, head_dim=hidden // heads, pad_token_id=None))
+    if kind == "mixtral":  # a mixture of 4 experts for the MLP, each token routed to 2
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        experts = dict(num_local_experts=4, num_experts_per_tok=2)
+        return MixtralForCausalLM(MixtralConfig(**sizes, **experts))
     if kind == "gemma2":  # rows scaled by sqrt(hidden), norms by 1 + weight, capped logits
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
         head_dim = hidden // heads
         return Gemma2ForCausalLM(Gemma2Config(**sizes, head_dim=head_dim, pad_token_id=None))
     raise ValueError(
-        f"model.kind must be 'gpt2', 'llama', 'phi3', 'qwen3' or 'gemma2', got {kind!r}"
+        f"model.kind must be 'gpt2', 'llama', 'phi3', 'qwen3', 'mixtral' or 'gemma2', got {kind!r}"
     )

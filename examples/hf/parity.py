@@ -1,6 +1,6 @@
 """A transformers model under every layout next to one process: loss curves side by side.
 
-    python examples/hf/parity.py [--model gpt2|llama|phi3|qwen3|gemma2] [--kv-heads N]
+    python examples/hf/parity.py [--model gpt2|llama|phi3|qwen3|mixtral|gemma2] [--kv-heads N]
         [--steps 20] [--configs 1d 2d ...]
 
 Each layout is launched with torchrun (``examples/hf/train.py``) from the same weights on the
@@ -38,7 +38,9 @@ LAYOUTS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--model", default="gpt2", choices=("gpt2", "llama", "phi3", "qwen3", "gemma2")
+        "--model",
+        default="gpt2",
+        choices=("gpt2", "llama", "phi3", "qwen3", "mixtral", "gemma2"),
     )
     parser.add_argument(
         "--kv-heads", type=int, help="key/value heads (default half the query heads; 1: MQA)"

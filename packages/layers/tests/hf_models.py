@@ -330,3 +330,27 @@ def token_types(seed: int = 9) -> torch.Tensor:
     """``[BATCH, SEQ]`` token type ids (0 or 1)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 2, (BATCH, SEQ), generator=g)
+
+
+#: Experts for the mixtures of experts, sized like Llama's MLP: 4 experts of 32 -> 64 (64
+#: divisible by the 1D sizes 2 and 4), each token routed to 2.
+MOE_CONFIG: dict[str, Any] = dict(num_experts_per_tok=2, router_jitter_noise=0.0)
+
+
+def mixtral_lm(seed: int = 0) -> nn.Module:
+    """``MixtralForCausalLM``: Llama's block with a mixture of 4 experts for the MLP."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(**LLAMA_CONFIG, **MOE_CONFIG, num_local_experts=4)
+    return _distinct(MixtralForCausalLM(config), seed)
+
+
+def qwen3_moe_lm(seed: int = 0) -> nn.Module:
+    """``Qwen3MoeForCausalLM``: Qwen3's block with a mixture of 4 experts for the MLP."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    experts = dict(num_experts=4, moe_intermediate_size=64, decoder_sparse_step=1)
+    config = Qwen3MoeConfig(**LLAMA_CONFIG, **MOE_CONFIG, **experts, head_dim=4)
+    return _distinct(Qwen3MoeForCausalLM(config), seed)

@@ -32,6 +32,7 @@ from hf_models import (
     llama_lm,
     masked_labels,
     mistral_lm,
+    mixtral_lm,
     nemotron_lm,
     olmo2_lm,
     olmo_lm,
@@ -39,6 +40,7 @@ from hf_models import (
     phi_lm,
     qwen2_lm,
     qwen3_lm,
+    qwen3_moe_lm,
     token_ids,
     token_types,
     vit_classifier,
@@ -153,6 +155,7 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "llama": lambda ctx: _lm_matches_reference(llama_lm(), ctx),
     "qwen2 (inferred plan)": lambda ctx: _lm_matches_reference(qwen2_lm(), ctx),
     "fewer key/value heads than tensor ranks (repeated)": lambda ctx: _repeated_heads(ctx),
+    "mixtures of experts (family plans, experts split under 1D)": lambda ctx: _experts(ctx),
     "gpt-neo (plan read from its blocks)": lambda ctx: _lm_matches_reference(gpt_neo_lm(), ctx),
     "phi (plan read from its blocks, query and key heads normalized)": lambda ctx: (
         _lm_matches_reference(phi_lm(), ctx)
@@ -205,6 +208,13 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
 ONLY_UNDER = {
     "qwen2 (inferred plan)": ("1d", "2d", "sequence"),
     "fewer key/value heads than tensor ranks (repeated)": ("1d-4", "1d-sp", "2.5d", "3d"),
+    "mixtures of experts (family plans, experts split under 1D)": (
+        "1d",
+        "1d-sp",
+        "1d-4",
+        "2d",
+        "sequence-ring",
+    ),
     "gpt-neo (plan read from its blocks)": ("1d", "2d"),
     "phi (plan read from its blocks, query and key heads normalized)": (
         "1d-sp",
@@ -339,6 +349,29 @@ def _repeated_heads(ctx: ParallelContext) -> list[float]:
         olmo2 = _tiny("Olmo2", num_attention_heads=8, num_key_value_heads=2)
         with pytest.raises(ValueError, match="normalizes all key heads' features"):
             parallelize(olmo2, context=ctx)
+    return results
+
+
+def _experts(ctx: ParallelContext) -> list[float]:
+    """Mixtures of experts: Mixtral (on 4 ranks Qwen3-MoE) with every expert's MLP split under
+    1D, its router whole (with sequence parallelism on this rank's tokens, its gradient sum
+    deferred), whole under 'sequence'; refused by name on the mesh."""
+    mode = ctx.config.tensor_mode
+    if mode == "2d":
+        mixtral = _with_plan(mixtral_lm(), "Mixtral LM plan inferred")
+        with pytest.raises(
+            ValueError,
+            match=r"'model.layers.0.mlp.gate' has role 'router' in the Mixtral LM plan inferred "
+            r"for MixtralForCausalLM, which tensor mode '2d' does not split",
+        ):
+            parallelize(mixtral, context=ctx)
+        assert isinstance(mixtral.model.layers[0].self_attn.q_proj, nn.Linear)  # left as it was
+        return []
+    sp = bool(ctx.config.tensor_args.get("sequence_parallel", False))
+    results = [_lm_matches_reference(mixtral_lm(), ctx, defer=sp)]
+    if ctx.get_world_size(ParallelMode.TENSOR) == 4:
+        qwen3_moe = _with_plan(qwen3_moe_lm(), "Qwen3-MoE LM plan inferred")
+        results.append(_lm_matches_reference(qwen3_moe, ctx))
     return results
 
 
@@ -712,6 +745,12 @@ def _errors() -> list[str]:
             lambda: parallelize(scaled, {"embed": "embedding"}, context=ctx),
         )
         expect(
+            TypeError,
+            r"'1' \(Linear\) has role 'experts', which takes transformers' experts .* it holds "
+            r"\['bias', 'weight'\]",
+            lambda: parallelize(copy.deepcopy(block), {"1": "experts"}, context=ctx),
+        )
+        expect(
             ValueError,
             "ends with the 'col' layer '1'",
             lambda: parallelize(copy.deepcopy(block), {"1": "col"}, context=ctx),
@@ -846,7 +885,7 @@ def _errors() -> list[str]:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 26
+    assert len(results[0]) == 27
 
 
 def _offset_norms() -> int:

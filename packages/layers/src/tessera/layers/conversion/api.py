@@ -214,7 +214,9 @@ def parallelize(
     )
     converter = Converter(ctx, mode, sequence_parallel, inner_norms(roles), attention, span)
     replaced: dict[int, nn.Parameter] = {}
-    kept: list[nn.Module] = []  # the plain modules stay alive, so no id() is reused
+    # The plain parameters stay alive, so no id() in ``replaced`` is reused by a new one (a
+    # converted module may drop its plain module's parameters, as Experts1D does).
+    kept: list[dict[str, nn.Parameter]] = []
     # Embeddings first: a head tied to one (registered before it or not) then shares its shard.
     ordered = sorted(roles.items(), key=lambda item: item[1] not in ("embedding",))
     for name, role in ordered:
@@ -223,7 +225,7 @@ def parallelize(
         new = converter.convert(name, old, role)
         if new is not old:
             _replace(model, name, new)
-            kept.append(old)
+            kept.append(before)
             after = dict(new.named_parameters(remove_duplicate=False))
             for pname, param in before.items():
                 if pname in after and after[pname] is not param:

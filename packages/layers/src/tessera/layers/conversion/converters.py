@@ -45,6 +45,7 @@ from ..shared.norm_over_group import ParallelNorm
 from ..state.sections import SectionOrder
 from ..state.state_dict import load_full_state_dict
 from .embedding_scale import ScaledRows, embedding_scale
+from .experts import Experts1D, TokenRouter, expert_sizes
 from .head_share import HEAD_COUNTS, HeadShareConfig
 from .norms import NormSpec, computes_as, computes_own_forward, norm_spec
 from .patch import PatchEmbeddingAdapter, patch_sizes
@@ -284,6 +285,8 @@ class Converter:
             return self.head_norm(name, module)
         if role == "patch_embedding":
             return self.patch_embedding(name, module)
+        if role in ("experts", "router"):
+            return self.mixture_of_experts(name, module, role)
         return self.head(name, module)
 
     def _device(self, weight: torch.Tensor) -> torch.device:
@@ -638,6 +641,36 @@ class Converter:
             context=self.context,
         )
         return _adopt(_offset(new, spec, weight), module, {})
+
+    def mixture_of_experts(self, name: str, module: nn.Module, role: str) -> nn.Module:
+        """``experts`` / ``router``: a mixture-of-experts block's parts, under 1D.
+
+        The experts become :class:`~tessera.layers.conversion.experts.Experts1D`; the router
+        stays whole (under sequence parallelism a
+        :class:`~tessera.layers.conversion.experts.TokenRouter`, its gradient summed).
+
+        ``match_plan`` refused them under other modes.
+
+        Raises:
+            TypeError: the router holds no parameters, or the experts are not transformers'
+                gated experts (:func:`~tessera.layers.conversion.experts.expert_sizes`).
+        """
+        assert self.mode == "1d", f"{name}: match_plan lets no {role} into {self.mode}"
+        in_span = self.sequence_parallel and name in self.sequence_span
+        if role == "router":
+            if not any(True for _ in module.parameters(recurse=False)):
+                raise TypeError(f"parallelize: the router {name!r} holds no parameters")
+            return TokenRouter(module, context=self.context) if in_span else module
+        sizes = expert_sizes(name, module)
+        weight = _tensor(module, "down_proj")
+        return Experts1D(
+            module,
+            sizes,
+            weight.dtype,
+            sequence_parallel=in_span,
+            device=self._device(weight),
+            context=self.context,
+        )
 
     def patch_embedding(self, name: str, module: nn.Module) -> nn.Module:
         """``patch_embedding``: a ViT's embeddings, computed by the mode's patch embedding.

@@ -45,6 +45,13 @@ papers need to know of a transformer; every activation layout follows from them:
 ``"attention"``
     An attention module whose head counts (``num_heads``, ``split_size``, ...) become this
     rank's share.
+``"experts"``
+    1D only: transformers' experts of a mixture-of-experts block (``gate_up_proj`` ``[E, 2F,
+    h]``, ``down_proj`` ``[E, h, F]``), every expert's MLP split as a ``gate_up`` and a ``row``
+    layer (:mod:`~tessera.layers.conversion.experts`).
+``"router"``
+    1D only: the router of a mixture-of-experts block, whole on every rank (with sequence
+    parallelism it routes this rank's tokens and its gradient is summed over the ranks).
 
 A :class:`Plan` adds what happens at the model's boundary: ``"tokens"`` (the input is token ids,
 split by batch where the mode splits the batch; the embedding makes the layout) or
@@ -95,6 +102,8 @@ Role = Literal[
     "head",
     "attention",
     "patch_embedding",
+    "experts",
+    "router",
 ]
 #: Every role a plan may name.
 ROLES: tuple[str, ...] = (
@@ -110,6 +119,8 @@ ROLES: tuple[str, ...] = (
     "head",
     "attention",
     "patch_embedding",
+    "experts",
+    "router",
 )
 #: Roles of a linear layer whose outputs are split (a column layer, Megatron-LM's "A").
 COLUMN_ROLES: tuple[str, ...] = tuple(COLUMN_PARTS)
@@ -279,6 +290,25 @@ def _qwen3(prefix: str, causal_lm: bool) -> Plan:
     )
 
 
+def _with_experts(plan: Plan, prefix: str, name: str) -> Plan:
+    """``plan``'s blocks with a mixture of experts (router ``mlp.gate``) for the MLP."""
+    block = f"{prefix}layers.*"
+    mlp = (".gate_proj", ".up_proj", ".down_proj")
+    rules = {k: v for k, v in plan.rules.items() if not k.endswith(mlp)}
+    rules |= {f"{block}.mlp.gate": "router", f"{block}.mlp.experts": "experts"}
+    return replace(plan, rules=rules, name=name + (" LM" if plan.causal_lm else ""))
+
+
+def _mixtral(prefix: str, causal_lm: bool) -> Plan:
+    """Mixtral: Llama's block with a mixture of experts for the MLP."""
+    return _with_experts(_llama(prefix, causal_lm), prefix, "Mixtral")
+
+
+def _qwen3_moe(prefix: str, causal_lm: bool) -> Plan:
+    """Qwen3-MoE: Qwen3's block with a mixture of experts for the MLP."""
+    return _with_experts(_qwen3(prefix, causal_lm), prefix, "Qwen3-MoE")
+
+
 def _bert(prefix: str, masked_lm: bool) -> Plan:
     layer = f"{prefix}encoder.layer.*"
     rules = {
@@ -415,7 +445,8 @@ def _gpt2_fused(module: nn.Module) -> bool:
 
 
 #: Model families whose module layout other models share (Mistral and Qwen2 are laid out as
-#: Llama; Pythia is GPT-NeoX; Phi-4-mini is Phi-3), by the name of a module that marks each
+#: Llama; Pythia is GPT-NeoX; Phi-4-mini is Phi-3; Qwen2-MoE's block is not Mixtral's, it adds a
+#: shared expert), by the name of a module that marks each
 #: family, what that module must be for the family's plan to hold, and the plan builder. Llama
 #: comes before Qwen3, whose marker Llama's plan cannot cover (its head norms).
 FAMILIES: dict[str, tuple[str, Callable[[nn.Module], bool], Callable[[str, bool], Plan]]] = {
@@ -426,6 +457,8 @@ FAMILIES: dict[str, tuple[str, Callable[[nn.Module], bool], Callable[[str, bool]
     "GLM": ("layers.0.mlp.gate_up_proj", _plain_linear, _glm),
     "GLM-4": ("layers.0.post_mlp_layernorm", _any_module, _glm4),
     "Qwen3": ("layers.0.self_attn.q_norm", _any_module, _qwen3),
+    "Mixtral": ("layers.0.mlp.experts", _any_module, _mixtral),
+    "Qwen3-MoE": ("layers.0.mlp.experts", _any_module, _qwen3_moe),
 }
 
 
@@ -513,7 +546,26 @@ def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
     _check_pairs(ordered, plan, mode)
     _check_mlp_widths(model, ordered, plan, mode)
     _check_norms_in_attention(ordered, plan, mode)
+    _check_experts_mode(ordered, plan, mode)
     return ordered
+
+
+def _check_experts_mode(roles: Mapping[str, str], plan: Plan, mode: str) -> None:
+    """Mixtures of experts run under 1D (experts split) and ``sequence`` (whole) only.
+
+    On the 2D/2.5D mesh and the 3D cube a token's features are split over ranks, and a router
+    needs all of them to pick the token's experts.
+
+    Raises:
+        ValueError: naming the first expert module or router and the modes that take them.
+    """
+    moe = [name for name, role in roles.items() if role in ("experts", "router")]
+    if moe and mode not in ("1d", "sequence"):
+        raise ValueError(
+            f"parallelize: {moe[0]!r} has role {roles[moe[0]]!r} in the {plan.name}, which "
+            f"tensor mode {mode!r} does not split: mixtures of experts run under '1d' (with or "
+            "without sequence_parallel) and 'sequence'"
+        )
 
 
 def _check_norms_in_attention(roles: Mapping[str, str], plan: Plan, mode: str) -> None:

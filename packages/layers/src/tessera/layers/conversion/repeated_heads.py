@@ -39,6 +39,7 @@ from ..mesh.layout import MeshModule
 from ..shared.base import ParallelModule
 from ..shared.context_access import GroupInfo, group_info
 from ..shared.initializers import Initializer, fan_in_uniform, kaiming_uniform
+from .lent import lent
 
 __all__ = ["RepeatedHeads"]
 
@@ -106,7 +107,7 @@ class RepeatedHeads(ParallelModule):
         self.heads, self.head_dim, self.repeats = heads, head_dim, repeats
         if isinstance(layer, MeshModule):  # the TENSOR sum below covers depth
             layer.defer_gradient_sum()
-        del layer.weight  # set to this rank's block at every forward
+        del layer.weight  # lent this rank's block at every forward
         layer.register_parameter("bias", None)  # added here, to the layer's output block
         self.layer = (layer,)  # not a submodule: its parameters are cut here at every forward
         self.tensor: GroupInfo = group_info(self.context, ParallelMode.TENSOR)
@@ -153,11 +154,9 @@ class RepeatedHeads(ParallelModule):
         """The layer's input -> the layer's output block of this rank's repeated head."""
         (layer,) = self.layer
         weight = self._summed(self.weight)  # [kv * d, in]: the repeats' parts summed
-        layer.weight = weight.index_select(0, self.rows)[:, self.columns]  # the layer's block
-        try:
+        block = weight.index_select(0, self.rows)[:, self.columns]  # the layer's block
+        with lent(layer, {"weight": block}):
             y = layer(x)
-        finally:
-            del layer.weight  # no block kept alive between calls
         if self.bias is None:
             return y  # type: ignore[no-any-return]
         bias = self._summed(self.bias).index_select(0, self.bias_rows)
