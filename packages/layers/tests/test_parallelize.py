@@ -344,6 +344,7 @@ def _repeated_heads(ctx: ParallelContext) -> list[float]:
     mode = ctx.config.tensor_mode
     llama = llama_lm(num_key_value_heads=1)
     results = [_lm_matches_reference(llama, ctx, defer=mode in ("2.5d", "3d"))]
+    _meta_built_matches(lambda: llama_lm(num_key_value_heads=1), ctx)
     if ctx.get_world_size(ParallelMode.TENSOR) == 4:
         results.append(_lm_matches_reference(qwen3_lm(num_key_value_heads=2), ctx, defer=True))
         olmo2 = _tiny("Olmo2", num_attention_heads=8, num_key_value_heads=2)
@@ -369,6 +370,8 @@ def _experts(ctx: ParallelContext) -> list[float]:
         return []
     sp = bool(ctx.config.tensor_args.get("sequence_parallel", False))
     results = [_lm_matches_reference(mixtral_lm(), ctx, defer=sp)]
+    if sp:  # the router is materialized before it is wrapped
+        _meta_built_matches(mixtral_lm, ctx)
     if ctx.get_world_size(ParallelMode.TENSOR) == 4:
         qwen3_moe = _with_plan(qwen3_moe_lm(), "Qwen3-MoE LM plan inferred")
         results.append(_lm_matches_reference(qwen3_moe, ctx))
@@ -557,23 +560,25 @@ def _as_pipeline_layers(ctx: ParallelContext) -> int:
 def _meta_built(ctx: ParallelContext) -> int:
     """Built with its parameters on the meta device: only shards are allocated, all initialized;
     loaded with the full weights, the model computes what the plain one does."""
-    checked = 0
     for build in (gpt2_lm, llama_lm):
-        ref = build()
-        with meta_parameters():
-            empty = build(distinct=False)
-        assert all(p.is_meta for p in empty.parameters())
-        model = parallelize(empty, context=ctx)
-        for name, p in model.named_parameters():
-            assert not p.is_meta and bool(torch.isfinite(p).all()), f"{name} not materialized"
-        load_full_state_dict(model, ref.state_dict())
-        ids = token_ids()
-        with torch.no_grad():
-            torch.testing.assert_close(
-                model(ids).logits, _local_logits(ref(ids).logits, ctx), **TOL
-            )
-        checked += 1
-    return checked
+        _meta_built_matches(build, ctx)
+    return 2
+
+
+def _meta_built_matches(build: Callable[..., nn.Module], ctx: ParallelContext) -> None:
+    """``build()`` made on the meta device and parallelized: every parameter materialized;
+    loaded with ``build()``'s weights it computes the same logits."""
+    ref = build()
+    with meta_parameters():
+        empty = build()
+    assert all(p.is_meta for p in empty.parameters())
+    model = parallelize(empty, context=ctx)
+    for name, p in model.named_parameters():
+        assert not p.is_meta and bool(torch.isfinite(p).all()), f"{name} not materialized"
+    load_full_state_dict(model, ref.state_dict())
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, _local_logits(ref(ids).logits, ctx), **TOL)
 
 
 #: The transformers models every layout runs, built alike on every rank.

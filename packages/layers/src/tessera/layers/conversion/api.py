@@ -212,6 +212,8 @@ def parallelize(
         if sequence_parallel and chosen.sequence_span is not None
         else {name for name, _ in model.named_modules()}  # a features plan: all of it
     )
+    routers = [name for name, role in roles.items() if role == "router"]
+    materialize_whole_modules(model, ctx.device, routers)  # kept whole, maybe wrapped
     converter = Converter(ctx, mode, sequence_parallel, inner_norms(roles), attention, span)
     replaced: dict[int, nn.Parameter] = {}
     # The plain parameters stay alive, so no id() in ``replaced`` is reused by a new one (a

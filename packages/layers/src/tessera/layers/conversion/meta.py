@@ -13,7 +13,7 @@ with ``load_full_state_dict`` (each rank reads the full tensors and keeps its bl
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -60,8 +60,17 @@ def check_meta_buffers(model: nn.Module) -> None:
         )
 
 
-def materialize_whole_modules(model: nn.Module, device: torch.device) -> None:
+def materialize_whole_modules(
+    model: nn.Module, device: torch.device, names: Collection[str] | None = None
+) -> None:
     """Allocate and initialize the parameters ``parallelize`` left whole and on meta.
+
+    Args:
+        model: The model.
+        device: Where to allocate them.
+        names: Only these modules (default: every module). A module that ``parallelize``
+            keeps whole but wraps (a router under sequence parallelism) is materialized
+            before it is wrapped: the model's ``_init_weights`` knows the plain module's class.
 
     Raises:
         ValueError: a module has neither ``reset_parameters`` nor an ``_init_weights`` on the
@@ -69,6 +78,8 @@ def materialize_whole_modules(model: nn.Module, device: torch.device) -> None:
     """
     init_weights = getattr(model, "_init_weights", None)
     for name, module in model.named_modules():
+        if names is not None and name not in names:
+            continue
         if not any(p.is_meta for p in module.parameters(recurse=False)):
             continue
         module.to_empty(device=device, recurse=False)
