@@ -138,6 +138,15 @@ def _other_context() -> str:
         with pytest.raises(ConfigError, match=r"leave the sums of \['weight \(over parallel_1d"):
             initialize(again, torch.optim.SGD(again.parameters(), lr=0.1), config=explicit,
                        context=ctx)  # fmt: skip
+        # FSDP2 sums over DATA only: switched, the layer's sum over PARALLEL_1D would be lost
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        sharded = HalfBatchLinear(_full(), ctx)
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (2,)))
+        with pytest.raises(ValueError, match=r"sharded by FSDP2 \(zero.stage 2 or 3\)"):
+            DeferredSumGradientHandler(sharded, context=ctx)
+        assert sharded.sums, "switched although refused"
         return "refused"
     finally:
         ctx.destroy()

@@ -39,6 +39,7 @@ from hf_models import (
     phi3_lm,
     phi_lm,
     qwen2_lm,
+    qwen2_moe_lm,
     qwen3_lm,
     qwen3_moe_lm,
     token_ids,
@@ -207,7 +208,14 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
 #: (Qwen2, GPT-Neo, Phi) under a few each, per-sample positions where the batch is split.
 ONLY_UNDER = {
     "qwen2 (inferred plan)": ("1d", "2d", "sequence"),
-    "fewer key/value heads than tensor ranks (repeated)": ("1d-4", "1d-sp", "2.5d", "3d"),
+    "fewer key/value heads than tensor ranks (repeated)": (
+        "1d",
+        "1d-4",
+        "1d-sp",
+        "2d",
+        "2.5d",
+        "3d",
+    ),
     "mixtures of experts (family plans, experts split under 1D)": (
         "1d",
         "1d-sp",
@@ -343,9 +351,17 @@ def _repeated_heads(ctx: ParallelContext) -> list[float]:
     the Qwen3."""
     mode = ctx.config.tensor_mode
     llama = llama_lm(num_key_value_heads=1)
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    parallelize(copy.deepcopy(llama), context=ctx)
+    assert torch.equal(torch.get_rng_state(), state), "parallelize drew random numbers"
     results = [_lm_matches_reference(llama, ctx, defer=mode in ("2.5d", "3d"))]
     _meta_built_matches(lambda: llama_lm(num_key_value_heads=1), ctx)
-    if ctx.get_world_size(ParallelMode.TENSOR) == 4:
+    if mode == "3d":  # biases on k and v, in autograd
+        results.append(_lm_matches_reference(qwen2_lm(num_key_value_heads=1), ctx))
+    if mode == "1d" and not ctx.config.tensor_args.get("sequence_parallel", False):
+        _width_counted_attention(ctx)
+    if mode == "1d" and ctx.get_world_size(ParallelMode.TENSOR) == 4:
         results.append(_lm_matches_reference(qwen3_lm(num_key_value_heads=2), ctx, defer=True))
         olmo2 = _tiny("Olmo2", num_attention_heads=8, num_key_value_heads=2)
         with pytest.raises(ValueError, match="normalizes all key heads' features"):
@@ -353,10 +369,36 @@ def _repeated_heads(ctx: ParallelContext) -> list[float]:
     return results
 
 
+class _WidthCountedAttention(nn.Module):
+    """An attention that knows its width and head size, not its head count."""
+
+    def __init__(self, width: int = 16, head_dim: int = 4) -> None:
+        super().__init__()
+        self.embed_dim, self.size = width, head_dim
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, -1, self.size).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, self.embed_dim))
+
+
+def _width_counted_attention(ctx: ParallelContext) -> None:
+    """No head counts: not taken for fewer key/value heads than ranks (nothing repeated)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(_WidthCountedAttention())
+    plan = {"0": "attention", "0.q": "col", "0.k": "col", "0.v": "col", "0.o": "row"}
+    model = parallelize(copy.deepcopy(ref), plan, context=ctx)
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(model(x), ref(x), **TOL)
+
+
 def _experts(ctx: ParallelContext) -> list[float]:
-    """Mixtures of experts: Mixtral (on 4 ranks Qwen3-MoE) with every expert's MLP split under
-    1D, its router whole (with sequence parallelism on this rank's tokens, its gradient sum
-    deferred), whole under 'sequence'; refused by name on the mesh."""
+    """Mixtures of experts: Mixtral (on 2 ranks Qwen2-MoE, whose shared expert and its gate
+    take the block's tokens flattened to [n, h]; on 4 ranks Qwen3-MoE) with every expert's MLP
+    split under 1D, its router whole (with sequence parallelism on this rank's tokens, its
+    gradient sum deferred), whole under 'sequence'; refused by name on the mesh."""
     mode = ctx.config.tensor_mode
     if mode == "2d":
         mixtral = _with_plan(mixtral_lm(), "Mixtral LM plan inferred")
@@ -372,6 +414,9 @@ def _experts(ctx: ParallelContext) -> list[float]:
     results = [_lm_matches_reference(mixtral_lm(), ctx, defer=sp)]
     if sp:  # the router is materialized before it is wrapped
         _meta_built_matches(mixtral_lm, ctx)
+    if mode == "1d" and ctx.get_world_size(ParallelMode.TENSOR) == 2:  # flattened tokens
+        qwen2_moe = _with_plan(qwen2_moe_lm(), "Qwen2-MoE LM plan inferred")
+        results.append(_lm_matches_reference(qwen2_moe, ctx, defer=sp))
     if ctx.get_world_size(ParallelMode.TENSOR) == 4:
         qwen3_moe = _with_plan(qwen3_moe_lm(), "Qwen3-MoE LM plan inferred")
         results.append(_lm_matches_reference(qwen3_moe, ctx))

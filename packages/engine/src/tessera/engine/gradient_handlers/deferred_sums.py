@@ -39,6 +39,11 @@ __all__ = ["DeferredSumGradientHandler"]
 _HOOK_ATTR = "_tessera_deferred_sum_hook"
 
 
+def _is_dtensor(param: nn.Parameter) -> bool:
+    """Whether FSDP2 sharded ``param`` (a DTensor carries its device mesh)."""
+    return hasattr(param, "device_mesh")
+
+
 @dataclass(eq=False)
 class _Bucket:
     """Gradients of one mode, dtype and device, summed by one all-reduce.
@@ -189,6 +194,15 @@ class DeferredSumGradientHandler(BaseGradientHandler):
     ) -> None:
         super().__init__(model, optimizer, context)
         modules = [model] if isinstance(model, nn.Module) else list(model)
+        sharded = [n for m in modules for n, p in m.named_parameters() if _is_dtensor(p)]
+        if sharded:  # checked before any layer is switched
+            raise ValueError(
+                f"DeferredSumGradientHandler: the model's parameters ({sharded[0]}, ...) are "
+                "sharded by FSDP2 (zero.stage 2 or 3), which sums gradients over DATA only; the "
+                "layers' own sums (over TENSOR, DEP, ...) must then stay in autograd, as the "
+                "engine keeps them by default: leave DeferredSumGradientHandler out of "
+                "gradient_handlers"
+            )
         #: ``{mode: parameters}`` whose gradients this handler sums over the mode's group.
         self.sums = defer_gradient_sums(modules)
         ctx = self._context
@@ -202,14 +216,10 @@ class DeferredSumGradientHandler(BaseGradientHandler):
                 "context the layers were built in"
             )
         groups = {mode: group_if_parallel(ctx, mode) for mode in self.sums}
-        # FSDP2's DTensor parameters reduce themselves; a frozen one stays in its bucket (it
-        # may be unfrozen later), sent with its bucket but never awaited by a hook
-        sums = {
-            mode: [p for p in params if not hasattr(p, "device_mesh")]
-            for mode, params in self.sums.items()
-        }
+        # a frozen parameter stays in its bucket (it may be unfrozen later), sent with its
+        # bucket but never awaited by a hook
         registered = list(dict.fromkeys(self.parameters()))  # a tied weight once
-        self._buckets = _buckets(sums, groups, registered, int(bucket_size_mb * 2**20))
+        self._buckets = _buckets(self.sums, groups, registered, int(bucket_size_mb * 2**20))
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._next = 0  # the first bucket not sent yet
         self._armed = False  # the coming backward is the last before a step: send early

@@ -104,6 +104,13 @@ class Heads:
     key_value: int
     dim: int | None
 
+    def repeated_over(self, share: int) -> bool:
+        """Whether the key/value heads are fewer than ``share`` ranks (each then repeated).
+
+        ``False`` where the counts are unknown (0: a module that holds only widths).
+        """
+        return 0 < self.key_value < share
+
 
 def _first_count(*values: object) -> int | None:
     """The first of ``values`` that is a count (an ``int``, not a ``bool``), else ``None``."""
@@ -364,7 +371,7 @@ class Converter:
         """
         heads = self.heads[owner]
         return (
-            heads.key_value < self.share
+            heads.repeated_over(self.share)
             and heads.dim is not None
             and width == heads.key_value * heads.dim
         )
@@ -381,6 +388,13 @@ class Converter:
         assert heads.dim is not None, f"{name}: attention() requires head_dim to repeat heads"
         weight = _tensor(module, "weight")
         made = self._made_like(weight)
+        if self.mode == "3d" and heads.dim % self.share != 0:  # the cube splits a head's rows
+            raise ValueError(
+                f"parallelize: {name!r} holds {heads.key_value} key/value heads of {heads.dim} "
+                f"features, repeated over the {self.share} ranks that split heads under tensor "
+                f"mode '3d', which also splits each head's features over {self.share} ranks "
+                f"({heads.dim} % {self.share} = {heads.dim % self.share})"
+            )
         repeated = (shape.in_features, self.share * heads.dim, True)
         blocks: _Made = {**made, "weight_initializer": _no_init, "bias_initializer": _no_init}
         layer = self._mode_linear(name, "col", repeated, 1, blocks)
@@ -390,6 +404,8 @@ class Converter:
             heads.dim,
             shape.bias,
             weight.dtype,
+            made["weight_initializer"],  # no draw unless on meta (no values to load)
+            made["bias_initializer"],
             device=made["device"],
             context=self.context,
         )
@@ -413,13 +429,13 @@ class Converter:
         if owner is None:
             return ()
         heads = self.heads[owner]
-        if heads.key_value < self.share:
+        if heads.repeated_over(self.share):
             raise ValueError(
                 f"parallelize: {name!r} computes q, k and v of {owner!r} in one projection, "
                 f"which has {heads.key_value} key/value heads for the {self.share} ranks that "
                 f"split heads under tensor mode {self.mode!r}: repeating key/value heads over "
-                "ranks takes separate key and value projections; use a tensor size that "
-                f"divides {heads.key_value}"
+                "ranks takes separate key and value projections (or fewer ranks splitting "
+                f"heads, at most {heads.key_value})"
             )
         if heads.query == 0 or heads.key_value == heads.query:
             return ()
@@ -493,7 +509,7 @@ class Converter:
                 f"({value} % {share} = {value % share}); each rank needs whole heads"
             )
         heads = self.heads[name] = _heads_of(module, found, config)
-        if heads.key_value < share and heads.dim is None:
+        if heads.repeated_over(share) and heads.dim is None:
             raise ValueError(
                 f"parallelize: attention module {name!r} has {heads.key_value} key/value heads "
                 f"for {share} ranks, so each is repeated on {share // heads.key_value} ranks, "
@@ -502,7 +518,7 @@ class Converter:
             )
         for attr, value in found.items():
             setattr(module, attr, max(value // share, 1))
-        if heads.key_value < share and _is_count(getattr(module, KEY_VALUE_GROUPS, None)):
+        if heads.repeated_over(share) and _is_count(getattr(module, KEY_VALUE_GROUPS, None)):
             setattr(module, KEY_VALUE_GROUPS, heads.query // share)  # this rank's queries, one kv
         if from_config:  # a view: this rank's head counts, everything else the model's
             setattr(module, "config", HeadShareConfig(config, share))  # noqa: B010

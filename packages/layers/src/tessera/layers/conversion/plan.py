@@ -50,8 +50,9 @@ papers need to know of a transformer; every activation layout follows from them:
     h]``, ``down_proj`` ``[E, h, F]``), every expert's MLP split as a ``gate_up`` and a ``row``
     layer (:mod:`~tessera.layers.conversion.experts`).
 ``"router"``
-    1D only: the router of a mixture-of-experts block, whole on every rank (with sequence
-    parallelism it routes this rank's tokens and its gradient is summed over the ranks).
+    1D only: the router of a mixture-of-experts block (or the gate of its shared expert),
+    whole on every rank (with sequence parallelism it runs on this rank's tokens and its
+    gradient is summed over the ranks).
 
 A :class:`Plan` adds what happens at the model's boundary: ``"tokens"`` (the input is token ids,
 split by batch where the mode splits the batch; the embedding makes the layout) or
@@ -309,6 +310,23 @@ def _qwen3_moe(prefix: str, causal_lm: bool) -> Plan:
     return _with_experts(_qwen3(prefix, causal_lm), prefix, "Qwen3-MoE")
 
 
+def _qwen2_moe(prefix: str, causal_lm: bool) -> Plan:
+    """Qwen2-MoE: Mixtral's block with a shared expert beside the routed ones.
+
+    The shared expert is a Llama MLP on the block's tokens flattened to ``[n, h]``; its
+    output is scaled by a one-feature gate, whole on every rank like the router.
+    """
+    plan = _with_experts(_llama(prefix, causal_lm), prefix, "Qwen2-MoE")
+    mlp = f"{prefix}layers.*.mlp"
+    shared = {
+        f"{mlp}.shared_expert.gate_proj": "col",
+        f"{mlp}.shared_expert.up_proj": "col",
+        f"{mlp}.shared_expert.down_proj": "row",
+        f"{mlp}.shared_expert_gate": "router",
+    }
+    return replace(plan, rules={**plan.rules, **shared})
+
+
 def _bert(prefix: str, masked_lm: bool) -> Plan:
     layer = f"{prefix}encoder.layer.*"
     rules = {
@@ -445,8 +463,8 @@ def _gpt2_fused(module: nn.Module) -> bool:
 
 
 #: Model families whose module layout other models share (Mistral and Qwen2 are laid out as
-#: Llama; Pythia is GPT-NeoX; Phi-4-mini is Phi-3; Qwen2-MoE's block is not Mixtral's, it adds a
-#: shared expert), by the name of a module that marks each
+#: Llama; Pythia is GPT-NeoX; Phi-4-mini is Phi-3; Qwen2-MoE is Mixtral with a shared
+#: expert), by the name of a module that marks each
 #: family, what that module must be for the family's plan to hold, and the plan builder. Llama
 #: comes before Qwen3, whose marker Llama's plan cannot cover (its head norms).
 FAMILIES: dict[str, tuple[str, Callable[[nn.Module], bool], Callable[[str, bool], Plan]]] = {
@@ -459,6 +477,7 @@ FAMILIES: dict[str, tuple[str, Callable[[nn.Module], bool], Callable[[str, bool]
     "Qwen3": ("layers.0.self_attn.q_norm", _any_module, _qwen3),
     "Mixtral": ("layers.0.mlp.experts", _any_module, _mixtral),
     "Qwen3-MoE": ("layers.0.mlp.experts", _any_module, _qwen3_moe),
+    "Qwen2-MoE": ("layers.0.mlp.shared_expert", _any_module, _qwen2_moe),
 }
 
 

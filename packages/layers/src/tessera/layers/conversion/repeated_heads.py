@@ -69,6 +69,8 @@ class RepeatedHeads(ParallelModule):
         head_dim: Features of a head.
         bias: Whether to learn a bias.
         dtype: Parameter dtype.
+        weight_initializer: Fills the whole ``[kv * head_dim, in]`` weight (torch's default).
+        bias_initializer: Fills the whole bias (torch's default).
         device: Parameter device (default the context's).
         context: The ParallelContext (default the current one).
 
@@ -86,6 +88,8 @@ class RepeatedHeads(ParallelModule):
         head_dim: int,
         bias: bool,
         dtype: torch.dtype | None = None,
+        weight_initializer: Initializer | None = None,
+        bias_initializer: Initializer | None = None,
         *,
         device: torch.device | str | None = None,
         context: ParallelContext | None = None,
@@ -113,8 +117,9 @@ class RepeatedHeads(ParallelModule):
         self.tensor: GroupInfo = group_info(self.context, ParallelMode.TENSOR)
         self.in_features, self.out_features = int(in_features), heads * head_dim
         shape = (self.out_features, self.in_features)
-        self.weight = self._whole("weight", shape, kaiming_uniform(), dtype)
-        self.bias = self._whole("bias", shape[:1], fan_in_uniform(), dtype) if bias else None
+        self.weight = self._whole("weight", shape, weight_initializer or kaiming_uniform(), dtype)
+        bias_init = bias_initializer or fan_in_uniform()
+        self.bias = self._whole("bias", shape[:1], bias_init, dtype) if bias else None
 
     def _whole(
         self, name: str, shape: tuple[int, ...], init: Initializer, dtype: torch.dtype | None

@@ -135,7 +135,8 @@ class Linear1DCol(DenseModule, Module1D):
     """``y = x W^T + b`` with ``W`` split by output features (rows of ``[out, in]``).
 
     Input ``[.., in]`` replicated over the 1D group (``[b, s/p, in]`` with sequence
-    parallelism); output ``[.., out/p]`` (or ``[.., out]`` replicated with ``gather_output``).
+    parallelism, or its tokens flattened, ``[b s/p, in]``: see ``Module1D.token_dim``); output
+    ``[.., out/p]`` (or ``[.., out]`` replicated with ``gather_output``).
 
     Args:
         in_features: Input features.
@@ -207,7 +208,7 @@ class Linear1DCol(DenseModule, Module1D):
         local_bias = flat_bias(self.bias)
         bias = None if self.skip_bias_add else local_bias
         if self.sequence_parallel:
-            x = gather_along_dim(x, self.SEQUENCE_DIM, group, partial_grad=True)  # [b, s, in]
+            x = gather_along_dim(x, self.token_dim(x), group, partial_grad=True)  # [b, s, in]
             y = F.linear(x, flat_weight(self.weight), bias)  # [.., out/p]
         elif self.tp.world_size > 1:  # f, its all-reduce overlapped with the weight gradient
             y = apply_function(_ColumnLinear, x, flat_weight(self.weight), bias, group)
@@ -234,7 +235,8 @@ class Linear1DRow(DenseModule, Module1D):
     """``y = x W^T + b`` with ``W`` split by input features (columns of ``[out, in]``).
 
     Input ``[.., in/p]`` (the output of a Linear1DCol), or ``[.., in]`` replicated with
-    ``parallel_input=False`` (split here); output ``[.., out]`` replicated (``[b, s/p, out]``
+    ``parallel_input=False`` (split here); output ``[.., out]`` replicated (``[b, s/p, out]``,
+    or ``[b s/p, out]`` for flattened tokens,
     with sequence parallelism). The bias is replicated and added after the reduction.
 
     Args:
@@ -351,7 +353,7 @@ class Linear1DRow(DenseModule, Module1D):
             return (fused, self.bias) if self.skip_bias_add else fused
         y = F.linear(x, self.weight)  # [.., out], partial sums
         if self.sequence_parallel:
-            y = reduce_scatter_along_dim(y, self.SEQUENCE_DIM, group)  # [b, s/p, out]
+            y = reduce_scatter_along_dim(y, self.token_dim(y), group)  # [b, s/p, out]
         else:
             y = reduce_from_group(y, group)  # g
         bias: torch.Tensor | None = self.bias

@@ -111,6 +111,15 @@ class Module1D(ParallelModule):
         self.tp: GroupInfo = group_info(self.context, ParallelMode.PARALLEL_1D)
         self.sequence_parallel = sequence_parallel
 
+    def token_dim(self, x: torch.Tensor) -> int:
+        """The dim of ``x`` that sequence parallelism splits.
+
+        The sequence of ``[b, s, h]``; the tokens of ``[n, h]``, where a block flattened its
+        batch and sequence (a mixture of experts' shared expert): a rank's ``b * s/p`` tokens,
+        gathered with the other ranks' and scattered back alike.
+        """
+        return self.SEQUENCE_DIM if x.dim() > 2 else 0
+
     @property
     def split_mode(self) -> str:
         """The mode 1D splits parameters over."""
