@@ -3,7 +3,8 @@
 ``examples/hf/train.py`` (transformers' own classes from small configs) under torchrun: Llama
 on one process, as 2D tensor parallelism on a 2x2 mesh, as sequence parallelism (ring
 attention through transformers' attention registry) on 2 ranks and as 2 pipeline stages x 1D
-(``pipeline_layers``) on 4 ranks, with and without sequence parallelism; GPT-2 on one process,
+(``pipeline_layers``) on 4 ranks, with and without sequence parallelism; Mixtral with one
+key/value head under 1D with sequence parallelism and ZeRO-3 x 1D; GPT-2 on one process,
 as ZeRO-3 over 2 data replicas x 1D tensor parallelism (FSDP2 block by block, the tied head
 left to the root), as 2.5D (depth 2; the engine sums over depth once per step), as 2 pipeline
 stages x 1D, as 2 stages x sequence parallelism (each stage's
@@ -29,7 +30,9 @@ HF = ROOT / "examples" / "hf"
 STEPS = 6
 
 
-def run(config: str, nproc: int, tmp_path: Path, model: str = "llama") -> dict[str, object]:
+def run(
+    config: str, nproc: int, tmp_path: Path, model: str = "llama", kv_heads: int | None = None
+) -> dict[str, object]:
     """One torchrun job of ``examples/hf/train.py``; its JSON summary.
 
     Every run also saves an engine checkpoint at the end, whose export must be the original
@@ -54,6 +57,7 @@ def run(config: str, nproc: int, tmp_path: Path, model: str = "llama") -> dict[s
         f"--set=model.kind={model}",
         f"--set=train.steps={STEPS}",
         f"--set=train.checkpoint='{checkpoint}'",
+        *([] if kv_heads is None else [f"--set=model.kv_heads={kv_heads}"]),
     ]
     code, output = finish(start(command, job_env(), tmp_path), JOB_TIMEOUT)
     assert code == 0, f"{config} failed ({code}):\n{output[-6000:]}"
@@ -67,6 +71,7 @@ def run(config: str, nproc: int, tmp_path: Path, model: str = "llama") -> dict[s
     ("model", "layouts"),
     [
         ("llama", (("2d", 4), ("sequence", 2), ("pipeline_1d", 4), ("pipeline_1d_sp", 4))),
+        ("mixtral", (("1d_sp", 2), ("zero3_1d", 4))),
         (
             "gpt2",
             (
@@ -78,7 +83,11 @@ def run(config: str, nproc: int, tmp_path: Path, model: str = "llama") -> dict[s
             ),
         ),
     ],
-    ids=["llama-2d-sequence-pipeline", "gpt2-zero3-2p5d-pipeline-sequence-data-pipeline-2d"],
+    ids=[
+        "llama-2d-sequence-pipeline",
+        "mixtral-one-kv-head-1d-sp-zero3",
+        "gpt2-zero3-2p5d-pipeline-sequence-data-pipeline-2d",
+    ],
 )
 def test_layouts_match_one_process(
     tmp_path: Path, model: str, layouts: tuple[tuple[str, int], ...]
@@ -90,11 +99,14 @@ def test_layouts_match_one_process(
     (depth 2, summed over depth once per step by the engine's handler), pipeline
     x 1D, pipeline x sequence (ring) and data (2) x pipeline (2) x 2D (2x2) on 16 ranks (the
     first and the last stage each hold the tied weight; without the engine's summed gradient
-    the second step's loss is 2e-3 off).
+    the second step's loss is 2e-3 off); Mixtral with one key/value head (its experts split,
+    its key and value heads repeated on every tensor rank) under 1D with sequence parallelism
+    (the router's and the repeats' sums deferred to the step) and ZeRO-3 x 1D.
     """
-    single = run("single", 1, tmp_path, model)
+    kv_heads = 1 if model == "mixtral" else None  # its key and value heads repeated
+    single = run("single", 1, tmp_path, model, kv_heads)
     for config, nproc in layouts:
-        got = run(config, nproc, tmp_path, model)
+        got = run(config, nproc, tmp_path, model, kv_heads)
         assert got["steps"] == single["steps"] == STEPS
         losses, reference = got["losses"], single["losses"]
         assert isinstance(losses, list) and isinstance(reference, list)
