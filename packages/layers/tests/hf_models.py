@@ -356,7 +356,7 @@ def qwen3_moe_lm(seed: int = 0) -> nn.Module:
     return _distinct(Qwen3MoeForCausalLM(config), seed)
 
 
-def qwen2_moe_lm(seed: int = 0) -> nn.Module:
+def qwen2_moe_lm(seed: int = 0, **overrides: Any) -> nn.Module:
     """``Qwen2MoeForCausalLM``: Mixtral's block with a shared expert beside the 4 routed ones,
     its output scaled by a gate of one feature; biases on q, k and v."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
@@ -364,6 +364,7 @@ def qwen2_moe_lm(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     experts = dict(num_experts=4, moe_intermediate_size=64, decoder_sparse_step=1)
     config = Qwen2MoeConfig(
-        **LLAMA_CONFIG, **MOE_CONFIG, **experts, shared_expert_intermediate_size=64
+        **{**LLAMA_CONFIG, **MOE_CONFIG, **experts, "shared_expert_intermediate_size": 64},
+        **overrides,
     )
     return _distinct(Qwen2MoeForCausalLM(config), seed)

@@ -918,6 +918,14 @@ def _errors() -> list[str]:
             "sliding window of 4 tokens, shorter than the sequence of 8",
             lambda: windowed(ids),
         )
+        # Qwen2-MoE keeps the window on its sliding layers without passing it to attention.
+        sliding = dict(use_sliding_window=True, sliding_window=4, max_window_layers=2)
+        windowed_moe = parallelize(qwen2_moe_lm(**sliding), context=seq)
+        expect(
+            ValueError,
+            "Qwen2MoeAttention under tensor mode 'sequence' attends within a sliding window of 4",
+            lambda: windowed_moe(ids),
+        )
         # GPT-Neo writes its attention out in its forward: the ring cannot reach it.
         expect(TypeError, "does not use", lambda: parallelize(gpt_neo_lm(), context=seq))
         lm = parallelize(gpt2_lm(), context=seq)
@@ -935,7 +943,7 @@ def _errors() -> list[str]:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 27
+    assert len(results[0]) == 28
 
 
 def _offset_norms() -> int:

@@ -199,14 +199,18 @@ def _check_score_options(module: nn.Module, options: dict[str, Any], length: int
     """Refuse what would make the ring's attention differ from the model's own.
 
     A sliding window counts only where it is shorter than the whole sequence (``length``,
-    every rank's tokens): a window that long leaves every key of a causal query in view.
+    every rank's tokens): a window that long leaves every key of a causal query in view. The
+    window is the one passed, else the module's own ``sliding_window`` (Qwen2-MoE keeps it on
+    its sliding layers and builds their masks with it, without passing it on).
 
     Raises:
         ValueError: naming the module, the option and what to use instead.
     """
     owner = type(module).__name__
     window = options.get("sliding_window")
-    if window is not None and int(window) < length:
+    if window is None:
+        window = getattr(module, "sliding_window", None)
+    if isinstance(window, int) and not isinstance(window, bool) and window < length:
         raise ValueError(
             f"{owner} under tensor mode 'sequence' attends within a sliding window of {window} "
             f"tokens, shorter than the sequence of {length}, which the ring's attention does not "
