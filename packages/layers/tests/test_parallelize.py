@@ -412,6 +412,16 @@ def _experts(ctx: ParallelContext) -> list[float]:
         return []
     sp = bool(ctx.config.tensor_args.get("sequence_parallel", False))
     results = [_lm_matches_reference(mixtral_lm(), ctx, defer=sp)]
+    ref, model = mixtral_lm(), parallelize(mixtral_lm(), context=ctx)
+    if sp or mode == "sequence":  # each rank routes its own tokens
+        with pytest.raises(ValueError, match="its load-balancing loss averages the routing"):
+            model(token_ids(), output_router_logits=True)
+    else:  # every rank routes every token: the model's own load-balancing loss
+        torch.testing.assert_close(
+            model(token_ids(), output_router_logits=True).aux_loss,
+            ref(token_ids(), output_router_logits=True).aux_loss,
+            **TOL,
+        )
     if sp:  # the router is materialized before it is wrapped
         _meta_built_matches(mixtral_lm, ctx)
     if mode == "1d" and ctx.get_world_size(ParallelMode.TENSOR) == 2:  # flattened tokens

@@ -137,6 +137,14 @@ def _sequence_inputs(
     return args, kwargs
 
 
+def _wants_router_logits(model: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether a mixture-of-experts model's forward will collect its routers' logits."""
+    asked = kwargs.get("output_router_logits")
+    if asked is None:
+        asked = getattr(getattr(model, "config", None), "output_router_logits", False)
+    return bool(asked)
+
+
 def install_boundary(
     model: nn.Module,
     plan: Plan,
@@ -155,7 +163,18 @@ def install_boundary(
         m for m in model.modules() if isinstance(m, Embedding3D) and m.reads_positions
     ]
 
+    splits_tokens = sequence_parallel or mode == "sequence"
+
     def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if splits_tokens and _wants_router_logits(module, kwargs):
+            raise ValueError(
+                f"{type(module).__name__} under tensor mode {mode!r}"
+                f"{' with sequence_parallel' if sequence_parallel else ''} was asked for its "
+                "router logits (output_router_logits): its load-balancing loss averages the "
+                "routing of every token of the sequence, but here each rank routes only its "
+                "share of the tokens, so the loss would differ from one process's; use tensor "
+                "mode '1d' without sequence_parallel (every rank routes every token)"
+            )
         if plan.causal_lm and kwargs.get("labels") is not None:
             raise ValueError(
                 f"{type(module).__name__} parallelized under tensor mode {mode!r}: its own loss "
