@@ -69,6 +69,7 @@ from tessera.layers import (
     split_batch,
     token_loss,
 )
+from tessera.layers.conversion.experts import Experts1D
 
 pytest.importorskip("transformers")
 
@@ -412,7 +413,15 @@ def _experts(ctx: ParallelContext) -> list[float]:
         return []
     sp = bool(ctx.config.tensor_args.get("sequence_parallel", False))
     results = [_lm_matches_reference(mixtral_lm(), ctx, defer=sp)]
-    ref, model = mixtral_lm(), parallelize(mixtral_lm(), context=ctx)
+    ref, plain = mixtral_lm(), mixtral_lm()
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    model = parallelize(plain, context=ctx)
+    assert torch.equal(torch.get_rng_state(), state), "parallelize drew random numbers"
+    model.eval()  # reaches the plain experts, whose forward runs inside Experts1D
+    assert not any(m.training for m in model.modules())
+    assert not any(e.experts[0].training for e in model.modules() if isinstance(e, Experts1D))
+    model.train()
     if sp or mode == "sequence":  # each rank routes its own tokens
         with pytest.raises(ValueError, match="its load-balancing loss averages the routing"):
             model(token_ids(), output_router_logits=True)

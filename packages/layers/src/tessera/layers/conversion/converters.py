@@ -678,6 +678,14 @@ class Converter:
                 raise TypeError(f"parallelize: the router {name!r} holds no parameters")
             return TokenRouter(module, context=self.context) if in_span else module
         sizes = expert_sizes(name, module)
+        ranks = self.share
+        if sizes.intermediate % ranks != 0:
+            raise ValueError(
+                f"parallelize: {name!r} holds {sizes.experts} experts of {sizes.intermediate} "
+                f"intermediate features (the config's intermediate or moe_intermediate size), "
+                f"not divisible by the {ranks} ranks of tensor mode '1d' "
+                f"({sizes.intermediate} % {ranks} = {sizes.intermediate % ranks})"
+            )
         weight = _tensor(module, "down_proj")
         return Experts1D(
             module,

@@ -85,6 +85,10 @@ def expert_sizes(name: str, module: nn.Module) -> ExpertSizes:
     return ExpertSizes(experts, hidden, intermediate)
 
 
+def _as_allocated(tensor: torch.Tensor, fan_in: int, fan_out: int) -> None:
+    """Leave the shard as allocated: the plain module's values are loaded next."""
+
+
 class Experts1D(Module1D):
     """A transformers experts module with every expert's intermediate features split over 1D.
 
@@ -121,7 +125,10 @@ class Experts1D(Module1D):
         super().__init__(sequence_parallel=sequence_parallel, context=context, device=device)
         e, h, f = sizes.experts, sizes.hidden, sizes.intermediate
         split = (self.split_mode,)
-        init = normal(0.0, 0.02)  # transformers' default initializer_range
+        plain = {name: getattr(experts, name) for name in EXPERT_PARAMETERS}
+        on_meta = any(p.is_meta for p in plain.values())
+        # drawn only on meta (transformers' default initializer_range), else cut from ``plain``
+        init = normal(0.0, 0.02) if on_meta else _as_allocated
         self.gate_up_proj = self.make_parameter(
             "gate_up_proj",
             (e, 2, f, h),
@@ -135,15 +142,20 @@ class Experts1D(Module1D):
         self.down_proj = self.make_parameter(
             "down_proj", (e, h, f), init, fan_in=f, fan_out=h, splits={2: split}, dtype=dtype
         )  # [E, h, F/p]
-        plain = {name: getattr(experts, name) for name in EXPERT_PARAMETERS}
-        if not any(p.is_meta for p in plain.values()):  # on meta: the initializer's values
+        if not on_meta:
             load_full_state_dict(self, plain)
         for name, param in plain.items():
             getattr(self, name).requires_grad_(param.requires_grad)
             delattr(experts, name)
-        self.train(experts.training)
         self.experts = (experts,)  # not a submodule: its parameters are this module's
+        self.train(experts.training)
         self.sizes = sizes
+
+    def train(self, mode: bool = True) -> Experts1D:
+        """Set training mode here and on the plain module, whose forward runs here."""
+        super().train(mode)
+        self.experts[0].train(mode)
+        return self
 
     def forward(
         self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, *args: Any
@@ -200,6 +212,7 @@ class TokenRouter(Module1D):
             info = shard_info(self.context, param.shape, replicated=(self.split_mode,))
             set_shard_info(param, info)  # whole on every 1D rank
         self.router = (router,)
+        self.train(router.training)
 
     def defer_gradient_sum(self) -> dict[str, list[nn.Parameter]]:
         """Leave the sum of every parameter's gradient over the 1D group to the loop.
@@ -211,6 +224,12 @@ class TokenRouter(Module1D):
             return {}
         self.sequence_sum_deferred = True
         return {self.tp.mode: params}
+
+    def train(self, mode: bool = True) -> TokenRouter:
+        """Set training mode here and on the plain module, whose forward runs here."""
+        super().train(mode)
+        self.router[0].train(mode)
+        return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The plain module's forward, on the parameters routed through the 1D sum."""

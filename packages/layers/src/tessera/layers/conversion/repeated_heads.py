@@ -155,6 +155,12 @@ class RepeatedHeads(ParallelModule):
         """``param`` routed so that its gradient is summed over TENSOR (unless deferred)."""
         return param if self.tensor_sum_deferred else copy_to_group(param, self.tensor.group)
 
+    def train(self, mode: bool = True) -> RepeatedHeads:
+        """Set training mode here and on the layer, whose forward runs here."""
+        super().train(mode)
+        self.layer[0].train(mode)
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's input -> the layer's output block of this rank's repeated head."""
         (layer,) = self.layer
