@@ -346,13 +346,13 @@ def mixtral_lm(seed: int = 0) -> nn.Module:
     return _distinct(MixtralForCausalLM(config), seed)
 
 
-def qwen3_moe_lm(seed: int = 0) -> nn.Module:
+def qwen3_moe_lm(seed: int = 0, **overrides: Any) -> nn.Module:
     """``Qwen3MoeForCausalLM``: Qwen3's block with a mixture of 4 experts for the MLP."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
     experts = dict(num_experts=4, moe_intermediate_size=64, decoder_sparse_step=1)
-    config = Qwen3MoeConfig(**LLAMA_CONFIG, **MOE_CONFIG, **experts, head_dim=4)
+    config = Qwen3MoeConfig(**{**LLAMA_CONFIG, **MOE_CONFIG, **experts, "head_dim": 4, **overrides})
     return _distinct(Qwen3MoeForCausalLM(config), seed)
 
 

@@ -436,6 +436,10 @@ def _experts(ctx: ParallelContext) -> list[float]:
     if mode == "1d" and ctx.get_world_size(ParallelMode.TENSOR) == 2:  # flattened tokens
         qwen2_moe = _with_plan(qwen2_moe_lm(), "Qwen2-MoE LM plan inferred")
         results.append(_lm_matches_reference(qwen2_moe, ctx, defer=sp))
+    if mode == "1d" and not sp:  # the first block dense, the second sparse
+        mixed = qwen3_moe_lm(mlp_only_layers=[0], intermediate_size=64)
+        mixed = _with_plan(mixed, "Qwen3-MoE with dense blocks LM plan inferred")
+        results.append(_lm_matches_reference(mixed, ctx))
     if ctx.get_world_size(ParallelMode.TENSOR) == 4:
         qwen3_moe = _with_plan(qwen3_moe_lm(), "Qwen3-MoE LM plan inferred")
         results.append(_lm_matches_reference(qwen3_moe, ctx))

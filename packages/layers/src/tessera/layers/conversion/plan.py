@@ -291,12 +291,17 @@ def _qwen3(prefix: str, causal_lm: bool) -> Plan:
     )
 
 
-def _with_experts(plan: Plan, prefix: str, name: str) -> Plan:
-    """``plan``'s blocks with a mixture of experts (router ``mlp.gate``) for the MLP."""
+def _with_experts(plan: Plan, prefix: str, name: str, *, dense: bool = False) -> Plan:
+    """``plan``'s blocks with a mixture of experts (router ``mlp.gate``) for the MLP.
+
+    ``dense``: some blocks keep ``plan``'s MLP (Qwen3-MoE's ``mlp_only_layers``, a
+    ``decoder_sparse_step`` above 1), so its rules stay beside the experts'.
+    """
     block = f"{prefix}layers.*"
     mlp = (".gate_proj", ".up_proj", ".down_proj")
-    rules = {k: v for k, v in plan.rules.items() if not k.endswith(mlp)}
+    rules = {k: v for k, v in plan.rules.items() if dense or not k.endswith(mlp)}
     rules |= {f"{block}.mlp.gate": "router", f"{block}.mlp.experts": "experts"}
+    name += " with dense blocks" if dense else ""
     return replace(plan, rules=rules, name=name + (" LM" if plan.causal_lm else ""))
 
 
@@ -310,13 +315,28 @@ def _qwen3_moe(prefix: str, causal_lm: bool) -> Plan:
     return _with_experts(_qwen3(prefix, causal_lm), prefix, "Qwen3-MoE")
 
 
+def _qwen3_moe_dense(prefix: str, causal_lm: bool) -> Plan:
+    """Qwen3-MoE with some blocks keeping a dense MLP."""
+    return _with_experts(_qwen3(prefix, causal_lm), prefix, "Qwen3-MoE", dense=True)
+
+
 def _qwen2_moe(prefix: str, causal_lm: bool) -> Plan:
     """Qwen2-MoE: Mixtral's block with a shared expert beside the routed ones.
 
     The shared expert is a Llama MLP on the block's tokens flattened to ``[n, h]``; its
     output is scaled by a one-feature gate, whole on every rank like the router.
     """
-    plan = _with_experts(_llama(prefix, causal_lm), prefix, "Qwen2-MoE")
+    return _qwen2_moe_blocks(prefix, causal_lm, dense=False)
+
+
+def _qwen2_moe_dense(prefix: str, causal_lm: bool) -> Plan:
+    """Qwen2-MoE with some blocks keeping a dense MLP (``mlp_only_layers``)."""
+    return _qwen2_moe_blocks(prefix, causal_lm, dense=True)
+
+
+def _qwen2_moe_blocks(prefix: str, causal_lm: bool, *, dense: bool) -> Plan:
+    """Qwen2-MoE's plan, with the dense MLP's rules too where ``dense``."""
+    plan = _with_experts(_llama(prefix, causal_lm), prefix, "Qwen2-MoE", dense=dense)
     mlp = f"{prefix}layers.*.mlp"
     shared = {
         f"{mlp}.shared_expert.gate_proj": "col",
@@ -478,6 +498,9 @@ FAMILIES: dict[str, tuple[str, Callable[[nn.Module], bool], Callable[[str, bool]
     "Mixtral": ("layers.0.mlp.experts", _any_module, _mixtral),
     "Qwen3-MoE": ("layers.0.mlp.experts", _any_module, _qwen3_moe),
     "Qwen2-MoE": ("layers.0.mlp.shared_expert", _any_module, _qwen2_moe),
+    # blocks mixing dense and sparse MLPs (the first block may be either)
+    "Qwen3-MoE with dense blocks": ("layers.0.self_attn.q_norm", _any_module, _qwen3_moe_dense),
+    "Qwen2-MoE with dense blocks": ("layers.0.self_attn.q_proj", _any_module, _qwen2_moe_dense),
 }
 
 
