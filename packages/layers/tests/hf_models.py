@@ -280,6 +280,29 @@ def glm4_lm(seed: int = 0) -> nn.Module:
     return _distinct(Glm4ForCausalLM(config), seed)
 
 
+def stablelm_lm(seed: int = 0, **overrides: Any) -> nn.Module:
+    """``StableLmForCausalLM``: Llama's sizes, LayerNorms with biases, partial rotary, and
+    each query and key head normalized by a LayerNorm of its own (``qk_layernorm``)."""
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    torch.manual_seed(seed)
+    sizes = dict(partial_rotary_factor=0.5, qk_layernorm=True, hidden_dropout=0.0)
+    config = StableLmConfig(**{**LLAMA_CONFIG, **sizes, **overrides})
+    return _distinct(StableLmForCausalLM(config), seed)
+
+
+def cohere_lm(seed: int = 0, **overrides: Any) -> nn.Module:
+    """``CohereForCausalLM``: Llama's sizes, attention and MLP side by side on one norm, scaled
+    logits, a tied head, and each query and key head normalized with a weight row of its own
+    (``use_qk_norm``: one ``[heads, head_dim]`` weight)."""
+    from transformers import CohereConfig, CohereForCausalLM
+
+    torch.manual_seed(seed)
+    sizes = dict(use_qk_norm=True, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    config = CohereConfig(**{**LLAMA_CONFIG, **sizes, **overrides})
+    return _distinct(CohereForCausalLM(config), seed)
+
+
 def bert_mlm(seed: int = 0, **overrides: Any) -> nn.Module:
     """``BertForMaskedLM`` from :data:`BERT_CONFIG`, its weights drawn from ``seed``."""
     from transformers import BertConfig, BertForMaskedLM

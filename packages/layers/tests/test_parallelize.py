@@ -21,6 +21,7 @@ from hf_models import (
     GPT2_CONFIG,
     SEQ,
     bert_mlm,
+    cohere_lm,
     gemma_lm,
     glm4_lm,
     glm_lm,
@@ -42,6 +43,7 @@ from hf_models import (
     qwen2_moe_lm,
     qwen3_lm,
     qwen3_moe_lm,
+    stablelm_lm,
     token_ids,
     token_types,
     vit_classifier,
@@ -158,6 +160,9 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "qwen2 (inferred plan)": lambda ctx: _lm_matches_reference(qwen2_lm(), ctx),
     "fewer key/value heads than tensor ranks (repeated)": lambda ctx: _repeated_heads(ctx),
     "mixtures of experts (family plans, experts split under 1D)": lambda ctx: _experts(ctx),
+    "norms of each head with a weight per head (stablelm, cohere)": lambda ctx: _weights_per_head(
+        ctx
+    ),
     "gpt-neo (plan read from its blocks)": lambda ctx: _lm_matches_reference(gpt_neo_lm(), ctx),
     "phi (plan read from its blocks, query and key heads normalized)": lambda ctx: (
         _lm_matches_reference(phi_lm(), ctx)
@@ -224,6 +229,7 @@ ONLY_UNDER = {
         "2d",
         "sequence-ring",
     ),
+    "norms of each head with a weight per head (stablelm, cohere)": ("1d-sp", "3d"),
     "gpt-neo (plan read from its blocks)": ("1d", "2d"),
     "phi (plan read from its blocks, query and key heads normalized)": (
         "1d-sp",
@@ -367,6 +373,22 @@ def _repeated_heads(ctx: ParallelContext) -> list[float]:
         olmo2 = _tiny("Olmo2", num_attention_heads=8, num_key_value_heads=2)
         with pytest.raises(ValueError, match="normalizes all key heads' features"):
             parallelize(olmo2, context=ctx)
+    return results
+
+
+def _weights_per_head(ctx: ParallelContext) -> list[float]:
+    """Norms of each query and key head with a weight of each head's own: StableLM's list of
+    LayerNorms (heads on dim 1, grouped-query attention), Cohere's one ``[heads, head_dim]``
+    weight (heads on dim -2) with one key/value head, repeated on every rank. Both plans read
+    from the blocks; Cohere's sums deferred to the step under 3D; StableLM built on meta
+    under 1D."""
+    mode = ctx.config.tensor_mode
+    stablelm = _with_plan(stablelm_lm(), "plan read from")
+    cohere = _with_plan(cohere_lm(num_key_value_heads=1), "plan read from")
+    results = [_lm_matches_reference(stablelm, ctx)]
+    results.append(_lm_matches_reference(cohere, ctx, defer=mode == "3d"))
+    if mode == "1d":
+        _meta_built_matches(stablelm_lm, ctx)
     return results
 
 
@@ -1049,6 +1071,8 @@ def _tiny(family: str, **overrides: Any) -> nn.Module:
         "GPTBigCode": dict(vocab_size=32, n_embd=16, n_layer=1, n_head=4, n_positions=16),
         "GPTJ": dict(vocab_size=32, n_embd=16, n_layer=1, n_head=4, n_positions=16, rotary_dim=4),
         "Phi": dict(small, qk_layernorm=True),
+        "StableLm": dict(small, qk_layernorm=True, partial_rotary_factor=0.5),
+        "Cohere": dict(small, use_qk_norm=True, bos_token_id=None, eos_token_id=None),
         "Qwen3": dict(small, num_key_value_heads=2, head_dim=4),
         "Olmo2": dict(small, num_key_value_heads=2, pad_token_id=None, eos_token_id=None),
         "Glm": dict(small, num_key_value_heads=2, pad_token_id=None),
@@ -1125,6 +1149,11 @@ def test_norms_of_each_head_get_role_head_norm_inside_attention_only() -> None:
     olmo2 = plan_for(_tiny("Olmo2"), None)
     for norm in ("q_norm", "k_norm"):
         assert olmo2.rules[f"model.layers.*.self_attn.{norm}"] == "norm"
+    for family, norms in (("StableLm", ("q_layernorm", "k_layernorm")), ("Cohere", ("q_norm",))):
+        per_head = plan_for(_tiny(family), None)  # a weight per head: a list, or [heads, d]
+        for norm in norms:
+            assert per_head.rules[f"model.layers.*.self_attn.{norm}"] == "head_norm"
+        assert not any(".norms." in pattern for pattern in per_head.rules)
     no_attention = {k: v for k, v in plan.rules.items() if v != "attention"}
     with pytest.raises(
         ValueError,

@@ -49,6 +49,7 @@ from .experts import Experts1D, TokenRouter, expert_sizes
 from .head_share import HEAD_COUNTS, HeadShareConfig
 from .norms import NormSpec, computes_as, computes_own_forward, norm_spec
 from .patch import PatchEmbeddingAdapter, patch_sizes
+from .per_head_norm import PerHeadNorm, holds_weights_per_head, per_head_norm_spec, rank_heads
 from .repeated_heads import RepeatedHeads
 
 __all__ = ["Converter", "LinearShape", "linear_shape"]
@@ -631,13 +632,15 @@ class Converter:
         """
         owner = self._attention_around(name)
         assert owner is not None, f"{name}: match_plan lets no head_norm outside attention"
-        spec = norm_spec(name, module)
         dim = self.heads[owner].dim
         if dim is None:
             raise ValueError(
                 f"parallelize: {name!r} has role 'head_norm', but neither the attention module "
                 f"{owner!r} nor its config says how many features a head has (head_dim)"
             )
+        if holds_weights_per_head(module):
+            return self.per_head_norm(name, module, owner, dim)
+        spec = norm_spec(name, module)
         if spec.shape != (dim,):
             raise ValueError(
                 f"parallelize: {name!r} has role 'head_norm', which normalizes one head's "
@@ -657,6 +660,37 @@ class Converter:
             context=self.context,
         )
         return _adopt(_offset(new, spec, weight), module, {})
+
+    def per_head_norm(self, name: str, module: nn.Module, owner: str, dim: int) -> nn.Module:
+        """``head_norm`` with a weight per head: this rank's heads, each with its own weight.
+
+        See :class:`~tessera.layers.conversion.per_head_norm.PerHeadNorm`.
+
+        Raises:
+            ValueError: it holds weights for neither the query nor the key/value heads.
+            TypeError: it does not compute a LayerNorm or an RMSNorm of each head.
+        """
+        spec = per_head_norm_spec(name, module, dim)
+        heads = self.heads[owner]
+        if spec.heads not in (heads.query, heads.key_value):
+            raise ValueError(
+                f"parallelize: {name!r} holds a weight for each of {spec.heads} heads, but "
+                f"{owner!r} has {heads.query} query and {heads.key_value} key/value heads"
+            )
+        first, count = rank_heads(spec.heads, self.share, self._head_block())
+        return PerHeadNorm(module, spec, first, count, context=self.context)
+
+    def _head_block(self) -> int:
+        """This rank's block of the heads: its index among the ranks splitting a column output.
+
+        1D: its 1D rank; the mesh: its ROW index (ROW splits the hidden dim); the cube: its
+        index on the axis splitting layout ``"z"``, a column layer's output (Bian et al. 2021).
+        """
+        if self.mode == "1d":
+            return self.context.get_local_rank(ParallelMode.PARALLEL_1D)
+        if self.mode == "3d":
+            return cube_of(self.context).hidden("z").rank
+        return mesh_of(self.context, self.mode).hidden_axis.rank
 
     def mixture_of_experts(self, name: str, module: nn.Module, role: str) -> nn.Module:
         """``experts`` / ``router``: a mixture-of-experts block's parts, under 1D.

@@ -25,6 +25,7 @@ parametrizations is not probed but refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,16 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.utils import parametrize
 
-__all__ = ["NormSpec", "computes_as", "computes_own_forward", "norm_spec"]
+__all__ = [
+    "EPSILON_ATTRIBUTES",
+    "USUAL_EPSILONS",
+    "NormSpec",
+    "computes_as",
+    "computes_formula",
+    "computes_own_forward",
+    "norm_spec",
+    "normalized",
+]
 
 #: Attribute names under which norm classes keep their epsilon.
 EPSILON_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps")
@@ -103,21 +113,44 @@ def _candidates(module: nn.Module) -> tuple[list[NormSpec], str]:
     ], ""
 
 
+def normalized(spec: NormSpec, x: torch.Tensor) -> torch.Tensor:
+    """``x`` normalized over its last dim as ``spec``'s kind does, before weight and bias."""
+    if spec.kind == "layer":
+        return F.layer_norm(x, x.shape[-1:], None, None, spec.eps)
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + spec.eps)
+
+
 def _formula(
     spec: NormSpec, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
+    y = normalized(spec, x)
     if weight is not None:
-        weight = weight + spec.offset
-    if spec.kind == "layer":
-        return F.layer_norm(x, spec.shape, weight, bias, spec.eps)
-    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + spec.eps)
-    return y if weight is None else y * weight
+        y = y * (weight + spec.offset)
+    return y if bias is None else y + bias
 
 
 def _matches(
     module: nn.Module, spec: NormSpec, params: dict[str, torch.Tensor], rows: torch.Tensor
 ) -> bool:
     """Whether ``module`` with ``params`` gives ``spec``'s output and gradients on ``rows``."""
+
+    def formula(x: torch.Tensor, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return _formula(spec, x, values.get("weight"), values.get("bias"))
+
+    return computes_formula(module, formula, params, rows)
+
+
+def computes_formula(
+    module: nn.Module,
+    formula: Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor],
+    params: dict[str, torch.Tensor],
+    rows: torch.Tensor,
+) -> bool:
+    """Whether ``module`` with ``params`` gives ``formula``'s output and gradients on ``rows``.
+
+    ``formula(rows, params)`` computes what the module should; both run in fp32 (relative
+    1e-5 on the output, 1e-4 on the gradients of the rows and of every parameter).
+    """
     grad_out = torch.randn(rows.shape, generator=torch.Generator().manual_seed(1))
     inputs = (
         rows.clone().requires_grad_(),
@@ -130,7 +163,7 @@ def _matches(
     got = functional_call(module, inputs[1], (inputs[0],))
     if not isinstance(got, torch.Tensor) or got.shape != rows.shape:
         return False
-    want = _formula(spec, want_inputs[0], want_inputs[1].get("weight"), want_inputs[1].get("bias"))
+    want = formula(want_inputs[0], want_inputs[1])
     leaves = [inputs[0], *inputs[1].values()]
     want_leaves = [want_inputs[0], *want_inputs[1].values()]
     grads = torch.autograd.grad(got, leaves, grad_out, allow_unused=True)

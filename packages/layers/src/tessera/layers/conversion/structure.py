@@ -31,6 +31,7 @@ from torch import nn
 from .converters import linear_shape
 from .embedding_scale import embedding_scale
 from .norms import norm_spec
+from .per_head_norm import holds_weights_per_head, per_head_norm_spec
 
 __all__ = ["QKV_NAMES", "OUTPUT_NAMES", "StructureReport", "infer_structure"]
 
@@ -78,6 +79,17 @@ def _is_norm(name: str, module: nn.Module, hidden: int) -> bool:
     except TypeError:
         return False
     return spec.shape == (hidden,)
+
+
+def _is_head_norm(name: str, module: nn.Module, head_dim: int) -> bool:
+    """A norm of each head, with one weight (Qwen3's ``q_norm``) or a weight per head."""
+    if not holds_weights_per_head(module):
+        return _is_norm(name, module, head_dim) and _owns_parameters(module)
+    try:
+        per_head_norm_spec(name, module, head_dim)
+    except TypeError:
+        return False
+    return True
 
 
 def _owns_parameters(module: nn.Module) -> bool:
@@ -174,7 +186,9 @@ def _inside_attention(
     Its heads are split, so a parameter of its own or of another submodule would see a share
     of the heads and get a share of its gradient on each rank: the replicas would drift apart.
     Two kinds of module there have a role: a norm of each head's features (Qwen3's ``q_norm``,
-    Phi's ``q_layernorm``): ``head_norm``, whose gradient is summed over the ranks; and a norm
+    Phi's ``q_layernorm``, one weight for every head; Cohere's ``q_norm`` and StableLM's
+    ``q_layernorm``, a weight per head): ``head_norm``, whose gradient is summed over the
+    ranks; and a norm
     over all the features a q, k or v projection makes (``widths``; OLMo-2's ``q_norm``):
     ``norm``, over the split features, its statistics gathered over the ranks.
     """
@@ -185,7 +199,9 @@ def _inside_attention(
     for child, module in attention.named_modules():
         if not child or child.split(".")[0] in projections:
             continue
-        if head_dim is not None and _is_norm(child, module, head_dim) and _owns_parameters(module):
+        if any(child.startswith(f"{taken[len(name) + 1 :]}.") for taken in rules):
+            continue  # inside a norm with a weight per head (StableLM's list of norms)
+        if head_dim is not None and _is_head_norm(child, module, head_dim):
             rules[f"{name}.{child}"] = "head_norm"
         elif any(_is_norm(child, module, width) for width in widths - {head_dim}):
             rules[f"{name}.{child}"] = "norm"
