@@ -60,9 +60,11 @@ from tessera.context import (
 )
 from tessera.layers import (
     BUILTIN_PLANS,
+    Linear3D,
     causal_lm_loss,
     gather_full_state_dict,
     gather_logits,
+    keep_gathered_operands,
     load_full_state_dict,
     meta_parameters,
     original_names,
@@ -72,6 +74,7 @@ from tessera.layers import (
     token_loss,
 )
 from tessera.layers.conversion.experts import Experts1D
+from tessera.layers.conversion.repeated_heads import RepeatedHeads
 
 pytest.importorskip("transformers")
 
@@ -275,17 +278,24 @@ def _lm_matches_reference(
     *,
     then_attention: str | None = None,
     defer: bool = False,
+    keep_gathered: bool = False,
 ) -> float:
     """A transformers language model, parallelized, against itself on one process.
 
     ``then_attention``: both switch to this attention implementation after ``parallelize``
     (the converted attention modules must follow the model's config, as the masks do).
     ``defer``: the layers leave their gradient sums to the caller, which sums after the
-    backward as the engine does at the step.
+    backward as the engine does at the step. ``keep_gathered``: under 3D every ``Linear3D``
+    (also one a converted module runs outside its parameters) keeps its gathered operands.
     """
     mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
     impl = "all_to_all" if mode == "sequence" and size == 4 else "ring"
     model = parallelize(copy.deepcopy(ref), sequence_attention=impl, context=ctx)
+    if keep_gathered:
+        kept = keep_gathered_operands(model)
+        assert kept == sum(isinstance(m, Linear3D) for m in model.modules()) > 0
+        repeats = [m.layer for m in model.modules() if isinstance(m, RepeatedHeads)]
+        assert all(isinstance(r, Linear3D) and r.keep_gathered for r in repeats)
     sums = defer_gradient_sums([model]) if defer else {}
     if defer:
         assert sums, "nothing deferred"
@@ -364,8 +374,9 @@ def _repeated_heads(ctx: ParallelContext) -> list[float]:
     assert torch.equal(torch.get_rng_state(), state), "parallelize drew random numbers"
     results = [_lm_matches_reference(llama, ctx, defer=mode in ("2.5d", "3d"))]
     _meta_built_matches(lambda: llama_lm(num_key_value_heads=1), ctx)
-    if mode == "3d":  # biases on k and v, in autograd
-        results.append(_lm_matches_reference(qwen2_lm(num_key_value_heads=1), ctx))
+    if mode == "3d":  # biases on k and v, in autograd; the repeats' layers keep operands too
+        qwen2 = qwen2_lm(num_key_value_heads=1)
+        results.append(_lm_matches_reference(qwen2, ctx, keep_gathered=True))
     if mode == "1d" and not ctx.config.tensor_args.get("sequence_parallel", False):
         _width_counted_attention(ctx)
     if mode == "1d" and ctx.get_world_size(ParallelMode.TENSOR) == 4:

@@ -113,7 +113,9 @@ class RepeatedHeads(ParallelModule):
             layer.defer_gradient_sum()
         del layer.weight  # lent this rank's block at every forward
         layer.register_parameter("bias", None)  # added here, to the layer's output block
-        self.layer = (layer,)  # not a submodule: its parameters are cut here at every forward
+        # A submodule without parameters, lent its block of the whole weight at every forward:
+        # walks over the model (keep_gathered_operands, .to(), train()) reach it.
+        self.layer = layer
         self.tensor: GroupInfo = group_info(self.context, ParallelMode.TENSOR)
         self.in_features, self.out_features = int(in_features), heads * head_dim
         shape = (self.out_features, self.in_features)
@@ -155,15 +157,9 @@ class RepeatedHeads(ParallelModule):
         """``param`` routed so that its gradient is summed over TENSOR (unless deferred)."""
         return param if self.tensor_sum_deferred else copy_to_group(param, self.tensor.group)
 
-    def train(self, mode: bool = True) -> RepeatedHeads:
-        """Set training mode here and on the layer, whose forward runs here."""
-        super().train(mode)
-        self.layer[0].train(mode)
-        return self
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's input -> the layer's output block of this rank's repeated head."""
-        (layer,) = self.layer
+        layer = self.layer
         weight = self._summed(self.weight)  # [kv * d, in]: the repeats' parts summed
         block = weight.index_select(0, self.rows)[:, self.columns]  # the layer's block
         with lent(layer, {"weight": block}):
@@ -175,7 +171,7 @@ class RepeatedHeads(ParallelModule):
 
     def extra_repr(self) -> str:
         """The summary shown by ``print(module)``."""
-        (layer,) = self.layer
+        layer = self.layer
         return (
             f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, "
             f"{self.heads} heads of {self.head_dim} each repeated {self.repeats} times, "
