@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+#: The model kinds :func:`build` makes.
+KINDS = ("gpt2", "llama", "phi3", "qwen3", "mixtral", "gemma2", "bloom", "stablelm", "cohere")
+
 
 def build(
     vocab: int,
@@ -18,10 +21,11 @@ def build(
     kv_heads: int | None = None,
 ) -> nn.Module:
     """``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Phi3ForCausalLM``, ``Qwen3ForCausalLM``,
-    ``MixtralForCausalLM`` or ``Gemma2ForCausalLM``.
+    ``MixtralForCausalLM``, ``Gemma2ForCausalLM``, ``BloomForCausalLM``,
+    ``StableLmForCausalLM`` or ``CohereForCausalLM`` (:data:`KINDS`).
 
-    Weights drawn from ``seed``. All but GPT-2 use grouped-query attention with ``kv_heads``
-    key/value heads (default half the query heads; 1 is multi-query attention).
+    Weights drawn from ``seed``. All but GPT-2 and BLOOM use grouped-query attention with
+    ``kv_heads`` key/value heads (default half the query heads; 1 is multi-query attention).
 
     Built the same way on every rank (and with no context current: transformers' classes do
     not read tessera's), so every layout starts from the same full weights.
@@ -43,7 +47,7 @@ def build(
             eos_token_id=None,
         )
         return GPT2LMHeadModel(config)
-    # Llama's, Phi-3's, Qwen3's, Mixtral's and Gemma 2's blocks, grouped-query attention
+    # Llama's block and its relatives', grouped-query attention
     sizes = dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -53,6 +57,11 @@ def build(
         num_key_value_heads=heads // 2 if kv_heads is None else kv_heads,
         max_position_embeddings=seq_len,
     )
+    if kind == "bloom":  # ALiBi positions (a slope per head), q, k, v fused by head
+        from transformers import BloomConfig, BloomForCausalLM
+
+        bloom = dict(vocab_size=vocab, hidden_size=hidden, n_layer=depth, n_head=heads)
+        return BloomForCausalLM(BloomConfig(**bloom, hidden_dropout=0.0, attention_dropout=0.0))
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -71,11 +80,19 @@ def build(
 
         experts = dict(num_local_experts=4, num_experts_per_tok=2)
         return MixtralForCausalLM(MixtralConfig(**sizes, **experts))
+    if kind == "stablelm":  # each query and key head normalized by a LayerNorm of its own
+        from transformers import StableLmConfig, StableLmForCausalLM
+
+        per_head = dict(qk_layernorm=True, partial_rotary_factor=0.5)
+        return StableLmForCausalLM(StableLmConfig(**sizes, **per_head))
+    if kind == "cohere":  # heads normalized with a weight row each; attention beside the MLP
+        from transformers import CohereConfig, CohereForCausalLM
+
+        no_ids = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+        return CohereForCausalLM(CohereConfig(**sizes, use_qk_norm=True, **no_ids))
     if kind == "gemma2":  # rows scaled by sqrt(hidden), norms by 1 + weight, capped logits
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
         head_dim = hidden // heads
         return Gemma2ForCausalLM(Gemma2Config(**sizes, head_dim=head_dim, pad_token_id=None))
-    raise ValueError(
-        f"model.kind must be 'gpt2', 'llama', 'phi3', 'qwen3', 'mixtral' or 'gemma2', got {kind!r}"
-    )
+    raise ValueError(f"model.kind must be one of {', '.join(KINDS)}, got {kind!r}")

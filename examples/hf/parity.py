@@ -1,6 +1,6 @@
 """A transformers model under every layout next to one process: loss curves side by side.
 
-    python examples/hf/parity.py [--model gpt2|llama|phi3|qwen3|mixtral|gemma2] [--kv-heads N]
+    python examples/hf/parity.py [--model gpt2|llama|...|cohere] [--kv-heads N]
         [--steps 20] [--configs 1d 2d ...]
 
 Each layout is launched with torchrun (``examples/hf/train.py``) from the same weights on the
@@ -15,9 +15,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from launch import run_example
+from models import KINDS
 
 #: config -> ranks
 LAYOUTS = {
@@ -40,7 +42,7 @@ def main() -> None:
     parser.add_argument(
         "--model",
         default="gpt2",
-        choices=("gpt2", "llama", "phi3", "qwen3", "mixtral", "gemma2"),
+        choices=KINDS,
     )
     parser.add_argument(
         "--kv-heads", type=int, help="key/value heads (default half the query heads; 1: MQA)"

@@ -280,6 +280,17 @@ def glm4_lm(seed: int = 0) -> nn.Module:
     return _distinct(Glm4ForCausalLM(config), seed)
 
 
+def bloom_lm(seed: int = 0, **overrides: Any) -> nn.Module:
+    """``BloomForCausalLM`` sized like the GPT-2: ALiBi for positions (a slope per head),
+    q, k and v fused by head, a norm after the token embedding, a tied head."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(seed)
+    sizes = dict(vocab_size=32, hidden_size=16, n_layer=2, n_head=4, hidden_dropout=0.0)
+    config = BloomConfig(**{**sizes, "attention_dropout": 0.0, **overrides})
+    return _distinct(BloomForCausalLM(config), seed)
+
+
 def stablelm_lm(seed: int = 0, **overrides: Any) -> nn.Module:
     """``StableLmForCausalLM``: Llama's sizes, LayerNorms with biases, partial rotary, and
     each query and key head normalized by a LayerNorm of its own (``qk_layernorm``)."""

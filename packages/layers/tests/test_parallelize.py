@@ -21,6 +21,7 @@ from hf_models import (
     GPT2_CONFIG,
     SEQ,
     bert_mlm,
+    bloom_lm,
     cohere_lm,
     gemma_lm,
     glm4_lm,
@@ -166,6 +167,7 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "norms of each head with a weight per head (stablelm, cohere)": lambda ctx: _weights_per_head(
         ctx
     ),
+    "bloom (family plan, ALiBi slopes of each rank's heads)": lambda ctx: _alibi(ctx),
     "gpt-neo (plan read from its blocks)": lambda ctx: _lm_matches_reference(gpt_neo_lm(), ctx),
     "phi (plan read from its blocks, query and key heads normalized)": lambda ctx: (
         _lm_matches_reference(phi_lm(), ctx)
@@ -233,6 +235,7 @@ ONLY_UNDER = {
         "sequence-ring",
     ),
     "norms of each head with a weight per head (stablelm, cohere)": ("1d-sp", "3d"),
+    "bloom (family plan, ALiBi slopes of each rank's heads)": ("1d-sp", "3d"),
     "gpt-neo (plan read from its blocks)": ("1d", "2d"),
     "phi (plan read from its blocks, query and key heads normalized)": (
         "1d-sp",
@@ -387,15 +390,41 @@ def _repeated_heads(ctx: ParallelContext) -> list[float]:
     return results
 
 
+def _alibi(ctx: ParallelContext) -> list[float]:
+    """BLOOM builds its ALiBi bias for every head and passes it to each block: each rank's
+    attention takes its heads' rows, whose slopes differ. Also with left padding, where the
+    bias follows each sample's mask (under 3D in the rows of layout "z", where attention
+    runs), and as pipeline layers."""
+    ref = _with_plan(bloom_lm(), "BLOOM LM")
+    results = [_lm_matches_reference(ref, ctx)]
+    model = parallelize(copy.deepcopy(ref), context=ctx)
+    ids = token_ids()
+    mask = torch.ones_like(ids)
+    mask[0, :3], mask[-1, :1] = 0, 0  # left padding in rows every layout splits apart
+    logits = model(ids, attention_mask=mask).logits
+    want = _local_logits(ref(ids, attention_mask=mask).logits, ctx)
+    tokens = _local_logits(mask[..., None].expand_as(ref(ids).logits), ctx) > 0  # not padding
+    torch.testing.assert_close(logits[tokens], want[tokens], **TOL)
+    # as pipeline stages cut it: every block builds the bias from the mask that travels
+    layers = pipeline_layers(parallelize(copy.deepcopy(ref), context=ctx))
+    padded = dict(input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        torch.testing.assert_close(layers(ids), _local_logits(ref(ids).logits, ctx), **TOL)
+        got, want = layers(padded), _local_logits(ref(**padded).logits, ctx)
+        torch.testing.assert_close(got[tokens], want[tokens], **TOL)
+    return results
+
+
 def _weights_per_head(ctx: ParallelContext) -> list[float]:
     """Norms of each query and key head with a weight of each head's own: StableLM's list of
-    LayerNorms (heads on dim 1, grouped-query attention), Cohere's one ``[heads, head_dim]``
-    weight (heads on dim -2) with one key/value head, repeated on every rank. Both plans read
-    from the blocks; Cohere's sums deferred to the step under 3D; StableLM built on meta
-    under 1D."""
+    LayerNorms (heads on dim 1), Cohere's one ``[heads, head_dim]`` weight (heads on dim -2),
+    each with grouped-query attention under one mode and one key/value head (repeated on
+    every rank) under the other. Both plans read from the blocks; Cohere's sums deferred to
+    the step under 3D; StableLM built on meta under 1D."""
     mode = ctx.config.tensor_mode
-    stablelm = _with_plan(stablelm_lm(), "plan read from")
-    cohere = _with_plan(cohere_lm(num_key_value_heads=1), "plan read from")
+    one = dict(num_key_value_heads=1)  # one key/value head: repeated on every rank
+    stablelm = _with_plan(stablelm_lm(**(one if mode == "3d" else {})), "plan read from")
+    cohere = _with_plan(cohere_lm(**(one if mode == "1d" else {})), "plan read from")
     results = [_lm_matches_reference(stablelm, ctx)]
     results.append(_lm_matches_reference(cohere, ctx, defer=mode == "3d"))
     if mode == "1d":
@@ -1172,6 +1201,25 @@ def test_norms_of_each_head_get_role_head_norm_inside_attention_only() -> None:
         "has role 'attention'",
     ):
         match_plan(qwen3, replace(plan, rules=no_attention), "2d")
+
+
+def test_a_plan_leaving_out_a_module_with_parameters_inside_attention_is_refused() -> None:
+    """Left out, StableLM's list of per-head norms would scale this rank's heads by the first
+    heads' weights (it zips its norms with the heads it is given), without an error."""
+    from dataclasses import replace
+
+    from tessera.layers.conversion.plan import match_plan, plan_for
+
+    model = _tiny("StableLm")
+    plan = plan_for(model, None)
+    left_out = {k: v for k, v in plan.rules.items() if not k.endswith("k_layernorm")}
+    with pytest.raises(
+        ValueError,
+        match=r"'model.layers.0.self_attn.k_layernorm.norms.0' \(LayerNorm\) holds parameters "
+        r"inside the attention module 'model.layers.0.self_attn', whose heads are split",
+    ):
+        match_plan(model, replace(plan, rules=left_out), "1d")
+    match_plan(model, replace(plan, rules=left_out), "sequence")  # whole heads: nothing split
 
 
 def test_a_fused_gate_and_up_named_as_a_plain_column_layer_is_refused() -> None:

@@ -66,6 +66,18 @@ def test_a_module_scaling_every_head_by_one_row_is_refused_by_name() -> None:
         per_head_norm_spec("q_norm", _HeadsLast(same_row=True), 8)
 
 
+def test_one_head_is_found_on_the_dim_its_module_splits() -> None:
+    # a list of one norm splits dim 1 (StableLM with one key/value head): only dim 1 computes
+    assert per_head_norm_spec("k_layernorm", _ListOfNorms(heads=1), 8).head_axis == 1
+
+
+def test_a_submodule_the_replacement_would_not_run_is_refused() -> None:
+    module = _HeadsLast()
+    module.dropout = nn.Dropout(0.1).eval()  # idle in eval mode: a probe would not see it
+    with pytest.raises(TypeError, match=r"holds submodules without parameters \(Dropout\)"):
+        per_head_norm_spec("q_norm", module, 8)
+
+
 def test_weights_neither_per_head_nor_of_the_head_size_are_refused() -> None:
     with pytest.raises(TypeError, match=r"neither one \[heads, 4\] nor one \[4\] per head"):
         per_head_norm_spec("q_norm", _HeadsLast(dim=8), 4)

@@ -44,6 +44,7 @@ from ..shared.initializers import Initializer
 from ..shared.norm_over_group import ParallelNorm
 from ..state.sections import SectionOrder
 from ..state.state_dict import load_full_state_dict
+from .alibi import AlibiHeads, takes_alibi
 from .embedding_scale import ScaledRows, embedding_scale
 from .experts import Experts1D, TokenRouter, expert_sizes
 from .head_share import HEAD_COUNTS, HeadShareConfig
@@ -517,6 +518,17 @@ class Converter:
                 "but neither the module nor its config says how many features a head has "
                 "(head_dim), so its key and value projections cannot be told from its query one"
             )
+        if getattr(module, "pretraining_tp", 1) > 1 and getattr(module, "slow_but_exact", False):
+            raise ValueError(
+                f"parallelize: attention module {name!r} has pretraining_tp = "
+                f"{module.pretraining_tp} with slow_but_exact, which slices its output "
+                "projection's whole weight by hand; set config.slow_but_exact = False"
+            )
+        if takes_alibi(module):  # the model builds the bias for every head
+            first, count = rank_heads(heads.query, share, self._head_block())
+            module.register_forward_pre_hook(
+                AlibiHeads(heads.query, first, count), with_kwargs=True
+            )
         for attr, value in found.items():
             setattr(module, attr, max(value // share, 1))
         if heads.repeated_over(share) and _is_count(getattr(module, KEY_VALUE_GROUPS, None)):
@@ -683,8 +695,9 @@ class Converter:
     def _head_block(self) -> int:
         """This rank's block of the heads: its index among the ranks splitting a column output.
 
-        1D: its 1D rank; the mesh: its ROW index (ROW splits the hidden dim); the cube: its
-        index on the axis splitting layout ``"z"``, a column layer's output (Bian et al. 2021).
+        1D: its 1D rank; the mesh: its rank in the ROW group (ROW splits the hidden dim); the
+        cube: its rank on the axis splitting layout ``"z"``, a column layer's output (Bian et
+        al. 2021).
         """
         if self.mode == "1d":
             return self.context.get_local_rank(ParallelMode.PARALLEL_1D)

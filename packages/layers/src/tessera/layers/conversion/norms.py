@@ -25,7 +25,7 @@ parametrizations is not probed but refused.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -35,12 +35,11 @@ from torch.func import functional_call
 from torch.nn.utils import parametrize
 
 __all__ = [
-    "EPSILON_ATTRIBUTES",
-    "USUAL_EPSILONS",
     "NormSpec",
     "computes_as",
     "computes_formula",
     "computes_own_forward",
+    "epsilons_of",
     "norm_spec",
     "normalized",
 ]
@@ -85,6 +84,12 @@ def _torch_norm(module: nn.Module) -> NormSpec | None:
     return None
 
 
+def epsilons_of(modules: Iterable[nn.Module]) -> list[float]:
+    """The epsilon the first of ``modules`` keeping one holds, else :data:`USUAL_EPSILONS`."""
+    named = [getattr(m, a, None) for m in modules for a in EPSILON_ATTRIBUTES]
+    return [float(e) for e in named if isinstance(e, float)][:1] or list(USUAL_EPSILONS)
+
+
 def _candidates(module: nn.Module) -> tuple[list[NormSpec], str]:
     """The specs ``module`` could have, read from its attributes; or why there are none."""
     params = dict(module.named_parameters())
@@ -100,8 +105,7 @@ def _candidates(module: nn.Module) -> tuple[list[NormSpec], str]:
         shape = (normalized,) if isinstance(normalized, int) else tuple(normalized)
     if len(shape) != 1 or (bias is not None and tuple(bias.shape) != shape):
         return [], f"its weight and bias are not one vector over the hidden size ({shape})"
-    named = [getattr(module, a, None) for a in EPSILON_ATTRIBUTES]
-    epsilons = [float(e) for e in named if isinstance(e, float)][:1] or list(USUAL_EPSILONS)
+    epsilons = epsilons_of([module])
     affine = weight is not None
     kinds = ("layer",) if bias is not None else ("layer", "rms")
     offsets = (0.0, 1.0) if affine else (0.0,)

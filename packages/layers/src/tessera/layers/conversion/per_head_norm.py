@@ -35,14 +35,7 @@ from ..comm.ops import copy_to_group
 from ..shared.base import ParallelModule
 from ..shared.context_access import GroupInfo, group_info
 from ..shared.shards import shard_info
-from .norms import (
-    EPSILON_ATTRIBUTES,
-    USUAL_EPSILONS,
-    NormSpec,
-    computes_formula,
-    computes_own_forward,
-    normalized,
-)
+from .norms import NormSpec, computes_formula, computes_own_forward, epsilons_of, normalized
 
 __all__ = [
     "PerHeadNorm",
@@ -152,11 +145,25 @@ def per_head_norm_spec(name: str, module: nn.Module, dim: int) -> PerHeadSpec:
 
 
 def _refusal(module: nn.Module, dim: int) -> str:
-    """Why ``module`` cannot be probed as a per-head norm ("" if it can)."""
+    """Why ``module`` cannot be probed as a per-head norm ("" if it can).
+
+    Its submodules may only hold its parameters (a norm per head) or list them: the
+    replacement computes the formula and runs none of them, so a dropout there, which a probe
+    in eval mode would not see, is refused.
+    """
     if not all(computes_own_forward(m) for m in module.modules()):
         return "a hook, a parametrization or an instance forward changes what it computes"
     if any(True for _ in module.buffers()):
         return "it holds buffers"
+    idle = [
+        type(m).__name__
+        for m in module.modules()
+        if not isinstance(m, nn.ModuleList | nn.ModuleDict)
+        and not any(True for _ in m.parameters(recurse=False))
+        and m is not module
+    ]
+    if idle:
+        return f"it holds submodules without parameters ({', '.join(sorted(set(idle)))})"
     others = {n for n, _ in module.named_parameters()} - {
         n for n, _ in module.named_parameters() if n.rsplit(".", 1)[-1] in ("weight", "bias")
     }
@@ -171,14 +178,14 @@ def _probe(
 ) -> PerHeadSpec | str:
     """The spec ``module`` computes exactly (see the module docstring), or why none."""
     (weight_names, heads), (bias_names, _) = weights, biases
-    named = [getattr(m, a, None) for m in module.modules() for a in EPSILON_ATTRIBUTES]
-    epsilons = [float(e) for e in named if isinstance(e, float)][:1] or list(USUAL_EPSILONS)
+    epsilons = epsilons_of(module.modules())
     kinds = ("layer",) if bias_names else ("layer", "rms")
     g = torch.Generator().manual_seed(0)
     params = {n: 1 + 0.5 * torch.randn(p.shape, generator=g) for n, p in module.named_parameters()}
     seq = heads + 1  # a size of its own, so the heads' dim is not mistaken for the sequence's
-    # One head's weight [1, d] scales wherever its dim is: no probe can tell, none needs to.
-    for axis in HEAD_AXES if heads > 1 else HEAD_AXES[-1:]:
+    # With one head both axes may pass (a [1, d] weight scales wherever the head is); a list
+    # of norms splitting dim 1 passes on dim 1 only.
+    for axis in HEAD_AXES:
         rows = torch.randn((2, heads, seq, dim) if axis == 1 else (2, seq, heads, dim), generator=g)
         for offset in (0.0, 1.0):
             for kind in kinds:
@@ -197,6 +204,8 @@ def _probe(
 def _computes(
     module: nn.Module, spec: PerHeadSpec, params: dict[str, torch.Tensor], rows: torch.Tensor
 ) -> bool:
+    """Whether ``module`` computes ``spec`` on ``rows`` and on ``rows`` scaled to ``1e-3``."""
+
     def formula(x: torch.Tensor, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
         weight = stacked(values, spec.weights, x.shape[-1])
         bias = stacked(values, spec.biases, x.shape[-1]) if spec.biases else None
@@ -237,6 +246,7 @@ class PerHeadNorm(ParallelModule):
         for param_name, param in plain.named_parameters(recurse=False):
             self.register_parameter(param_name, param)
         self.spec, self.first, self.count = spec, first, count
+        self.train(plain.training)
         self.tensor: GroupInfo = group_info(self.context, ParallelMode.TENSOR)
         if weight.is_meta:  # a scale of 1 and a shift of 0, as every norm starts
             self.to_empty(device=self.device)

@@ -168,6 +168,24 @@ class Plan:
             )
 
 
+def _token_model(
+    rules: dict[str, str], prefix: str, blocks: str, final: str, causal_lm: bool, name: str
+) -> Plan:
+    """A decoder's plan: its ``rules`` (and ``lm_head`` as the ``head`` if ``causal_lm``).
+
+    It takes token ids; its sequence span runs from block 0 of ``blocks`` to the ``final`` norm.
+    """
+    if causal_lm:
+        rules = {**rules, "lm_head": "head"}
+    return Plan(
+        rules,
+        boundary="tokens",
+        sequence_span=(f"{prefix}{blocks}.0", f"{prefix}{final}"),
+        causal_lm=causal_lm,
+        name=name + (" LM" if causal_lm else ""),
+    )
+
+
 def _gpt2(prefix: str, causal_lm: bool) -> Plan:
     block = f"{prefix}h.*"
     rules = {
@@ -182,15 +200,7 @@ def _gpt2(prefix: str, causal_lm: bool) -> Plan:
         f"{block}.mlp.c_proj": "row",
         f"{prefix}ln_f": "norm",
     }
-    if causal_lm:
-        rules["lm_head"] = "head"
-    return Plan(
-        rules,
-        boundary="tokens",
-        sequence_span=(f"{prefix}h.0", f"{prefix}ln_f"),
-        causal_lm=causal_lm,
-        name="GPT-2" + (" LM" if causal_lm else ""),
-    )
+    return _token_model(rules, prefix, "h", "ln_f", causal_lm, "GPT-2")
 
 
 def _llama(prefix: str, causal_lm: bool) -> Plan:
@@ -209,15 +219,7 @@ def _llama(prefix: str, causal_lm: bool) -> Plan:
         f"{block}.mlp.down_proj": "row",
         f"{prefix}norm": "norm",
     }
-    if causal_lm:
-        rules["lm_head"] = "head"
-    return Plan(
-        rules,
-        boundary="tokens",
-        sequence_span=(f"{prefix}layers.0", f"{prefix}norm"),
-        causal_lm=causal_lm,
-        name="Llama" + (" LM" if causal_lm else ""),
-    )
+    return _token_model(rules, prefix, "layers", "norm", causal_lm, "Llama")
 
 
 def _gpt_neox(prefix: str, causal_lm: bool) -> Plan:
@@ -235,15 +237,30 @@ def _gpt_neox(prefix: str, causal_lm: bool) -> Plan:
         f"{block}.mlp.dense_4h_to_h": "row",
         f"{prefix}final_layer_norm": "norm",
     }
-    if causal_lm:
-        rules["lm_head"] = "head"
-    return Plan(
-        rules,
-        boundary="tokens",
-        sequence_span=(f"{prefix}layers.0", f"{prefix}final_layer_norm"),
-        causal_lm=causal_lm,
-        name="GPT-NeoX" + (" LM" if causal_lm else ""),
-    )
+    return _token_model(rules, prefix, "layers", "final_layer_norm", causal_lm, "GPT-NeoX")
+
+
+def _bloom(prefix: str, causal_lm: bool) -> Plan:
+    """BLOOM: GPT-NeoX's q, k, v fused by head, a norm after the token embedding, ALiBi.
+
+    The attention's ALiBi bias (one slope per head, Press et al. 2022) is built for every head
+    by the model and passed to each block; ``parallelize`` gives each attention module its
+    heads' rows (:class:`~tessera.layers.conversion.alibi.AlibiHeads`).
+    """
+    block = f"{prefix}h.*"
+    rules = {
+        f"{prefix}word_embeddings": "embedding",
+        f"{prefix}word_embeddings_layernorm": "norm",
+        f"{block}.input_layernorm": "norm",
+        f"{block}.self_attention": "attention",
+        f"{block}.self_attention.query_key_value": "col",  # [heads, 3, d], as GPT-NeoX's
+        f"{block}.self_attention.dense": "row",
+        f"{block}.post_attention_layernorm": "norm",
+        f"{block}.mlp.dense_h_to_4h": "col",
+        f"{block}.mlp.dense_4h_to_h": "row",
+        f"{prefix}ln_f": "norm",
+    }
+    return _token_model(rules, prefix, "h", "ln_f", causal_lm, "BLOOM")
 
 
 def _fused_llama(prefix: str, causal_lm: bool, *, qkv: bool, name: str) -> Plan:
@@ -411,6 +428,8 @@ BUILTIN_PLANS: dict[str, Plan] = {
     "GPT2Model": _gpt2("", causal_lm=False),
     "LlamaForCausalLM": _llama("model.", causal_lm=True),
     "LlamaModel": _llama("", causal_lm=False),
+    "BloomForCausalLM": _bloom("transformer.", causal_lm=True),
+    "BloomModel": _bloom("", causal_lm=False),
     "Phi3ForCausalLM": _phi3("model.", causal_lm=True),
     "Phi3Model": _phi3("", causal_lm=False),
     "Qwen3ForCausalLM": _qwen3("model.", causal_lm=True),
@@ -491,6 +510,7 @@ FAMILIES: dict[str, tuple[str, Callable[[nn.Module], bool], Callable[[str, bool]
     "Llama": ("layers.0.self_attn.q_proj", _any_module, _llama),
     "GPT-2": ("h.0.attn.c_attn", _gpt2_fused, _gpt2),
     "GPT-NeoX": ("layers.0.attention.query_key_value", _any_module, _gpt_neox),
+    "BLOOM": ("h.0.self_attention.query_key_value", _any_module, _bloom),
     "Phi-3": ("layers.0.self_attn.qkv_proj", _plain_linear, _phi3),
     "GLM": ("layers.0.mlp.gate_up_proj", _plain_linear, _glm),
     "GLM-4": ("layers.0.post_mlp_layernorm", _any_module, _glm4),
@@ -588,8 +608,42 @@ def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
     _check_pairs(ordered, plan, mode)
     _check_mlp_widths(model, ordered, plan, mode)
     _check_norms_in_attention(ordered, plan, mode)
+    _check_attention_covered(model, ordered, plan, mode)
     _check_experts_mode(ordered, plan, mode)
     return ordered
+
+
+def _check_attention_covered(
+    model: nn.Module, roles: Mapping[str, str], plan: Plan, mode: str
+) -> None:
+    """Every module holding parameters inside a split attention has a role (or is in one).
+
+    Where the heads are split, a plain module there sees this rank's heads only: a norm of
+    each head with a weight per head would scale them by the first heads' weights (StableLM's
+    list of norms zips its norms with the heads it is given), and any parameter would get a
+    share of its gradient that nobody sums. Family plans cover their attention; a user's plan
+    that leaves such a module out would train wrong without an error.
+
+    Raises:
+        ValueError: naming the first such module and the roles that take it.
+    """
+    if mode == "sequence":  # whole heads on every rank
+        return
+    for attention in (name for name, role in roles.items() if role == "attention"):
+        inside = model.get_submodule(attention).named_modules(prefix=attention)
+        for name, module in inside:
+            if not any(True for _ in module.parameters(recurse=False)):
+                continue
+            owners = [n for n in roles if n != attention and (name + ".").startswith(n + ".")]
+            if not owners:
+                raise ValueError(
+                    f"parallelize under tensor mode {mode!r}: {name!r} "
+                    f"({type(module).__name__}) holds parameters inside the attention module "
+                    f"{attention!r}, whose heads are split, but no rule of the {plan.name} "
+                    "names it; as a plain module it would see this rank's heads only. Name "
+                    "it: 'col' / 'qkv' / 'row' for a projection, 'head_norm' for a norm of "
+                    "each head, 'norm' for a norm over all the features of a projection"
+                )
 
 
 def _check_experts_mode(roles: Mapping[str, str], plan: Plan, mode: str) -> None:

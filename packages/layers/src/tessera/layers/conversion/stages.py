@@ -90,6 +90,8 @@ class Family:
         inputs: ``"tokens"`` or ``"images"``.
         mask: The attention mask each block takes: ``"causal"``, ``"bidirectional"``, none.
         rotary: The base model's rotary embedding module, or none.
+        alibi: Each block takes the ALiBi bias of every head (``alibi``), which the base model
+            builds from the padding mask (BLOOM; ``build_alibi_tensor``).
     """
 
     name: str
@@ -101,6 +103,7 @@ class Family:
     inputs: Literal["tokens", "images"]
     mask: Literal["causal", "bidirectional"] | None
     rotary: str | None = None
+    alibi: bool = False
 
     def fits(self, model: nn.Module) -> bool:
         """Whether ``model`` holds every module this family names."""
@@ -143,6 +146,17 @@ FAMILIES = (
         head="lm_head",
         inputs="tokens",
         mask="causal",
+    ),
+    Family(
+        name="BLOOM",
+        inner="transformer",
+        embeds=("word_embeddings", "word_embeddings_layernorm"),
+        blocks=("h",),
+        final=("ln_f",),
+        head="lm_head",
+        inputs="tokens",
+        mask="causal",
+        alibi=True,
     ),
     Family(
         name="BERT masked LM",
@@ -289,6 +303,9 @@ class EmbedStage(nn.Module):
                 hidden = hidden + modules["wte"](token_types)
             out: torch.Tensor = modules["drop"](hidden)
             return out
+        if "word_embeddings_layernorm" in modules:  # BLOOM: a norm of the token rows
+            out = modules["word_embeddings_layernorm"](modules["word_embeddings"](ids))
+            return out
         if "embeddings" in modules:  # BERT
             out = modules["embeddings"](
                 input_ids=ids, token_type_ids=token_types, position_ids=positions
@@ -381,6 +398,7 @@ class BlockStage(nn.Module):
         self._ring = [ring]  # not a module attribute torch would traverse
         rotary = inner.get_submodule(family.rotary) if family.rotary else None
         self._rotary = [rotary]  # shared by every layer, holds no parameters
+        self._inner = [inner] if family.alibi else []  # builds the ALiBi bias
         self._config = getattr(inner, "config", None)
         self.sliding = _attends_in_window(self._config, index, family, set(reads))
         # Gemma 3 keeps one rotary embedding per kind of block (local and global frequencies)
@@ -438,6 +456,11 @@ class BlockStage(nn.Module):
         rotary = self._rotary[0]
         if rotary is not None:
             kwargs["position_embeddings"] = rotary(whole, positions, **self._rotary_kind)
+        if self._inner:  # every head's bias; each attention takes its heads' rows
+            (inner,) = self._inner
+            keys = padding if padding is not None else hidden.new_ones(hidden.shape[0], length)
+            build: Callable[..., torch.Tensor] = getattr(inner, "build_alibi_tensor")  # noqa: B009
+            kwargs["alibi"] = build(keys, getattr(inner, "num_heads"), hidden.dtype)  # noqa: B009
         return kwargs
 
     def _attention_mask(

@@ -185,24 +185,25 @@ def _inside_attention(
 
     Its heads are split, so a parameter of its own or of another submodule would see a share
     of the heads and get a share of its gradient on each rank: the replicas would drift apart.
-    Two kinds of module there have a role: a norm of each head's features (Qwen3's ``q_norm``,
-    Phi's ``q_layernorm``, one weight for every head; Cohere's ``q_norm`` and StableLM's
-    ``q_layernorm``, a weight per head): ``head_norm``, whose gradient is summed over the
-    ranks; and a norm
-    over all the features a q, k or v projection makes (``widths``; OLMo-2's ``q_norm``):
-    ``norm``, over the split features, its statistics gathered over the ranks.
+    Two kinds of module there have a role. A norm of each head's features (one weight for every
+    head: Qwen3's ``q_norm``, Phi's ``q_layernorm``; or a weight per head: Cohere's ``q_norm``,
+    StableLM's ``q_layernorm``) is a ``head_norm``, whose gradient is summed over the ranks. A
+    norm over all the features a q, k or v projection makes (``widths``; OLMo-2's ``q_norm``)
+    is a ``norm`` over the split features, its statistics gathered over the ranks.
     """
     if any(True for _ in attention.parameters(recurse=False)):
         return f"attention {name!r} holds parameters of its own"
     head_dim = _head_dim(attention)
     rules: dict[str, str] = {}
+    head_norms: list[str] = []  # children taken as a whole: StableLM's list of norms
     for child, module in attention.named_modules():
         if not child or child.split(".")[0] in projections:
             continue
-        if any(child.startswith(f"{taken[len(name) + 1 :]}.") for taken in rules):
-            continue  # inside a norm with a weight per head (StableLM's list of norms)
+        if any(child.startswith(f"{taken}.") for taken in head_norms):
+            continue
         if head_dim is not None and _is_head_norm(child, module, head_dim):
             rules[f"{name}.{child}"] = "head_norm"
+            head_norms.append(child)
         elif any(_is_norm(child, module, width) for width in widths - {head_dim}):
             rules[f"{name}.{child}"] = "norm"
         elif _owns_parameters(module) or _looks_like_norm(module):
