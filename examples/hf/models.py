@@ -6,7 +6,18 @@ import torch
 from torch import nn
 
 #: The model kinds :func:`build` makes.
-KINDS = ("gpt2", "llama", "phi3", "qwen3", "mixtral", "gemma2", "bloom", "stablelm", "cohere")
+KINDS = (
+    "gpt2",
+    "llama",
+    "phi3",
+    "qwen3",
+    "mixtral",
+    "gemma2",
+    "bloom",
+    "falcon",
+    "stablelm",
+    "cohere",
+)
 
 
 def build(
@@ -21,7 +32,7 @@ def build(
     kv_heads: int | None = None,
 ) -> nn.Module:
     """``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Phi3ForCausalLM``, ``Qwen3ForCausalLM``,
-    ``MixtralForCausalLM``, ``Gemma2ForCausalLM``, ``BloomForCausalLM``,
+    ``MixtralForCausalLM``, ``Gemma2ForCausalLM``, ``BloomForCausalLM``, ``FalconForCausalLM``,
     ``StableLmForCausalLM`` or ``CohereForCausalLM`` (:data:`KINDS`).
 
     Weights drawn from ``seed``. All but GPT-2 and BLOOM use grouped-query attention with
@@ -62,6 +73,13 @@ def build(
 
         bloom = dict(vocab_size=vocab, hidden_size=hidden, n_layer=depth, n_head=heads)
         return BloomForCausalLM(BloomConfig(**bloom, hidden_dropout=0.0, attention_dropout=0.0))
+    if kind == "falcon":  # Falcon-40B's layout: q, k, v fused per key/value group
+        from transformers import FalconConfig, FalconForCausalLM
+
+        renamed = {"num_key_value_heads": "num_kv_heads"}  # its MLP is 4 x hidden
+        falcon = {renamed.get(k, k): v for k, v in sizes.items() if k != "intermediate_size"}
+        groups = dict(new_decoder_architecture=True, bos_token_id=None, eos_token_id=None)
+        return FalconForCausalLM(FalconConfig(**falcon, **groups))
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 

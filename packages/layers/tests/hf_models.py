@@ -291,6 +291,28 @@ def bloom_lm(seed: int = 0, **overrides: Any) -> nn.Module:
     return _distinct(BloomForCausalLM(config), seed)
 
 
+def falcon_lm(seed: int = 0, **overrides: Any) -> nn.Module:
+    """``FalconForCausalLM`` with Llama's sizes: by default the new decoder architecture
+    (Falcon-40B's: q, k, v fused per key/value group, attention and MLP side by side on two
+    norms), rotary positions, its own ``FalconLinear`` class, a tied head."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(seed)
+    sizes = dict(
+        vocab_size=32,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_kv_heads=4,
+        new_decoder_architecture=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    return _distinct(FalconForCausalLM(FalconConfig(**{**sizes, **overrides})), seed)
+
+
 def stablelm_lm(seed: int = 0, **overrides: Any) -> nn.Module:
     """``StableLmForCausalLM``: Llama's sizes, LayerNorms with biases, partial rotary, and
     each query and key head normalized by a LayerNorm of its own (``qk_layernorm``)."""

@@ -23,6 +23,7 @@ from hf_models import (
     bert_mlm,
     bloom_lm,
     cohere_lm,
+    falcon_lm,
     gemma_lm,
     glm4_lm,
     glm_lm,
@@ -168,6 +169,7 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
         ctx
     ),
     "bloom (family plan, ALiBi slopes of each rank's heads)": lambda ctx: _alibi(ctx),
+    "falcon (family plans, q/k/v fused per head or per key/value group)": lambda ctx: _falcon(ctx),
     "gpt-neo (plan read from its blocks)": lambda ctx: _lm_matches_reference(gpt_neo_lm(), ctx),
     "phi (plan read from its blocks, query and key heads normalized)": lambda ctx: (
         _lm_matches_reference(phi_lm(), ctx)
@@ -236,6 +238,7 @@ ONLY_UNDER = {
     ),
     "norms of each head with a weight per head (stablelm, cohere)": ("1d-sp", "3d"),
     "bloom (family plan, ALiBi slopes of each rank's heads)": ("1d-sp", "3d"),
+    "falcon (family plans, q/k/v fused per head or per key/value group)": ("1d-sp", "2d", "3d"),
     "gpt-neo (plan read from its blocks)": ("1d", "2d"),
     "phi (plan read from its blocks, query and key heads normalized)": (
         "1d-sp",
@@ -387,6 +390,30 @@ def _repeated_heads(ctx: ParallelContext) -> list[float]:
         olmo2 = _tiny("Olmo2", num_attention_heads=8, num_key_value_heads=2)
         with pytest.raises(ValueError, match="normalizes all key heads' features"):
             parallelize(olmo2, context=ctx)
+    return results
+
+
+def _falcon(ctx: ParallelContext) -> list[float]:
+    """Falcon's layouts, each with its own ``FalconLinear`` class (a probe shows it computes
+    ``x W^T + b``). On the mesh and the cube the new decoder architecture (Falcon-40B's: q, k
+    and v fused per key/value group, attention beside the MLP on two norms, the attention
+    output added into the MLP's in place). Under 1D with sequence parallelism the original one
+    (fused per head, norms before attention and MLP, biases), and what is refused by name:
+    multi-query Falcon (its one key and value fused beside every query: a row split would cut
+    them), one key/value group, and ALiBi folded into the mask."""
+    if ctx.config.tensor_mode != "1d":
+        return [_lm_matches_reference(_with_plan(falcon_lm(), "Falcon LM plan inferred"), ctx)]
+    original = dict(new_decoder_architecture=False, multi_query=False, num_kv_heads=8)
+    mha = falcon_lm(**original, parallel_attn=False, bias=True)
+    results = [_lm_matches_reference(_with_plan(mha, "Falcon LM plan inferred"), ctx)]
+    refused = [
+        (dict(new_decoder_architecture=False, multi_query=True), "q, k and v fused in one"),
+        (dict(num_kv_heads=1), "q, k and v fused in one"),
+        (dict(original, alibi=True), "alibi=True"),
+    ]
+    for config, message in refused:
+        with pytest.raises(ValueError, match=message):
+            parallelize(falcon_lm(**config), context=ctx)
     return results
 
 

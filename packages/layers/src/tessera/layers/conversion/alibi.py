@@ -54,12 +54,14 @@ class AlibiHeads:
             ValueError: the bias is not passed by keyword, or its rows are not a multiple of
                 the heads.
         """
+        if ALIBI_ARGUMENT in kwargs and kwargs[ALIBI_ARGUMENT] is None:
+            return args, kwargs  # no bias this call (Falcon with rotary positions passes None)
         alibi = kwargs.get(ALIBI_ARGUMENT)
         if not isinstance(alibi, torch.Tensor):
             raise ValueError(
                 f"{type(module).__name__}: parallelize cuts the ALiBi bias to this rank's "
                 f"{self.count} of {self.heads} heads, which takes it as the keyword argument "
-                f"{ALIBI_ARGUMENT!r}; it came {'positionally' if len(args) > 2 else 'as None'}"
+                f"{ALIBI_ARGUMENT!r}; it was not passed so"
             )
         rows = alibi.shape[0]
         if rows % self.heads != 0:

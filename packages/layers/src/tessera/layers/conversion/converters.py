@@ -14,10 +14,12 @@ al. 2022) and the 2D/2.5D mesh (Xu et al. 2021; Wang et al. 2021).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tessera.context import FullForm, ParallelContext, ParallelMode, set_full_form
@@ -48,7 +50,7 @@ from .alibi import AlibiHeads, takes_alibi
 from .embedding_scale import ScaledRows, embedding_scale
 from .experts import Experts1D, TokenRouter, expert_sizes
 from .head_share import HEAD_COUNTS, HeadShareConfig
-from .norms import NormSpec, computes_as, computes_own_forward, norm_spec
+from .norms import NormSpec, computes_as, computes_formula, computes_own_forward, norm_spec
 from .patch import PatchEmbeddingAdapter, patch_sizes
 from .per_head_norm import PerHeadNorm, holds_weights_per_head, per_head_norm_spec, rank_heads
 from .repeated_heads import RepeatedHeads
@@ -60,6 +62,7 @@ HEAD_ATTRIBUTES = (
     "num_heads",
     "num_attention_heads",
     "num_key_value_heads",
+    "num_kv_heads",
     "split_size",
     "embed_dim",
     "all_head_size",
@@ -88,6 +91,8 @@ class _Made(TypedDict):
 
 #: The count of key/value heads (an attribute of the module or of its config).
 KEY_VALUE_COUNT = "num_key_value_heads"
+#: Its names: transformers' usual one, and Falcon's.
+KEY_VALUE_COUNTS = (KEY_VALUE_COUNT, "num_kv_heads")
 #: Query heads per key/value head, which transformers' attention modules keep.
 KEY_VALUE_GROUPS = "num_key_value_groups"
 #: Head counts of a transformers config (an attention module sees its share of them).
@@ -134,7 +139,9 @@ def _heads_of(module: nn.Module, found: dict[str, int], config: object) -> Heads
         getattr(config, "num_attention_heads", None),
     )
     key_value = _first_count(
-        found.get("num_key_value_heads"), getattr(config, "num_key_value_heads", None), query
+        *(found.get(name) for name in KEY_VALUE_COUNTS),
+        *(getattr(config, name, None) for name in KEY_VALUE_COUNTS),
+        query,
     )
     dim = _first_count(getattr(module, "head_dim", None), getattr(config, "head_dim", None))
     return Heads(query or 0, key_value or 0, dim)
@@ -185,7 +192,9 @@ def linear_shape(name: str, module: nn.Module, role: str) -> LinearShape:
     Raises:
         TypeError: the module is neither, or overrides ``nn.Linear.forward``.
     """
-    if isinstance(module, nn.Linear) and not computes_as(module, nn.Linear):
+    if isinstance(module, nn.Linear) and not (
+        computes_as(module, nn.Linear) or computes_linear(module)
+    ):
         raise _overrides(name, module, nn.Linear, role)
     if isinstance(module, nn.Linear):
         return LinearShape(module.in_features, module.out_features, module.bias is not None, False)
@@ -198,6 +207,34 @@ def linear_shape(name: str, module: nn.Module, role: str) -> LinearShape:
         f"parallelize: {name!r} ({type(module).__name__}) has role {role!r}, which takes an "
         "nn.Linear or a transformers Conv1D"
     )
+
+
+def computes_linear(module: nn.Linear) -> bool:
+    """Whether a subclass of ``nn.Linear`` with a forward of its own computes ``x W^T + b``.
+
+    Falcon's ``FalconLinear`` writes the product out (``x @ W.T + b``): the same layer. Probed
+    as a norm is (:func:`~tessera.layers.conversion.norms.computes_formula`): its output and
+    gradients on random rows with random weights, against ``F.linear``'s; one that holds
+    submodules or buffers, or computes anything else (a scaled residual), is not.
+    """
+    if (
+        not computes_own_forward(module)
+        or any(True for _ in module.children())
+        or any(True for _ in module.buffers())
+        or {n for n, _ in module.named_parameters()} - {"weight", "bias"}
+    ):
+        return False
+    g = torch.Generator().manual_seed(0)
+    params = {n: torch.randn(p.shape, generator=g) for n, p in module.named_parameters()}
+    rows = torch.randn((2, 3, module.in_features), generator=g)
+
+    def linear(x: torch.Tensor, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return F.linear(x, values["weight"], values.get("bias"))
+
+    try:
+        return computes_formula(module, linear, params, rows)
+    except Exception:  # any failure means "not a plain linear layer"
+        return False
 
 
 def _tensor(module: nn.Module, name: str) -> torch.Tensor:
@@ -328,8 +365,10 @@ class Converter:
         """
         shape = linear_shape(name, module, role)
         owner = self._attention_around(name)
-        if role == "col" and owner is not None and self._repeats(owner, shape.out_features):
-            return self.repeated_heads(name, module, shape, self.heads[owner])
+        if role == "col" and owner is not None:
+            self._check_not_fused_with_repeats(name, owner, shape.out_features)
+            if self._repeats(owner, shape.out_features):
+                return self.repeated_heads(name, module, shape, self.heads[owner])
         fused = COLUMN_PARTS.get(role, 1)
         sections = self._qkv_sections(name, shape) if role == "qkv" else ()
         if sections:
@@ -376,6 +415,30 @@ class Converter:
             heads.repeated_over(self.share)
             and heads.dim is not None
             and width == heads.key_value * heads.dim
+        )
+
+    def _check_not_fused_with_repeats(self, name: str, owner: str, width: int) -> None:
+        """A column layer of attention with repeated key/value heads makes q, k or v alone.
+
+        Fused (Falcon-7B's and GPTBigCode's multi-query ``[q heads; k; v]``, or Falcon's
+        groups ``[kv, q/kv + 2, d]``), a plain split of its rows would cut through the key and
+        value heads every rank needs whole, without an error.
+
+        Raises:
+            ValueError: ``width`` is neither the query heads' nor the key/value heads'.
+        """
+        heads = self.heads[owner]
+        if not heads.repeated_over(self.share) or heads.dim is None:
+            return
+        if width in (heads.query * heads.dim, heads.key_value * heads.dim):
+            return
+        raise ValueError(
+            f"parallelize: {name!r} makes {width} features of {owner!r}, neither its "
+            f"{heads.query} query heads' nor its {heads.key_value} key/value heads' ({heads.dim} "
+            f"each): q, k and v fused in one projection, with fewer key/value heads than the "
+            f"{self.share} ranks that split heads under tensor mode {self.mode!r}. Repeating "
+            "key/value heads over ranks takes separate key and value projections (or no more "
+            f"ranks splitting heads than its {heads.key_value} key/value heads)"
         )
 
     def repeated_heads(
@@ -502,9 +565,10 @@ class Converter:
                 f"{', '.join(CONFIG_HEAD_ATTRIBUTES)}: its heads cannot be checked"
             )
         for attr, value in {**found, **from_config}.items():
-            if value % share == 0 or (attr.endswith(KEY_VALUE_COUNT) and share % value == 0):
+            key_value = attr.endswith(KEY_VALUE_COUNTS)
+            if value % share == 0 or (key_value and share % value == 0):
                 continue  # key/value heads fewer than the ranks are repeated, one per rank
-            also = " (nor, for key/value heads, a divisor of it)" if KEY_VALUE_COUNT in attr else ""
+            also = " (nor, for key/value heads, a divisor of it)" if key_value else ""
             raise ValueError(
                 f"parallelize: {name}.{attr} = {value} is not divisible by the {share} "
                 f"ranks that split the heads under tensor mode {self.mode!r}{also} "
@@ -523,6 +587,12 @@ class Converter:
                 f"parallelize: attention module {name!r} has pretraining_tp = "
                 f"{module.pretraining_tp} with slow_but_exact, which slices its output "
                 "projection's whole weight by hand; set config.slow_but_exact = False"
+            )
+        if getattr(getattr(module, "config", None), "alibi", False) is True:
+            raise ValueError(
+                f"parallelize: attention module {name!r} ({type(module).__name__}) has a config "
+                "with alibi=True; this family folds the ALiBi bias of every head into its "
+                "attention mask, which parallelize does not cut to this rank's heads"
             )
         if takes_alibi(module):  # the model builds the bias for every head
             first, count = rank_heads(heads.query, share, self._head_block())

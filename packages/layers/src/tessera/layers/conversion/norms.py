@@ -155,7 +155,6 @@ def computes_formula(
     ``formula(rows, params)`` computes what the module should; both run in fp32 (relative
     1e-5 on the output, 1e-4 on the gradients of the rows and of every parameter).
     """
-    grad_out = torch.randn(rows.shape, generator=torch.Generator().manual_seed(1))
     inputs = (
         rows.clone().requires_grad_(),
         {k: v.clone().requires_grad_() for k, v in params.items()},
@@ -165,9 +164,10 @@ def computes_formula(
         {k: v.clone().requires_grad_() for k, v in params.items()},
     )
     got = functional_call(module, inputs[1], (inputs[0],))
-    if not isinstance(got, torch.Tensor) or got.shape != rows.shape:
-        return False
     want = formula(want_inputs[0], want_inputs[1])
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return False
+    grad_out = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
     leaves = [inputs[0], *inputs[1].values()]
     want_leaves = [want_inputs[0], *want_inputs[1].values()]
     grads = torch.autograd.grad(got, leaves, grad_out, allow_unused=True)

@@ -263,6 +263,35 @@ def _bloom(prefix: str, causal_lm: bool) -> Plan:
     return _token_model(rules, prefix, "h", "ln_f", causal_lm, "BLOOM")
 
 
+def _falcon(prefix: str, causal_lm: bool, *, norms: str = "*_layernorm") -> Plan:
+    """Falcon: q, k and v fused so that a plain column split keeps whole heads.
+
+    Fused per head (``[heads, 3, d]``) or, in the new decoder architecture (Falcon-40B,
+    -180B), per key/value group (``[kv, q/kv + 2, d]``, whole groups). Multi-query Falcon
+    (one key and value beside all queries) is refused by the converter; so is ``alibi=True``.
+
+    ``norms``: the blocks' norms, ``input_layernorm`` (and ``post_attention_layernorm``
+    unless attention and MLP run side by side), or ``ln_attn`` and ``ln_mlp``.
+    """
+    block = f"{prefix}h.*"
+    rules = {
+        f"{prefix}word_embeddings": "embedding",
+        f"{block}.{norms}": "norm",
+        f"{block}.self_attention": "attention",
+        f"{block}.self_attention.query_key_value": "col",
+        f"{block}.self_attention.dense": "row",
+        f"{block}.mlp.dense_h_to_4h": "col",
+        f"{block}.mlp.dense_4h_to_h": "row",
+        f"{prefix}ln_f": "norm",
+    }
+    return _token_model(rules, prefix, "h", "ln_f", causal_lm, "Falcon")
+
+
+def _falcon_two_norms(prefix: str, causal_lm: bool) -> Plan:
+    """Falcon's new decoder architecture: a norm for attention, one for the MLP."""
+    return _falcon(prefix, causal_lm, norms="ln_*")
+
+
 def _fused_llama(prefix: str, causal_lm: bool, *, qkv: bool, name: str) -> Plan:
     """Llama's block with its projections fused.
 
@@ -511,6 +540,8 @@ FAMILIES: dict[str, tuple[str, Callable[[nn.Module], bool], Callable[[str, bool]
     "GPT-2": ("h.0.attn.c_attn", _gpt2_fused, _gpt2),
     "GPT-NeoX": ("layers.0.attention.query_key_value", _any_module, _gpt_neox),
     "BLOOM": ("h.0.self_attention.query_key_value", _any_module, _bloom),
+    "Falcon": ("h.0.self_attention.query_key_value", _any_module, _falcon),
+    "Falcon with two norms": ("h.0.ln_mlp", _any_module, _falcon_two_norms),
     "Phi-3": ("layers.0.self_attn.qkv_proj", _plain_linear, _phi3),
     "GLM": ("layers.0.mlp.gate_up_proj", _plain_linear, _glm),
     "GLM-4": ("layers.0.post_mlp_layernorm", _any_module, _glm4),

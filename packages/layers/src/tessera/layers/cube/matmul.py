@@ -312,4 +312,5 @@ def cube_linear(
         algorithm = choose_cube_algorithm(
             rows, x.shape[-1], out_block, cube.q, backward=backward, keep=keep
         )
-    return apply_function(_ALGORITHMS[algorithm], x, weight, bias, cube, input_layout, keep)
+    out = apply_function(_ALGORITHMS[algorithm], x, weight, bias, cube, input_layout, keep)
+    return out.view(*x.shape[:-1], out.shape[-1])  # [b/q^2, ..., out/q]

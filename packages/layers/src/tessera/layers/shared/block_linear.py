@@ -41,10 +41,13 @@ class BlockLinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         *grid: Any,
     ) -> torch.Tensor:
-        """``x [.., k]`` -> ``[.., out_local]`` through ``product``, plus the bias."""
+        """``x [.., k]`` -> ``[n, out_local]`` through ``product``, plus the bias.
+
+        ``n`` is the rows of ``x`` (every dim but the last); the caller views the result back
+        to ``x``'s leading dims.
+        """
         dtype, x, weight, bias = cast_operands(x, weight, bias)
         ctx.grid, ctx.has_bias = grid, bias is not None
-        lead = x.shape[:-1]
         with computing_in(dtype, x.device):
             out = cls.product(x.detach().reshape(-1, x.shape[-1]), weight.detach(), *grid)
             kept: tuple[torch.Tensor, ...] = ()
@@ -52,7 +55,9 @@ class BlockLinearFunction(torch.autograd.Function):
                 out, kept = out
             out = out if bias is None else out.add_(bias)
         ctx.save_for_backward(x, weight, *kept)
-        return out.view(*lead, out.shape[-1])
+        # A view made here would be one autograd forbids changing in place (Falcon adds its
+        # attention output into its MLP output with +=): callers restore ``lead`` outside.
+        return out if not out._is_view() else out.clone()  # [n, out_local]
 
 
 def gradients_needed(ctx: Any) -> tuple[bool, bool, bool]:
