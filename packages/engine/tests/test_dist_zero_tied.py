@@ -7,6 +7,7 @@ ranks, each with its half of the batch, against one process with the whole batch
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -96,6 +97,17 @@ def test_units_are_the_blocks_and_leave_tied_weights_to_the_root() -> None:
     flat = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     flat[1].weight = flat[0].weight  # tied across two children: neither is a unit
     assert fsdp_units(flat) == []
+
+
+def test_a_list_inside_a_block_stays_in_the_block_unit() -> None:
+    """StableLM keeps a norm per head in a list inside each block; a module converted by
+    parallelize computes with their weights without calling them, so as units of their own
+    FSDP2 would never gather them."""
+    block = nn.ModuleDict(
+        {"proj": nn.Linear(2, 2), "norms": nn.ModuleList(nn.LayerNorm(2) for _ in range(2))}
+    )
+    model = nn.ModuleDict({"layers": nn.ModuleList([block, copy.deepcopy(block)])})
+    assert fsdp_units(model) == list(model["layers"])
 
 
 @pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])

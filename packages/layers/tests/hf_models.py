@@ -286,8 +286,9 @@ def bloom_lm(seed: int = 0, **overrides: Any) -> nn.Module:
     from transformers import BloomConfig, BloomForCausalLM
 
     torch.manual_seed(seed)
-    sizes = dict(vocab_size=32, hidden_size=16, n_layer=2, n_head=4, hidden_dropout=0.0)
-    config = BloomConfig(**{**sizes, "attention_dropout": 0.0, **overrides})
+    sizes = dict(vocab_size=32, hidden_size=16, n_layer=2, n_head=4)
+    no_dropout = dict(hidden_dropout=0.0, attention_dropout=0.0)
+    config = BloomConfig(**{**sizes, **no_dropout, **overrides})
     return _distinct(BloomForCausalLM(config), seed)
 
 

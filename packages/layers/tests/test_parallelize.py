@@ -1249,6 +1249,26 @@ def test_a_plan_leaving_out_a_module_with_parameters_inside_attention_is_refused
     match_plan(model, replace(plan, rules=left_out), "sequence")  # whole heads: nothing split
 
 
+def test_bloom_slicing_its_weights_by_hand_is_refused() -> None:
+    """``pretraining_tp > 1`` with ``slow_but_exact``: attention and MLP multiply slices of
+    their whole output weights themselves, which a rank's shard is not."""
+    from tessera.layers.conversion.plan import match_plan, plan_for
+
+    model = bloom_lm(pretraining_tp=2, slow_but_exact=True)
+    with pytest.raises(
+        ValueError, match=r"'transformer.h.0.self_attention' .*slow_but_exact=False"
+    ):
+        match_plan(model, plan_for(model, None), "1d")
+
+
+def test_bloom_stages_count_alibi_positions_exactly_in_bf16() -> None:
+    """Built from a mask of ones in bf16, positions past 256 would round."""
+    model = bloom_lm().to(torch.bfloat16)
+    ids = torch.randint(0, 32, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(pipeline_layers(model)(ids), model(ids).logits)
+
+
 def test_a_fused_gate_and_up_named_as_a_plain_column_layer_is_refused() -> None:
     """Its width tells: a ``col`` layer makes what the row layer takes, ``gate_up`` twice."""
     from dataclasses import replace

@@ -144,16 +144,20 @@ def shard_with_fsdp2(
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 shards on their own before the root, deepest first.
 
-    The wrap policy of a transformer: every repeated block (each child of an ``nn.ModuleList``,
-    GPT-2's ``h.0``, Llama's ``layers.0``), or each direct child of a model without one. A unit
+    The wrap policy of a transformer: every repeated block (each child of an ``nn.ModuleList``
+    that no other list holds, GPT-2's ``h.0``, Llama's ``layers.0``), or each direct child of a
+    model without one. A list inside a block (StableLM's norm per head) stays in the block's
+    unit: the module holding it may compute with its parameters without calling its entries,
+    whose FSDP2 hooks would then never gather them. A unit
     whose parameters are also used outside it (a head tied to the token embedding) is left to
     the root: FSDP2 needs each parameter managed by one unit, and the root covers every user.
     """
     named = list(model.named_modules())
+    lists = {name for name, module in named if isinstance(module, nn.ModuleList)}
     blocks = [
         (f"{name}.{i}" if name else str(i), block)
         for name, module in named
-        if isinstance(module, nn.ModuleList)
+        if name in lists and not _inside_a_list(name, lists)
         for i, block in enumerate(module)
     ]
     candidates = blocks or [(name, child) for name, child in model.named_children()]
@@ -173,6 +177,12 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
         if params and inside:
             units.append((depth.get(prefix, 0), unit))
     return [unit for _, unit in sorted(units, key=lambda item: -item[0])]
+
+
+def _inside_a_list(name: str, lists: set[str]) -> bool:
+    """Whether module ``name`` sits inside an entry of one of the ``nn.ModuleList``s ``lists``."""
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in lists for i in range(len(parts) - 1))
 
 
 def _tessera_attributes(model: nn.Module) -> dict[str, dict[str, object]]:

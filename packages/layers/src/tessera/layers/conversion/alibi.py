@@ -61,7 +61,7 @@ class AlibiHeads:
             raise ValueError(
                 f"{type(module).__name__}: parallelize cuts the ALiBi bias to this rank's "
                 f"{self.count} of {self.heads} heads, which takes it as the keyword argument "
-                f"{ALIBI_ARGUMENT!r}; it was not passed so"
+                f"{ALIBI_ARGUMENT!r}; it was not given by keyword"
             )
         rows = alibi.shape[0]
         if rows % self.heads != 0:
@@ -69,7 +69,7 @@ class AlibiHeads:
                 f"{type(module).__name__}: the ALiBi bias {list(alibi.shape)} holds {rows} rows, "
                 f"not batch x {self.heads} heads ({rows} % {self.heads} = {rows % self.heads})"
             )
-        whole = alibi.view(rows // self.heads, self.heads, *alibi.shape[1:])  # [b, heads, 1, k]
+        whole = alibi.reshape(rows // self.heads, self.heads, *alibi.shape[1:])  # [b, heads, 1, k]
         mine = whole[:, self.first : self.first + self.count]  # [b, count, 1, k]
         return args, {**kwargs, ALIBI_ARGUMENT: mine.reshape(-1, *alibi.shape[1:])}
 

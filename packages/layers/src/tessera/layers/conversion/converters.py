@@ -582,12 +582,6 @@ class Converter:
                 "but neither the module nor its config says how many features a head has "
                 "(head_dim), so its key and value projections cannot be told from its query one"
             )
-        if getattr(module, "pretraining_tp", 1) > 1 and getattr(module, "slow_but_exact", False):
-            raise ValueError(
-                f"parallelize: attention module {name!r} has pretraining_tp = "
-                f"{module.pretraining_tp} with slow_but_exact, which slices its output "
-                "projection's whole weight by hand; set config.slow_but_exact = False"
-            )
         if getattr(getattr(module, "config", None), "alibi", False) is True:
             raise ValueError(
                 f"parallelize: attention module {name!r} ({type(module).__name__}) has a config "

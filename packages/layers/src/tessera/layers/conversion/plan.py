@@ -640,8 +640,33 @@ def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
     _check_mlp_widths(model, ordered, plan, mode)
     _check_norms_in_attention(ordered, plan, mode)
     _check_attention_covered(model, ordered, plan, mode)
+    _check_no_hand_sliced_weights(model, mode)
     _check_experts_mode(ordered, plan, mode)
     return ordered
+
+
+def _check_no_hand_sliced_weights(model: nn.Module, mode: str) -> None:
+    """No module slices a layer's whole weight by hand (BLOOM's ``slow_but_exact``).
+
+    With ``pretraining_tp > 1`` and ``slow_but_exact`` BLOOM's attention and MLP multiply
+    slices of their output projection's weight themselves, as if it were whole: on a rank's
+    shard that is another product, with no sum over the ranks.
+
+    Raises:
+        ValueError: naming the first such module.
+    """
+    if mode == "sequence":  # whole weights on every rank
+        return
+    for name, module in model.named_modules():
+        tp = getattr(module, "pretraining_tp", 1)
+        if isinstance(tp, int) and tp > 1 and getattr(module, "slow_but_exact", False) is True:
+            raise ValueError(
+                f"parallelize under tensor mode {mode!r}: {name!r} ({type(module).__name__}) "
+                f"has pretraining_tp = {tp} with slow_but_exact, so it multiplies slices of its "
+                "output projection's whole weight by hand; build the model with "
+                "slow_but_exact=False in its config (that path also leaves out the projection's "
+                "bias, so it computes another model)"
+            )
 
 
 def _check_attention_covered(
@@ -666,6 +691,12 @@ def _check_attention_covered(
             if not any(True for _ in module.parameters(recurse=False)):
                 continue
             owners = [n for n in roles if n != attention and (name + ".").startswith(n + ".")]
+            if not owners and name == attention:
+                raise ValueError(
+                    f"parallelize under tensor mode {mode!r}: the attention module {name!r} "
+                    f"({type(module).__name__}) holds parameters of its own, which no role "
+                    "takes: its heads are split, so each rank would see a share of them"
+                )
             if not owners:
                 raise ValueError(
                     f"parallelize under tensor mode {mode!r}: {name!r} "

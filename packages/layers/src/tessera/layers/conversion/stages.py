@@ -15,7 +15,8 @@ head]``, holding the model's own modules (the parameters are the same tensors):
   projection).
 
 Families, found by their modules: Llama-style causal LMs (Llama, Mistral, Qwen2), GPT-2,
-BERT's masked LM and the ViT classifier. A family member may do more in its forward than its
+BLOOM (each block gets the ALiBi bias of every head, built from the padding mask), BERT's
+masked LM and the ViT classifier. A family member may do more in its forward than its
 modules do; what the stages know of is done as the model does it (a block's sliding window,
 from ``config.layer_types`` or ``config.sliding_window``; Granite's embedding and logit
 multipliers, Cohere's logit scale, Gemma 2's soft cap of the logits), and anything else is
@@ -398,7 +399,10 @@ class BlockStage(nn.Module):
         self._ring = [ring]  # not a module attribute torch would traverse
         rotary = inner.get_submodule(family.rotary) if family.rotary else None
         self._rotary = [rotary]  # shared by every layer, holds no parameters
-        self._inner = [inner] if family.alibi else []  # builds the ALiBi bias
+        # BLOOM: the base model's builder of the ALiBi bias of every head, and their count
+        self._alibi: list[tuple[Callable[..., torch.Tensor], int]] = []
+        if family.alibi:
+            self._alibi.append((inner.build_alibi_tensor, inner.num_heads))  # type: ignore[arg-type]
         self._config = getattr(inner, "config", None)
         self.sliding = _attends_in_window(self._config, index, family, set(reads))
         # Gemma 3 keeps one rotary embedding per kind of block (local and global frequencies)
@@ -456,11 +460,12 @@ class BlockStage(nn.Module):
         rotary = self._rotary[0]
         if rotary is not None:
             kwargs["position_embeddings"] = rotary(whole, positions, **self._rotary_kind)
-        if self._inner:  # every head's bias; each attention takes its heads' rows
-            (inner,) = self._inner
-            keys = padding if padding is not None else hidden.new_ones(hidden.shape[0], length)
-            build: Callable[..., torch.Tensor] = getattr(inner, "build_alibi_tensor")  # noqa: B009
-            kwargs["alibi"] = build(keys, getattr(inner, "num_heads"), hidden.dtype)  # noqa: B009
+        if self._alibi:  # every head's bias; each attention takes its heads' rows
+            ((build, heads),) = self._alibi
+            # integer positions: ones in bf16 would count past 256 inexactly
+            ones = torch.ones(hidden.shape[0], length, dtype=torch.long, device=hidden.device)
+            keys = padding if padding is not None else ones
+            kwargs["alibi"] = build(keys, heads, hidden.dtype)
         return kwargs
 
     def _attention_mask(
@@ -548,8 +553,8 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
 
     Args:
         model: A Llama-style causal LM (Llama, Mistral, Qwen2), ``GPT2LMHeadModel``,
-            ``BertForMaskedLM`` or ``ViTForImageClassification``; ``parallelize`` it first for
-            tensor parallelism.
+            ``BloomForCausalLM``, ``BertForMaskedLM`` or ``ViTForImageClassification``;
+            ``parallelize`` it first for tensor parallelism.
         context: The ParallelContext (default: the model's, from ``parallelize``, else none).
 
     Returns:
