@@ -395,17 +395,19 @@ def _repeated_heads(ctx: ParallelContext) -> list[float]:
 
 def _falcon(ctx: ParallelContext) -> list[float]:
     """Falcon's layouts, each with its own ``FalconLinear`` class (a probe shows it computes
-    ``x W^T + b``). On the mesh and the cube the new decoder architecture (Falcon-40B's: q, k
-    and v fused per key/value group, attention beside the MLP on two norms, the attention
-    output added into the MLP's in place). Under 1D with sequence parallelism the original one
+    ``x W^T + b``). Under every layout the new decoder architecture (Falcon-40B's: q, k and v
+    fused per key/value group, attention beside the MLP on two norms, the attention output
+    added into the MLP's in place). Under 1D with sequence parallelism also the original one
     (fused per head, norms before attention and MLP, biases), and what is refused by name:
     multi-query Falcon (its one key and value fused beside every query: a row split would cut
     them), one key/value group, and ALiBi folded into the mask."""
+    grouped = _with_plan(falcon_lm(), "Falcon with two norms LM plan inferred")
+    results = [_lm_matches_reference(grouped, ctx)]
     if ctx.config.tensor_mode != "1d":
-        return [_lm_matches_reference(_with_plan(falcon_lm(), "Falcon LM plan inferred"), ctx)]
+        return results
     original = dict(new_decoder_architecture=False, multi_query=False, num_kv_heads=8)
     mha = falcon_lm(**original, parallel_attn=False, bias=True)
-    results = [_lm_matches_reference(_with_plan(mha, "Falcon LM plan inferred"), ctx)]
+    results.append(_lm_matches_reference(_with_plan(mha, "Falcon LM plan inferred"), ctx))
     refused = [
         (dict(new_decoder_architecture=False, multi_query=True), "q, k and v fused in one"),
         (dict(num_kv_heads=1), "q, k and v fused in one"),
@@ -1247,6 +1249,28 @@ def test_a_plan_leaving_out_a_module_with_parameters_inside_attention_is_refused
     ):
         match_plan(model, replace(plan, rules=left_out), "1d")
     match_plan(model, replace(plan, rules=left_out), "sequence")  # whole heads: nothing split
+
+
+class _FalconLike(nn.Linear):
+    """Falcon's way: the product written out."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T + self.bias
+
+
+class _DroppedWeights(nn.Linear):
+    """DropConnect: the weight dropped in training only, like the plain layer in eval mode."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, F.dropout(self.weight, 0.5, self.training), self.bias)
+
+
+def test_a_linear_subclass_is_taken_only_when_it_computes_a_linear_layer() -> None:
+    from tessera.layers.conversion.converters import linear_shape
+
+    assert linear_shape("fc", _FalconLike(4096, 8192), "col").out_features == 8192  # probed small
+    with pytest.raises(TypeError, match=r"'fc' \(_DroppedWeights\) .*overrides torch.nn.Linear"):
+        linear_shape("fc", _DroppedWeights(3, 4).eval(), "col")  # differs in training only
 
 
 def test_bloom_slicing_its_weights_by_hand_is_refused() -> None:

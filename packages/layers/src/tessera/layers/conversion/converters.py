@@ -212,10 +212,15 @@ def linear_shape(name: str, module: nn.Module, role: str) -> LinearShape:
 def computes_linear(module: nn.Linear) -> bool:
     """Whether a subclass of ``nn.Linear`` with a forward of its own computes ``x W^T + b``.
 
-    Falcon's ``FalconLinear`` writes the product out (``x @ W.T + b``): the same layer. Probed
-    as a norm is (:func:`~tessera.layers.conversion.norms.computes_formula`): its output and
-    gradients on random rows with random weights, against ``F.linear``'s; one that holds
-    submodules or buffers, or computes anything else (a scaled residual), is not.
+    Falcon's ``FalconLinear`` writes the product out (``x @ W.T + b``): the same layer, which
+    tessera's layers can replace. Any other computation (a scaled residual, a dropout of the
+    weight) would be lost. Its class is probed once (per class and bias), the way norms are
+    (:func:`~tessera.layers.conversion.norms.computes_formula`): on small random weights in
+    fp64, whatever the layer's size, with 2-D and 3-D rows at three scales, in train and eval
+    mode, output and gradients against ``F.linear``'s.
+
+    Returns:
+        ``False`` also for a module holding submodules, buffers, hooks or other parameters.
     """
     if (
         not computes_own_forward(module)
@@ -224,17 +229,39 @@ def computes_linear(module: nn.Linear) -> bool:
         or {n for n, _ in module.named_parameters()} - {"weight", "bias"}
     ):
         return False
+    return _probe_linear_class(type(module), module.bias is not None, module)
+
+
+_LINEAR_CLASSES: dict[tuple[type[nn.Module], bool], bool] = {}
+
+
+def _probe_linear_class(cls: type[nn.Module], bias: bool, module: nn.Linear) -> bool:
+    """The probe of :func:`computes_linear` for ``cls``, remembered."""
+    if (cls, bias) in _LINEAR_CLASSES:
+        return _LINEAR_CLASSES[(cls, bias)]
     g = torch.Generator().manual_seed(0)
-    params = {n: torch.randn(p.shape, generator=g) for n, p in module.named_parameters()}
-    rows = torch.randn((2, 3, module.in_features), generator=g)
+    params = {"weight": torch.randn(5, 7, generator=g, dtype=torch.float64)}  # [out, in]
+    if bias:
+        params["bias"] = torch.randn(5, generator=g, dtype=torch.float64)
+    shapes = ((4, 7), (2, 3, 7))
 
     def linear(x: torch.Tensor, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return F.linear(x, values["weight"], values.get("bias"))
 
+    training = module.training
     try:
-        return computes_formula(module, linear, params, rows)
+        found = all(
+            computes_formula(module.train(mode), linear, params, rows * scale)
+            for mode in (True, False)
+            for rows in (torch.randn(shape, generator=g, dtype=torch.float64) for shape in shapes)
+            for scale in (1.0, 1e-3, 1e3)
+        )
     except Exception:  # any failure means "not a plain linear layer"
-        return False
+        found = False
+    finally:
+        module.train(training)
+    _LINEAR_CLASSES[(cls, bias)] = found
+    return found
 
 
 def _tensor(module: nn.Module, name: str) -> torch.Tensor:
@@ -362,6 +389,10 @@ class Converter:
         grouped-query attention (fewer key/value heads than query heads: parts of unequal
         sizes) is held interleaved by group and its output put back in q, k, v order
         (:class:`~tessera.layers.state.sections.SectionOrder`).
+
+        Raises:
+            ValueError: a column layer of attention fuses q, k and v while its key/value
+                heads are repeated over the ranks (:meth:`_check_not_fused_with_repeats`).
         """
         shape = linear_shape(name, module, role)
         owner = self._attention_around(name)

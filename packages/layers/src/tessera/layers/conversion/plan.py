@@ -263,7 +263,9 @@ def _bloom(prefix: str, causal_lm: bool) -> Plan:
     return _token_model(rules, prefix, "h", "ln_f", causal_lm, "BLOOM")
 
 
-def _falcon(prefix: str, causal_lm: bool, *, norms: str = "*_layernorm") -> Plan:
+def _falcon(
+    prefix: str, causal_lm: bool, *, norms: str = "*_layernorm", name: str = "Falcon"
+) -> Plan:
     """Falcon: q, k and v fused so that a plain column split keeps whole heads.
 
     Fused per head (``[heads, 3, d]``) or, in the new decoder architecture (Falcon-40B,
@@ -284,12 +286,12 @@ def _falcon(prefix: str, causal_lm: bool, *, norms: str = "*_layernorm") -> Plan
         f"{block}.mlp.dense_4h_to_h": "row",
         f"{prefix}ln_f": "norm",
     }
-    return _token_model(rules, prefix, "h", "ln_f", causal_lm, "Falcon")
+    return _token_model(rules, prefix, "h", "ln_f", causal_lm, name)
 
 
 def _falcon_two_norms(prefix: str, causal_lm: bool) -> Plan:
     """Falcon's new decoder architecture: a norm for attention, one for the MLP."""
-    return _falcon(prefix, causal_lm, norms="ln_*")
+    return _falcon(prefix, causal_lm, norms="ln_*", name="Falcon with two norms")
 
 
 def _fused_llama(prefix: str, causal_lm: bool, *, qkv: bool, name: str) -> Plan:
