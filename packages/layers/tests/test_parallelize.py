@@ -398,13 +398,18 @@ def _falcon(ctx: ParallelContext) -> list[float]:
     ``x W^T + b``). Under every layout the new decoder architecture (Falcon-40B's: q, k and v
     fused per key/value group, attention beside the MLP on two norms, the attention output
     added into the MLP's in place). Under 1D with sequence parallelism also the original one
-    (fused per head, norms before attention and MLP, biases), and what is refused by name:
+    (fused per head, norms before attention and MLP, biases), the new one as pipeline layers,
+    and what is refused by name:
     multi-query Falcon (its one key and value fused beside every query: a row split would cut
     them), one key/value group, and ALiBi folded into the mask."""
     grouped = _with_plan(falcon_lm(), "Falcon with two norms LM plan inferred")
     results = [_lm_matches_reference(grouped, ctx)]
     if ctx.config.tensor_mode != "1d":
         return results
+    layers = pipeline_layers(parallelize(copy.deepcopy(grouped), context=ctx))  # as stages
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(layers(ids), _local_logits(grouped(ids).logits, ctx), **TOL)
     original = dict(new_decoder_architecture=False, multi_query=False, num_kv_heads=8)
     mha = falcon_lm(**original, parallel_attn=False, bias=True)
     results.append(_lm_matches_reference(_with_plan(mha, "Falcon LM plan inferred"), ctx))

@@ -15,8 +15,8 @@ head]``, holding the model's own modules (the parameters are the same tensors):
   projection).
 
 Families, found by their modules: Llama-style causal LMs (Llama, Mistral, Qwen2), GPT-2,
-BLOOM (each block gets the ALiBi bias of every head, built from the padding mask), BERT's
-masked LM and the ViT classifier. A family member may do more in its forward than its
+BLOOM (each block gets the ALiBi bias of every head, built from the padding mask), Falcon,
+BERT's masked LM and the ViT classifier. A family member may do more in its forward than its
 modules do; what the stages know of is done as the model does it (a block's sliding window,
 from ``config.layer_types`` or ``config.sliding_window``; Granite's embedding and logit
 multipliers, Cohere's logit scale, Gemma 2's soft cap of the logits), and anything else is
@@ -91,8 +91,9 @@ class Family:
         inputs: ``"tokens"`` or ``"images"``.
         mask: The attention mask each block takes: ``"causal"``, ``"bidirectional"``, none.
         rotary: The base model's rotary embedding module, or none.
-        alibi: Each block takes the ALiBi bias of every head (``alibi``), which the base model
-            builds from the padding mask (BLOOM; ``build_alibi_tensor``).
+        alibi: What each block takes as ``alibi``: ``"built"``, the ALiBi bias of every head,
+            which the base model builds from the padding mask (BLOOM; ``build_alibi_tensor``);
+            ``"none"``, ``None`` (Falcon with rotary positions); ``None``: no such argument.
     """
 
     name: str
@@ -104,7 +105,7 @@ class Family:
     inputs: Literal["tokens", "images"]
     mask: Literal["causal", "bidirectional"] | None
     rotary: str | None = None
-    alibi: bool = False
+    alibi: Literal["built", "none"] | None = None
 
     def fits(self, model: nn.Module) -> bool:
         """Whether ``model`` holds every module this family names."""
@@ -157,7 +158,19 @@ FAMILIES = (
         head="lm_head",
         inputs="tokens",
         mask="causal",
-        alibi=True,
+        alibi="built",
+    ),
+    Family(
+        name="Falcon",
+        inner="transformer",
+        embeds=("word_embeddings",),
+        blocks=("h",),
+        final=("ln_f",),
+        head="lm_head",
+        inputs="tokens",
+        mask="causal",
+        rotary="rotary_emb",
+        alibi="none",
     ),
     Family(
         name="BERT masked LM",
@@ -304,9 +317,10 @@ class EmbedStage(nn.Module):
                 hidden = hidden + modules["wte"](token_types)
             out: torch.Tensor = modules["drop"](hidden)
             return out
-        if "word_embeddings_layernorm" in modules:  # BLOOM: a norm of the token rows
-            out = modules["word_embeddings_layernorm"](modules["word_embeddings"](ids))
-            return out
+        if "word_embeddings" in modules:  # BLOOM (then a norm of the token rows), Falcon
+            out = modules["word_embeddings"](ids)
+            norm = modules.get("word_embeddings_layernorm")
+            return out if norm is None else norm(out)
         if "embeddings" in modules:  # BERT
             out = modules["embeddings"](
                 input_ids=ids, token_type_ids=token_types, position_ids=positions
@@ -401,7 +415,7 @@ class BlockStage(nn.Module):
         self._rotary = [rotary]  # shared by every layer, holds no parameters
         # BLOOM: the base model's builder of the ALiBi bias of every head, and their count
         self._alibi: list[tuple[Callable[..., torch.Tensor], int]] = []
-        if family.alibi:
+        if family.alibi == "built":
             self._alibi.append((inner.build_alibi_tensor, inner.num_heads))  # type: ignore[arg-type]
         self._config = getattr(inner, "config", None)
         self.sliding = _attends_in_window(self._config, index, family, set(reads))
@@ -460,6 +474,8 @@ class BlockStage(nn.Module):
         rotary = self._rotary[0]
         if rotary is not None:
             kwargs["position_embeddings"] = rotary(whole, positions, **self._rotary_kind)
+        if self.family.alibi == "none":
+            kwargs["alibi"] = None  # a required argument of the block
         if self._alibi:  # every head's bias; each attention takes its heads' rows
             ((build, heads),) = self._alibi
             # integer positions: ones in bf16 would count past 256 inexactly
@@ -553,7 +569,8 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
 
     Args:
         model: A Llama-style causal LM (Llama, Mistral, Qwen2), ``GPT2LMHeadModel``,
-            ``BloomForCausalLM``, ``BertForMaskedLM`` or ``ViTForImageClassification``;
+            ``BloomForCausalLM``, ``FalconForCausalLM``, ``BertForMaskedLM`` or
+            ``ViTForImageClassification``;
             ``parallelize`` it first for tensor parallelism.
         context: The ParallelContext (default: the model's, from ``parallelize``, else none).
 
