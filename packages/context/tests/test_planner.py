@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import json
 import math
 import pathlib
 from dataclasses import replace
@@ -643,6 +644,136 @@ def test_cli_heads_error_names_the_flag() -> None:
 def test_unknown_command_prints_the_commands() -> None:
     code, _, err = _run(["nope"])
     assert code == 2 and "unknown command 'nope'" in err and "plan" in err
+
+
+# ------------------------------------------------------------------ models read from a config
+
+#: config.json fields as transformers writes them (the keys the planner reads, and a few more).
+GPT2_SMALL = {
+    "model_type": "gpt2",
+    "n_layer": 12,
+    "n_embd": 768,
+    "n_head": 12,
+    "n_positions": 1024,
+    "n_inner": None,
+    "vocab_size": 50257,
+    "layer_norm_epsilon": 1e-5,
+}
+LLAMA2_7B = {
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "intermediate_size": 11008,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 4096,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "rms_norm_eps": 1e-5,
+}
+MISTRAL_7B = {
+    **LLAMA2_7B,
+    "model_type": "mistral",
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "published"),
+    [(GPT2_SMALL, 124_439_808), (LLAMA2_7B, 6_738_415_616), (MISTRAL_7B, 7_241_732_096)],
+)
+def test_a_config_gives_the_models_published_parameter_count(
+    config: dict[str, object], published: int
+) -> None:
+    shape = ModelShape.from_config(config, seq=1024, batch=8)
+    assert shape.parameters == published
+    llama = config is not GPT2_SMALL
+    assert (shape.gated_mlp, shape.norm == "rmsnorm", shape.positions == "rotary") == (llama,) * 3
+    assert shape.tied_head == (not llama) and shape.fused_qkv == (not llama)
+
+
+def test_grouped_query_attention_per_rank() -> None:
+    """Mistral's 8 key/value heads: split over 1d(8) like the query heads; over 1d(16) each
+    repeated on two ranks, k and v then whole on every rank (tessera's RepeatedHeads)."""
+    shape = ModelShape.from_config(MISTRAL_7B, seq=1024, batch=16)
+    h, d, f = 4096, 128, 14336
+    kv = 8 * d
+    # 1d(8): q, k, v, gate, up by output features, o and down by input; RMSNorms whole
+    assert block_parameters(shape, Layout(1, 1, 8, "1d")) == (
+        (h * h + 2 * h * kv + h * h + 3 * h * f) // 8 + 2 * h
+    )
+    assert block_parameters(shape, Layout(1, 1, 16, "1d")) == (
+        (h * h + h * h + 3 * h * f) // 16 + 2 * h * kv + 2 * h
+    )
+    # on a 4x4 mesh every weight in blocks, the norms split over the row
+    assert block_parameters(shape, Layout(1, 1, 16, "2d")) == (
+        (h * h + 2 * h * kv + h * h + 3 * h * f) // 16 + 2 * h // 4
+    )
+    # the gated MLP saves four [T, F] tensors, GeLU's two; k and v are 1/4 of q here
+    fp16 = precision_for("fp16", 0)
+    one = block_activation_bytes(shape, Layout(1, 1, 1, "none"), 1, fp16)
+    tokens, scores = 1024, 32 * 1024 * 1024
+    assert one == 2 * (tokens * (4 * h + (h + 2 * kv) + h + 4 * f) + scores) + 4 * 2 * tokens
+
+
+@pytest.mark.parametrize(
+    ("fields", "layout", "message"),
+    [
+        (
+            dict(heads=12, kv_heads=3),
+            Layout(1, 1, 2, "1d"),
+            "kv_heads 3 % 2 = 1",
+        ),
+        (
+            dict(heads=12, kv_heads=3),
+            Layout(1, 1, 4, "1d"),
+            "kv_heads 3 do not divide 4 (4 % 3 = 1)",
+        ),
+        (dict(heads=8, kv_heads=2), Layout(1, 1, 4, "1d"), "kv_heads 2 < 4 with fused q/k/v"),
+        (dict(heads=8, kv_heads=1), Layout(1, 1, 8, "3d"), "kv_heads 1 < 2 with fused q/k/v"),
+    ],
+)
+def test_key_value_heads_tessera_cannot_split_are_named(
+    fields: dict[str, int], layout: Layout, message: str
+) -> None:
+    shape = ModelShape(layers=2, hidden=96, seq=8, vocab=0, batch=8, **fields)
+    assert any(message in problem for problem in layout_problems(shape, layout))
+    separate = replace(shape, fused_qkv=False)
+    fused_only = "fused" in message
+    assert (layout_problems(separate, layout) == []) == fused_only
+
+
+def test_bad_configs_name_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"^config has none of hidden_size, n_embd, d_model"):
+        ModelShape.from_config({"n_layer": 2}, seq=8, batch=8)
+    with pytest.raises(ConfigError, match=r"^kv_heads 5 does not divide heads 32"):
+        ModelShape.from_config({**LLAMA2_7B, "num_key_value_heads": 5}, seq=8, batch=8)
+    with pytest.raises(ConfigError, match=r"^norm must be one of layernorm, rmsnorm"):
+        ModelShape(layers=1, hidden=8, heads=2, seq=4, vocab=0, batch=2, norm="batchnorm")  # type: ignore[arg-type]
+
+
+def test_cli_reads_a_transformers_config(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MISTRAL_7B))
+    argv = ["plan", "--config", str(path), "--seq", "4096", "--batch", "16", "--world", "16"]
+    code, out, _ = _run([*argv, "--memory", "80GiB", "--dtype", "bf16", "--top", "3"])
+    assert code == 0
+    assert out.splitlines()[0] == (
+        "model: 32 layers, hidden 4096, heads 32, seq 4096, vocab 32000, batch 16, ffn 14336, "
+        "8 key/value heads, gated MLP, RMSNorm, rotary, no biases, untied head "
+        "(7.24 B parameters), bf16, Adam"
+    )
+    code, out, _ = _run([*argv, "--layers", "2", "--memory", "80GiB"])  # a flag overrides
+    assert code == 0 and out.startswith("model: 2 layers, hidden 4096")
+    code, _, err = _run(["plan", "--seq", "8", "--batch", "8", "--world", "2", "--memory", "1GiB"])
+    assert code == 2 and "--config missing: give --layers, --hidden, --heads, --vocab" in err
+    path.write_text("[1, 2]")
+    code, _, err = _run([*argv, "--memory", "1GiB"])
+    assert code == 2 and f"--config {path} holds no JSON object" in err
 
 
 # ------------------------------------------------------------------ torch-free arithmetic

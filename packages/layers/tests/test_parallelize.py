@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from hf_models import (
+    BATCH,
     GPT2_CONFIG,
     SEQ,
     bert_mlm,
@@ -60,6 +61,8 @@ from tessera.context import (
     defer_gradient_sums,
     original_names_of,
 )
+from tessera.context.planner import Layout, ModelShape
+from tessera.context.planner.memory import block_parameters, embedding_parameters
 from tessera.layers import (
     BUILTIN_PLANS,
     Linear3D,
@@ -314,6 +317,7 @@ def _lm_matches_reference(
         assert attention == then_attention
     original = ref.state_dict()
     _assert_same_state(gather_full_state_dict(model, context=ctx), original)
+    _assert_planner_counts(ref, model, ctx)
     if ref.get_output_embeddings() is not None:
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
         tied = ref.get_output_embeddings().weight is ref.get_input_embeddings().weight
@@ -364,6 +368,21 @@ def _lm_matches_reference(
     load_full_state_dict(model, original)
     _assert_same_state(gather_full_state_dict(model, context=ctx), original)
     return round(float(loss.detach()), 5)
+
+
+def _assert_planner_counts(ref: nn.Module, model: nn.Module, ctx: ParallelContext) -> None:
+    """The planner's parameter figures (tessera.context, torch-free) for a GPT-2 or a Llama
+    read from its config: the whole model's, and what ``parallelize`` left on this rank."""
+    mode = ctx.config.tensor_mode
+    if mode == "sequence" or ref.config.model_type not in ("gpt2", "llama"):
+        return
+    size = ctx.get_world_size(ParallelMode.TENSOR)
+    layout = Layout(1, 1, size, mode, depth=ctx.config.tensor_depth)
+    shape = ModelShape.from_config(ref.config.to_dict(), seq=SEQ, batch=BATCH)
+    assert shape.parameters == sum(p.numel() for p in ref.parameters())
+    held = sum(p.numel() for p in model.parameters())
+    planned = shape.layers * block_parameters(shape, layout) + embedding_parameters(shape, layout)
+    assert held == planned, f"{layout}: {held} parameters on this rank, the planner says {planned}"
 
 
 def _repeated_heads(ctx: ParallelContext) -> list[float]:

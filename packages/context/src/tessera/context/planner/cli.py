@@ -13,6 +13,8 @@ is ``--backend`` where given, else gloo with ``--calibrate``, else NCCL.
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -41,7 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
             "fastest first by a machine model."
         ),
     )
-    model = parser.add_argument_group("model and batch")
+    model = parser.add_argument_group(
+        "model and batch (--seq and --batch always; the rest, or --config)"
+    )
+    model.add_argument(
+        "--config",
+        help="a transformers config.json (GPT-2 or the Llama family): the model's numbers and "
+        "kind read from it; --layers, --hidden, --heads, --vocab override them",
+    )
     for name, text in (
         ("layers", "transformer blocks"),
         ("hidden", "model width h"),
@@ -50,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("vocab", "vocabulary size (0: blocks only, no embedding or head)"),
         ("batch", "global batch in samples"),
     ):
-        model.add_argument(f"--{name}", type=int, required=True, help=text)
+        model.add_argument(f"--{name}", type=int, required=name in _ALWAYS, help=text)
     model.add_argument("--ffn-multiple", type=int, default=4, help="MLP width / h (default 4)")
     model.add_argument("--dropout", action="store_true", help="dropout p > 0 (saves its masks)")
     job = parser.add_argument_group("job")
@@ -89,16 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        shape = ModelShape(
-            layers=args.layers,
-            hidden=args.hidden,
-            heads=args.heads,
-            seq=args.seq,
-            vocab=args.vocab,
-            batch=args.batch,
-            ffn_multiple=args.ffn_multiple,
-            dropout=args.dropout,
-        )
+        shape = _shape(args)
         budget = parse_bytes(args.memory)
         if args.top < 1:
             raise ConfigError(f"top must be a positive int, got {args.top}")
@@ -132,6 +132,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif others:
         print(f"({len(others)} layouts that do not fit are listed with --all.)")
     return 0
+
+
+#: Flags every command needs; the model's other numbers come from them or from ``--config``.
+_ALWAYS = ("seq", "batch")
+_MODEL_FLAGS = ("layers", "hidden", "heads", "vocab")
+
+
+def _shape(args: argparse.Namespace) -> ModelShape:
+    """The model from ``--config`` (overridden by the flags given) or from the flags alone."""
+    given = {k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None}
+    if args.config is None:
+        missing = [f"--{k}" for k in _MODEL_FLAGS if k not in given]
+        if missing:
+            raise ConfigError(f"config missing: give {', '.join(missing)}, or --config FILE")
+        return ModelShape(
+            **given,
+            seq=args.seq,
+            batch=args.batch,
+            ffn_multiple=args.ffn_multiple,
+            dropout=args.dropout,
+        )
+    try:
+        config = json.loads(pathlib.Path(args.config).read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"config {args.config} cannot be read as JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"config {args.config} holds no JSON object")
+    shape = ModelShape.from_config(config, seq=args.seq, batch=args.batch)
+    return replace(shape, dropout=args.dropout, **given)
 
 
 def _machine(args: argparse.Namespace) -> tuple[Machine, str]:

@@ -188,6 +188,8 @@ def linear_collectives(
     n_out: int,
     precision: Precision,
     backend: str = "nccl",
+    *,
+    bias: bool = True,
 ) -> list[Collective]:
     """One ``Linear(n_in, n_out)`` of a 2d, 2.5d or 3d layout on ``rows`` local rows.
 
@@ -226,13 +228,14 @@ def linear_collectives(
 
     Gathers and scatters are all-gathers and reduce-scatters under ``backend="nccl"``, sends
     to each other rank under ``"gloo"`` (see the module docstring). Gradients inside these
-    products are in the compute dtype (``precision.activation``).
+    products are in the compute dtype (``precision.activation``). Without ``bias`` no bias
+    gradient rides along.
     """
     q, e = layout.side, precision.activation
     if layout.mode == "3d":
-        return _cube_linear_collectives(q, rows, n_in, n_out, e, backend)
+        return _cube_linear_collectives(q, rows, n_in, n_out, e, backend, bias)
     x, y = _ceil(rows * n_in, q), _ceil(rows * n_out, q)
-    w, b = _ceil(n_in * n_out, q * q), _ceil(n_out, q)
+    w, b = _ceil(n_in * n_out, q * q), _ceil(n_out, q) if bias else 0
     if mesh_algorithm(rows, n_in // q) == "stationary":
         found = [
             Collective("send", 2, e * q * x),
@@ -256,7 +259,7 @@ def linear_collectives(
 
 
 def _cube_linear_collectives(
-    q: int, rows: int, n_in: int, n_out: int, e: int, backend: str
+    q: int, rows: int, n_in: int, n_out: int, e: int, backend: str, bias: bool
 ) -> list[Collective]:
     """A 3d ``Linear(n_in, n_out)`` on ``rows`` rows, ``e`` bytes per element (see above)."""
     k, o, plane = _ceil(n_in, q), _ceil(n_out, q * q), q * q
@@ -267,10 +270,10 @@ def _cube_linear_collectives(
             _all_to_all(backend, plane, e * rows * o),
             _all_to_all(backend, plane, e * rows * o, "backward"),
             _gather(backend, plane, e * x, "backward"),
-            _gather(backend, q, e * o, "backward"),
+            *([_gather(backend, q, e * o, "backward")] if bias else []),
             _scatter(backend, plane, e * x, "backward"),
         ]
-    y, b = rows * q * o, q * o  # [n, n_out/q] output block, [n_out/q] bias
+    y, b = rows * q * o, q * o if bias else 0  # [n, n_out/q] output block, [n_out/q] bias
     return [
         _gather(backend, q, e * x),
         _gather(backend, q, e * w),
@@ -284,15 +287,15 @@ def _cube_linear_collectives(
 
 
 def _layer_norm_collectives(
-    layout: Layout, rows: int, hidden: int, precision: Precision, backend: str
+    layout: Layout, rows: int, vectors: int, precision: Precision, backend: str
 ) -> list[Collective]:
-    """A LayerNorm whose hidden dim is split over ``q`` ranks (2d, 2.5d, 3d).
+    """A LayerNorm (or RMSNorm) whose hidden dim is split over ``q`` ranks (2d, 2.5d, 3d).
 
     Forward: each slice's mean and sum of squared deviations ``[rows, 2]`` gathered over the
     row (merged as Chan et al. 1979); backward: the two sums ``[rows, 2]`` of the input
-    gradient all-reduced over the row, and the weight and bias gradients ``[2h/q]``
-    all-reduced together over the batch group (the ``tensor / q`` ranks holding the same
-    hidden block).
+    gradient all-reduced over the row, and the affine gradients (``vectors``: weight and bias
+    ``2h``, an RMSNorm's weight ``h``), ``/q`` of them, all-reduced together over the batch
+    group (the ``tensor / q`` ranks holding the same hidden block).
     """
     q = layout.side
     batch_group = layout.tensor // q
@@ -302,7 +305,7 @@ def _layer_norm_collectives(
         Collective(
             "all_reduce",
             batch_group,
-            precision.gradient * 2 * _ceil(hidden, q),
+            precision.gradient * _ceil(vectors, q),
             1,
             "backward",
             "batch",
@@ -330,21 +333,22 @@ def block_collectives(
     recomputation; that is added by the caller.
     """
     tokens = samples * shape.seq
-    h, f = shape.hidden, shape.ffn
     if layout.mode == "none":
         return []
     if layout.mode == "1d":
-        size = precision.activation * tokens * h
+        size = precision.activation * tokens * shape.hidden
         return [
             Collective("all_reduce", layout.tensor, size, 2),
             Collective("all_reduce", layout.tensor, size, 2, "backward"),
         ]
     rows = _ceil(tokens, layout.row_split)
     found: list[Collective] = []
-    for n_in, n_out in ((h, 3 * h), (h, h), (h, f), (f, h)):  # qkv, proj, fc1, fc2
-        found += linear_collectives(layout, rows, n_in, n_out, precision, backend)
+    for linear in shape.block_linears(layout.side):  # qkv (or q, k, v), proj, fc1, fc2
+        found += linear_collectives(
+            layout, rows, linear.n_in, linear.n_out, precision, backend, bias=shape.biases
+        )
     for _ in range(2):
-        found += _layer_norm_collectives(layout, rows, h, precision, backend)
+        found += _layer_norm_collectives(layout, rows, shape.norm_vectors, precision, backend)
     return found
 
 
@@ -377,7 +381,7 @@ def head_collectives(
     rows = _ceil(tokens, layout.row_split)
     return [
         *linear_collectives(layout, rows, shape.hidden, shape.vocab, precision, backend),
-        *_layer_norm_collectives(layout, rows, shape.hidden, precision, backend),
+        *_layer_norm_collectives(layout, rows, shape.norm_vectors, precision, backend),
         Collective("all_reduce", layout.side, FP32 * rows, 3),
     ]
 

@@ -198,6 +198,8 @@ def layout_problems(shape: ModelShape, layout: Layout) -> list[str]:
             f"pipeline {layout.pipeline} > layers {shape.layers}: every stage needs a block"
         )
     q = layout.side
+    if layout.mode != "none":
+        problems += _key_value_problems(shape, q, name)
     if layout.mode == "1d":
         for what, value in (("hidden", shape.hidden), ("heads", shape.heads)):
             need(what, value, q, f"{name} splits {what} over {q} ranks")
@@ -230,6 +232,36 @@ def layout_problems(shape: ModelShape, layout: Layout) -> list[str]:
             "with FSDP2 only without a pipeline (use zero stage 1)"
         )
     return problems
+
+
+def _key_value_problems(shape: ModelShape, ranks: int, name: str) -> list[str]:
+    """Grouped-query attention over ``ranks`` ranks splitting heads, as tessera runs it.
+
+    ``kv_heads`` at least ``ranks`` are split like the query heads; fewer are repeated, one on
+    each rank, which needs every rank's query heads to share one key/value head (``kv_heads``
+    divides ``ranks``) and q, k and v in separate layers (a fused weight cannot be split in
+    part and repeated in part).
+    """
+    kv = shape.key_value_heads
+    if kv == shape.heads:  # split with the query heads (their own check)
+        return []
+    if kv >= ranks:
+        if kv % ranks:
+            return [
+                f"kv_heads {kv} % {ranks} = {kv % ranks}: {name} splits them over {ranks} ranks"
+            ]
+        return []
+    if ranks % kv:
+        return [
+            f"kv_heads {kv} do not divide {ranks} ({ranks} % {kv} = {ranks % kv}): {name} "
+            "repeats fewer key/value heads than ranks, one per rank, for whole groups of heads"
+        ]
+    if shape.fused_qkv:
+        return [
+            f"kv_heads {kv} < {ranks} with fused q/k/v: {name} would repeat key/value heads "
+            "held in one weight with the query heads it splits (use separate q, k, v layers)"
+        ]
+    return []
 
 
 def enumerate_layouts(

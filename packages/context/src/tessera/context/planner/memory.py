@@ -80,37 +80,60 @@ def block_parameters(shape: ModelShape, layout: Layout) -> int:
     * 3d: weights ``[out/q^2, in/q]``, a distinct ``1/q^3`` on every rank, vectors ``/q``
       (Bian et al. 2021, "Maximizing Parallelism in Distributed Training for Huge Neural
       Networks", section 3).
+
+    The formulas are GPT's; other blocks sum their own layers the same way
+    (:meth:`ModelShape.block_linears`). Key/value heads fewer than the ranks splitting heads
+    (``p`` in 1d, ``q`` on the meshes) are repeated: ``k`` and ``v`` stay whole on every rank.
     """
-    h, f = shape.hidden, shape.ffn
-    weights, vectors = shape.block_weights, shape.block_vectors
     if layout.mode == "none":
-        return weights + vectors
+        return shape.block_weights + shape.block_vectors
+    linears = shape.block_linears(layout.side)
+    cut = [linear for linear in linears if not linear.repeated]
+    weights = sum(linear.weights for linear in cut)
+    biases = [linear for linear in cut if shape.biases]
+    # repeated key/value heads: the weight and bias whole on every rank
+    whole = sum(x.held + (x.held // x.n_in if shape.biases else 0) for x in linears if x.repeated)
     if layout.mode == "1d":
         p = layout.tensor
-        return _ceil(weights, p) + _ceil(3 * h + f, p) + 6 * h
-    return _ceil(weights, layout.weight_split) + _ceil(vectors, layout.side)
+        split = sum(linear.n_out for linear in biases if linear.column)
+        whole += sum(linear.n_out for linear in biases if not linear.column)
+        return _ceil(weights, p) + _ceil(split, p) + whole + 2 * shape.norm_vectors
+    vectors = sum(linear.n_out for linear in biases) + 2 * shape.norm_vectors
+    return _ceil(weights, layout.weight_split) + _ceil(vectors, layout.side) + whole
 
 
-def embedding_parameters(shape: ModelShape, layout: Layout, *, tables: int = 2) -> int:
-    """Elements of the token (and position) table and the final LayerNorm on one rank.
+def embedding_parameters(
+    shape: ModelShape, layout: Layout, *, tables: int = 2, head: bool = True
+) -> int:
+    """Elements of the token (and position) table, an untied head and the final norm on one rank.
 
     The token table is split as the mode splits a vocabulary (1d: rows over ``p``,
-    Megatron-LM's vocab-parallel embedding; the meshes: like a weight). The position table is
-    split like the token table except in 1d, which keeps it whole.
+    Megatron-LM's vocab-parallel embedding; 2d and 2.5d: like a weight, over ``q^2``; 3d: over
+    the ``q^2`` ranks of one face of the cube, replicated over the third axis, as tessera's
+    ``Embedding3D`` holds it), and so is an untied head. A learned position table is split
+    like the token table except in 1d, which keeps it whole.
 
     Args:
         shape: The model.
         layout: The layout.
         tables: 2 for the first stage (token and position tables), 1 for the last stage of a
-            pipeline, which holds only its copy of the tied token table.
+            pipeline, which holds only its head (a copy of the tied token table, or the
+            untied head: as many elements).
+        head: Whether the first stage also holds the head (no pipeline).
     """
     if shape.vocab == 0:
         return 0
-    h, split = shape.hidden, layout.weight_split
+    h = shape.hidden
+    split = layout.side**2 if layout.mode == "3d" else layout.weight_split
     token = _ceil(shape.vocab * h, split)
-    position = shape.seq * h if layout.mode == "1d" else _ceil(shape.seq * h, split)
-    norm = _ceil(2 * h, layout.side) if layout.activation_split > 1 else 2 * h
-    return token + (position if tables == 2 else 0) + norm
+    position = 0
+    if tables == 2:
+        rows = shape.position_rows
+        position = rows * h if layout.mode == "1d" else _ceil(rows * h, split)
+    untied = token if tables == 2 and head and not shape.tied_head else 0
+    norm = shape.norm_vectors
+    norm = _ceil(norm, layout.side) if layout.activation_split > 1 else norm
+    return token + position + untied + norm
 
 
 def block_activation_bytes(
@@ -130,27 +153,42 @@ def block_activation_bytes(
       ``r`` the mode's batch split; tessera's LayerNorm saves ``x_hat`` and its rstd ``[T/r]``
       (``2T/r`` fp32 for the two).
 
+    Other blocks count the same tensors at their sizes: q, k and v ``T (h + 2 kv d)`` with
+    ``kv`` key/value heads of ``d`` features (repeated up to the ranks splitting heads); a
+    gated MLP saves ``4TF`` (the gate's output, its activation, the up projection and their
+    product) where GeLU saves ``2TF``; an RMSNorm keeps one statistic, not two. Rotary
+    positions add only their ``[s, d]`` tables, left out.
+
     With ``shape.dropout`` the masks (one byte per element: ``A`` and ``2Th``, split as
     their activations) and the attention dropout's output (``A``) are added, which gives
     Korthikanti et al.'s ``34 s b h + 5 a s^2 b`` bytes in fp16.
     """
-    h, f, e = shape.hidden, shape.ffn, precision.activation
+    h, e = shape.hidden, precision.activation
     tokens = samples * shape.seq
     scores = samples * shape.heads * shape.seq * shape.seq
     masks = scores + 2 * tokens * h if shape.dropout else 0  # bytes, one per element
     dropped = scores if shape.dropout else 0  # elements: the attention dropout's output
+    qkv = sum(x.n_out for x in shape.block_linears(layout.side) if x.name in _QKV)
+    mlp = (4 if shape.gated_mlp else 2) * shape.ffn
+    # per token: q, k, v, the proj input and the MLP's inner tensors, which 1d splits
+    inner = qkv + h + mlp
+    statistics = FP32 * (2 if shape.norm == "layernorm" else 1) * 2 * tokens
     if layout.mode == "none":
-        elements = tokens * (8 * h + 2 * f) + scores + dropped
-        return e * elements + masks + FP32 * 4 * tokens
+        elements = tokens * (4 * h + inner) + scores + dropped
+        return e * elements + masks + statistics
     if layout.mode == "1d":
         p = layout.tensor
-        split = _ceil(tokens * (4 * h + 2 * f) + scores + dropped, p)
+        split = _ceil(tokens * inner + scores + dropped, p)
         mask_bytes = _ceil(scores, p) + 2 * tokens * h if shape.dropout else 0
-        return e * (4 * tokens * h + split) + mask_bytes + FP32 * 4 * tokens
+        return e * (4 * tokens * h + split) + mask_bytes + statistics
     p = layout.activation_split
-    elements = _ceil(tokens * (8 * h + 2 * f) + scores + dropped, p)
+    elements = _ceil(tokens * (4 * h + inner) + scores + dropped, p)
     rows = _ceil(tokens, layout.row_split)
     return e * elements + _ceil(masks, p) + FP32 * 2 * rows
+
+
+#: The attention's input projections, whose outputs attention saves.
+_QKV = ("qkv", "q", "k", "v")
 
 
 def checkpointed_block_bytes(
@@ -209,7 +247,7 @@ def rank_memory(shape: ModelShape, layout: Layout, precision: Precision) -> Memo
     worst: MemoryBreakdown | None = None
     for blocks, tables, in_flight, has_head in stages:
         params = blocks * block_parameters(shape, layout) + embedding_parameters(
-            shape, layout, tables=tables
+            shape, layout, tables=tables, head=has_head
         )
         if layout.checkpoint:
             kept = checkpointed_block_bytes(shape, layout, samples, precision)

@@ -140,7 +140,7 @@ def stage_steps(
             talk += head_collectives(shape, layout, samples, precision, backend)
         talk += pipeline_collectives(shape, layout, samples, precision)
         parameters = blocks * block_parameters(shape, layout)
-        parameters += embedding_parameters(shape, layout, tables=tables)
+        parameters += embedding_parameters(shape, layout, tables=tables, head=has_head)
         sync = data_collectives(layout, parameters, blocks, precision)
         if engine_sums and layout.zero < 2:  # ZeRO-2/3: FSDP2 keeps them in autograd
             talk, sums = sums_once_per_step(talk)

@@ -1,19 +1,59 @@
-"""``ModelShape``: the few numbers of a GPT-style transformer that the planner's formulas read.
+"""``ModelShape``: the few numbers of a transformer that the planner's formulas read.
 
-The planner models a stack of pre-LN transformer blocks (LayerNorm, fused qkv, softmax
-attention, output projection, LayerNorm, two-layer MLP with GeLU), a token and a position
+The default is a stack of pre-LN GPT blocks (LayerNorm, fused qkv, softmax attention, output
+projection, LayerNorm, two-layer MLP with GeLU, biases everywhere), a token and a position
 embedding, a final LayerNorm and an output head tied to the token embedding: the model of
-Megatron-LM (Shoeybi et al. 2019) and of every tessera example. ``vocab=0`` leaves the
-embeddings and the head out, which is what the benchmarks measure (blocks alone).
+Megatron-LM (Shoeybi et al. 2019) and of every tessera example. The fields after ``dropout``
+describe the other decoders people train today (Llama, Mistral, Qwen2: grouped-query attention
+with ``kv_heads`` key/value heads, separate q/k/v projections, a gated MLP, RMSNorm, rotary
+positions, no biases, an untied head), and :meth:`ModelShape.from_config` reads them from a
+transformers ``config.json``. ``vocab=0`` leaves the embeddings and the head out, which is what
+the benchmarks measure (blocks alone).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from tessera.registry import ConfigError
 
-__all__ = ["ModelShape"]
+__all__ = ["BlockLinear", "ModelShape"]
+
+Norm = Literal["layernorm", "rmsnorm"]
+Positions = Literal["learned", "rotary"]
+
+
+@dataclass(frozen=True)
+class BlockLinear:
+    """One linear layer of a block, as the tensor modes split it.
+
+    Attributes:
+        name: ``qkv``, ``q``, ``k``, ``v``, ``proj``, ``fc1``, ``gate``, ``up``, ``fc2``.
+        n_in: Input features.
+        n_out: Output features this layer computes when its heads are split over the ranks
+            asked for (:meth:`ModelShape.block_linears`): key/value heads fewer than those
+            ranks are repeated, one per rank, so ``k`` and ``v`` grow.
+        column: Split by output features under 1d (Megatron-LM's column-parallel layer);
+            otherwise by input features (row-parallel), its bias whole.
+        repeated: Its heads are repeated over the ranks (``k`` and ``v`` with fewer key/value
+            heads than ranks): tessera's ``RepeatedHeads`` keeps the weight (and bias) whole
+            on every rank, ``held`` elements, each rank computing its head from it.
+        held: The whole weight's elements of a ``repeated`` layer (0 otherwise).
+    """
+
+    name: str
+    n_in: int
+    n_out: int
+    column: bool
+    repeated: bool = False
+    held: int = 0
+
+    @property
+    def weights(self) -> int:
+        """Elements of its weight matrix."""
+        return self.n_in * self.n_out
 
 
 @dataclass(frozen=True)
@@ -30,10 +70,24 @@ class ModelShape:
         ffn_multiple: MLP width as a multiple of ``hidden`` (4 in GPT and BERT).
         dropout: Whether dropout is active (p > 0): its masks and the attention dropout's
             output are then saved for the backward (Korthikanti et al. 2022, section 4.1).
+        kv_heads: Key/value heads (grouped-query attention, Ainslie et al. 2023); ``None``:
+            as many as ``heads``. ``heads`` must be divisible by it.
+        ffn_width: The MLP's inner width ``F`` when it is no multiple of ``hidden`` (Llama's
+            11008 at hidden 4096); ``None``: ``ffn_multiple * hidden``.
+        gated_mlp: A gated MLP (``down(act(gate(x)) * up(x))``, Shazeer 2020's SwiGLU): three
+            matrices instead of two.
+        biases: Whether the linear layers have biases.
+        norm: ``"layernorm"`` (weight and bias) or ``"rmsnorm"`` (weight only).
+        positions: ``"learned"`` (a position table ``[s, h]``) or ``"rotary"`` (no parameters).
+        tied_head: Whether the output head shares the token table.
+        fused_qkv: Whether q, k and v are one linear layer (GPT-2's ``c_attn``) or three.
+        max_positions: Rows of a learned position table (GPT-2's ``n_positions``); ``None``:
+            ``seq``.
 
     Raises:
-        ConfigError: a field is not a positive int (``vocab`` may be 0), or ``hidden`` is not
-            divisible by ``heads``; the message starts with the field's name.
+        ConfigError: a field is not a positive int (``vocab`` may be 0), ``hidden`` is not
+            divisible by ``heads``, or ``heads`` by ``kv_heads``; the message starts with the
+            field's name.
     """
 
     layers: int
@@ -44,54 +98,185 @@ class ModelShape:
     batch: int
     ffn_multiple: int = 4
     dropout: bool = False
+    kv_heads: int | None = None
+    ffn_width: int | None = None
+    gated_mlp: bool = False
+    biases: bool = True
+    norm: Norm = "layernorm"
+    positions: Positions = "learned"
+    tied_head: bool = True
+    fused_qkv: bool = True
+    max_positions: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq", "batch", "ffn_multiple"):
             _check_count(name, getattr(self, name), minimum=1)
         _check_count("vocab", self.vocab, minimum=0)
+        for name in ("kv_heads", "ffn_width", "max_positions"):
+            if getattr(self, name) is not None:
+                _check_count(name, getattr(self, name), minimum=1)
+        _check_choice("norm", self.norm, ("layernorm", "rmsnorm"))
+        _check_choice("positions", self.positions, ("learned", "rotary"))
         if self.hidden % self.heads != 0:
             raise ConfigError(
                 f"hidden {self.hidden} is not divisible by heads {self.heads} "
                 f"({self.hidden} % {self.heads} = {self.hidden % self.heads}); every head needs "
                 "hidden / heads features"
             )
+        if self.heads % self.key_value_heads != 0:
+            raise ConfigError(
+                f"kv_heads {self.key_value_heads} does not divide heads {self.heads} "
+                f"({self.heads} % {self.key_value_heads} = {self.heads % self.key_value_heads}); "
+                "every key/value head serves the same number of query heads"
+            )
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, object], *, seq: int, batch: int) -> ModelShape:
+        """The shape of a transformers decoder from its ``config.json`` (as a dict).
+
+        Reads GPT-2's names (``n_layer``, ``n_embd``, ``n_head``, ``n_inner``) and the
+        Llama family's (``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``,
+        ``num_key_value_heads``, ``intermediate_size``, ``attention_bias``, ``mlp_bias``,
+        ``tie_word_embeddings``). A config with ``intermediate_size`` and no ``n_inner`` is
+        taken as the Llama family's block (gated MLP, RMSNorm, rotary positions, separate
+        q/k/v; Qwen2's biases on q, k and v alone are counted as ``biases=False``, a few
+        thousand elements per block).
+
+        Args:
+            config: The config's keys and values.
+            seq: Sequence length to plan for (the config gives only the longest).
+            batch: Global batch in samples.
+
+        Raises:
+            ConfigError: a key the block needs is missing, naming it.
+        """
+
+        def get(*names: str, default: object = None) -> object:
+            for name in names:
+                if name in config and config[name] is not None:
+                    return config[name]
+            if default is None:
+                raise ConfigError(
+                    f"config has none of {', '.join(names)}: the planner reads it from a "
+                    "transformers config.json of GPT-2 or the Llama family"
+                )
+            return default
+
+        hidden = _as_int(get("hidden_size", "n_embd", "d_model"))
+        heads = _as_int(get("num_attention_heads", "n_head"))
+        common = {
+            "layers": _as_int(get("num_hidden_layers", "n_layer")),
+            "hidden": hidden,
+            "heads": heads,
+            "seq": seq,
+            "vocab": _as_int(get("vocab_size")),
+            "batch": batch,
+            "dropout": False,
+            "tied_head": bool(get("tie_word_embeddings", default=True)),
+        }
+        if "intermediate_size" in config and "n_inner" not in config:  # the Llama family
+            return cls(
+                **common,  # type: ignore[arg-type]
+                kv_heads=_as_int(get("num_key_value_heads", default=heads)),
+                ffn_width=_as_int(get("intermediate_size")),
+                gated_mlp=True,
+                biases=bool(get("attention_bias", default=False))
+                and bool(get("mlp_bias", default=False)),
+                norm="rmsnorm",
+                positions="rotary",
+                fused_qkv=False,
+            )
+        inner = get("n_inner", default=0)
+        return cls(
+            **common,  # type: ignore[arg-type]
+            ffn_width=_as_int(inner) if inner else None,
+            max_positions=_as_int(get("n_positions", "max_position_embeddings")),
+        )
+
+    @property
+    def key_value_heads(self) -> int:
+        """``kv_heads``, or ``heads`` when it is ``None``."""
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def position_rows(self) -> int:
+        """Rows of the learned position table (0 with rotary positions)."""
+        if self.positions == "rotary":
+            return 0
+        return self.seq if self.max_positions is None else self.max_positions
+
+    @property
+    def head_dim(self) -> int:
+        """Features of one head, ``h / heads``."""
+        return self.hidden // self.heads
 
     @property
     def ffn(self) -> int:
-        """The MLP's inner width ``F = ffn_multiple * hidden``."""
-        return self.ffn_multiple * self.hidden
+        """The MLP's inner width ``F`` (``ffn_width``, else ``ffn_multiple * hidden``)."""
+        return self.ffn_width if self.ffn_width is not None else self.ffn_multiple * self.hidden
+
+    def block_linears(self, heads_split: int = 1) -> tuple[BlockLinear, ...]:
+        """The block's linear layers, with the heads split over ``heads_split`` ranks.
+
+        Key/value heads fewer than ``heads_split`` are repeated so that each rank holds one
+        (tessera's ``RepeatedHeads``): ``k`` and ``v`` then compute ``heads_split`` heads.
+        """
+        h, f, d = self.hidden, self.ffn, self.head_dim
+        kv = d * max(self.key_value_heads, heads_split)
+        if self.fused_qkv:
+            attention = [BlockLinear("qkv", h, h + 2 * kv, True)]
+        else:
+            repeated = self.key_value_heads < heads_split
+            held = h * d * self.key_value_heads if repeated else 0
+            attention = [
+                BlockLinear("q", h, h, True),
+                *(BlockLinear(n, h, kv, True, repeated, held) for n in ("k", "v")),
+            ]
+        inner = ("gate", "up") if self.gated_mlp else ("fc1",)
+        return (
+            *attention,
+            BlockLinear("proj", h, h, False),
+            *(BlockLinear(name, h, f, True) for name in inner),
+            BlockLinear("fc2", f, h, False),
+        )
 
     @property
     def block_weights(self) -> int:
-        """Weight-matrix elements of one block: qkv ``3h^2``, proj ``h^2``, MLP ``2hF``."""
-        h = self.hidden
-        return 4 * h * h + 2 * h * self.ffn
+        """Weight-matrix elements of one block (``4h^2 + 2hF`` for GPT)."""
+        return sum(linear.weights for linear in self.block_linears())
+
+    @property
+    def norm_vectors(self) -> int:
+        """Elements of one norm: weight and bias ``2h`` (LayerNorm) or weight ``h`` (RMSNorm)."""
+        return (2 if self.norm == "layernorm" else 1) * self.hidden
 
     @property
     def block_vectors(self) -> int:
-        """Bias and LayerNorm elements of one block: biases ``5h + F``, two LayerNorms ``4h``."""
-        return 9 * self.hidden + self.ffn
+        """Bias and norm elements of one block (biases ``5h + F``, two LayerNorms ``4h``)."""
+        biases = sum(linear.n_out for linear in self.block_linears()) if self.biases else 0
+        return biases + 2 * self.norm_vectors
 
     @property
     def embedding_parameters(self) -> int:
-        """Token and position tables and the final LayerNorm (0 with ``vocab=0``)."""
+        """Token (and position) tables, an untied head and the final norm (0 with ``vocab=0``)."""
         if self.vocab == 0:
             return 0
-        return (self.vocab + self.seq) * self.hidden + 2 * self.hidden
+        tables = (1 if self.tied_head else 2) * self.vocab * self.hidden
+        return tables + self.position_rows * self.hidden + self.norm_vectors
 
     @property
     def parameters(self) -> int:
-        """Every parameter of the model once (the head is tied to the token table)."""
+        """Every parameter of the model once."""
         return self.layers * (self.block_weights + self.block_vectors) + self.embedding_parameters
 
     def block_forward_flops(self, samples: int) -> int:
         """Floating-point operations of one block's forward over ``samples`` sequences.
 
-        Two per multiply-add: ``2 T (4h^2 + 2hF)`` in the four linear layers and ``4 T s h``
-        in ``Q K^T`` and ``P V`` (the count behind Narayanan et al. 2021's FLOPs estimate,
-        "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"),
-        ``T = samples * s``.
-        Element-wise work (softmax, GeLU, LayerNorm) is left out: it is memory-bound and small.
+        Two per multiply-add: ``2 T W`` in the linear layers (``W`` their weights, ``4h^2 +
+        2hF`` for GPT) and ``4 T s h`` in ``Q K^T`` and ``P V`` (the count behind Narayanan
+        et al. 2021's FLOPs estimate, "Efficient Large-Scale Language Model Training on GPU
+        Clusters Using Megatron-LM"), ``T = samples * s``. Element-wise work (softmax, GeLU,
+        norms, rotary) is left out: it is memory-bound and small.
         """
         tokens = samples * self.seq
         return 2 * tokens * self.block_weights + 4 * tokens * self.seq * self.hidden
@@ -106,3 +291,14 @@ def _check_count(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         kind = "positive int" if minimum == 1 else f"int >= {minimum}"
         raise ConfigError(f"{name} must be a {kind}, got {value!r}")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _as_int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config value {value!r} is not an int")
+    return value

@@ -38,8 +38,19 @@ def format_header(
         f"{shape.layers} layers, hidden {shape.hidden}, heads {shape.heads}, seq {shape.seq}, "
         f"vocab {shape.vocab}, batch {shape.batch}"
     )
-    if shape.ffn_multiple != 4:
-        model += f", ffn {shape.ffn_multiple}h"
+    if shape.ffn != 4 * shape.hidden:
+        model += f", ffn {shape.ffn}"
+    if shape.key_value_heads != shape.heads:
+        model += f", {shape.key_value_heads} key/value heads"
+    kind = [
+        "gated MLP" if shape.gated_mlp else "",
+        "RMSNorm" if shape.norm == "rmsnorm" else "",
+        "rotary" if shape.positions == "rotary" else "",
+        "no biases" if not shape.biases else "",
+        "untied head" if not shape.tied_head and shape.vocab else "",
+    ]
+    if any(kind):
+        model += ", " + ", ".join(k for k in kind if k)
     return (
         f"model: {model} ({shape.parameters / 1e9:.2f} B parameters), {dtype}, Adam\n"
         f"job: {world} ranks, {format_bytes(memory_budget)} each\n"
