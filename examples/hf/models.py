@@ -18,6 +18,8 @@ KINDS = (
     "stablelm",
     "cohere",
 )
+#: Kinds whose every query head has its own key and value head (``kv_heads`` is refused).
+WITHOUT_GROUPED_QUERIES = ("gpt2", "bloom")
 
 
 def build(
@@ -36,11 +38,17 @@ def build(
     ``StableLmForCausalLM`` or ``CohereForCausalLM`` (:data:`KINDS`).
 
     Weights drawn from ``seed``. All but GPT-2 and BLOOM use grouped-query attention with
-    ``kv_heads`` key/value heads (default half the query heads; 1 is multi-query attention).
+    ``kv_heads`` key/value heads (default half the query heads; 1 is multi-query attention);
+    ``kv_heads`` given for those two is refused.
 
     Built the same way on every rank (and with no context current: transformers' classes do
     not read tessera's), so every layout starts from the same full weights.
     """
+    if kind in WITHOUT_GROUPED_QUERIES and kv_heads is not None:
+        raise ValueError(
+            f"model.kv_heads={kv_heads}: {kind} has no grouped-query attention (every query "
+            "head has its own key and value head); leave kv_heads unset"
+        )
     torch.manual_seed(seed)
     if kind == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel

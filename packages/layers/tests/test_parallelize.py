@@ -973,8 +973,8 @@ def _errors() -> list[str]:
         fused_mqa = _tiny("Phi3", num_key_value_heads=1)  # q, k, v in one qkv_proj
         expect(
             ValueError,
-            r"'model.layers.0.self_attn.qkv_proj' computes q, k and v of "
-            r"'model.layers.0.self_attn' in one projection, which has 1 key/value heads for "
+            r"'model.layers.0.self_attn.qkv_proj' of 'model.layers.0.self_attn' has role "
+            r"'qkv': q, k and v fused in one projection, with fewer key/value heads \(1\) than "
             r"the 2 ranks .* takes separate key and value projections",
             lambda: parallelize(fused_mqa, context=ctx),
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, NoReturn, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -463,13 +463,26 @@ class Converter:
             return
         if width in (heads.query * heads.dim, heads.key_value * heads.dim):
             return
+        self._refuse_fused_with_repeats(
+            name,
+            owner,
+            f"makes {width} features, neither its {heads.query} query heads' nor its "
+            f"{heads.key_value} key/value heads' ({heads.dim} each)",
+        )
+
+    def _refuse_fused_with_repeats(self, name: str, owner: str, found: str) -> NoReturn:
+        """Repeated key/value heads need q, k and v in separate projections: say so.
+
+        Raises:
+            ValueError: always, naming the layer, what was ``found`` and the arithmetic.
+        """
+        heads = self.heads[owner]
         raise ValueError(
-            f"parallelize: {name!r} makes {width} features of {owner!r}, neither its "
-            f"{heads.query} query heads' nor its {heads.key_value} key/value heads' ({heads.dim} "
-            f"each): q, k and v fused in one projection, with fewer key/value heads than the "
-            f"{self.share} ranks that split heads under tensor mode {self.mode!r}. Repeating "
-            "key/value heads over ranks takes separate key and value projections (or no more "
-            f"ranks splitting heads than its {heads.key_value} key/value heads)"
+            f"parallelize: {name!r} of {owner!r} {found}: q, k and v fused in one projection, "
+            f"with fewer key/value heads ({heads.key_value}) than the {self.share} ranks that "
+            f"split heads under tensor mode {self.mode!r}. Repeating key/value heads over "
+            "ranks takes separate key and value projections (or at most "
+            f"{heads.key_value} ranks splitting heads)"
         )
 
     def repeated_heads(
@@ -526,13 +539,7 @@ class Converter:
             return ()
         heads = self.heads[owner]
         if heads.repeated_over(self.share):
-            raise ValueError(
-                f"parallelize: {name!r} computes q, k and v of {owner!r} in one projection, "
-                f"which has {heads.key_value} key/value heads for the {self.share} ranks that "
-                f"split heads under tensor mode {self.mode!r}: repeating key/value heads over "
-                "ranks takes separate key and value projections (or fewer ranks splitting "
-                f"heads, at most {heads.key_value})"
-            )
+            self._refuse_fused_with_repeats(name, owner, "has role 'qkv'")
         if heads.query == 0 or heads.key_value == heads.query:
             return ()
         per_head = shape.out_features // (heads.query + 2 * heads.key_value)

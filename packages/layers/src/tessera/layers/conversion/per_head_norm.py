@@ -31,10 +31,10 @@ from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode, set_shard_info
 
-from ..comm.ops import copy_to_group
 from ..shared.base import ParallelModule
 from ..shared.context_access import GroupInfo, group_info
 from ..shared.shards import shard_info
+from ..shared.tensor_sum import SumsOverTensor
 from .norms import NormSpec, computes_formula, computes_own_forward, epsilons_of, normalized
 
 __all__ = [
@@ -217,7 +217,7 @@ def _computes(
         return False
 
 
-class PerHeadNorm(ParallelModule):
+class PerHeadNorm(SumsOverTensor, ParallelModule):
     """A norm of each head with its own weight, for this rank's heads (see the module docstring).
 
     Parameters: the plain module's, under its names, whole and equal on every tensor rank.
@@ -262,20 +262,9 @@ class PerHeadNorm(ParallelModule):
         """The mode whose ranks hold the same parameters and sum their gradients: TENSOR."""
         return self.tensor.mode
 
-    #: Set by :meth:`defer_gradient_sum`: the parameters' gradients stay this rank's part.
-    tensor_sum_deferred = False
-
-    def defer_gradient_sum(self) -> dict[str, list[nn.Parameter]]:
-        """Leave the sum of the parameters' gradients over TENSOR to the training loop.
-
-        In autograd it is one all-reduce of the stacked weights per backward; afterwards
-        ``.grad`` holds this rank's part (zeros outside its heads) until the caller sums it
-        over the returned mode (see :class:`tessera.context.DefersGradientSum`).
-        """
-        if self.tensor.world_size == 1:
-            return {}
-        self.tensor_sum_deferred = True
-        return {self.mode: list(self.parameters())}
+    def tensor_summed_parameters(self) -> list[nn.Parameter]:
+        """Every parameter: the plain module's, each whole on every tensor rank."""
+        return list(self.parameters())
 
     def _rows(self, names: tuple[str, ...]) -> torch.Tensor | None:
         """This rank's rows ``[count, head_dim]`` of the parameters ``names``, gradient summed."""
@@ -283,9 +272,7 @@ class PerHeadNorm(ParallelModule):
             return None
         params = dict(self.named_parameters())
         whole = stacked(params, names, self.spec.norm.shape[0])  # [heads, head_dim]
-        if not self.tensor_sum_deferred:
-            whole = copy_to_group(whole, self.tensor.group)
-        return whole[self.first : self.first + self.count]
+        return self.summed_over_tensor(whole)[self.first : self.first + self.count]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[b, heads, s, d]`` or ``[b, s, heads, d]`` (this rank's heads) -> the same shape."""

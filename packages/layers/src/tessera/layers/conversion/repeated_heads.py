@@ -13,7 +13,7 @@ weight held on every tensor rank (vLLM replicates these heads the same way for i
 mode's own product and its collectives run unchanged, so the input's gradient is the mode's;
 the repeats' weight gradients are the tied copies' parts, summed over the TENSOR group by
 Megatron's f (``copy_to_group``) around the whole weight, or once per optimizer step by the
-training loop (:meth:`RepeatedHeads.defer_gradient_sum`).
+training loop (:class:`~tessera.layers.shared.tensor_sum.SumsOverTensor`).
 
 That sum is exact because, in every mode, the ranks' output blocks partition the output and
 their weight blocks' gradients partition the weight gradient: 1D and 2D hold each weight
@@ -34,11 +34,11 @@ from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode, ShardInfo, get_shard_info
 
-from ..comm.ops import copy_to_group
 from ..mesh.layout import MeshModule
 from ..shared.base import ParallelModule
 from ..shared.context_access import GroupInfo, group_info
 from ..shared.initializers import Initializer, fan_in_uniform, kaiming_uniform
+from ..shared.tensor_sum import SumsOverTensor
 from .lent import lent
 
 __all__ = ["RepeatedHeads"]
@@ -54,7 +54,7 @@ def _repeated_rows(rows: slice, head_dim: int, repeats: int, device: torch.devic
     return (index // head_dim // repeats) * head_dim + index % head_dim
 
 
-class RepeatedHeads(ParallelModule):
+class RepeatedHeads(SumsOverTensor, ParallelModule):
     """``y = x W^T + b`` for this rank's repeat of one key/value head (see the module docstring).
 
     Parameters ``weight`` ``[kv * head_dim, in]`` and ``bias`` ``[kv * head_dim]``, whole and
@@ -137,36 +137,16 @@ class RepeatedHeads(ParallelModule):
             dtype=dtype,
         )
 
-    #: Set by :meth:`defer_gradient_sum`: the parameters' gradients stay this rank's part.
-    tensor_sum_deferred = False
-
-    def defer_gradient_sum(self) -> dict[str, list[nn.Parameter]]:
-        """Leave the sum of the repeats' gradients over TENSOR to the training loop.
-
-        In autograd it is one all-reduce per projection and backward; afterwards ``.grad``
-        holds this rank's part until the caller sums it over the returned mode (see
-        :class:`tessera.context.DefersGradientSum`).
-        """
-        params = [p for p in (self.weight, self.bias) if isinstance(p, nn.Parameter)]
-        if self.tensor.world_size == 1:
-            return {}
-        self.tensor_sum_deferred = True
-        return {self.tensor.mode: params}
-
-    def _summed(self, param: nn.Parameter) -> torch.Tensor:
-        """``param`` routed so that its gradient is summed over TENSOR (unless deferred)."""
-        return param if self.tensor_sum_deferred else copy_to_group(param, self.tensor.group)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's input -> the layer's output block of this rank's repeated head."""
         layer = self.layer
-        weight = self._summed(self.weight)  # [kv * d, in]: the repeats' parts summed
+        weight = self.summed_over_tensor(self.weight)  # [kv * d, in]: the repeats' parts summed
         block = weight.index_select(0, self.rows)[:, self.columns]  # the layer's block
         with lent(layer, {"weight": block}):
             y = layer(x)
         if self.bias is None:
             return y  # type: ignore[no-any-return]
-        bias = self._summed(self.bias).index_select(0, self.bias_rows)
+        bias = self.summed_over_tensor(self.bias).index_select(0, self.bias_rows)
         return y + bias  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:

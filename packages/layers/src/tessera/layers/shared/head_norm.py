@@ -10,26 +10,25 @@ block of the batch, so its gradient covers only the rows it normalized. The forw
 weight and bias through Megatron's f (``copy_to_group`` over the TENSOR group), whose backward
 sums the parts, so ``.grad`` is whole on every rank after backward, as for every tessera layer;
 a training loop that knows when the optimizer steps can take that sum over
-(:meth:`HeadLayerNorm.defer_gradient_sum`), once per step for every layer together.
+(:class:`~tessera.layers.shared.tensor_sum.SumsOverTensor`), once per step for every layer together.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode
 
-from ..comm.ops import copy_to_group
 from .context_access import GroupInfo, group_info
 from .input_checks import check_input_dim
 from .norm_over_group import ParallelNorm, check_norm_bias
+from .tensor_sum import SumsOverTensor
 
 __all__ = ["HeadLayerNorm", "HeadRMSNorm"]
 
 
-class HeadLayerNorm(ParallelNorm):
+class HeadLayerNorm(SumsOverTensor, ParallelNorm):
     """LayerNorm over the last dim of ``[.., head_dim]``, its parameters summed over TENSOR.
 
     Parameters ``weight``/``bias`` ``[head_dim]``, whole and equal on every tensor rank (their
@@ -68,33 +67,11 @@ class HeadLayerNorm(ParallelNorm):
         self.tensor: GroupInfo = group_info(self.context, ParallelMode.TENSOR)
         self.make_affine(elementwise_affine, bias, dtype, replicated=(ParallelMode.TENSOR,))
 
-    #: Set by :meth:`defer_gradient_sum`: the parameters' gradients stay this rank's part.
-    tensor_sum_deferred = False
-
-    def defer_gradient_sum(self) -> dict[str, list[nn.Parameter]]:
-        """Leave the sum of the parameters' gradients over TENSOR to the training loop.
-
-        In autograd it is one all-reduce per norm and backward; afterwards ``.grad`` holds this
-        rank's part until the caller sums it over the returned mode (see
-        :class:`tessera.context.DefersGradientSum`).
-        """
-        params = [p for p in (self.weight, self.bias) if isinstance(p, nn.Parameter)]
-        if self.tensor.world_size == 1 or not params:
-            return {}
-        self.tensor_sum_deferred = True
-        return {self.tensor.mode: params}
-
-    def _summed(self, param: nn.Parameter | None) -> torch.Tensor | None:
-        """``param`` routed so that its gradient is summed over TENSOR (unless deferred)."""
-        if param is None or self.tensor_sum_deferred:
-            return param
-        return copy_to_group(param, self.tensor.group)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[.., head_dim]`` -> the same shape, each row normalized on its own."""
         (dim,) = self.normalized_shape
         check_input_dim(x, dim, f"{type(self).__name__}({dim})", "head_dim")
-        weight, bias = self._summed(self.weight), self._summed(self.bias)
+        weight, bias = self.summed_over_tensor(self.weight), self.summed_over_tensor(self.bias)
         rows, weight, bias = self.with_offset(x, weight, bias)
         if self.RMS:
             y = F.rms_norm(rows, self.normalized_shape, weight, self.eps)
