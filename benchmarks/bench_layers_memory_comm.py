@@ -1,5 +1,8 @@
 """Per-rank memory and communication of one block: none, 1D(4), 2D(4), 2.5D(8,d=2), 3D(8).
 
+``3D(8) kept`` is 3D with ``keep_gathered_operands``: each backward reuses what its forward
+gathered (more saved activations, fewer gathers).
+
 One pre-LN block (LayerNorm, qkv, softmax attention, proj, LayerNorm, fc1, GeLU, fc2, dropout
 p=0 so no masks are saved) written once with tessera's dispatching layers, the same global
 shapes under every mode, gloo on CPU. Per rank it measures, for one training step:
@@ -52,7 +55,13 @@ MODES: dict[str, tuple[dict[str, Any] | None, int, int, int]] = {
     "2D(4)": (dict(size=4, mode="2d"), 4, 2, 1),
     "2.5D(8,d=2)": (dict(size=8, mode="2.5d", depth=2), 8, 2, 2),
     "3D(8)": (dict(size=8, mode="3d"), 8, 2, 1),
+    "3D(8) kept": (dict(size=8, mode="3d"), 8, 2, 1),
 }
+
+
+def keeps(mode: str) -> bool:
+    """Whether ``mode``'s Linear3D layers keep their gathered operands for the backward."""
+    return mode.endswith(" kept")
 
 
 def is_cube(mode: str) -> bool:
@@ -118,15 +127,18 @@ def variant(rows: int, in_block: int) -> str:
     return "stationary" if 2 * rows < 3 * in_block else "summa"
 
 
-def cube_variant(rows: int, in_block: int, out_block: int, q: int) -> str:
+def cube_variant(rows: int, in_block: int, out_block: int, q: int, keep: bool = False) -> str:
     """The 3D Linear's variant in training, restated from ``choose_cube_algorithm``.
 
     With ``n`` rows, ``k = in/q`` features and ``o = out/q^2`` weight rows per rank the
     weights stay when ``3 q n k + 2 n o < 3 o k`` (the elements each variant sends in a step,
     ``(q^2 - 1)(3nk + 2no)`` against ``(q - 1)(3nk + 2noq + 3ok)``, divided by ``q - 1``,
     bias gradients aside); otherwise the operands travel (see ``tessera.layers.cube_linear``).
+    Keeping the gathered operands (no gathers again in the backward): ``q n k + n o < o k``.
     """
     n, k, o = rows, in_block, out_block
+    if keep:
+        return "stationary" if q * n * k + n * o < o * k else "gathered"
     return "stationary" if 3 * q * n * k + 2 * n * o < 3 * o * k else "gathered"
 
 
@@ -155,7 +167,7 @@ def formula(mode: str, h: int, diagonal: bool = False) -> Figures:
         saved = 4 * t * h + 4 * t + (12 * t * h + a) // p
         return Figures(FP32 * params, FP32 * saved, FP32 * 2 * t * h, FP32 * 2 * t * h)
     if is_cube(mode):
-        return cube_formula(h, p, q)
+        return cube_formula(h, p, q, keeps(mode))
     m = t // (d * q)  # rows of a rank's activation block
     params = 12 * h * h // (q * q) + 13 * h // q
     saved = (16 * t * h + a) // p + 2 * m
@@ -180,8 +192,13 @@ def formula(mode: str, h: int, diagonal: bool = False) -> Figures:
     return Figures(FP32 * params, FP32 * saved, FP32 * fwd, FP32 * bwd)
 
 
-def cube_formula(h: int, p: int, q: int) -> Figures:
-    """3D's per-rank figures (every rank alike); see FORMULAS."""
+def cube_formula(h: int, p: int, q: int, keep: bool = False) -> Figures:
+    """3D's per-rank figures (every rank alike); see FORMULAS.
+
+    ``keep``: each Linear also saves what its forward gathered (the weights staying: the input
+    plane's rows ``q^2 n k``; the operands travelling: the rows and the weight ``q (nk + ok)``),
+    and its backward gathers none of it again.
+    """
     t, a = BATCH * SEQ, BATCH * HEADS * SEQ * SEQ
     n = t // (q * q)  # rows of a rank's activation block
     params = 12 * h * h // p + 13 * h // q
@@ -190,15 +207,18 @@ def cube_formula(h: int, p: int, q: int) -> Figures:
     for i, o in LINEARS:
         k, r = i * h // q, o * h // (q * q)  # input features, weight rows per rank
         x, w, y = n * k, r * k, n * q * r  # input, weight and output blocks
-        if cube_variant(n, k, r, q) == "stationary":
+        again = 0 if keep else 1  # the backward gathers the forward's operands again
+        if cube_variant(n, k, r, q, keep) == "stationary":
             plane = q * q - 1  # the other ranks of the input (output) plane
             fwd += plane * (x + n * r)  # X gathered over the input plane; partials all-to-all
-            bwd += plane * (n * r + 2 * x)  # dY all-to-all back; X again; partial dX scattered
+            bwd += plane * (n * r + (1 + again) * x)  # dY back; X again; partial dX scattered
             bwd += (q - 1) * r  # the complete bias slices gathered over WEIGHT
+            saved += 0 if again else q * q * x  # the input plane's rows
         else:  # operands travel: every exchange over q ranks sends q - 1 blocks
             fwd += (q - 1) * (x + w + y)  # X over the batch axis, W over WEIGHT; Y scattered
-            bwd += (q - 1) * (y + w + x)  # dY, W and X gathered again
+            bwd += (q - 1) * (y + again * (w + x))  # dY (W and X) gathered again
             bwd += (q - 1) * x + (q - 1) * (w + q * r)  # dX; dW with db [out/q] in each chunk
+            saved += 0 if again else q * (x + w)  # the gathered rows and weight
     for _ in range(2):  # LayerNorms: hidden axis of q ranks, batch group of q^2
         fwd += (q - 1) * 2 * n
         bwd += 2 * n + 2 * h // q
@@ -238,7 +258,7 @@ q x q (x d), m = T/(d*q) rows per rank; 3D cube q x q x q, n = T/q^2 rows per ra
                 variant of SUMMA (van de Geijn and Watts 1997) that sends less: the weights
                 stay when 2m < 3 in/q (choose_algorithm in training), else they travel. On
                 gloo a gather or reduce-scatter over q ranks sends each of the other q-1 its
-                block (batch_isend_irecv), q-1 blocks.
+                block (one exchange of point-to-point sends), q-1 blocks.
                 weights stay: fwd c*X + (q-1)*Y (this rank's X block to the c ranks of mesh
                 row j that multiply it, c = q, or q-1 at a diagonal rank (i, i); the partial
                 outputs reduce-scattered over the column); bwd (q-1)*Y + 2c*X (dY gathered
@@ -258,7 +278,7 @@ q x q (x d), m = T/(d*q) rows per rank; 3D cube q x q x q, n = T/q^2 rows per ra
                 tessera.layers.cube_linear runs the variant that sends less: the weights stay
                 when 3qnk + 2no < 3ok (choose_cube_algorithm in training), else the operands
                 travel. On gloo every gather, scatter and all-to-all over w ranks sends w-1
-                blocks (batch_isend_irecv).
+                blocks (one exchange of point-to-point sends).
                 operands travel (Bian et al. 2021): fwd (q-1)(X + W + Y) (X gathered over the
                 other batch axis, W over WEIGHT, the partial [qn, out/q] reduce-scattered over
                 the hidden axis); bwd (q-1)(Y + W + X) (gathered again), (q-1)X (dX reduce-
@@ -271,9 +291,13 @@ q x q (x d), m = T/(d*q) rows per rank; 3D cube q x q x q, n = T/q^2 rows per ra
                 slices gathered over WEIGHT); dW complete where it is.
                 per LayerNorm as 2D with n rows: fwd (q-1)*2n, bwd 2n + 2h/q (over the hidden
                 axis, q ranks; the weight and bias gradients over the batch group, q^2)
+           3D kept (keep_gathered_operands): the weights stay when qnk + no < ok; the
+                backward gathers nothing again (operands travel: no (q-1)(W + X); weights
+                stay: no (q^2-1)X), and each Linear saves q(X + W) (the gathered rows and
+                weight) or q^2 X (the input plane's rows) more
 Contributed bytes: the bytes of this rank's own data entering a call (whole buffer of an
 all-reduce / reduce / reduce-scatter, input chunk of an all-gather, the source's buffer of a
-broadcast, the tensors of a batch_isend_irecv's isends); see benchmarks/meters.py."""
+broadcast, the tensors an exchange or a batch_isend_irecv sends); see benchmarks/meters.py."""
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -283,16 +307,19 @@ def full_input(h: int) -> torch.Tensor:
     return torch.randn(BATCH, SEQ, h, generator=torch.Generator().manual_seed(0))
 
 
-def build(h: int, context: Any) -> tuple[nn.Module, torch.Tensor]:
+def build(h: int, context: Any, keep: bool = False) -> tuple[nn.Module, torch.Tensor]:
     """The block and this rank's block of the input, a leaf that needs a gradient.
 
     The input needs a gradient as a block in the middle of a network does, so the backward
-    computes (and communicates) the input gradient too.
+    computes (and communicates) the input gradient too. ``keep``: its Linear3D layers keep
+    their gathered operands.
     """
-    from tessera.layers import split_activation
+    from tessera.layers import keep_gathered_operands, split_activation
 
     torch.manual_seed(0)
     block = Block(h, HEADS, context=context)
+    if keep:
+        keep_gathered_operands(block)
     x = split_activation(full_input(h), context=context).detach().requires_grad_()
     return block, x
 
@@ -359,7 +386,7 @@ def worker(rank: int, world: int, port: int, modes: list[str], h: int, steps: in
     contexts = {
         m: create_context(dict(parallel=dict(tensor=MODES[m][0])), timeout=TIMEOUT) for m in modes
     }
-    built = {m: build(h, ctx) for m, ctx in contexts.items()}
+    built = {m: build(h, ctx, keeps(m)) for m, ctx in contexts.items()}
     result: dict[str, Any] = {m: measure(*built[m], counter) for m in modes}
     if steps > 0:  # main asks for it with modes == ["1D(4)", "2D(4)"] only
         result["time"] = time_steps(built, steps)
@@ -467,7 +494,8 @@ def variants_note(h: int, modes: list[str]) -> str:
 
     lines = [
         "\nLinear variants (2D/2.5D: m rows per rank against in/q, weights stay when 2m < 3 "
-        "in/q;\n3D: n rows, k = in/q, o = out/q^2 per rank, weights stay when 3qnk + 2no < 3ok):"
+        "in/q;\n3D: n rows, k = in/q, o = out/q^2 per rank, weights stay when 3qnk + 2no < 3ok,"
+        "\nkept: when qnk + no < ok):"
     ]
     for mode in modes:
         _, _, q, d = MODES[mode]
@@ -476,11 +504,15 @@ def variants_note(h: int, modes: list[str]) -> str:
         if is_cube(mode):
             n = BATCH * SEQ // (q * q)
             blocks = [(i * h // q, o * h // (q * q)) for i, o in LINEARS]
-            picked = [cube_variant(n, k, o, q) for k, o in blocks]
-            tessera = [choose_cube_algorithm(n, k, o, q, backward=True) for k, o in blocks]
+            keep = keeps(mode)
+            picked = [cube_variant(n, k, o, q, keep) for k, o in blocks]
+            tessera = [
+                choose_cube_algorithm(n, k, o, q, backward=True, keep=keep) for k, o in blocks
+            ]
+            a, b = (1, 1) if keep else (3, 2)  # keeping: qnk + no < ok
             text = ", ".join(
-                f"{name} {v} ({3 * q * n * k + 2 * n * o} {'<' if v == 'stationary' else '>='} "
-                f"{3 * o * k})"
+                f"{name} {v} ({a * q * n * k + b * n * o} "
+                f"{'<' if v == 'stationary' else '>='} {a * o * k})"
                 for name, v, (k, o) in zip(LINEAR_NAMES, picked, blocks, strict=True)
             )
             agree = "as tessera.layers.choose_cube_algorithm"

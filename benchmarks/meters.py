@@ -12,7 +12,10 @@
   - ``all_to_all``, ``all_to_all_single``: the chunks addressed to other ranks (the own
     chunk never leaves the rank);
   - ``send``, ``isend``, ``gather``: the tensor; ``batch_isend_irecv``: the tensors of its
-    ``isend`` operations; receives count nothing.
+    ``isend`` operations; receives count nothing;
+  - ``exchange``: one block exchange of tessera's layers on gloo (the sends and receives
+    they post together on a process group, ``tessera.layers.comm.inflight.post_exchange``):
+    the tensors it sends.
 
   This is the algorithmic volume, independent of how gloo implements a collective (a ring
   all-reduce moves about ``2 (P - 1) / P`` times its buffer over the wire).
@@ -139,6 +142,12 @@ class TrafficCounter:
             setattr(c10d, name, wrapper)
             if getattr(dist, name, None) is original:
                 setattr(dist, name, wrapper)
+        # tessera's layers post their gloo block exchanges on the process group itself
+        from tessera.layers.comm import inflight  # after the patches above: it binds some
+
+        if not getattr(inflight.post_exchange, "_counted", False):
+            sent = lambda a: _sum(t for _, t in a["sends"])  # noqa: E731
+            inflight.post_exchange = self._wrap("exchange", inflight.post_exchange, sent)
 
     def _wrap(self, name: str, original: Fn, contributed: Callable[[dict[str, Any]], int]) -> Fn:
         signature = inspect.signature(original)

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("batch", "global batch in samples"),
     ):
         model.add_argument(f"--{name}", type=int, required=name in _ALWAYS, help=text)
-    model.add_argument("--ffn-multiple", type=int, default=4, help="MLP width / h (default 4)")
+    model.add_argument("--ffn-multiple", type=int, help="MLP width / h (default 4)")
     model.add_argument("--dropout", action="store_true", help="dropout p > 0 (saves its masks)")
     job = parser.add_argument_group("job")
     job.add_argument("--world", type=int, required=True, help="ranks in the job")
@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pipeline=args.pipeline,
         )
     except ConfigError as error:
-        parser.error(_flagged(str(error)))
+        parser.error(_flagged(str(error), frozenset(vars(args))))
     fitting = [e for e in estimates if e.fits]
     others = [e for e in estimates if not e.fits]
     print(format_header(shape, args.world, budget, machine, args.dtype, source))
@@ -145,14 +145,16 @@ def _shape(args: argparse.Namespace) -> ModelShape:
     if args.config is None:
         missing = [f"--{k}" for k in _MODEL_FLAGS if k not in given]
         if missing:
-            raise ConfigError(f"config missing: give {', '.join(missing)}, or --config FILE")
+            raise ConfigError(f"{', '.join(missing)} missing: give them, or --config FILE")
         return ModelShape(
             **given,
             seq=args.seq,
             batch=args.batch,
-            ffn_multiple=args.ffn_multiple,
+            ffn_multiple=4 if args.ffn_multiple is None else args.ffn_multiple,
             dropout=args.dropout,
         )
+    if args.ffn_multiple is not None:
+        raise ConfigError("ffn_multiple with --config: the config gives the MLP's width")
     try:
         config = json.loads(pathlib.Path(args.config).read_text())
     except (OSError, ValueError) as error:
@@ -178,11 +180,13 @@ def _machine(args: argparse.Namespace) -> tuple[Machine, str]:
     return base, source
 
 
-def _flagged(message: str) -> str:
-    """The planner's messages start with the key: spell it as the flag (``--world 12 ...``)."""
+def _flagged(message: str, flags: frozenset[str]) -> str:
+    """Spell the key a message starts with as its flag (``--world 12 ...``) if it is one.
+
+    A key the config gave (``kv_heads``) is left as it is.
+    """
     key, _, rest = message.partition(" ")
-    flag = "--" + key.replace("_", "-")
-    return f"{flag} {rest}" if key.isidentifier() else message
+    return f"--{key.replace('_', '-')} {rest}" if key in flags else message
 
 
 if __name__ == "__main__":

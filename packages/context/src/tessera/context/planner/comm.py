@@ -19,8 +19,8 @@ blocks* (every rank gets every rank's block) and *scatter blocks* (rank ``l`` ge
 every rank's block ``l``), and 3d's weights-stay variant adds *all-to-all blocks* (rank ``l``
 gets every rank's block ``l``). NCCL runs them as an all-gather, a reduce-scatter and an
 all-to-all; gloo sends each of the other ``n - 1`` ranks its block, all posted at once in one
-``batch_isend_irecv`` (a ``send`` here). The bytes on the wire are the same ``n - 1`` blocks
-either way; the bytes contributed and the kinds of call differ.
+exchange of point-to-point sends (a ``send`` here). The bytes on the wire are the same ``n - 1``
+blocks either way; the bytes contributed and the kinds of call differ.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ class Collective:
         phase: ``"forward"``, ``"backward"`` or ``"step"`` (gradient synchronization).
         sum_over: For the sum of a gradient's parts that a layer may leave to the training
             loop (``tessera.context.gradient_sums``), the group it sums over (``"depth"``:
-            2.5D's depth layers, ``"batch"``: a LayerNorm's batch blocks); ``""`` otherwise.
+            2.5D's depth layers, ``"batch"``: a LayerNorm's batch blocks, ``"tensor"``:
+            repeated key/value heads' whole weights); ``""`` otherwise.
             Under the engine these run once per step, bucketed (:func:`sums_once_per_step`).
     """
 
@@ -167,7 +168,7 @@ def mesh_algorithm(rows: int, in_block: int) -> str:
     return "stationary" if 2 * rows < 3 * in_block else "summa"
 
 
-def cube_algorithm(rows: int, in_block: int, out_block: int, q: int) -> str:
+def cube_algorithm(rows: int, in_block: int, out_block: int, q: int, keep: bool = False) -> str:
     """The variant a 3d ``Linear`` runs in training on ``rows`` rows (``tessera.layers``' rule).
 
     ``"stationary"`` (the weights stay) when ``3 q n k + 2 n o < 3 o k``, else ``"gathered"``
@@ -175,9 +176,11 @@ def cube_algorithm(rows: int, in_block: int, out_block: int, q: int) -> str:
     (``out_block``): ``tessera.layers.choose_cube_algorithm`` with a backward, which compares
     the elements each variant sends in a step, ``(q^2 - 1)(3 n k + 2 n o)`` against ``(q -
     1)(3 n k + 2 n o q + 3 o k)`` (the bias gradient's ``(q - 1) o`` or ``(q - 1) q o``
-    aside).
+    aside). Keeping the gathered operands (``keep``): ``q n k + n o < o k``.
     """
     n, k, o = rows, in_block, out_block
+    if keep:
+        return "stationary" if q * n * k + n * o < o * k else "gathered"
     return "stationary" if 3 * q * n * k + 2 * n * o < 3 * o * k else "gathered"
 
 
@@ -233,7 +236,8 @@ def linear_collectives(
     """
     q, e = layout.side, precision.activation
     if layout.mode == "3d":
-        return _cube_linear_collectives(q, rows, n_in, n_out, e, backend, bias)
+        keep = layout.keep_gathered
+        return _cube_linear_collectives(q, rows, n_in, n_out, e, backend, bias, keep)
     x, y = _ceil(rows * n_in, q), _ceil(rows * n_out, q)
     w, b = _ceil(n_in * n_out, q * q), _ceil(n_out, q) if bias else 0
     if mesh_algorithm(rows, n_in // q) == "stationary":
@@ -259,28 +263,31 @@ def linear_collectives(
 
 
 def _cube_linear_collectives(
-    q: int, rows: int, n_in: int, n_out: int, e: int, backend: str, bias: bool
+    q: int, rows: int, n_in: int, n_out: int, e: int, backend: str, bias: bool, keep: bool
 ) -> list[Collective]:
-    """A 3d ``Linear(n_in, n_out)`` on ``rows`` rows, ``e`` bytes per element (see above)."""
+    """A 3d ``Linear(n_in, n_out)`` on ``rows`` rows, ``e`` bytes per element (see above).
+
+    ``keep``: the backward reuses what the forward gathered instead of gathering it again.
+    """
     k, o, plane = _ceil(n_in, q), _ceil(n_out, q * q), q * q
     x, w = rows * k, o * k  # [n, k] input block, [o, k] weight block
-    if cube_algorithm(rows, k, o, q) == "stationary":
+    if cube_algorithm(rows, k, o, q, keep) == "stationary":
         return [
             _gather(backend, plane, e * x),
             _all_to_all(backend, plane, e * rows * o),
             _all_to_all(backend, plane, e * rows * o, "backward"),
-            _gather(backend, plane, e * x, "backward"),
+            *([] if keep else [_gather(backend, plane, e * x, "backward")]),
             *([_gather(backend, q, e * o, "backward")] if bias else []),
             _scatter(backend, plane, e * x, "backward"),
         ]
     y, b = rows * q * o, q * o if bias else 0  # [n, n_out/q] output block, [n_out/q] bias
+    again = [_gather(backend, q, e * w, "backward"), _gather(backend, q, e * x, "backward")]
     return [
         _gather(backend, q, e * x),
         _gather(backend, q, e * w),
         _scatter(backend, q, e * y),
         _gather(backend, q, e * y, "backward"),
-        _gather(backend, q, e * w, "backward"),
-        _gather(backend, q, e * x, "backward"),
+        *([] if keep else again),
         _scatter(backend, q, e * x, "backward"),
         _scatter(backend, q, e * (w + b), "backward"),
     ]
@@ -329,20 +336,37 @@ def block_collectives(
     * 2d, 2.5d, 3d: the four linear layers (:func:`linear_collectives`) and the two
       LayerNorms, on ``T / r`` local rows, their blocks moved as ``backend`` moves them.
 
+    Key/value heads repeated over the ranks (fewer than the ranks splitting heads) add the
+    sum over TENSOR of their whole weights' gradient parts, one all-reduce each per backward
+    (tessera's ``RepeatedHeads``; a sum the engine defers to the step).
+
     With activation checkpointing the forward's collectives run again in the backward's
     recomputation; that is added by the caller.
     """
     tokens = samples * shape.seq
     if layout.mode == "none":
         return []
+    repeats = [
+        Collective(
+            "all_reduce",
+            layout.tensor,
+            precision.gradient * (x.held + (x.held // x.n_in if shape.biases else 0)),
+            1,
+            "backward",
+            "tensor",
+        )
+        for x in shape.block_linears(layout.side)
+        if x.repeated
+    ]
     if layout.mode == "1d":
         size = precision.activation * tokens * shape.hidden
         return [
             Collective("all_reduce", layout.tensor, size, 2),
             Collective("all_reduce", layout.tensor, size, 2, "backward"),
+            *repeats,
         ]
     rows = _ceil(tokens, layout.row_split)
-    found: list[Collective] = []
+    found: list[Collective] = list(repeats)
     for linear in shape.block_linears(layout.side):  # qkv (or q, k, v), proj, fc1, fc2
         found += linear_collectives(
             layout, rows, linear.n_in, linear.n_out, precision, backend, bias=shape.biases

@@ -61,6 +61,8 @@ class Layout:
         depth: 2.5d's depth ``d`` (``tensor = q * q * d``); 1 otherwise.
         zero: ZeRO stage over the data-parallel ranks, 0 (off) to 3.
         checkpoint: Whether every block's activations are recomputed in the backward.
+        keep_gathered: 3d only: every ``Linear3D`` keeps what its forward gathered for its
+            backward (``tessera.layers.keep_gathered_operands``): fewer gathers, more saved.
     """
 
     data: int
@@ -70,6 +72,7 @@ class Layout:
     depth: int = 1
     zero: int = 0
     checkpoint: bool = False
+    keep_gathered: bool = False
 
     @property
     def world(self) -> int:
@@ -111,12 +114,13 @@ class Layout:
 
     @property
     def tensor_name(self) -> str:
-        """``none``, ``1d(4)``, ``2d(4)``, ``2.5d(8,d=2)``, ``3d(8)``."""
+        """``none``, ``1d(4)``, ``2d(4)``, ``2.5d(8,d=2)``, ``3d(8)``, ``3d(8)+kept``."""
         if self.mode == "none":
             return "none"
         if self.mode == "2.5d":
             return f"2.5d({self.tensor},d={self.depth})"
-        return f"{self.mode}({self.tensor})"
+        kept = "+kept" if self.keep_gathered and self.mode == "3d" else ""
+        return f"{self.mode}({self.tensor}){kept}"
 
     @property
     def name(self) -> str:
@@ -125,7 +129,10 @@ class Layout:
         return text + (", ckpt" if self.checkpoint else "")
 
     def parallel(self) -> dict[str, Any]:
-        """The ``parallel = dict(...)`` block that asks tessera for this layout."""
+        """The ``parallel = dict(...)`` block that asks tessera for this layout.
+
+        ``keep_gathered`` is no part of it: call ``tessera.layers.keep_gathered_operands(model)``.
+        """
         block: dict[str, Any] = {"data": self.data, "pipeline": self.pipeline}
         if self.mode == "none":
             block["tensor"] = 1
@@ -226,6 +233,10 @@ def layout_problems(shape: ModelShape, layout: Layout) -> list[str]:
                 layout.row_split,
                 f"{name} splits each replica's batch into {layout.row_split} blocks",
             )
+    if layout.keep_gathered and layout.mode != "3d":
+        problems.append(
+            f"keep_gathered with {name}: only 3d's Linear3D keeps its gathered operands"
+        )
     if layout.zero >= 2 and layout.pipeline > 1:
         problems.append(
             f"zero stage {layout.zero} with pipeline {layout.pipeline}: tessera.engine shards "
@@ -304,7 +315,8 @@ def enumerate_layouts(
             for kind, depth in tensor_shapes(size, mode):
                 for zero in (0, 1, 2, 3) if data > 1 else (0,):
                     for checkpoint in (False, True):
-                        yield Layout(data, stages, size, kind, depth, zero, checkpoint)
+                        for keep in (False, True) if kind == "3d" else (False,):
+                            yield Layout(data, stages, size, kind, depth, zero, checkpoint, keep)
 
 
 def check_world(

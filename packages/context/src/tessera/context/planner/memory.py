@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .comm import cube_algorithm
 from .layouts import Layout, microbatch_samples, microbatches
 from .precision import FP32, Precision
 from .shapes import ModelShape
@@ -151,7 +152,8 @@ def block_activation_bytes(
       2022, section 4.2.1, "tensor parallel");
     * 2d, 2.5d, 3d: ``(T (8h + 2F) + A)/P``, every activation in ``[T/r, h/q]`` blocks with
       ``r`` the mode's batch split; tessera's LayerNorm saves ``x_hat`` and its rstd ``[T/r]``
-      (``2T/r`` fp32 for the two).
+      (``2T/r`` fp32 for the two); 3d keeping its gathered operands adds them
+      (:func:`_kept_operands`).
 
     Other blocks count the same tensors at their sizes: q, k and v ``T (h + 2 kv d)`` with
     ``kv`` key/value heads of ``d`` features (repeated up to the ranks splitting heads); a
@@ -184,7 +186,26 @@ def block_activation_bytes(
     p = layout.activation_split
     elements = _ceil(tokens * (4 * h + inner) + scores + dropped, p)
     rows = _ceil(tokens, layout.row_split)
+    if layout.keep_gathered and layout.mode == "3d":
+        elements += _kept_operands(shape, layout, rows)
     return e * elements + _ceil(masks, p) + FP32 * 2 * rows
+
+
+def _kept_operands(shape: ModelShape, layout: Layout, rows: int) -> int:
+    """Elements 3d's ``Linear3D`` layers also save when they keep their gathered operands.
+
+    With ``n = rows``, ``k = in/q`` and ``o = out/q^2`` per rank: the weights staying, the
+    input plane's rows ``q^2 n k``; the operands travelling, the gathered rows and weight
+    ``q (n k + o k)`` (``tessera.layers.cube_linear(keep=True)``).
+    """
+    q, found = layout.side, 0
+    for linear in shape.block_linears(q):
+        k, o = _ceil(linear.n_in, q), _ceil(linear.n_out, q * q)
+        if cube_algorithm(rows, k, o, q, keep=True) == "stationary":
+            found += q * q * rows * k
+        else:
+            found += q * (rows * k + o * k)
+    return found
 
 
 #: The attention's input projections, whose outputs attention saves.

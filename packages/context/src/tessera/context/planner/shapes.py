@@ -21,6 +21,10 @@ from tessera.registry import ConfigError
 
 __all__ = ["BlockLinear", "ModelShape"]
 
+#: ``model_type`` values :meth:`ModelShape.from_config` reads.
+_GPT2_TYPES = ("gpt2",)
+_LLAMA_TYPES = ("llama", "mistral", "qwen2")
+
 Norm = Literal["layernorm", "rmsnorm"]
 Positions = Literal["learned", "rotary"]
 
@@ -134,13 +138,13 @@ class ModelShape:
     def from_config(cls, config: Mapping[str, object], *, seq: int, batch: int) -> ModelShape:
         """The shape of a transformers decoder from its ``config.json`` (as a dict).
 
-        Reads GPT-2's names (``n_layer``, ``n_embd``, ``n_head``, ``n_inner``) and the
-        Llama family's (``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``,
-        ``num_key_value_heads``, ``intermediate_size``, ``attention_bias``, ``mlp_bias``,
-        ``tie_word_embeddings``). A config with ``intermediate_size`` and no ``n_inner`` is
-        taken as the Llama family's block (gated MLP, RMSNorm, rotary positions, separate
-        q/k/v; Qwen2's biases on q, k and v alone are counted as ``biases=False``, a few
-        thousand elements per block).
+        ``model_type`` says which block it is: ``gpt2`` (``n_layer``, ``n_embd``, ``n_head``,
+        ``n_inner``, ``n_positions``; a tied head) or one of the Llama family (``llama``,
+        ``mistral``, ``qwen2``: ``num_hidden_layers``, ``hidden_size``,
+        ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``,
+        ``attention_bias``, ``mlp_bias``, ``tie_word_embeddings``; a gated MLP, RMSNorm,
+        rotary positions, separate q/k/v, an untied head unless tied). Qwen2's biases on q, k
+        and v alone are left out (``biases=False``, a few thousand elements per block).
 
         Args:
             config: The config's keys and values.
@@ -148,7 +152,9 @@ class ModelShape:
             batch: Global batch in samples.
 
         Raises:
-            ConfigError: a key the block needs is missing, naming it.
+            ConfigError: another ``model_type`` (its block would be counted wrong: experts,
+                other head sizes, other layouts), a ``head_dim`` other than hidden / heads,
+                or a key the block needs missing; the message names it.
         """
 
         def get(*names: str, default: object = None) -> object:
@@ -162,7 +168,15 @@ class ModelShape:
                 )
             return default
 
-        hidden = _as_int(get("hidden_size", "n_embd", "d_model"))
+        kind = config.get("model_type")
+        if kind not in (*_GPT2_TYPES, *_LLAMA_TYPES):
+            raise ConfigError(
+                f"config model_type {kind!r} is not one the planner reads ("
+                f"{', '.join(_GPT2_TYPES + _LLAMA_TYPES)}): its block may hold experts, other "
+                "head sizes or other layers; give its numbers as --layers, --hidden, --heads, "
+                "--vocab instead"
+            )
+        hidden = _as_int(get("hidden_size", "n_embd"))
         heads = _as_int(get("num_attention_heads", "n_head"))
         common = {
             "layers": _as_int(get("num_hidden_layers", "n_layer")),
@@ -172,25 +186,33 @@ class ModelShape:
             "vocab": _as_int(get("vocab_size")),
             "batch": batch,
             "dropout": False,
-            "tied_head": bool(get("tie_word_embeddings", default=True)),
         }
-        if "intermediate_size" in config and "n_inner" not in config:  # the Llama family
+        if kind in _GPT2_TYPES:
+            inner = get("n_inner", default=0)
             return cls(
                 **common,  # type: ignore[arg-type]
-                kv_heads=_as_int(get("num_key_value_heads", default=heads)),
-                ffn_width=_as_int(get("intermediate_size")),
-                gated_mlp=True,
-                biases=bool(get("attention_bias", default=False))
-                and bool(get("mlp_bias", default=False)),
-                norm="rmsnorm",
-                positions="rotary",
-                fused_qkv=False,
+                ffn_width=_as_int(inner) if inner else None,
+                max_positions=_as_int(get("n_positions")),
+                tied_head=bool(get("tie_word_embeddings", default=True)),
             )
-        inner = get("n_inner", default=0)
+        head_dim = config.get("head_dim")
+        if head_dim is not None and head_dim != hidden // heads:
+            raise ConfigError(
+                f"config head_dim {head_dim} is not hidden_size / num_attention_heads "
+                f"({hidden} / {heads} = {hidden // heads}): the planner's heads have "
+                "hidden / heads features"
+            )
         return cls(
             **common,  # type: ignore[arg-type]
-            ffn_width=_as_int(inner) if inner else None,
-            max_positions=_as_int(get("n_positions", "max_position_embeddings")),
+            kv_heads=_as_int(get("num_key_value_heads", default=heads)),
+            ffn_width=_as_int(get("intermediate_size")),
+            gated_mlp=True,
+            biases=bool(get("attention_bias", default=False))
+            and bool(get("mlp_bias", default=False)),
+            norm="rmsnorm",
+            positions="rotary",
+            tied_head=bool(get("tie_word_embeddings", default=False)),
+            fused_qkv=False,
         )
 
     @property

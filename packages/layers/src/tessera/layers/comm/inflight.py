@@ -13,10 +13,12 @@ and reduce-scatter go through staging copies and, for the reduce-scatter, a full
 the block it needs, straight from its own memory, and sums what it receives in group-rank
 order. The bytes per rank are the same ``(w - 1)`` blocks either way.
 
-The sends are posted on the group's ``ProcessGroup`` directly, with group ranks looked up
-once per group: torch's ``P2POp`` / ``batch_isend_irecv`` path translates ranks and checks
-arguments in Python on every call, which cost about 0.3 ms of CPU per exchange here (with
-eight ranks on two cores, CPU time is step time).
+On gloo the sends are posted on the group's ``ProcessGroup`` directly, with group ranks
+looked up once per group: torch's ``P2POp`` / ``batch_isend_irecv`` path translates ranks and
+checks arguments in Python on every call, which cost about 0.3 ms of CPU per exchange here
+(with eight ranks on two cores, CPU time is step time). On NCCL the point-to-point exchanges
+that remain (the weights-stay variants, the 3D layout switch) stay one ``batch_isend_irecv``:
+NCCL needs their sends and receives in one group call.
 """
 
 from __future__ import annotations
@@ -94,21 +96,26 @@ class _Route:
 
     Attributes:
         pairwise: Blocks travel as pairwise sends (gloo) rather than as collectives.
+        global_rank: The group's ranks in order: rank in the group -> global rank.
         group_rank: Global rank -> rank in the group.
     """
 
     pairwise: bool
+    global_rank: tuple[int, ...]
     group_rank: dict[int, int]
 
 
+#: A cache of facts that never change while a group lives (its backend, its ranks); an entry
+#: goes with its group.
 _ROUTES: weakref.WeakKeyDictionary[dist.ProcessGroup, _Route] = weakref.WeakKeyDictionary()
 
 
 def _route(group: dist.ProcessGroup) -> _Route:
     route = _ROUTES.get(group)
     if route is None:
-        ranks = dist.get_process_group_ranks(group)
-        route = _Route(dist.get_backend(group) == "gloo", {peer: i for i, peer in enumerate(ranks)})
+        ranks = tuple(dist.get_process_group_ranks(group))
+        local = {peer: i for i, peer in enumerate(ranks)}
+        route = _Route(dist.get_backend(group) == "gloo", ranks, local)
         _ROUTES[group] = route
     return route
 
@@ -118,26 +125,36 @@ def _pairwise(group: dist.ProcessGroup) -> bool:
     return _route(group).pairwise
 
 
-def _post(
+def post_exchange(
     sends: Sequence[tuple[int, torch.Tensor]],
     recvs: Sequence[tuple[int, torch.Tensor]],
     group: dist.ProcessGroup,
 ) -> list[dist.Work]:
-    """Post sends, then receives, ``(group rank, contiguous tensor)``, on ``group`` itself."""
-    works = []
-    for peer, tensor in sends:
-        works.append(group.send([_contiguous(tensor)], peer, 0))
-    for peer, tensor in recvs:
-        works.append(group.recv([_contiguous(tensor)], peer, 0))
+    """Post sends, then receives, ``(group rank, contiguous tensor)``, through ``group``.
+
+    gloo: on the process group itself, one call each. NCCL: as one ``batch_isend_irecv``,
+    which fuses them in one NCCL group call (sends and receives that must progress together
+    would deadlock posted one by one once a message outgrows NCCL's buffers). The one place
+    the layers post point-to-point exchanges (looked up at each call, so a benchmark's traffic
+    counter can wrap it: ``benchmarks/meters.py``).
+
+    Raises:
+        ValueError: a tensor is not contiguous (checked before anything is posted).
+    """
+    for _, tensor in (*sends, *recvs):
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"a point-to-point buffer must be contiguous, got strides {tensor.stride()}"
+            )
+    route = _route(group)
+    if not route.pairwise:
+        ranks = route.global_rank
+        ops = [dist.P2POp(dist.isend, t, ranks[peer], group) for peer, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, ranks[peer], group) for peer, t in recvs]
+        return [_work(w) for w in dist.batch_isend_irecv(ops)] if ops else []
+    works = [group.send([tensor], peer, 0) for peer, tensor in sends]
+    works += [group.recv([tensor], peer, 0) for peer, tensor in recvs]
     return works
-
-
-def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    if not tensor.is_contiguous():
-        raise ValueError(
-            f"a point-to-point buffer must be contiguous, got strides {tensor.stride()}"
-        )
-    return tensor
 
 
 def start_transfers(
@@ -151,7 +168,7 @@ def start_transfers(
     Between two ranks, sends arrive in the order they were posted.
     """
     local = _route(group).group_rank
-    return _post(
+    return post_exchange(
         [(local[peer], t) for peer, t in sends], [(local[peer], t) for peer, t in recvs], group
     )
 
@@ -162,7 +179,7 @@ def _exchange(
     group: dist.ProcessGroup,
 ) -> list[dist.Work]:
     """Post ``sends[l]`` to and ``recvs[l]`` from group rank ``l`` (``None``: nothing)."""
-    return _post(
+    return post_exchange(
         [(peer, t) for peer, t in enumerate(sends) if t is not None],
         [(peer, t) for peer, t in enumerate(recvs) if t is not None],
         group,
