@@ -791,18 +791,38 @@ def test_grouped_query_attention_per_rank() -> None:
             Layout(1, 1, 4, "1d"),
             "kv_heads 3 do not divide 4 (4 % 3 = 1)",
         ),
-        (dict(heads=8, kv_heads=2), Layout(1, 1, 4, "1d"), "kv_heads 2 < 4 with fused q/k/v"),
-        (dict(heads=8, kv_heads=1), Layout(1, 1, 8, "3d"), "kv_heads 1 < 2 with fused q/k/v"),
+        (
+            dict(heads=8, kv_heads=1, hidden=8 * 3),
+            Layout(1, 1, 8, "3d"),
+            "head_dim 3 % 2 = 1: 3d(8) repeats kv_heads 1 < 2",
+        ),
     ],
 )
 def test_key_value_heads_tessera_cannot_split_are_named(
     fields: dict[str, int], layout: Layout, message: str
 ) -> None:
-    shape = ModelShape(layers=2, hidden=96, seq=8, vocab=0, batch=8, **fields)
+    shape = ModelShape(**{**dict(layers=2, hidden=96, seq=8, vocab=0, batch=8), **fields})
     assert any(message in problem for problem in layout_problems(shape, layout))
-    separate = replace(shape, fused_qkv=False)
-    fused_only = "fused" in message
-    assert (layout_problems(separate, layout) == []) == fused_only
+    assert any(
+        message in problem for problem in layout_problems(replace(shape, fused_qkv=False), layout)
+    )
+
+
+@pytest.mark.parametrize("biases", [False, True])
+def test_repeats_fused_with_the_query_heads_hold_the_whole_weight(biases: bool) -> None:
+    # tessera's RepeatedHeads of a fused q/k/v (GPTBigCode, multi-query Falcon, Phi-3 with
+    # few key/value heads) holds the whole weight, its query rows too; separate projections
+    # keep q split: the difference is the query rows a split would not hold.
+    h, d, p = 96, 12, 4
+    fused = ModelShape(layers=2, hidden=h, heads=8, kv_heads=2, seq=8, vocab=0, batch=8)
+    fused = replace(fused, biases=biases)
+    layout = Layout(1, 1, p, "1d")
+    assert layout_problems(fused, layout) == []
+    (qkv,) = [x for x in fused.block_linears(p) if x.name == "qkv"]
+    assert (qkv.n_out, qkv.repeated, qkv.held) == (h + 2 * d * p, True, h * (h + 2 * d * 2))
+    separate = replace(fused, fused_qkv=False)
+    query_rows = h * h - h * h // p + (h - h // p if biases else 0)
+    assert block_parameters(fused, layout) - block_parameters(separate, layout) == query_rows
 
 
 def test_bad_configs_name_the_key() -> None:

@@ -215,13 +215,14 @@ def granite_lm(seed: int = 0) -> nn.Module:
     return _distinct(GraniteForCausalLM(config), seed)
 
 
-def phi3_lm(seed: int = 0) -> nn.Module:
+def phi3_lm(seed: int = 0, **overrides: Any) -> nn.Module:
     """``Phi3ForCausalLM`` (q, k and v fused in ``qkv_proj`` with grouped-query attention: 8
     query and 4 key/value heads; gate and up fused in ``gate_up_proj``), sized like Llama's."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Phi3Config(**LLAMA_CONFIG, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    tokens = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    config = Phi3Config(**{**LLAMA_CONFIG, **tokens, **overrides})
     return _distinct(Phi3ForCausalLM(config), seed)
 
 
@@ -312,6 +313,17 @@ def falcon_lm(seed: int = 0, **overrides: Any) -> nn.Module:
         eos_token_id=None,
     )
     return _distinct(FalconForCausalLM(FalconConfig(**{**sizes, **overrides})), seed)
+
+
+def gpt_bigcode_lm(seed: int = 0, **overrides: Any) -> nn.Module:
+    """``GPTBigCodeForCausalLM`` (StarCoder's) with GPT-2's config keys and Llama's 8 heads of
+    4: by default multi-query (every query head beside one key and one value head in the
+    ``nn.Linear`` ``c_attn``), a tied head."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    torch.manual_seed(seed)
+    sizes = dict(GPT2_CONFIG, n_embd=32, n_head=8, multi_query=True)
+    return _distinct(GPTBigCodeForCausalLM(GPTBigCodeConfig(**{**sizes, **overrides})), seed)
 
 
 def stablelm_lm(seed: int = 0, **overrides: Any) -> nn.Module:

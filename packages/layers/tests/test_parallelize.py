@@ -29,6 +29,7 @@ from hf_models import (
     glm4_lm,
     glm_lm,
     gpt2_lm,
+    gpt_bigcode_lm,
     gpt_neo_lm,
     gpt_neox_lm,
     granite_lm,
@@ -173,6 +174,9 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     ),
     "bloom (family plan, ALiBi slopes of each rank's heads)": lambda ctx: _alibi(ctx),
     "falcon (family plans, q/k/v fused per head or per key/value group)": lambda ctx: _falcon(ctx),
+    "q, k and v fused, key/value heads repeated (gpt-bigcode multi-query, phi3)": lambda ctx: (
+        _fused_repeats(ctx)
+    ),
     "gpt-neo (plan read from its blocks)": lambda ctx: _lm_matches_reference(gpt_neo_lm(), ctx),
     "phi (plan read from its blocks, query and key heads normalized)": lambda ctx: (
         _lm_matches_reference(phi_lm(), ctx)
@@ -242,6 +246,11 @@ ONLY_UNDER = {
     "norms of each head with a weight per head (stablelm, cohere)": ("1d-sp", "3d"),
     "bloom (family plan, ALiBi slopes of each rank's heads)": ("1d-sp", "3d"),
     "falcon (family plans, q/k/v fused per head or per key/value group)": ("1d-sp", "2d", "3d"),
+    "q, k and v fused, key/value heads repeated (gpt-bigcode multi-query, phi3)": (
+        "1d",
+        "2.5d",
+        "3d",
+    ),
     "gpt-neo (plan read from its blocks)": ("1d", "2d"),
     "phi (plan read from its blocks, query and key heads normalized)": (
         "1d-sp",
@@ -416,15 +425,17 @@ def _falcon(ctx: ParallelContext) -> list[float]:
     """Falcon's layouts, each with its own ``FalconLinear`` class (a probe shows it computes
     ``x W^T + b``). Under every layout the new decoder architecture (Falcon-40B's: q, k and v
     fused per key/value group, attention beside the MLP on two norms, the attention output
-    added into the MLP's in place). Under 1D with sequence parallelism also the original one
-    (fused per head, norms before attention and MLP, biases), the new one as pipeline layers,
-    and what is refused by name:
-    multi-query Falcon (its one key and value fused beside every query: a row split would cut
-    them), one key/value group, and ALiBi folded into the mask."""
+    added into the MLP's in place) and multi-query Falcon (Falcon-7B's: its one key and value
+    head fused after every query head, repeated on each rank beside the rank's queries). Under
+    1D with sequence parallelism also the original one (fused per head, norms before
+    attention and MLP, biases), the new one with one key/value group, the new one as pipeline
+    layers, and ALiBi folded into the mask, refused by name."""
     grouped = _with_plan(falcon_lm(), "Falcon with two norms LM plan inferred")
-    results = [_lm_matches_reference(grouped, ctx)]
+    multi_query = falcon_lm(new_decoder_architecture=False, multi_query=True)
+    results = [_lm_matches_reference(grouped, ctx), _lm_matches_reference(multi_query, ctx)]
     if ctx.config.tensor_mode != "1d":
         return results
+    results.append(_lm_matches_reference(falcon_lm(num_kv_heads=1), ctx))
     layers = pipeline_layers(parallelize(copy.deepcopy(grouped), context=ctx))  # as stages
     ids = token_ids()
     with torch.no_grad():
@@ -432,14 +443,25 @@ def _falcon(ctx: ParallelContext) -> list[float]:
     original = dict(new_decoder_architecture=False, multi_query=False, num_kv_heads=8)
     mha = falcon_lm(**original, parallel_attn=False, bias=True)
     results.append(_lm_matches_reference(_with_plan(mha, "Falcon LM plan inferred"), ctx))
-    refused = [
-        (dict(new_decoder_architecture=False, multi_query=True), "q, k and v fused in one"),
-        (dict(num_kv_heads=1), "q, k and v fused in one"),
-        (dict(original, alibi=True), "alibi=True"),
-    ]
-    for config, message in refused:
-        with pytest.raises(ValueError, match=message):
-            parallelize(falcon_lm(**config), context=ctx)
+    with pytest.raises(ValueError, match="alibi=True"):
+        parallelize(falcon_lm(**original, alibi=True), context=ctx)
+    return results
+
+
+def _fused_repeats(ctx: ParallelContext) -> list[float]:
+    """q, k and v fused in one projection with fewer key/value heads than the ranks that split
+    heads: GPTBigCode multi-query (StarCoder's ``c_attn``, fused by group) and Phi-3 with one
+    key/value head (``qkv_proj``, fused in turn and held in parts interleaved by group); each
+    rank computes its query heads and the key and value head they attend with, from the whole
+    weight. Also GPTBigCode with a key and value per head (a plain split of whole heads)."""
+    mode = ctx.config.tensor_mode
+    defer = mode in ("2.5d", "3d")
+    bigcode = _with_plan(gpt_bigcode_lm(), "GPTBigCode LM plan inferred")
+    results = [_lm_matches_reference(bigcode, ctx, defer=defer)]
+    if mode == "1d":
+        results.append(_lm_matches_reference(gpt_bigcode_lm(multi_query=False), ctx))
+    phi3 = phi3_lm(num_key_value_heads=1)
+    results.append(_lm_matches_reference(phi3, ctx, then_attention="eager", defer=defer))
     return results
 
 
@@ -970,13 +992,15 @@ def _errors() -> list[str]:
             r"under tensor mode '1d' \(nor, for key/value heads, a divisor of it\)",
             lambda: parallelize(three_kv, context=ctx),
         )
-        fused_mqa = _tiny("Phi3", num_key_value_heads=1)  # q, k, v in one qkv_proj
+        odd_mqa = _tiny("Phi3", num_key_value_heads=1)  # 4 query heads of 4, 1 key/value
+        odd_mqa.model.layers[0].self_attn.qkv_proj = nn.Linear(16, 20, bias=False)  # 5 heads
         expect(
             ValueError,
-            r"'model.layers.0.self_attn.qkv_proj' of 'model.layers.0.self_attn' has role "
-            r"'qkv': q, k and v fused in one projection, with fewer key/value heads \(1\) than "
-            r"the 2 ranks .* takes separate key and value projections",
-            lambda: parallelize(fused_mqa, context=ctx),
+            r"'model.layers.0.self_attn.qkv_proj' of 'model.layers.0.self_attn' \(role 'qkv'\) "
+            r"makes 20 features, none of its 4 query heads' \(16\), its 1 key/value heads' "
+            r"\(4\) or all of them fused \(4 \+ 2 \* 1 heads = 24\), 4 features each. Its 1 "
+            r"key/value heads are repeated over the 2 ranks",
+            lambda: parallelize(odd_mqa, context=ctx),
         )
         olmo2 = _tiny("Olmo2")  # its q_norm and k_norm span all heads' features
         layers = "model.layers.*"
@@ -1188,16 +1212,11 @@ def _tiny(family: str, **overrides: Any) -> nn.Module:
 def test_a_model_unlike_the_usual_block_stack_gets_no_plan_and_the_reason(
     family: str, reason: str
 ) -> None:
-    # OPT's positions are shifted inside its own embedding class, GPT-NeoX fuses q, k, v in
-    # an order its shape does not tell (its family plan, which knows the order, takes it),
-    # GPTBigCode
-    # fuses them per head or shares one key and value (and is no GPT-2, whose module names
-    # it has: see the test below): each would train wrong, silently, under a guessed plan.
-    from tessera.layers.conversion.plan import infer_plan
+    # OPT's positions are shifted inside its own embedding class, GPT-NeoX and GPTBigCode
+    # fuse q, k, v in an order their shapes do not tell (their family plans, which know the
+    # order, take them): each would train wrong, silently, under a guessed plan.
     from tessera.layers.conversion.structure import infer_structure
 
-    if family == "GPTBigCode":
-        assert infer_plan(_tiny(family)) is None
     # GLM's MLP chunks its gate_up_proj in two halves: a plain column split gave each rank
     # the gate of some features and the up of others, and trained wrong without an error.
     report = infer_structure(_tiny(family))
@@ -1491,25 +1510,17 @@ def test_a_subclass_keeps_its_base_class_plan_only_while_that_plan_covers_it() -
 
 
 @pytest.mark.parametrize("multi_query", [False, True])
-def test_gpt_bigcode_is_not_taken_for_gpt2(multi_query: bool) -> None:
+def test_gpt_bigcode_gets_its_own_plan_not_gpt2s(multi_query: bool) -> None:
     # GPTBigCode's modules have GPT-2's names (h.0.attn.c_attn, ...), but its c_attn is an
     # nn.Linear holding q, k, v side by side per head, or one shared key and value. Cut as
     # GPT-2's [3, heads, d] it ran without an error and trained 3.6% off one process (1D, 2
-    # ranks); now no plan is guessed for it.
+    # ranks); its own plan takes c_attn as a column layer of whole groups.
     from tessera.layers.conversion.plan import plan_for
 
-    model = _tiny("GPTBigCode")
-    if not multi_query:
-        import transformers
-
-        config = transformers.GPTBigCodeConfig(
-            vocab_size=32, n_embd=16, n_layer=1, n_head=4, n_positions=16, multi_query=False
-        )
-        model = transformers.GPTBigCodeForCausalLM(config)
-    with pytest.raises(
-        ValueError, match=r"no plan for GPTBigCodeForCausalLM .* 0 attention modules"
-    ):
-        plan_for(model, None)
+    plan = plan_for(_tiny("GPTBigCode", multi_query=multi_query), None)
+    assert plan.name == "GPTBigCode LM plan inferred for GPTBigCodeForCausalLM"
+    assert plan.rules["transformer.h.*.attn.c_attn"] == "col"
+    assert plan_for(gpt2_lm(), None).rules["transformer.h.*.attn.c_attn"] == "qkv"
 
 
 def _norm(family: str, cls: str, *args: Any, device: str = "cpu") -> nn.Module:

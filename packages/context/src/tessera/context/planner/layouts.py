@@ -206,7 +206,7 @@ def layout_problems(shape: ModelShape, layout: Layout) -> list[str]:
         )
     q = layout.side
     if layout.mode != "none":
-        problems += _key_value_problems(shape, q, name)
+        problems += _key_value_problems(shape, q, name, cube=layout.mode == "3d")
     if layout.mode == "1d":
         for what, value in (("hidden", shape.hidden), ("heads", shape.heads)):
             need(what, value, q, f"{name} splits {what} over {q} ranks")
@@ -245,13 +245,13 @@ def layout_problems(shape: ModelShape, layout: Layout) -> list[str]:
     return problems
 
 
-def _key_value_problems(shape: ModelShape, ranks: int, name: str) -> list[str]:
+def _key_value_problems(shape: ModelShape, ranks: int, name: str, *, cube: bool) -> list[str]:
     """Grouped-query attention over ``ranks`` ranks splitting heads, as tessera runs it.
 
     ``kv_heads`` at least ``ranks`` are split like the query heads; fewer are repeated, one on
     each rank, which needs every rank's query heads to share one key/value head (``kv_heads``
-    divides ``ranks``) and q, k and v in separate layers (a fused weight cannot be split in
-    part and repeated in part).
+    divides ``ranks``) and, on the ``cube`` (3d), a head's features split over the ``ranks``
+    as its rows are.
     """
     kv = shape.key_value_heads
     if kv == shape.heads:  # split with the query heads (their own check)
@@ -267,10 +267,11 @@ def _key_value_problems(shape: ModelShape, ranks: int, name: str) -> list[str]:
             f"kv_heads {kv} do not divide {ranks} ({ranks} % {kv} = {ranks % kv}): {name} "
             "repeats fewer key/value heads than ranks, one per rank, for whole groups of heads"
         ]
-    if shape.fused_qkv:
+    d = shape.head_dim
+    if cube and d % ranks:
         return [
-            f"kv_heads {kv} < {ranks} with fused q/k/v: {name} would repeat key/value heads "
-            "held in one weight with the query heads it splits (use separate q, k, v layers)"
+            f"head_dim {d} % {ranks} = {d % ranks}: {name} repeats kv_heads {kv} < {ranks}, "
+            f"each head's features split over {ranks} ranks"
         ]
     return []
 

@@ -41,9 +41,10 @@ class BlockLinear:
             ranks are repeated, one per rank, so ``k`` and ``v`` grow.
         column: Split by output features under 1d (Megatron-LM's column-parallel layer);
             otherwise by input features (row-parallel), its bias whole.
-        repeated: Its heads are repeated over the ranks (``k`` and ``v`` with fewer key/value
-            heads than ranks): tessera's ``RepeatedHeads`` keeps the weight (and bias) whole
-            on every rank, ``held`` elements, each rank computing its head from it.
+        repeated: Its heads are repeated over the ranks (``k`` and ``v``, or a fused ``qkv``,
+            with fewer key/value heads than ranks): tessera's ``RepeatedHeads`` keeps the
+            weight (and bias) whole on every rank, ``held`` elements, each rank computing its
+            heads from it.
         held: The whole weight's elements of a ``repeated`` layer (0 otherwise).
     """
 
@@ -241,14 +242,17 @@ class ModelShape:
         """The block's linear layers, with the heads split over ``heads_split`` ranks.
 
         Key/value heads fewer than ``heads_split`` are repeated so that each rank holds one
-        (tessera's ``RepeatedHeads``): ``k`` and ``v`` then compute ``heads_split`` heads.
+        (tessera's ``RepeatedHeads``): ``k`` and ``v`` then compute ``heads_split`` heads,
+        from whole weights on every rank; fused, the whole ``qkv`` weight is held, its query
+        rows too.
         """
         h, f, d = self.hidden, self.ffn, self.head_dim
         kv = d * max(self.key_value_heads, heads_split)
-        if self.fused_qkv:
-            attention = [BlockLinear("qkv", h, h + 2 * kv, True)]
+        repeated = self.key_value_heads < heads_split
+        if self.fused_qkv:  # repeats held in the whole fused weight, query rows and all
+            held = h * (h + 2 * d * self.key_value_heads) if repeated else 0
+            attention = [BlockLinear("qkv", h, h + 2 * kv, True, repeated, held)]
         else:
-            repeated = self.key_value_heads < heads_split
             held = h * d * self.key_value_heads if repeated else 0
             attention = [
                 BlockLinear("q", h, h, True),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypedDict
+from typing import Any, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +53,7 @@ from .head_share import HEAD_COUNTS, HeadShareConfig
 from .norms import NormSpec, computes_as, computes_formula, computes_own_forward, norm_spec
 from .patch import PatchEmbeddingAdapter, patch_sizes
 from .per_head_norm import PerHeadNorm, holds_weights_per_head, per_head_norm_spec, rank_heads
-from .repeated_heads import RepeatedHeads
+from .repeated_heads import HeadRepeats, RepeatedHeads
 
 __all__ = ["Converter", "LinearShape", "linear_shape"]
 
@@ -63,6 +63,7 @@ HEAD_ATTRIBUTES = (
     "num_attention_heads",
     "num_key_value_heads",
     "num_kv_heads",
+    "kv_heads",
     "split_size",
     "embed_dim",
     "all_head_size",
@@ -91,8 +92,8 @@ class _Made(TypedDict):
 
 #: The count of key/value heads (an attribute of the module or of its config).
 KEY_VALUE_COUNT = "num_key_value_heads"
-#: Its names: transformers' usual one, and Falcon's.
-KEY_VALUE_COUNTS = (KEY_VALUE_COUNT, "num_kv_heads")
+#: Its names: transformers' usual one, Falcon's and GPTBigCode's.
+KEY_VALUE_COUNTS = (KEY_VALUE_COUNT, "num_kv_heads", "kv_heads")
 #: Query heads per key/value head, which transformers' attention modules keep.
 KEY_VALUE_GROUPS = "num_key_value_groups"
 #: Head counts of a transformers config (an attention module sees its share of them).
@@ -388,18 +389,20 @@ class Converter:
         ``row`` layer takes ``"z"`` back to ``"y"`` (Bian et al. 2021). A ``qkv`` layer of
         grouped-query attention (fewer key/value heads than query heads: parts of unequal
         sizes) is held interleaved by group and its output put back in q, k, v order
-        (:class:`~tessera.layers.state.sections.SectionOrder`).
+        (:class:`~tessera.layers.state.sections.SectionOrder`). A column layer of attention
+        making key/value heads fewer than the ranks splitting heads repeats them
+        (:meth:`repeated_heads`).
 
         Raises:
-            ValueError: a column layer of attention fuses q, k and v while its key/value
-                heads are repeated over the ranks (:meth:`_check_not_fused_with_repeats`).
+            ValueError: a column layer of attention with repeated key/value heads makes
+                features that are not heads of its attention (:meth:`_head_repeats`).
         """
         shape = linear_shape(name, module, role)
         owner = self._attention_around(name)
-        if role == "col" and owner is not None:
-            self._check_not_fused_with_repeats(name, owner, shape.out_features)
-            if self._repeats(owner, shape.out_features):
-                return self.repeated_heads(name, module, shape, self.heads[owner])
+        if owner is not None and role in ("col", "qkv"):
+            repeats = self._head_repeats(name, owner, role, shape.out_features)
+            if repeats is not None:
+                return self.repeated_heads(name, module, shape, repeats)
         fused = COLUMN_PARTS.get(role, 1)
         sections = self._qkv_sections(name, shape) if role == "qkv" else ()
         if sections:
@@ -407,14 +410,20 @@ class Converter:
         weight = _tensor(module, "weight")
         dims = (shape.in_features, shape.out_features, shape.bias)
         new = self._mode_linear(name, role, dims, fused, self._made_like(weight))
+        if sections:
+            new.register_forward_hook(SectionOrder(sections))
+        return _adopt(new, module, self._forms(shape, weight, fused, sections))
+
+    def _forms(
+        self, shape: LinearShape, weight: torch.Tensor, fused: int, sections: tuple[int, ...]
+    ) -> dict[str, FullForm]:
+        """The original forms of a linear layer's weight and bias, where tessera's differ."""
         forms: dict[str, FullForm] = {}
         if shape.transposed or fused > 1 or sections:
             forms["weight"] = FullForm(tuple(weight.shape), shape.transposed, sections)
         if shape.bias and (fused > 1 or sections):
             forms["bias"] = FullForm((shape.out_features,), sections=sections)
-        if sections:
-            new.register_forward_hook(SectionOrder(sections))
-        return _adopt(new, module, forms)
+        return forms
 
     def _mode_linear(
         self, name: str, role: str, dims: tuple[int, int, bool], fused: int, made: _Made
@@ -448,78 +457,76 @@ class Converter:
             and width == heads.key_value * heads.dim
         )
 
-    def _check_not_fused_with_repeats(self, name: str, owner: str, width: int) -> None:
-        """A column layer of attention with repeated key/value heads makes q, k or v alone.
+    def _head_repeats(self, name: str, owner: str, role: str, width: int) -> HeadRepeats | None:
+        """The repeats a column layer of attention computes (``None``: none, split it).
 
-        Fused (Falcon-7B's and GPTBigCode's multi-query ``[q heads; k; v]``, or Falcon's
-        groups ``[kv, q/kv + 2, d]``), a plain split of its rows would cut through the key and
-        value heads every rank needs whole, without an error.
-
-        Raises:
-            ValueError: ``width`` is neither the query heads' nor the key/value heads'.
-        """
-        heads = self.heads[owner]
-        if not heads.repeated_over(self.share) or heads.dim is None:
-            return
-        if width in (heads.query * heads.dim, heads.key_value * heads.dim):
-            return
-        self._refuse_fused_with_repeats(
-            name,
-            owner,
-            f"makes {width} features, neither its {heads.query} query heads' nor its "
-            f"{heads.key_value} key/value heads' ({heads.dim} each)",
-        )
-
-    def _refuse_fused_with_repeats(self, name: str, owner: str, found: str) -> NoReturn:
-        """Repeated key/value heads need q, k and v in separate projections: say so.
+        With key/value heads fewer than the ranks splitting heads, a ``col`` layer of
+        ``kv * head_dim`` features is a key or value projection; one of all heads' features
+        fuses q, k and v, by group for ``col`` (Falcon's and GPTBigCode's rows, which a plain
+        split would otherwise keep whole) or in turn for ``qkv`` (Phi-3's).
 
         Raises:
-            ValueError: always, naming the layer, what was ``found`` and the arithmetic.
+            ValueError: ``width`` is none of those (a split of its rows would cut through the
+                key and value heads every rank needs whole, without an error).
         """
-        heads = self.heads[owner]
+        heads, share = self.heads[owner], self.share
+        if not heads.repeated_over(share) or heads.dim is None:
+            return None
+        query, kv, dim = heads.query, heads.key_value, heads.dim
+        if role == "col" and width == kv * dim:
+            return HeadRepeats(kv, dim, share)
+        if role == "col" and width == query * dim:
+            return None  # the query heads: split like any column layer
+        if width == (query + 2 * kv) * dim:
+            return HeadRepeats(kv, dim, share, query, by_group=role == "col")
         raise ValueError(
-            f"parallelize: {name!r} of {owner!r} {found}: q, k and v fused in one projection, "
-            f"with fewer key/value heads ({heads.key_value}) than the {self.share} ranks that "
-            f"split heads under tensor mode {self.mode!r}. Repeating key/value heads over "
-            "ranks takes separate key and value projections (or at most "
-            f"{heads.key_value} ranks splitting heads)"
+            f"parallelize: {name!r} of {owner!r} (role {role!r}) makes {width} features, "
+            f"none of its {query} query heads' ({query * dim}), its {kv} key/value heads' "
+            f"({kv * dim}) or all of them fused ({query} + 2 * {kv} heads = "
+            f"{(query + 2 * kv) * dim}), {dim} features each. Its {kv} key/value heads are "
+            f"repeated over the {share} ranks that split heads under tensor mode {self.mode!r}, "
+            "so every rank needs whole key and value heads, which a split of these rows would "
+            f"cut (at most {kv} ranks splitting heads split them instead)"
         )
 
     def repeated_heads(
-        self, name: str, module: nn.Module, shape: LinearShape, heads: Heads
+        self, name: str, module: nn.Module, shape: LinearShape, repeats: HeadRepeats
     ) -> nn.Module:
-        """A key or value projection with fewer heads than ranks: each head repeated.
+        """A column layer of attention whose key/value heads are repeated over the ranks.
 
-        Each rank computes the one head its query heads attend with, by the mode's column
-        layer of one head per rank, from the whole weight (see
-        :class:`~tessera.layers.conversion.repeated_heads.RepeatedHeads`).
+        Each rank computes its segment (its query heads if fused, then the one key/value
+        head they attend with) by the mode's column layer of ``share`` segments, from the
+        whole weight (see
+        :class:`~tessera.layers.conversion.repeated_heads.RepeatedHeads`). A fused q/k/v in
+        turn (role ``qkv``) is held in tessera's form of its parts, as when it is split.
         """
-        assert heads.dim is not None, f"{name}: attention() requires head_dim to repeat heads"
         weight = _tensor(module, "weight")
         made = self._made_like(weight)
-        if self.mode == "3d" and heads.dim % self.share != 0:  # the cube splits a head's rows
+        dim, share = repeats.head_dim, self.share
+        if self.mode == "3d" and dim % share != 0:  # the cube splits a head's rows
             raise ValueError(
-                f"parallelize: {name!r} holds {heads.key_value} key/value heads of {heads.dim} "
-                f"features, repeated over the {self.share} ranks that split heads under tensor "
-                f"mode '3d', which also splits each head's features over {self.share} ranks "
-                f"({heads.dim} % {self.share} = {heads.dim % self.share})"
+                f"parallelize: {name!r} holds {repeats.key_value} key/value heads of {dim} "
+                f"features, repeated over the {share} ranks that split heads under tensor "
+                f"mode '3d', which also splits each head's features over {share} ranks "
+                f"({dim} % {share} = {dim % share})"
             )
-        repeated = (shape.in_features, self.share * heads.dim, True)
+        in_turn = repeats.query and not repeats.by_group
+        sections = (repeats.query * dim, *(2 * (repeats.key_value * dim,))) if in_turn else ()
+        layer_dims = (shape.in_features, share * repeats.segment, True)
         blocks: _Made = {**made, "weight_initializer": _no_init, "bias_initializer": _no_init}
-        layer = self._mode_linear(name, "col", repeated, 1, blocks)
+        layer = self._mode_linear(name, "col", layer_dims, 1, blocks)
         new = RepeatedHeads(
             layer,
-            heads.key_value,
-            heads.dim,
+            repeats,
             shape.bias,
             weight.dtype,
             made["weight_initializer"],  # no draw unless on meta (no values to load)
             made["bias_initializer"],
+            sections=sections,
             device=made["device"],
             context=self.context,
         )
-        forms = {"weight": FullForm(tuple(weight.shape), transposed=True)}
-        return _adopt(new, module, forms if shape.transposed else {})
+        return _adopt(new, module, self._forms(shape, weight, 1, sections))
 
     def _attention_around(self, name: str) -> str | None:
         """The innermost converted attention module holding ``name``, if any."""
@@ -538,8 +545,6 @@ class Converter:
         if owner is None:
             return ()
         heads = self.heads[owner]
-        if heads.repeated_over(self.share):
-            self._refuse_fused_with_repeats(name, owner, "has role 'qkv'")
         if heads.query == 0 or heads.key_value == heads.query:
             return ()
         per_head = shape.out_features // (heads.query + 2 * heads.key_value)

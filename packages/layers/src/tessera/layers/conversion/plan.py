@@ -203,6 +203,17 @@ def _gpt2(prefix: str, causal_lm: bool) -> Plan:
     return _token_model(rules, prefix, "h", "ln_f", causal_lm, "GPT-2")
 
 
+def _gpt_bigcode(prefix: str, causal_lm: bool) -> Plan:
+    """GPTBigCode (StarCoder, SantaCoder): GPT-2's modules, its ``c_attn`` an ``nn.Linear``.
+
+    q, k and v are fused by group: each head's q, k and v side by side, or (multi-query) every
+    query head beside the one key and value head, so ``c_attn`` is a column layer of whole
+    groups, its one key/value head repeated over the ranks splitting heads.
+    """
+    rules = {**_gpt2(prefix, causal_lm).rules, f"{prefix}h.*.attn.c_attn": "col"}
+    return _token_model(rules, prefix, "h", "ln_f", causal_lm, "GPTBigCode")
+
+
 def _llama(prefix: str, causal_lm: bool) -> Plan:
     block = f"{prefix}layers.*"
     rules = {
@@ -270,7 +281,9 @@ def _falcon(
 
     Fused per head (``[heads, 3, d]``) or, in the new decoder architecture (Falcon-40B,
     -180B), per key/value group (``[kv, q/kv + 2, d]``, whole groups). Multi-query Falcon
-    (one key and value beside all queries) is refused by the converter; so is ``alibi=True``.
+    (one key and value beside all queries, ``[q + 2, d]``) is one group: split over more
+    ranks than groups, each rank computes its query heads and its group's key and value heads
+    (repeated). ``alibi=True`` is refused by the converter.
 
     ``norms``: the blocks' norms, ``input_layernorm`` (and ``post_attention_layernorm``
     unless attention and MLP run side by side), or ``ln_attn`` and ``ln_mlp``.
@@ -527,7 +540,8 @@ def _gpt2_fused(module: nn.Module) -> bool:
 
     GPTBigCode (StarCoder, SantaCoder) has modules of the same names, but its ``c_attn`` is an
     ``nn.Linear`` holding each head's q, k and v side by side, or one shared key and value
-    (multi-query): cut as GPT-2's, every head would mix, without an error.
+    (multi-query): cut as GPT-2's, every head would mix, without an error. It has its own
+    plan.
     """
     return is_conv1d(module)
 
@@ -540,6 +554,7 @@ def _gpt2_fused(module: nn.Module) -> bool:
 FAMILIES: dict[str, tuple[str, Callable[[nn.Module], bool], Callable[[str, bool], Plan]]] = {
     "Llama": ("layers.0.self_attn.q_proj", _any_module, _llama),
     "GPT-2": ("h.0.attn.c_attn", _gpt2_fused, _gpt2),
+    "GPTBigCode": ("h.0.attn.c_attn", _plain_linear, _gpt_bigcode),
     "GPT-NeoX": ("layers.0.attention.query_key_value", _any_module, _gpt_neox),
     "BLOOM": ("h.0.self_attention.query_key_value", _any_module, _bloom),
     "Falcon": ("h.0.self_attention.query_key_value", _any_module, _falcon),
