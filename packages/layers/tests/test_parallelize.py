@@ -250,6 +250,7 @@ ONLY_UNDER = {
         "1d",
         "2.5d",
         "3d",
+        "sequence-ring",
     ),
     "gpt-neo (plan read from its blocks)": ("1d", "2d"),
     "phi (plan read from its blocks, query and key heads normalized)": (
@@ -453,13 +454,21 @@ def _fused_repeats(ctx: ParallelContext) -> list[float]:
     heads: GPTBigCode multi-query (StarCoder's ``c_attn``, fused by group) and Phi-3 with one
     key/value head (``qkv_proj``, fused in turn and held in parts interleaved by group); each
     rank computes its query heads and the key and value head they attend with, from the whole
-    weight. Also GPTBigCode with a key and value per head (a plain split of whole heads)."""
+    weight. Under 1D also GPTBigCode with a key and value per head (a plain split of whole
+    heads) and the multi-query one as pipeline layers (GPT-2's stages); under sequence
+    parallelism (ring) GPTBigCode alone."""
     mode = ctx.config.tensor_mode
     defer = mode in ("2.5d", "3d")
     bigcode = _with_plan(gpt_bigcode_lm(), "GPTBigCode LM plan inferred")
     results = [_lm_matches_reference(bigcode, ctx, defer=defer)]
+    if mode == "sequence":  # no heads split: GPTBigCode's attention runs on the ring
+        return results
     if mode == "1d":
         results.append(_lm_matches_reference(gpt_bigcode_lm(multi_query=False), ctx))
+        layers = pipeline_layers(parallelize(copy.deepcopy(bigcode), context=ctx))  # as stages
+        ids = token_ids()
+        with torch.no_grad():
+            torch.testing.assert_close(layers(ids), _local_logits(bigcode(ids).logits, ctx), **TOL)
     phi3 = phi3_lm(num_key_value_heads=1)
     results.append(_lm_matches_reference(phi3, ctx, then_attention="eager", defer=defer))
     return results
