@@ -8,6 +8,7 @@ from torch import nn
 #: The model kinds :func:`build` makes.
 KINDS = (
     "gpt2",
+    "gpt_bigcode",
     "llama",
     "phi3",
     "qwen3",
@@ -33,13 +34,15 @@ def build(
     seed: int,
     kv_heads: int | None = None,
 ) -> nn.Module:
-    """``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Phi3ForCausalLM``, ``Qwen3ForCausalLM``,
-    ``MixtralForCausalLM``, ``Gemma2ForCausalLM``, ``BloomForCausalLM``, ``FalconForCausalLM``,
-    ``StableLmForCausalLM`` or ``CohereForCausalLM`` (:data:`KINDS`).
+    """``GPT2LMHeadModel``, ``GPTBigCodeForCausalLM``, ``LlamaForCausalLM``,
+    ``Phi3ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM``, ``Gemma2ForCausalLM``,
+    ``BloomForCausalLM``, ``FalconForCausalLM``, ``StableLmForCausalLM`` or
+    ``CohereForCausalLM`` (:data:`KINDS`).
 
-    Weights drawn from ``seed``. All but GPT-2 and BLOOM use grouped-query attention with
-    ``kv_heads`` key/value heads (default half the query heads; 1 is multi-query attention);
-    ``kv_heads`` given for those two is refused.
+    Weights drawn from ``seed``. All but GPT-2, GPTBigCode and BLOOM use grouped-query
+    attention with ``kv_heads`` key/value heads (default half the query heads; 1 is multi-query
+    attention); ``kv_heads`` given for GPT-2 and BLOOM is refused. GPTBigCode (StarCoder's
+    layout) is multi-query unless ``kv_heads`` equals ``heads``.
 
     Built the same way on every rank (and with no context current: transformers' classes do
     not read tessera's), so every layout starts from the same full weights.
@@ -66,6 +69,8 @@ def build(
             eos_token_id=None,
         )
         return GPT2LMHeadModel(config)
+    if kind == "gpt_bigcode":  # StarCoder's: every query head beside one key and value head
+        return _gpt_bigcode(vocab, seq_len, hidden, depth, heads, kv_heads)
     # Llama's block and its relatives', grouped-query attention
     sizes = dict(
         vocab_size=vocab,
@@ -122,3 +127,30 @@ def build(
         head_dim = hidden // heads
         return Gemma2ForCausalLM(Gemma2Config(**sizes, head_dim=head_dim, pad_token_id=None))
     raise ValueError(f"model.kind must be one of {', '.join(KINDS)}, got {kind!r}")
+
+
+def _gpt_bigcode(
+    vocab: int, seq_len: int, hidden: int, depth: int, heads: int, kv_heads: int | None
+) -> nn.Module:
+    """``GPTBigCodeForCausalLM``: multi-query (``kv_heads`` unset or 1) or one per head."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    if kv_heads not in (None, 1, heads):
+        raise ValueError(
+            f"model.kv_heads={kv_heads}: gpt_bigcode has one key/value head (multi-query: "
+            f"leave kv_heads unset or 1) or one per query head ({heads})"
+        )
+    config = GPTBigCodeConfig(
+        vocab_size=vocab,
+        n_positions=seq_len,
+        n_embd=hidden,
+        n_layer=depth,
+        n_head=heads,
+        multi_query=kv_heads != heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    return GPTBigCodeForCausalLM(config)
