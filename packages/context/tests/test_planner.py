@@ -38,6 +38,7 @@ from tessera.context.planner.comm import (
 from tessera.context.planner.layouts import tensor_shapes
 from tessera.context.planner.memory import block_activation_bytes, block_parameters
 from tessera.context.planner.rank import stage_steps
+from tessera.context.planner.table import format_header
 from tessera.context.planner.units import format_bytes
 
 GIB = 2**30
@@ -739,6 +740,31 @@ def test_tied_heads_follow_each_familys_default() -> None:
     assert not ModelShape.from_config(llama, seq=8, batch=8).tied_head
     assert ModelShape.from_config({**llama, "tie_word_embeddings": True}, seq=8, batch=8).tied_head
     assert ModelShape.from_config(GPT2_SMALL, seq=8, batch=8).tied_head
+
+
+@pytest.mark.parametrize(
+    ("keys", "biases", "header"),
+    [
+        (dict(model_type="qwen2"), ("q", "k", "v"), "biases on q, k, v"),
+        (dict(attention_bias=True), ("q", "k", "v", "proj"), "biases on q, k, v, proj"),
+        (dict(mlp_bias=True), ("gate", "up", "fc2"), "biases on gate, up, fc2"),
+        (dict(attention_bias=True, mlp_bias=True), True, ""),
+        ({}, False, "no biases"),
+    ],
+)
+def test_llama_family_biases_are_counted_where_the_config_puts_them(
+    keys: dict[str, object], biases: bool | tuple[str, ...], header: str
+) -> None:
+    shape = ModelShape.from_config({**LLAMA2_7B, **keys}, seq=8, batch=8)
+    assert shape.biases == biases
+    h, f = 4096, 11008
+    widths = dict(q=h, k=h, v=h, proj=h, gate=f, up=f, fc2=h)
+    named = widths if biases is True else {n: widths[n] for n in biases or ()}
+    assert shape.parameters - 6_738_415_616 == 32 * sum(named.values())
+    line = format_header(shape, 8, 2**30, Machine(1e12, 1e10, 1e-5), "fp32", "given")
+    assert (header in line.splitlines()[0]) if header else "biases" not in line
+    with pytest.raises(ConfigError, match=r"^biases must be one of qkv, q, k, v, proj, .* 'o'"):
+        replace(shape, biases=("q", "o"))
 
 
 def test_repeated_key_value_heads_sum_their_gradients_over_tensor() -> None:

@@ -381,10 +381,11 @@ def _lm_matches_reference(
 
 
 def _assert_planner_counts(ref: nn.Module, model: nn.Module, ctx: ParallelContext) -> None:
-    """The planner's parameter figures (tessera.context, torch-free) for a GPT-2 or a Llama
-    read from its config: the whole model's, and what ``parallelize`` left on this rank."""
+    """The planner's parameter figures (tessera.context, torch-free) for a GPT-2, a Llama or a
+    Qwen2 (biases on q, k and v alone) read from its config: the whole model's, and what
+    ``parallelize`` left on this rank."""
     mode = ctx.config.tensor_mode
-    if mode == "sequence" or ref.config.model_type not in ("gpt2", "llama"):
+    if mode == "sequence" or ref.config.model_type not in ("gpt2", "llama", "qwen2"):
         return
     size = ctx.get_world_size(ParallelMode.TENSOR)
     layout = Layout(1, 1, size, mode, depth=ctx.config.tensor_depth)

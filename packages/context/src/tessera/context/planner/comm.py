@@ -350,7 +350,7 @@ def block_collectives(
         Collective(
             "all_reduce",
             layout.tensor,
-            precision.gradient * (x.held + (x.held // x.n_in if shape.biases else 0)),
+            precision.gradient * (x.held + (x.held // x.n_in if x.bias else 0)),
             1,
             "backward",
             "tensor",
@@ -369,7 +369,7 @@ def block_collectives(
     found: list[Collective] = list(repeats)
     for linear in shape.block_linears(layout.side):  # qkv (or q, k, v), proj, fc1, fc2
         found += linear_collectives(
-            layout, rows, linear.n_in, linear.n_out, precision, backend, bias=shape.biases
+            layout, rows, linear.n_in, linear.n_out, precision, backend, bias=linear.bias
         )
     for _ in range(2):
         found += _layer_norm_collectives(layout, rows, shape.norm_vectors, precision, backend)

@@ -91,9 +91,9 @@ def block_parameters(shape: ModelShape, layout: Layout) -> int:
     linears = shape.block_linears(layout.side)
     cut = [linear for linear in linears if not linear.repeated]
     weights = sum(linear.weights for linear in cut)
-    biases = [linear for linear in cut if shape.biases]
+    biases = [linear for linear in cut if linear.bias]
     # repeated key/value heads: the weight and bias whole on every rank
-    whole = sum(x.held + (x.held // x.n_in if shape.biases else 0) for x in linears if x.repeated)
+    whole = sum(x.held + (x.held // x.n_in if x.bias else 0) for x in linears if x.repeated)
     if layout.mode == "1d":
         p = layout.tensor
         split = sum(linear.n_out for linear in biases if linear.column)

@@ -14,7 +14,7 @@ the benchmarks measure (blocks alone).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from tessera.registry import ConfigError
@@ -26,6 +26,8 @@ _GPT2_TYPES = ("gpt2",)
 _LLAMA_TYPES = ("llama", "mistral", "qwen2")
 
 Norm = Literal["layernorm", "rmsnorm"]
+#: The names of a block's linear layers (:attr:`BlockLinear.name`).
+_LINEAR_NAMES = ("qkv", "q", "k", "v", "proj", "fc1", "gate", "up", "fc2")
 Positions = Literal["learned", "rotary"]
 
 
@@ -46,6 +48,7 @@ class BlockLinear:
             weight (and bias) whole on every rank, ``held`` elements, each rank computing its
             heads from it.
         held: The whole weight's elements of a ``repeated`` layer (0 otherwise).
+        bias: Whether it has a bias (``out`` elements; a ``repeated`` layer's is whole).
     """
 
     name: str
@@ -54,6 +57,7 @@ class BlockLinear:
     column: bool
     repeated: bool = False
     held: int = 0
+    bias: bool = True
 
     @property
     def weights(self) -> int:
@@ -81,7 +85,8 @@ class ModelShape:
             11008 at hidden 4096); ``None``: ``ffn_multiple * hidden``.
         gated_mlp: A gated MLP (``down(act(gate(x)) * up(x))``, Shazeer 2020's SwiGLU): three
             matrices instead of two.
-        biases: Whether the linear layers have biases.
+        biases: Which linear layers have biases: all (``True``), none (``False``), or those
+            named (:attr:`BlockLinear.name`: Qwen2's ``("q", "k", "v")``).
         norm: ``"layernorm"`` (weight and bias) or ``"rmsnorm"`` (weight only).
         positions: ``"learned"`` (a position table ``[s, h]``) or ``"rotary"`` (no parameters).
         tied_head: Whether the output head shares the token table.
@@ -106,7 +111,7 @@ class ModelShape:
     kv_heads: int | None = None
     ffn_width: int | None = None
     gated_mlp: bool = False
-    biases: bool = True
+    biases: bool | tuple[str, ...] = True
     norm: Norm = "layernorm"
     positions: Positions = "learned"
     tied_head: bool = True
@@ -121,6 +126,9 @@ class ModelShape:
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name), minimum=1)
         _check_choice("norm", self.norm, ("layernorm", "rmsnorm"))
+        if not isinstance(self.biases, bool):
+            for name in self.biases:
+                _check_choice("biases", name, _LINEAR_NAMES)
         _check_choice("positions", self.positions, ("learned", "rotary"))
         if self.hidden % self.heads != 0:
             raise ConfigError(
@@ -144,8 +152,9 @@ class ModelShape:
         ``mistral``, ``qwen2``: ``num_hidden_layers``, ``hidden_size``,
         ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``,
         ``attention_bias``, ``mlp_bias``, ``tie_word_embeddings``; a gated MLP, RMSNorm,
-        rotary positions, separate q/k/v, an untied head unless tied). Qwen2's biases on q, k
-        and v alone are left out (``biases=False``, a few thousand elements per block).
+        rotary positions, separate q/k/v, an untied head unless tied; ``attention_bias`` puts
+        biases on q, k, v and the output projection, ``mlp_bias`` on the MLP's three, and
+        Qwen2 has them on q, k and v alone).
 
         Args:
             config: The config's keys and values.
@@ -208,8 +217,11 @@ class ModelShape:
             kv_heads=_as_int(get("num_key_value_heads", default=heads)),
             ffn_width=_as_int(get("intermediate_size")),
             gated_mlp=True,
-            biases=bool(get("attention_bias", default=False))
-            and bool(get("mlp_bias", default=False)),
+            biases=_llama_biases(
+                qwen2=kind == "qwen2",
+                attention=bool(get("attention_bias", default=False)),
+                mlp=bool(get("mlp_bias", default=False)),
+            ),
             norm="rmsnorm",
             positions="rotary",
             tied_head=bool(get("tie_word_embeddings", default=False)),
@@ -259,12 +271,22 @@ class ModelShape:
                 *(BlockLinear(n, h, kv, True, repeated, held) for n in ("k", "v")),
             ]
         inner = ("gate", "up") if self.gated_mlp else ("fc1",)
-        return (
+        linears = (
             *attention,
             BlockLinear("proj", h, h, False),
             *(BlockLinear(name, h, f, True) for name in inner),
             BlockLinear("fc2", f, h, False),
         )
+        return tuple(replace(x, bias=self.has_bias(x.name)) for x in linears)
+
+    def has_bias(self, linear: str) -> bool:
+        """Whether the block's linear layer ``linear`` has a bias (see ``biases``).
+
+        A fused ``qkv`` has one where ``biases`` names q.
+        """
+        if isinstance(self.biases, bool):
+            return self.biases
+        return linear in self.biases or (linear == "qkv" and "q" in self.biases)
 
     @property
     def block_weights(self) -> int:
@@ -279,7 +301,7 @@ class ModelShape:
     @property
     def block_vectors(self) -> int:
         """Bias and norm elements of one block (biases ``5h + F``, two LayerNorms ``4h``)."""
-        biases = sum(linear.n_out for linear in self.block_linears()) if self.biases else 0
+        biases = sum(linear.n_out for linear in self.block_linears() if linear.bias)
         return biases + 2 * self.norm_vectors
 
     @property
@@ -328,3 +350,17 @@ def _as_int(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"config value {value!r} is not an int")
     return value
+
+
+def _llama_biases(*, qwen2: bool, attention: bool, mlp: bool) -> bool | tuple[str, ...]:
+    """The Llama family's biases (``ModelShape.biases``).
+
+    ``attention_bias`` puts them on q, k, v and the output, ``mlp_bias`` on the MLP's three;
+    Qwen2 has them on q, k and v alone.
+    """
+    names: tuple[str, ...] = ("q", "k", "v") if qwen2 else ()
+    names += ("q", "k", "v", "proj") if attention and not qwen2 else ()
+    names += ("gate", "up", "fc2") if mlp else ()
+    if len(names) == 7:
+        return True
+    return names or False

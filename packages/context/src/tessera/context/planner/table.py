@@ -46,7 +46,7 @@ def format_header(
         "gated MLP" if shape.gated_mlp else "",
         "RMSNorm" if shape.norm == "rmsnorm" else "",
         "rotary" if shape.positions == "rotary" else "",
-        "no biases" if not shape.biases else "",
+        _biases(shape),
         "untied head" if not shape.tied_head and shape.vocab else "",
     ]
     if any(kind):
@@ -97,3 +97,12 @@ def format_rows(estimates: Sequence[LayoutEstimate], first: int = 1, why: bool =
 
 def _line(cells: Sequence[str], specs: Sequence[str]) -> str:
     return " ".join(f"{cell:{spec}}" for cell, spec in zip(cells, specs, strict=True))
+
+
+def _biases(shape: ModelShape) -> str:
+    """The header's word on biases: ``""`` (all), ``"no biases"``, or the layers that have one."""
+    if shape.biases is True:
+        return ""
+    if not shape.biases:
+        return "no biases"
+    return f"biases on {', '.join(shape.biases)}"
