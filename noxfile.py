@@ -77,14 +77,17 @@ def _install_torch(session: nox.Session, *, bytecode: bool = True) -> None:
     10 s; pip's own compile at install is serial and slower. mypy reads sources only.
     """
     session.install("--no-compile", TORCH)
-    if bytecode:
-        where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-        found = session.run("python", "-c", where, silent=True)
-        assert isinstance(found, str)
-        torch_dir = f"{found.strip()}/torch"
-        # exit 1: a file no Python 3.11 imports (torch's py312_intrinsics.py) does not compile
-        compile_all = ("python", "-m", "compileall", "-q", "-j", "0", torch_dir)
-        session.run(*compile_all, silent=True, success_codes=[0, 1])
+    if not bytecode:
+        return
+    where = "import importlib.util as u; print(u.find_spec('torch').submodule_search_locations[0])"
+    found = session.run_install("python", "-c", where, silent=True)
+    if found is None:  # --no-install on a reused environment: compiled when it was made
+        return
+    torch_dir = found.strip()
+    assert pathlib.Path(torch_dir).is_dir(), f"torch is not at {torch_dir!r}"
+    # exit 1: a file no Python 3.11 imports (torch's py312_intrinsics.py) does not compile
+    compile_all = ("python", "-m", "compileall", "-q", "-j", "0", "--invalidation-mode")
+    session.run_install(*compile_all, "timestamp", torch_dir, silent=True, success_codes=[0, 1])
 
 
 @nox.session

@@ -765,6 +765,8 @@ def test_llama_family_biases_are_counted_where_the_config_puts_them(
     assert (header in line.splitlines()[0]) if header else "biases" not in line
     with pytest.raises(ConfigError, match=r"^biases must be one of qkv, q, k, v, proj, .* 'o'"):
         replace(shape, biases=("q", "o"))
+    with pytest.raises(ConfigError, match=r"^biases must be True, False or a tuple .* 'qkv'"):
+        replace(shape, biases="qkv")  # type: ignore[arg-type]
 
 
 def test_repeated_key_value_heads_sum_their_gradients_over_tensor() -> None:

@@ -1531,6 +1531,48 @@ def test_gpt_bigcode_gets_its_own_plan_not_gpt2s(multi_query: bool) -> None:
     assert plan.name == "GPTBigCode LM plan inferred for GPTBigCodeForCausalLM"
     assert plan.rules["transformer.h.*.attn.c_attn"] == "col"
     assert plan_for(gpt2_lm(), None).rules["transformer.h.*.attn.c_attn"] == "qkv"
+    # a GPT-2 with its Conv1D layers swapped for nn.Linear holds q, k, v in turn: its class's
+    # plan splits them as such, and no family plan is inferred from its layout (GPTBigCode's,
+    # by name, would split it by groups and mix them)
+    from tessera.layers.conversion.plan import infer_plan
+
+    linear_gpt2 = gpt2_lm(n_layer=1)
+    for attention in (block.attn for block in linear_gpt2.transformer.h):
+        width, fused = attention.c_attn.weight.shape
+        attention.c_attn = nn.Linear(width, fused)
+    assert plan_for(linear_gpt2, None).rules["transformer.h.*.attn.c_attn"] == "qkv"
+    assert infer_plan(linear_gpt2) is None
+
+
+@pytest.mark.parametrize("by_group", [False, True])
+def test_each_rank_of_repeated_heads_reads_its_heads_rows(by_group: bool) -> None:
+    # 8 query heads, 2 key/value heads (groups of 4), 4 ranks: rank t's query heads 2t, 2t + 1
+    # and the key and value head of group t // 2, read from the weight's rows as laid out
+    from tessera.context import FullForm
+    from tessera.layers.conversion.repeated_heads import HeadRepeats, _held_rows
+
+    query, kv, d, share = 8, 2, 3, 4
+    repeats = HeadRepeats(kv, d, share, query, by_group=by_group)
+    if by_group:  # [kv, q/kv + 2, d]: each group's queries, then its key and value
+        heads = torch.arange(kv * (query // kv + 2)).view(kv, -1)
+        q_heads, k_heads, v_heads = heads[:, :-2].flatten(), heads[:, -2], heads[:, -1]
+    else:  # [q heads; k heads; v heads]
+        q_heads, k_heads = torch.arange(query), torch.arange(query, query + kv)
+        v_heads = torch.arange(query + kv, query + 2 * kv)
+    want = torch.cat(
+        [
+            torch.cat((q_heads[2 * t : 2 * t + 2], k_heads[t // 2 :][:1], v_heads[t // 2 :][:1]))
+            for t in range(share)
+        ]
+    )
+    rows = repeats.rows()
+    assert torch.equal(rows.view(-1, d), want[:, None] * d + torch.arange(d))
+    assert rows.numel() == share * repeats.segment and repeats.whole_rows == (query + 2 * kv) * d
+    # held in tessera's form of parts interleaved by group: the same rows, wherever they went
+    sections = (query * d, kv * d, kv * d)
+    weight = torch.randn(repeats.whole_rows, 5)
+    held = FullForm(tuple(weight.shape), sections=sections).from_original(weight, weight.shape)
+    assert torch.equal(held[_held_rows(rows, repeats.whole_rows, sections)], weight[rows])
 
 
 def _norm(family: str, cls: str, *args: Any, device: str = "cpu") -> nn.Module:

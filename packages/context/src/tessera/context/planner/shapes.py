@@ -126,6 +126,10 @@ class ModelShape:
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name), minimum=1)
         _check_choice("norm", self.norm, ("layernorm", "rmsnorm"))
+        if not isinstance(self.biases, bool | tuple):
+            raise ConfigError(
+                f"biases must be True, False or a tuple of layer names, got {self.biases!r}"
+            )
         if not isinstance(self.biases, bool):
             for name in self.biases:
                 _check_choice("biases", name, _LINEAR_NAMES)

@@ -531,6 +531,19 @@ def _any_module(module: nn.Module) -> bool:
     return True
 
 
+def _gpt_bigcode_attention(module: nn.Module) -> bool:
+    """GPTBigCode's attention: an ``nn.Linear`` ``c_attn`` and the ``multi_query`` flag.
+
+    A GPT-2 whose ``Conv1D`` layers were swapped for ``nn.Linear`` has the same names, but its
+    ``c_attn`` holds q, k and v in turn: split as GPTBigCode's groups it would mix them.
+    """
+    return (
+        isinstance(getattr(module, "c_attn", None), nn.Linear)
+        and isinstance(getattr(module, "multi_query", None), bool)
+        and isinstance(getattr(module, "kv_heads", None), int)
+    )
+
+
 def _plain_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear)
 
@@ -554,7 +567,7 @@ def _gpt2_fused(module: nn.Module) -> bool:
 FAMILIES: dict[str, tuple[str, Callable[[nn.Module], bool], Callable[[str, bool], Plan]]] = {
     "Llama": ("layers.0.self_attn.q_proj", _any_module, _llama),
     "GPT-2": ("h.0.attn.c_attn", _gpt2_fused, _gpt2),
-    "GPTBigCode": ("h.0.attn.c_attn", _plain_linear, _gpt_bigcode),
+    "GPTBigCode": ("h.0.attn", _gpt_bigcode_attention, _gpt_bigcode),
     "GPT-NeoX": ("layers.0.attention.query_key_value", _any_module, _gpt_neox),
     "BLOOM": ("h.0.self_attention.query_key_value", _any_module, _bloom),
     "Falcon": ("h.0.self_attention.query_key_value", _any_module, _falcon),
