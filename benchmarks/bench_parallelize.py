@@ -45,7 +45,14 @@ def gpt2(config: dict[str, Any]) -> nn.Module:
     from transformers import GPT2Config, GPT2Model
 
     torch.manual_seed(0)
-    cfg = GPT2Config(**config, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        **config,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     cfg._attn_implementation = "eager"
     return GPT2Model(cfg)
 

@@ -457,10 +457,17 @@ def _fused_repeats(ctx: ParallelContext) -> list[float]:
     rank computes its query heads and the key and value head they attend with, from the whole
     weight. Under 1D also GPTBigCode with a key and value per head (a plain split of whole
     heads) and the multi-query one as pipeline layers (GPT-2's stages); under sequence
-    parallelism (ring) GPTBigCode alone."""
+    parallelism (ring) GPTBigCode alone. Under 3D GPTBigCode's heads have 3 features, which
+    the cube's side does not divide, but each rank's 18 (its 4 query heads, a key and a value
+    head) it does; a key projection's 3 (one head, repeated) it does not, an error."""
     mode = ctx.config.tensor_mode
     defer = mode in ("2.5d", "3d")
-    bigcode = _with_plan(gpt_bigcode_lm(), "GPTBigCode LM plan inferred")
+    odd_heads = dict(n_embd=24, n_head=8) if mode == "3d" else {}
+    bigcode = _with_plan(gpt_bigcode_lm(**odd_heads), "GPTBigCode LM plan inferred")
+    if mode == "3d":
+        odd = llama_lm(hidden_size=12, num_attention_heads=4, num_key_value_heads=1)
+        with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj' .* each rank's "):
+            parallelize(odd, context=ctx)  # k_proj: one head of 3 features, repeated
     results = [_lm_matches_reference(bigcode, ctx, defer=defer)]
     if mode == "sequence":  # no heads split: GPTBigCode's attention runs on the ring
         return results
@@ -1012,6 +1019,17 @@ def _errors() -> list[str]:
             r"key/value heads are repeated over the 2 ranks",
             lambda: parallelize(odd_mqa, context=ctx),
         )
+        gated = _tiny("Qwen3", num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+        # a query with a gate per head: as wide as q, k and v fused, beside k_proj and v_proj
+        gated.model.layers[0].self_attn.q_proj = nn.Linear(16, 32, bias=False)
+        expect(
+            ValueError,
+            r"'model.layers.0.self_attn.q_proj' of 'model.layers.0.self_attn' \(role 'col'\) "
+            r"makes 32 features, as many as all its heads fused \(2 \+ 2 \* 1 heads of 8\), "
+            r"but 'model.layers.0.self_attn' also has the column layers "
+            r"\['model.layers.0.self_attn.k_proj', 'model.layers.0.self_attn.v_proj'\]",
+            lambda: parallelize(gated, context=ctx),
+        )
         olmo2 = _tiny("Olmo2")  # its q_norm and k_norm span all heads' features
         layers = "model.layers.*"
         olmo2_plan = {
@@ -1115,7 +1133,7 @@ def _errors() -> list[str]:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 28
+    assert len(results[0]) == 29
 
 
 def _offset_norms() -> int:

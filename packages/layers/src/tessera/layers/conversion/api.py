@@ -214,7 +214,9 @@ def parallelize(
     )
     routers = [name for name, role in roles.items() if role == "router"]
     materialize_whole_modules(model, ctx.device, routers)  # kept whole, maybe wrapped
-    converter = Converter(ctx, mode, sequence_parallel, inner_norms(roles), attention, span)
+    converter = Converter(
+        ctx, mode, sequence_parallel, inner_norms(roles), attention, span, roles=roles
+    )
     replaced: dict[int, nn.Parameter] = {}
     # The plain parameters stay alive, so no id() in ``replaced`` is reused by a new one (a
     # converted module may drop its plain module's parameters, as Experts1D does).

@@ -314,6 +314,8 @@ class Converter:
             layers inside them take whole sequences.
         sequence_span: Under 1D sequence parallelism, the modules whose activations are split
             along the sequence (see :func:`~tessera.layers.conversion.plan.span_members`).
+        roles: Every converted module's role, by name (tells a fused q/k/v projection from a
+            layer beside separate ones).
     """
 
     def __init__(
@@ -324,8 +326,10 @@ class Converter:
         inner_norms: set[str] | None = None,
         attention: tuple[str, ...] = (),
         sequence_span: set[str] | None = None,
+        roles: Mapping[str, str] | None = None,
     ) -> None:
         self.context, self.mode, self.sequence_parallel = context, mode, sequence_parallel
+        self.roles: Mapping[str, str] = roles or {}
         self.sequence_span = sequence_span or set()
         self.inner_norms = inner_norms or set()
         self.attention_modules = attention
@@ -467,7 +471,9 @@ class Converter:
 
         Raises:
             ValueError: ``width`` is none of those (a split of its rows would cut through the
-                key and value heads every rank needs whole, without an error).
+                key and value heads every rank needs whole, without an error), or a ``col``
+                layer is as wide as all heads fused beside other column layers of ``owner``
+                (then it is no fused q/k/v, whatever its width).
         """
         heads, share = self.heads[owner], self.share
         if not heads.repeated_over(share) or heads.dim is None:
@@ -478,7 +484,18 @@ class Converter:
         if role == "col" and width == query * dim:
             return None  # the query heads: split like any column layer
         if width == (query + 2 * kv) * dim:
-            return HeadRepeats(kv, dim, share, query, by_group=role == "col")
+            beside = self._column_layers_beside(name, owner)
+            if role == "qkv" or not beside:
+                return HeadRepeats(kv, dim, share, query, by_group=role == "col")
+            raise ValueError(
+                f"parallelize: {name!r} of {owner!r} (role 'col') makes {width} features, as "
+                f"many as all its heads fused ({query} + 2 * {kv} heads of {dim}), but "
+                f"{owner!r} also has the column layers {beside}, so it is not q, k and v "
+                f"fused. Its {kv} key/value heads are repeated over the {share} ranks that "
+                f"split heads under tensor mode {self.mode!r}, and a split of its rows may cut "
+                "through what each rank needs (a query with a gate per head?); give it a role "
+                f"of its own, or use at most {kv} ranks to split heads"
+            )
         raise ValueError(
             f"parallelize: {name!r} of {owner!r} (role {role!r}) makes {width} features, "
             f"none of its {query} query heads' ({query * dim}), its {kv} key/value heads' "
@@ -503,12 +520,14 @@ class Converter:
         weight = _tensor(module, "weight")
         made = self._made_like(weight)
         dim, share = repeats.head_dim, self.share
-        if self.mode == "3d" and dim % share != 0:  # the cube splits a head's rows
+        segment = repeats.segment
+        if self.mode == "3d" and segment % share != 0:  # the cube splits a segment's rows
             raise ValueError(
                 f"parallelize: {name!r} holds {repeats.key_value} key/value heads of {dim} "
                 f"features, repeated over the {share} ranks that split heads under tensor "
-                f"mode '3d', which also splits each head's features over {share} ranks "
-                f"({dim} % {share} = {dim % share})"
+                f"mode '3d', where each rank's {segment} features of them (its heads: "
+                f"{repeats.describe()}) are split again over {share} ranks of the cube "
+                f"({segment} % {share} = {segment % share})"
             )
         in_turn = repeats.query and not repeats.by_group
         sections = (repeats.query * dim, *(2 * (repeats.key_value * dim,))) if in_turn else ()
@@ -527,6 +546,14 @@ class Converter:
             context=self.context,
         )
         return _adopt(new, module, self._forms(shape, weight, 1, sections))
+
+    def _column_layers_beside(self, name: str, owner: str) -> list[str]:
+        """The other column layers (``col``, ``qkv``) of attention ``owner``, by name."""
+        return sorted(
+            other
+            for other, role in self.roles.items()
+            if role in ("col", "qkv") and other != name and self._attention_around(other) == owner
+        )
 
     def _attention_around(self, name: str) -> str | None:
         """The innermost converted attention module holding ``name``, if any."""
