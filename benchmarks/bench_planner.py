@@ -8,10 +8,10 @@ own gradient sums (2D's LayerNorms) in autograd, without the engine (the planner
 ``engine_sums=False``); the layouts' steps alternate, medians are taken.
 
 The planner (``tessera.context.planner``) predicts each layout's step from a machine model,
-measured two ways: (a) ``calibrate()``, the planner's own short run (a matmul on one thread, a
-2-rank gloo all-reduce), with the flop rate scaled by cores / ranks since the 4 ranks share the
-cores; (b) the same three numbers measured on the 4 worker ranks themselves, all at once,
-before the timed steps (the machine as the job sees it, oversubscribed). Both are gloo
+measured two ways: (a) ``calibrate(ranks=4)``, the planner's own short run (4 threads of this
+process multiplying at once, then all-reducing among them: the machine as 4 ranks sharing its
+cores see it); (b) the same three numbers measured on the 4 worker ranks themselves, all at
+once, before the timed steps. Both are gloo
 machines (``Machine.backend``: 2D's blocks travel as pairwise sends, as they do here), so the
 calls and bytes printed are what ``meters.TrafficCounter`` would count. Printed: predicted and
 measured times, both rankings and Spearman's rank correlation. Prints, asserts nothing.
@@ -25,7 +25,6 @@ import argparse
 import os
 import statistics
 import time
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -204,11 +203,9 @@ def main() -> None:
     shape = ModelShape(layers=1, hidden=h, heads=HEADS, seq=SEQ, vocab=0, batch=BATCH)
 
     start = time.perf_counter()
-    calibrated = calibrate()
-    cores = os.cpu_count() or 1
-    share = min(1.0, cores / WORLD)  # the ranks beyond the cores share them
-    machine_a = replace(calibrated, flops=calibrated.flops * share)
+    machine_a = calibrate(ranks=WORLD)
     took = time.perf_counter() - start
+    cores = os.cpu_count() or 1
 
     per_rank = run_ranks(worker, WORLD, h, args.steps, args.warmup)
     measured = {name: max(r["times"][name] for r in per_rank) for name in LAYOUTS}
@@ -223,10 +220,7 @@ def main() -> None:
         f"{WORLD} gloo ranks on {cores} cores, forward + backward + SGD, median of "
         f"{args.steps} alternating steps"
     )
-    print(
-        f"Machine (a), calibrate() in {took:.1f} s: {calibrated.flops:.3g} flop/s on one "
-        f"thread x {share:.2f} (cores / ranks); {describe(machine_a)}"
-    )
+    print(f"Machine (a), calibrate(ranks={WORLD}) in {took:.1f} s: {describe(machine_a)}")
     print(f"Machine (b), measured on the {WORLD} ranks at once: {describe(machine_b)}")
     head = (
         f"{'layout':<16} {'calls':>5} {'comm KiB':>9} | {'(a) pred':>9} {'rank':>4} | "

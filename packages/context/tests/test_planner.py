@@ -551,6 +551,18 @@ def test_ranking_follows_the_expensive_resource() -> None:
 def test_calibration_measures_positive_numbers() -> None:
     machine = calibrate(seconds=0.05)
     assert machine.flops > 1e6 and machine.bandwidth > 1e5 and 0 < machine.latency < 1
+    assert machine.backend == "gloo"
+
+
+def test_calibration_runs_the_ranks_of_a_job_at_once() -> None:
+    """Three ranks multiply and all-reduce together (2 latency rounds each call)."""
+    machine = calibrate(seconds=0.05, ranks=3)
+    assert machine.flops > 1e6 and machine.bandwidth > 1e5 and 0 < machine.latency < 1
+    alone = calibrate(collectives=False, seconds=0.05, ranks=1)
+    assert alone.backend == "nccl" and alone.latency == DEFAULT_MACHINE.latency
+    for bad in (1, 0, True, 2.0):
+        with pytest.raises(ConfigError, match=r"^ranks must be an integer >= 2"):
+            calibrate(ranks=bad)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ paper claim (docs)

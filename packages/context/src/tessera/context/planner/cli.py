@@ -6,8 +6,9 @@ Example (one command line, wrapped here)::
         --vocab 50304 --batch 16 --world 16 --memory 16GiB --dtype fp16 --top 10
 
 The machine model is ``--flops/--bandwidth/--latency`` where given, else what ``--calibrate``
-measures on this machine, else a nominal accelerator node (``DEFAULT_MACHINE``); its backend
-is ``--backend`` where given, else gloo with ``--calibrate``, else NCCL.
+measures on this machine (as ``--world`` ranks running on it at once see it), else a nominal
+accelerator node (``DEFAULT_MACHINE``); its backend is ``--backend`` where given, else gloo
+with ``--calibrate``, else NCCL.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from .table import format_header, format_rows
 from .units import parse_bytes
 
 __all__ = ["build_parser", "main"]
+
+#: The most ranks ``--calibrate`` runs at once by default (threads of this process).
+CALIBRATE_RANKS = 64
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     machine.add_argument(
         "--calibrate",
         action="store_true",
-        help="measure this machine (a matmul and a 2-process gloo all-reduce, a few seconds)",
+        help="measure this machine as the job's ranks on it see it, all at once (a matmul on "
+        "each and a gloo all-reduce among them, a few seconds)",
+    )
+    machine.add_argument(
+        "--calibrate-ranks",
+        type=int,
+        metavar="N",
+        help=f"ranks --calibrate runs at once (default: --world, at most {CALIBRATE_RANKS})",
     )
     show = parser.add_argument_group("output")
     show.add_argument("--top", type=int, default=20, help="fitting layouts shown (default 20)")
@@ -169,7 +180,11 @@ def _machine(args: argparse.Namespace) -> tuple[Machine, str]:
     """The machine model from the flags, measured with ``--calibrate``, and whence it came."""
     base, source = DEFAULT_MACHINE, "nominal default; --calibrate measures this one"
     if args.calibrate:
-        base, source = calibrate(), "calibrated on this machine"
+        ranks = args.calibrate_ranks
+        if ranks is None:
+            ranks = max(2, min(args.world, CALIBRATE_RANKS))
+        base = calibrate(ranks=ranks)
+        source = f"calibrated on this machine, {ranks} ranks at once"
     if args.backend is not None:
         base = replace(base, backend=args.backend)
     given = {k: getattr(args, k) for k in ("flops", "bandwidth", "latency")}

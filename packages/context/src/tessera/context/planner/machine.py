@@ -8,9 +8,12 @@ ranks, and one for a batch of sends posted together), every byte a rank sends
 layers post some communication before an independent matmul; the model does not credit it).
 The model ranks layouts; it does not promise their absolute time.
 
-:func:`calibrate` measures the three numbers on this machine: a matmul's rate, and the latency
-and bandwidth of a 2-rank gloo all-reduce. It imports torch inside the function only, so the
-planner's arithmetic runs without it.
+:func:`calibrate` measures the three numbers on this machine, as the ranks of a job running on
+it see them: a matmul's rate while every rank multiplies, and the latency and bandwidth of a
+gloo all-reduce among them. Ranks beyond the cores share them, and then every number is worse
+than one idle rank's (on 2 cores: a quarter of the flop rate and twice the latency per round at
+8 ranks against 2). It imports torch inside the function only, so the planner's arithmetic runs
+without it.
 """
 
 from __future__ import annotations
@@ -77,97 +80,136 @@ class Machine:
 DEFAULT_MACHINE = Machine(flops=5e13, bandwidth=5e10, latency=2e-5)
 
 
-def calibrate(collectives: bool = True, threads: int = 1, seconds: float = 0.5) -> Machine:
-    """Measure this machine: a matmul's flop rate and a gloo all-reduce's latency, bandwidth.
+def calibrate(
+    collectives: bool = True, threads: int = 1, seconds: float = 0.5, ranks: int = 2
+) -> Machine:
+    """Measure this machine as ``ranks`` ranks of a job on it see it, all working at once.
+
+    Each rank multiplies while every other does (ranks beyond the cores share them, as a
+    job's processes would), then, with ``collectives``, the ranks all-reduce together: a few
+    bytes for the latency, 4 MiB for the bandwidth. The flop rate is the slowest rank's, the
+    times the slowest rank's; the latency is per round (a ``ranks``-rank all-reduce takes
+    ``ceil(log2 ranks)``), the bandwidth what one rank sends (``2 (n - 1) / n`` of the
+    buffer) per second. So the machine prices a job of ``ranks`` ranks here, oversubscribed
+    or not; ``ranks=2`` (the default) measures an idle pair.
 
     The machine it returns has backend ``"gloo"`` (what it measured) with ``collectives``,
     else ``DEFAULT_MACHINE``'s. Takes about ``seconds`` for the matmul and, with
-    ``collectives``, well under a second more (plus importing torch, if nothing has). The
-    matmul runs on CPU in fp32 with ``threads`` threads, as one rank of the benchmarks does.
+    ``collectives``, well under a second more at a few ranks (plus importing torch, if
+    nothing has). The ranks are threads of this process, each with its own
+    ``ProcessGroupGloo`` on a private store: no process is started (importing torch again
+    would take longer than the measurement) and the caller's default process group, if any,
+    is left alone. A matmul runs on CPU in fp32 with ``threads`` torch threads, as one rank
+    of the benchmarks does.
 
     Args:
         collectives: Also time the all-reduce; otherwise bandwidth and latency are
             ``DEFAULT_MACHINE``'s.
         threads: torch threads for the matmul.
         seconds: How long to time the matmul.
+        ranks: Ranks measuring at once (at least 2 with ``collectives``).
 
     Raises:
+        ConfigError: ``ranks`` is below 1, or below 2 with ``collectives``.
         RuntimeError: the all-reduce failed or hung (30 s).
     """
-    flops = _matmul_rate(threads, seconds)
+    low = 2 if collectives else 1
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < low:
+        raise ConfigError(f"ranks must be an integer >= {low}, got {ranks!r}")
+    found = _measure_ranks(ranks, threads, seconds, collectives)
+    flops = min(f.flops for f in found)
     if not collectives:
         base = DEFAULT_MACHINE
         return Machine(flops, base.bandwidth, base.latency, base.backend)
-    latency, bandwidth = _all_reduce_costs()
-    return Machine(flops, bandwidth, latency, "gloo")
+    small, large = (max(getattr(f, size) for f in found) for size in ("small", "large"))
+    rounds = math.ceil(math.log2(ranks))
+    wire = 2 * (ranks - 1) / ranks * _LARGE  # bytes one rank sends in the large all-reduce
+    return Machine(flops, wire / max(large - small, 1e-9), small / rounds, "gloo")
 
 
-def _matmul_rate(threads: int, seconds: float, n: int = 256) -> float:
-    import torch
+@dataclass
+class _Found:
+    """What one rank measured: its flop rate, and its all-reduce seconds (small, large)."""
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        for _ in range(3):
-            a @ b  # warm-up
-        count, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < seconds:
-            for _ in range(8):
-                a @ b
-            count += 8
-        return 2 * n**3 * count / elapsed
-    finally:
-        torch.set_num_threads(previous)
+    flops: float = 0.0
+    small: float = 0.0
+    large: float = 0.0
 
 
 #: All-reduce sizes in bytes: a small one for the latency, a large one for the bandwidth.
 _SMALL, _LARGE = 4, 4 * 1024 * 1024
 
 
-def _all_reduce_costs(timeout: float = 30.0) -> tuple[float, float]:
-    """``(latency s, bandwidth B/s)`` of a 2-rank gloo all-reduce over loopback TCP.
-
-    The two ranks are threads of this process, each with its own ``ProcessGroupGloo`` on a
-    private store: no process is started (importing torch twice more would take longer than
-    the measurement) and the caller's default process group, if any, is left alone.
-    """
+def _measure_ranks(
+    ranks: int, threads: int, seconds: float, collectives: bool, timeout: float = 30.0
+) -> list[_Found]:
+    """Every rank's numbers, the ranks threads started together (see :func:`calibrate`)."""
     import threading
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
     from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]  # from C++
 
     wait = timedelta(seconds=timeout)
-    server = TCPStore("127.0.0.1", 0, 2, True, timeout=wait, wait_for_workers=False)
-    medians: dict[int, list[float]] = {}
+    server = (
+        TCPStore("127.0.0.1", 0, ranks, True, timeout=wait, wait_for_workers=False)
+        if collectives
+        else None
+    )
+    found = [_Found() for _ in range(ranks)]
     failures: list[BaseException] = []
-    together = threading.Barrier(2, timeout=timeout)
+    together = threading.Barrier(ranks, timeout=timeout)
 
     def rank(index: int) -> None:
         try:
+            found[index].flops = _matmul_rate(seconds, together)
+            if server is None:
+                return
             store = (
-                server if index == 0 else TCPStore("127.0.0.1", server.port, 2, False, timeout=wait)
+                server
+                if index == 0
+                else TCPStore("127.0.0.1", server.port, ranks, False, timeout=wait)
             )
-            group = dist.ProcessGroupGloo(PrefixStore("calibrate", store), index, 2, wait)
-            medians[index] = [_time_all_reduce(group, size, together) for size in (_SMALL, _LARGE)]
+            group = dist.ProcessGroupGloo(PrefixStore("calibrate", store), index, ranks, wait)
+            found[index].small = _time_all_reduce(group, _SMALL, together)
+            found[index].large = _time_all_reduce(group, _LARGE, together)
         except BaseException as error:  # reported below, on the caller's thread
             failures.append(error)
             together.abort()
 
-    threads = [threading.Thread(target=rank, args=(i,), daemon=True) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 5)
-    if failures or len(medians) != 2:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        workers = [threading.Thread(target=rank, args=(i,), daemon=True) for i in range(ranks)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(timeout + seconds + 5)
+    finally:
+        torch.set_num_threads(previous)
+    if failures or any(t.is_alive() for t in workers):
         raise RuntimeError(
-            "calibrate: the 2-rank gloo all-reduce failed or hung; give the machine's numbers "
-            f"instead (--bandwidth, --latency): {failures[0] if failures else 'timeout'}"
+            f"calibrate: the {ranks}-rank gloo all-reduce failed or hung; give the machine's "
+            f"numbers instead (--bandwidth, --latency): {failures[0] if failures else 'timeout'}"
         )
-    small, large = (max(m[i] for m in medians.values()) for i in (0, 1))
-    # Two ranks: an all-reduce sends 2 (n-1)/n S = S bytes per rank.
-    return small, _LARGE / max(large - small, 1e-9)
+    return found
+
+
+def _matmul_rate(seconds: float, together: Any, n: int = 256) -> float:
+    """Flop/s of ``[n, n] @ [n, n]`` on this thread, started with the other ranks'."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b  # warm-up
+    together.wait()
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        for _ in range(8):
+            a @ b
+        count += 8
+    return 2 * n**3 * count / elapsed
 
 
 def _time_all_reduce(group: Any, nbytes: int, together: Any, repeats: int = 20) -> float:
