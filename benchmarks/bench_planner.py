@@ -16,7 +16,7 @@ machines (``Machine.backend``: 2D's blocks travel as pairwise sends, as they do 
 calls and bytes printed are what ``meters.TrafficCounter`` would count. Printed: predicted and
 measured times, both rankings and Spearman's rank correlation. Prints, asserts nothing.
 
-    python benchmarks/bench_planner.py [--steps 10] [--hidden 256]
+    python benchmarks/bench_planner.py [--steps 10] [--hidden 256 1024]
 """
 
 from __future__ import annotations
@@ -197,9 +197,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per layout")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        nargs="+",
+        default=[256, 1024],
+        help="block sizes, one run each (default: 256, where Python overhead weighs, and 1024)",
+    )
     args = parser.parse_args()
-    h = args.hidden
+    for h in args.hidden:
+        report(h, args.steps, args.warmup)
+
+
+def report(h: int, steps: int, warmup: int) -> None:
+    """Predict, measure and print the four layouts for one block of hidden size ``h``."""
     shape = ModelShape(layers=1, hidden=h, heads=HEADS, seq=SEQ, vocab=0, batch=BATCH)
 
     start = time.perf_counter()
@@ -207,7 +218,7 @@ def main() -> None:
     took = time.perf_counter() - start
     cores = os.cpu_count() or 1
 
-    per_rank = run_ranks(worker, WORLD, h, args.steps, args.warmup)
+    per_rank = run_ranks(worker, WORLD, h, steps, warmup)
     measured = {name: max(r["times"][name] for r in per_rank) for name in LAYOUTS}
     machine_b = ranks_machine(per_rank)
     models = {"(a) calibrate()": machine_a, "(b) on the ranks": machine_b}
@@ -218,7 +229,7 @@ def main() -> None:
     print(
         f"\nOne transformer block, batch {BATCH}, seq {SEQ}, hidden {h}, heads {HEADS}, fp32, "
         f"{WORLD} gloo ranks on {cores} cores, forward + backward + SGD, median of "
-        f"{args.steps} alternating steps"
+        f"{steps} alternating steps"
     )
     print(f"Machine (a), calibrate(ranks={WORLD}) in {took:.1f} s: {describe(machine_a)}")
     print(f"Machine (b), measured on the {WORLD} ranks at once: {describe(machine_b)}")
@@ -249,9 +260,9 @@ def main() -> None:
     print(f"{'measured':<17} order: {' < '.join(sorted(names, key=lambda n: measured[n]))}")
     print(
         "\nThe model prices compute at a matmul's rate and each collective as latency rounds + "
-        "bytes / bandwidth, nothing overlapped; element-wise work, Python overhead and ranks "
-        "sharing cores are not in it, so its absolute times are off (low with (a); (b) takes "
-        "the slowest rank's flop rate): the ranking is what it is for."
+        "bytes / bandwidth, nothing overlapped; element-wise work and Python overhead are not "
+        "in it, so its absolute times are low, the more so the smaller the block: the ranking "
+        "is what it is for."
     )
 
 
