@@ -172,6 +172,18 @@ def gpt_neo_lm(seed: int = 0) -> nn.Module:
     return _distinct(GPTNeoForCausalLM(GPTNeoConfig(**GPT_NEO_CONFIG)), seed)
 
 
+def xglm_lm(seed: int = 0) -> nn.Module:
+    """``XGLMForCausalLM``: GPT-2's sizes, scaled token rows, sinusoidal positions (a module
+    holding its table as a buffer, no parameters), pre-LN blocks with separate q, k and v."""
+    from transformers import XGLMConfig, XGLMForCausalLM
+
+    torch.manual_seed(seed)
+    sizes = dict(vocab_size=32, d_model=16, num_layers=2, attention_heads=4, ffn_dim=64)
+    dropouts = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    config = XGLMConfig(**sizes, **dropouts, max_position_embeddings=16, pad_token_id=0)
+    return _distinct(XGLMForCausalLM(config), seed)
+
+
 def phi_lm(seed: int = 0) -> nn.Module:
     """``PhiForCausalLM`` from :data:`PHI_CONFIG`, its weights drawn from ``seed``."""
     from transformers import PhiConfig, PhiForCausalLM

@@ -51,6 +51,7 @@ from hf_models import (
     token_ids,
     token_types,
     vit_classifier,
+    xglm_lm,
 )
 from mesh_reference import sum_deferred
 from torch import nn
@@ -215,6 +216,9 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "nemotron (plan read from its blocks, LayerNorms scaling by 1 + weight)": lambda ctx: (
         _lm_matches_reference(_with_plan(nemotron_lm(), "plan read from"), ctx)
     ),
+    "xglm (plan read from its blocks, sinusoidal positions without parameters)": lambda ctx: (
+        _lm_matches_reference(_with_plan(xglm_lm(), "plan read from"), ctx)
+    ),
     "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
     "vit": lambda ctx: _lm_matches_reference(vit_classifier(), ctx),
     "per-sample positions": _per_sample_positions,
@@ -271,6 +275,7 @@ ONLY_UNDER = {
     "gemma3 (plan read from its blocks, heads normalized by 1 + weight)": ("1d", "3d"),
     "nemotron (plan read from its blocks, LayerNorms scaling by 1 + weight)": ("1d-sp",),
     "per-sample positions": ("2d", "3d"),
+    "xglm (plan read from its blocks, sinusoidal positions without parameters)": ("2d", "3d"),
 }
 
 
@@ -1697,3 +1702,23 @@ def test_the_usual_block_stack_is_read_into_megatron_roles() -> None:
         "transformer.h.*.ln_1": "norm",
     }
     assert report.sequence_span == ("transformer.h.0", "transformer.ln_f") and report.head
+
+
+def test_a_position_table_is_a_buffer_of_hidden_rows_and_no_parameters() -> None:
+    """XGLM's sinusoidal positions get the role; integer position ids, rotary tables and
+    modules with parameters do not."""
+    from tessera.layers.conversion.plan import plan_for
+    from tessera.layers.conversion.position_table import is_position_table
+
+    xglm = xglm_lm()
+    assert plan_for(xglm, None).rules["model.embed_positions"] == "position_table"
+    assert is_position_table(xglm.model.embed_positions, 16)
+    llama = llama_lm()  # rotary_emb: inv_freq [head_dim / 2], float
+    assert not is_position_table(llama.model.rotary_emb, 32)
+    ids = nn.Module()
+    ids.register_buffer("position_ids", torch.arange(16).view(1, 16))  # [1, hidden], integer
+    assert not is_position_table(ids, 16)
+    learned = nn.Module()
+    learned.table = nn.Parameter(torch.zeros(8, 16))
+    learned.register_buffer("rows", torch.zeros(8, 16))
+    assert not is_position_table(learned, 16)

@@ -53,6 +53,7 @@ from .head_share import HEAD_COUNTS, HeadShareConfig
 from .norms import NormSpec, computes_as, computes_formula, computes_own_forward, norm_spec
 from .patch import PatchEmbeddingAdapter, patch_sizes
 from .per_head_norm import PerHeadNorm, holds_weights_per_head, per_head_norm_spec, rank_heads
+from .position_table import SPLIT_MODES, SplitToLayout
 from .repeated_heads import HeadRepeats, RepeatedHeads
 
 __all__ = ["Converter", "LinearShape", "linear_shape"]
@@ -357,6 +358,8 @@ class Converter:
             return self.attention(name, module)
         if role in ("embedding", "position_embedding"):
             return self.embedding(name, module, role)
+        if role == "position_table":
+            return self.position_table(name, module)
         if role == "norm":
             return self.norm(name, module)
         if role == "head_norm":
@@ -713,6 +716,22 @@ class Converter:
         assert isinstance(new.weight, nn.Parameter)
         self.replaced[id(module.weight)] = new.weight
         return new
+
+    def position_table(self, name: str, module: nn.Module) -> nn.Module:
+        """``position_table``: the module itself, its ``[b, s, h]`` output split for the mode.
+
+        Raises:
+            TypeError: it holds parameters (a learned table is a ``position_embedding``).
+        """
+        if any(True for _ in module.parameters()):
+            raise TypeError(
+                f"parallelize: {name!r} ({type(module).__name__}) has role 'position_table', "
+                "which takes a module without parameters; a learned table is a "
+                "'position_embedding'"
+            )
+        if self.mode in SPLIT_MODES:
+            module.register_forward_hook(SplitToLayout(self.context))
+        return module
 
     def norm(self, name: str, module: nn.Module) -> nn.Module:
         """``norm``: a LayerNorm or RMSNorm over the hidden dim in the mode's layout.

@@ -30,6 +30,10 @@ papers need to know of a transformer; every activation layout follows from them:
     The token embedding (its table is split; a head tied to it stays tied).
 ``"position_embedding"``
     A learned position embedding, added to every row of the batch.
+``"position_table"``
+    A module without parameters that returns positions ``[b, s, h]`` from a table it holds as a
+    buffer (XGLM's sinusoidal ``embed_positions``): its output is split into the mode's layout
+    (:mod:`~tessera.layers.conversion.position_table`).
 ``"norm"``
     A LayerNorm (or RMSNorm) over the hidden dim.
 ``"head_norm"``
@@ -98,6 +102,7 @@ Role = Literal[
     "dense",
     "embedding",
     "position_embedding",
+    "position_table",
     "norm",
     "head_norm",
     "head",
@@ -115,6 +120,7 @@ ROLES: tuple[str, ...] = (
     "dense",
     "embedding",
     "position_embedding",
+    "position_table",
     "norm",
     "head_norm",
     "head",

@@ -32,6 +32,7 @@ from .converters import linear_shape
 from .embedding_scale import embedding_scale
 from .norms import norm_spec
 from .per_head_norm import holds_weights_per_head, per_head_norm_spec
+from .position_table import is_position_table
 
 __all__ = ["QKV_NAMES", "OUTPUT_NAMES", "StructureReport", "infer_structure"]
 
@@ -272,6 +273,8 @@ def _outer_rules(
             continue
         if type(module) is nn.Embedding and module.embedding_dim == hidden:
             rules[name] = "position_embedding"
+        elif is_position_table(module, hidden):
+            rules[name] = "position_table"
         elif _is_norm(name, module, hidden):
             rules[name] = "norm"
         elif _linear_or_none(name, module) == (hidden, vocab):
