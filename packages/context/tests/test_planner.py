@@ -746,6 +746,38 @@ def test_a_config_gives_the_models_published_parameter_count(
     assert shape.tied_head == (not llama) and shape.fused_qkv == (not llama)
 
 
+#: Pythia-160m's config.json (EleutherAI), the keys the planner reads and a few more.
+PYTHIA_160M = {
+    "model_type": "gpt_neox",
+    "num_hidden_layers": 12,
+    "hidden_size": 768,
+    "num_attention_heads": 12,
+    "intermediate_size": 3072,
+    "vocab_size": 50304,
+    "max_position_embeddings": 2048,
+    "rotary_pct": 0.25,
+    "use_parallel_residual": True,
+    "tie_word_embeddings": False,
+}
+
+
+def test_gpt_neox_is_gpt2s_block_with_rotary_positions_and_an_untied_head() -> None:
+    """Pythia-160m: 162,322,944 parameters as published; without attention biases (a
+    config's ``attention_bias=False``) the MLP keeps its own."""
+    shape = ModelShape.from_config(PYTHIA_160M, seq=2048, batch=8)
+    assert shape.parameters == 162_322_944
+    assert (shape.positions, shape.tied_head, shape.fused_qkv, shape.biases) == (
+        "rotary",
+        False,
+        True,
+        True,
+    )
+    assert (shape.norm, shape.gated_mlp) == ("layernorm", False)
+    unbiased = ModelShape.from_config({**PYTHIA_160M, "attention_bias": False}, seq=8, batch=8)
+    assert unbiased.biases == ("fc1", "fc2")
+    assert shape.parameters - unbiased.parameters == 12 * (3 * 768 + 768)
+
+
 def test_tied_heads_follow_each_familys_default() -> None:
     """transformers ties GPT-2's head and not Llama's when the config does not say."""
     llama = {k: v for k, v in LLAMA2_7B.items() if k != "tie_word_embeddings"}
@@ -869,7 +901,7 @@ def test_bad_configs_name_the_key() -> None:
     with pytest.raises(ConfigError, match=r"^config has none of hidden_size, n_embd"):
         ModelShape.from_config({"model_type": "gpt2", "n_layer": 2}, seq=8, batch=8)
     # blocks the planner would count wrong: experts, other layouts, heads of another size
-    for kind in ("mixtral", "gpt_neox", None):
+    for kind in ("mixtral", "gpt_bigcode", None):
         with pytest.raises(ConfigError, match=rf"^config model_type {kind!r} is not one"):
             ModelShape.from_config({**LLAMA2_7B, "model_type": kind}, seq=8, batch=8)
     with pytest.raises(ConfigError, match=r"^config head_dim 64 is not .* \(4096 / 32 = 128\)"):

@@ -184,6 +184,19 @@ def xglm_lm(seed: int = 0) -> nn.Module:
     return _distinct(XGLMForCausalLM(config), seed)
 
 
+def opt_lm(seed: int = 0) -> nn.Module:
+    """``OPTForCausalLM``: pre-LN blocks, a ReLU MLP, a tied head, and learned
+    positions read two rows past each position by its own ``nn.Embedding`` subclass."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(seed)
+    sizes = dict(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=4)
+    sizes |= dict(ffn_dim=64, word_embed_proj_dim=16, max_position_embeddings=16)
+    dropouts = dict(dropout=0.0, attention_dropout=0.0, layerdrop=0.0)
+    config = OPTConfig(**sizes, **dropouts, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return _distinct(OPTForCausalLM(config), seed)
+
+
 def phi_lm(seed: int = 0) -> nn.Module:
     """``PhiForCausalLM`` from :data:`PHI_CONFIG`, its weights drawn from ``seed``."""
     from transformers import PhiConfig, PhiForCausalLM

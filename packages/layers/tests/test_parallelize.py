@@ -41,6 +41,7 @@ from hf_models import (
     nemotron_lm,
     olmo2_lm,
     olmo_lm,
+    opt_lm,
     phi3_lm,
     phi_lm,
     qwen2_lm,
@@ -219,6 +220,9 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "xglm (plan read from its blocks, sinusoidal positions without parameters)": lambda ctx: (
         _lm_matches_reference(_with_plan(xglm_lm(), "plan read from"), ctx)
     ),
+    "opt (plan read from its blocks, positions read two rows on by its own class)": lambda ctx: (
+        _lm_matches_reference(_with_plan(opt_lm(), "plan read from"), ctx)
+    ),
     "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
     "vit": lambda ctx: _lm_matches_reference(vit_classifier(), ctx),
     "per-sample positions": _per_sample_positions,
@@ -276,6 +280,10 @@ ONLY_UNDER = {
     "nemotron (plan read from its blocks, LayerNorms scaling by 1 + weight)": ("1d-sp",),
     "per-sample positions": ("2d", "3d"),
     "xglm (plan read from its blocks, sinusoidal positions without parameters)": ("2d", "3d"),
+    "opt (plan read from its blocks, positions read two rows on by its own class)": (
+        "2.5d",
+        "sequence",
+    ),
 }
 
 
@@ -386,11 +394,11 @@ def _lm_matches_reference(
 
 
 def _assert_planner_counts(ref: nn.Module, model: nn.Module, ctx: ParallelContext) -> None:
-    """The planner's parameter figures (tessera.context, torch-free) for a GPT-2, a Llama or a
-    Qwen2 (biases on q, k and v alone) read from its config: the whole model's, and what
-    ``parallelize`` left on this rank."""
+    """The planner's parameter figures (tessera.context, torch-free) for a GPT-2, a GPT-NeoX,
+    a Llama or a Qwen2 (biases on q, k and v alone) read from its config: the whole model's,
+    and what ``parallelize`` left on this rank."""
     mode = ctx.config.tensor_mode
-    if mode == "sequence" or ref.config.model_type not in ("gpt2", "llama", "qwen2"):
+    if mode == "sequence" or ref.config.model_type not in ("gpt2", "gpt_neox", "llama", "qwen2"):
         return
     size = ctx.get_world_size(ParallelMode.TENSOR)
     layout = Layout(1, 1, size, mode, depth=ctx.config.tensor_depth)
@@ -1236,7 +1244,7 @@ def _tiny(family: str, **overrides: Any) -> nn.Module:
 @pytest.mark.parametrize(
     ("family", "reason"),
     [
-        ("OPT", r"no role for model\.decoder\.embed_positions \(OPTLearnedPositionalEmbedding\)"),
+        ("OPT", r"model\.decoder\.layers\.0\.self_attn\.q_proj is not a linear layer from the"),
         ("GPTNeoX", "0 attention modules with separate q, k and v projections"),
         ("GPTBigCode", "0 attention modules with separate q, k and v projections"),
         ("Glm", r"gate_up_proj makes 64 features where .*down_proj takes 32: .*'gate_up'"),
@@ -1245,14 +1253,16 @@ def _tiny(family: str, **overrides: Any) -> nn.Module:
 def test_a_model_unlike_the_usual_block_stack_gets_no_plan_and_the_reason(
     family: str, reason: str
 ) -> None:
-    # OPT's positions are shifted inside its own embedding class, GPT-NeoX and GPTBigCode
-    # fuse q, k, v in an order their shapes do not tell (their family plans, which know the
-    # order, take them): each would train wrong, silently, under a guessed plan.
+    # OPT-350m's embeddings are narrower than its blocks (project_in, project_out between),
+    # GPT-NeoX and GPTBigCode fuse q, k, v in an order their shapes do not tell (their family
+    # plans, which know the order, take them): each would train wrong, silently, under a
+    # guessed plan.
     from tessera.layers.conversion.structure import infer_structure
 
     # GLM's MLP chunks its gate_up_proj in two halves: a plain column split gave each rank
     # the gate of some features and the up of others, and trained wrong without an error.
-    report = infer_structure(_tiny(family))
+    overrides = {"word_embed_proj_dim": 8} if family == "OPT" else {}
+    report = infer_structure(_tiny(family, **overrides))
     assert report.rules is None
     assert re.search(reason, report.reason), report.reason
 
@@ -1704,8 +1714,9 @@ def test_the_usual_block_stack_is_read_into_megatron_roles() -> None:
     assert report.sequence_span == ("transformer.h.0", "transformer.ln_f") and report.head
 
 
-def test_a_position_table_is_a_buffer_of_hidden_rows_and_no_parameters() -> None:
-    """XGLM's sinusoidal positions get the role; integer position ids, rotary tables and
+def test_a_position_table_computes_its_rows_in_a_forward_of_its_own() -> None:
+    """XGLM's sinusoidal positions (a buffer) and OPT's shifted learned ones (an nn.Embedding
+    subclass) get the role; integer position ids, rotary tables, plain embeddings and other
     modules with parameters do not."""
     from tessera.layers.conversion.plan import plan_for
     from tessera.layers.conversion.position_table import is_position_table
@@ -1713,6 +1724,9 @@ def test_a_position_table_is_a_buffer_of_hidden_rows_and_no_parameters() -> None
     xglm = xglm_lm()
     assert plan_for(xglm, None).rules["model.embed_positions"] == "position_table"
     assert is_position_table(xglm.model.embed_positions, 16)
+    opt = opt_lm()
+    assert plan_for(opt, None).rules["model.decoder.embed_positions"] == "position_table"
+    assert not is_position_table(nn.Embedding(8, 16), 16)  # a plain one: position_embedding
     llama = llama_lm()  # rotary_emb: inv_freq [head_dim / 2], float
     assert not is_position_table(llama.model.rotary_emb, 32)
     ids = nn.Module()

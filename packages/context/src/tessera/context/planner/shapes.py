@@ -23,6 +23,7 @@ __all__ = ["BlockLinear", "ModelShape"]
 
 #: ``model_type`` values :meth:`ModelShape.from_config` reads.
 _GPT2_TYPES = ("gpt2",)
+_NEOX_TYPES = ("gpt_neox",)
 _LLAMA_TYPES = ("llama", "mistral", "qwen2")
 
 Norm = Literal["layernorm", "rmsnorm"]
@@ -152,7 +153,12 @@ class ModelShape:
         """The shape of a transformers decoder from its ``config.json`` (as a dict).
 
         ``model_type`` says which block it is: ``gpt2`` (``n_layer``, ``n_embd``, ``n_head``,
-        ``n_inner``, ``n_positions``; a tied head) or one of the Llama family (``llama``,
+        ``n_inner``, ``n_positions``; a tied head), ``gpt_neox`` (Pythia's:
+        ``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``, ``intermediate_size``,
+        ``attention_bias``, ``tie_word_embeddings``; GPT-2's block with rotary positions and
+        an untied head unless tied, its parallel residual counted as GPT-2's sequential one,
+        which saves one ``[T, h]`` more per block where the norms are torch's and share their
+        input: without tensor parallelism and under 1D) or one of the Llama family (``llama``,
         ``mistral``, ``qwen2``: ``num_hidden_layers``, ``hidden_size``,
         ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``,
         ``attention_bias``, ``mlp_bias``, ``tie_word_embeddings``; a gated MLP, RMSNorm,
@@ -178,15 +184,16 @@ class ModelShape:
             if default is None:
                 raise ConfigError(
                     f"config has none of {', '.join(names)}: the planner reads it from a "
-                    "transformers config.json of GPT-2 or the Llama family"
+                    "transformers config.json of GPT-2, GPT-NeoX or the Llama family"
                 )
             return default
 
         kind = config.get("model_type")
-        if kind not in (*_GPT2_TYPES, *_LLAMA_TYPES):
+        if kind not in (*_GPT2_TYPES, *_NEOX_TYPES, *_LLAMA_TYPES):
             raise ConfigError(
                 f"config model_type {kind!r} is not one the planner reads ("
-                f"{', '.join(_GPT2_TYPES + _LLAMA_TYPES)}): its block may hold experts, other "
+                f"{', '.join(_GPT2_TYPES + _NEOX_TYPES + _LLAMA_TYPES)}): its block may hold "
+                "experts, other "
                 "head sizes or other layers; give its numbers as --layers, --hidden, --heads, "
                 "--vocab instead"
             )
@@ -208,6 +215,14 @@ class ModelShape:
                 ffn_width=_as_int(inner) if inner else None,
                 max_positions=_as_int(get("n_positions")),
                 tied_head=bool(get("tie_word_embeddings", default=True)),
+            )
+        if kind in _NEOX_TYPES:
+            return cls(
+                **common,  # type: ignore[arg-type]
+                ffn_width=_as_int(get("intermediate_size")),
+                biases=True if get("attention_bias", default=True) else ("fc1", "fc2"),
+                positions="rotary",
+                tied_head=bool(get("tie_word_embeddings", default=False)),
             )
         head_dim = config.get("head_dim")
         if head_dim is not None and head_dim != hidden // heads:

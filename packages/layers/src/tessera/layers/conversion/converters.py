@@ -720,15 +720,9 @@ class Converter:
     def position_table(self, name: str, module: nn.Module) -> nn.Module:
         """``position_table``: the module itself, its ``[b, s, h]`` output split for the mode.
 
-        Raises:
-            TypeError: it holds parameters (a learned table is a ``position_embedding``).
+        Its parameters (a learned table) stay whole on every rank (see
+        :mod:`~tessera.layers.conversion.position_table`).
         """
-        if any(True for _ in module.parameters()):
-            raise TypeError(
-                f"parallelize: {name!r} ({type(module).__name__}) has role 'position_table', "
-                "which takes a module without parameters; a learned table is a "
-                "'position_embedding'"
-            )
         if self.mode in SPLIT_MODES:
             module.register_forward_hook(SplitToLayout(self.context))
         return module

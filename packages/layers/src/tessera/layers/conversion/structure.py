@@ -271,10 +271,10 @@ def _outer_rules(
     for name, module in model.named_modules():
         if not name or name in (blocks, token) or name.startswith(blocks + "."):
             continue
-        if type(module) is nn.Embedding and module.embedding_dim == hidden:
-            rules[name] = "position_embedding"
-        elif is_position_table(module, hidden):
+        if is_position_table(module, hidden):  # first: OPT's is an nn.Embedding subclass
             rules[name] = "position_table"
+        elif type(module) is nn.Embedding and module.embedding_dim == hidden:
+            rules[name] = "position_embedding"
         elif _is_norm(name, module, hidden):
             rules[name] = "norm"
         elif _linear_or_none(name, module) == (hidden, vocab):
