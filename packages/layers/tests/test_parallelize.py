@@ -217,11 +217,8 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "nemotron (plan read from its blocks, LayerNorms scaling by 1 + weight)": lambda ctx: (
         _lm_matches_reference(_with_plan(nemotron_lm(), "plan read from"), ctx)
     ),
-    "xglm (plan read from its blocks, sinusoidal positions without parameters)": lambda ctx: (
-        _lm_matches_reference(_with_plan(xglm_lm(), "plan read from"), ctx)
-    ),
-    "opt (plan read from its blocks, positions read two rows on by its own class)": lambda ctx: (
-        _lm_matches_reference(_with_plan(opt_lm(), "plan read from"), ctx)
+    "position tables (xglm's sinusoidal, opt's shifted; plans read from the blocks)": lambda ctx: (
+        _position_tables(ctx)
     ),
     "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
     "vit": lambda ctx: _lm_matches_reference(vit_classifier(), ctx),
@@ -279,9 +276,10 @@ ONLY_UNDER = {
     "gemma3 (plan read from its blocks, heads normalized by 1 + weight)": ("1d", "3d"),
     "nemotron (plan read from its blocks, LayerNorms scaling by 1 + weight)": ("1d-sp",),
     "per-sample positions": ("2d", "3d"),
-    "xglm (plan read from its blocks, sinusoidal positions without parameters)": ("2d", "3d"),
-    "opt (plan read from its blocks, positions read two rows on by its own class)": (
-        "2.5d",
+    "position tables (xglm's sinusoidal, opt's shifted; plans read from the blocks)": (
+        "1d",
+        "1d-sp",
+        "2d",
         "sequence",
     ),
 }
@@ -492,6 +490,29 @@ def _fused_repeats(ctx: ParallelContext) -> list[float]:
             torch.testing.assert_close(layers(ids), _local_logits(bigcode(ids).logits, ctx), **TOL)
     phi3 = phi3_lm(num_key_value_heads=1)
     results.append(_lm_matches_reference(phi3, ctx, then_attention="eager", defer=defer))
+    return results
+
+
+def _position_tables(ctx: ParallelContext) -> list[float]:
+    """Position modules computing their rows themselves, kept whole (role position_table).
+
+    Under 1D XGLM (sinusoidal positions, a buffer) and OPT (a learned table read two rows
+    past the positions it counts from the mask) run as one process does (OPT not with
+    sequence parallelism: its final norm is registered before its blocks, so no span is
+    read). Every other mode refuses them by name: their inputs reach them as this rank's
+    rows or sequence chunk, and from their output positions shared by the batch cannot be
+    told from one sample's."""
+    mode = ctx.config.tensor_mode
+    xglm = _with_plan(xglm_lm(), "plan read from")
+    opt = _with_plan(opt_lm(), "plan read from")
+    if mode != "1d":
+        for model, table in ((xglm, "model.embed_positions"), (opt, "model.decoder.embed_pos")):
+            with pytest.raises(ValueError, match=rf"\['{table}.*\] compute positions in a "):
+                parallelize(model, context=ctx)
+        return []
+    results = [_lm_matches_reference(xglm, ctx)]
+    if not ctx.config.tensor_args.get("sequence_parallel", False):
+        results.append(_lm_matches_reference(opt, ctx))
     return results
 
 
@@ -1727,6 +1748,9 @@ def test_a_position_table_computes_its_rows_in_a_forward_of_its_own() -> None:
     opt = opt_lm()
     assert plan_for(opt, None).rules["model.decoder.embed_positions"] == "position_table"
     assert not is_position_table(nn.Embedding(8, 16), 16)  # a plain one: position_embedding
+    holder = nn.Module()  # a table one module down is its module's, not its holder's
+    holder.inner = xglm.model.embed_positions
+    assert not is_position_table(holder, 16)
     llama = llama_lm()  # rotary_emb: inv_freq [head_dim / 2], float
     assert not is_position_table(llama.model.rotary_emb, 32)
     ids = nn.Module()

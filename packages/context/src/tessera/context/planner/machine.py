@@ -81,7 +81,7 @@ DEFAULT_MACHINE = Machine(flops=5e13, bandwidth=5e10, latency=2e-5)
 
 
 def calibrate(
-    collectives: bool = True, threads: int = 1, seconds: float = 0.5, ranks: int = 2
+    collectives: bool = True, threads: int = 1, seconds: float = 0.5, ranks: int | None = None
 ) -> Machine:
     """Measure this machine as ``ranks`` ranks of a job on it see it, all working at once.
 
@@ -91,7 +91,7 @@ def calibrate(
     times the slowest rank's; the latency is per round (a ``ranks``-rank all-reduce takes
     ``ceil(log2 ranks)``), the bandwidth what one rank sends (``2 (n - 1) / n`` of the
     buffer) per second. So the machine prices a job of ``ranks`` ranks here, oversubscribed
-    or not; ``ranks=2`` (the default) measures an idle pair.
+    or not; by default an idle pair (one rank without ``collectives``).
 
     The machine it returns has backend ``"gloo"`` (what it measured) with ``collectives``,
     else ``DEFAULT_MACHINE``'s. Takes about ``seconds`` for the matmul and, with
@@ -107,13 +107,15 @@ def calibrate(
             ``DEFAULT_MACHINE``'s.
         threads: torch threads for the matmul.
         seconds: How long to time the matmul.
-        ranks: Ranks measuring at once (at least 2 with ``collectives``).
+        ranks: Ranks measuring at once (at least 2 with ``collectives``); default 2, or 1
+            without ``collectives``.
 
     Raises:
         ConfigError: ``ranks`` is below 1, or below 2 with ``collectives``.
         RuntimeError: the all-reduce failed or hung (30 s).
     """
     low = 2 if collectives else 1
+    ranks = low if ranks is None else ranks
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < low:
         raise ConfigError(f"ranks must be an integer >= {low}, got {ranks!r}")
     found = _measure_ranks(ranks, threads, seconds, collectives)
@@ -184,14 +186,17 @@ def _measure_ranks(
         workers = [threading.Thread(target=rank, args=(i,), daemon=True) for i in range(ranks)]
         for t in workers:
             t.start()
+        deadline = time.monotonic() + timeout + seconds + 5  # one limit for them all
         for t in workers:
-            t.join(timeout + seconds + 5)
+            t.join(max(0.0, deadline - time.monotonic()))
     finally:
         torch.set_num_threads(previous)
     if failures or any(t.is_alive() for t in workers):
         raise RuntimeError(
-            f"calibrate: the {ranks}-rank gloo all-reduce failed or hung; give the machine's "
-            f"numbers instead (--bandwidth, --latency): {failures[0] if failures else 'timeout'}"
+            f"calibrate: measuring {ranks} ranks at once (a matmul each"
+            f"{', then a gloo all-reduce' if collectives else ''}) failed or hung; give the "
+            "machine's numbers instead (--flops, --bandwidth, --latency): "
+            f"{failures[0] if failures else 'timeout'}"
         )
     return found
 

@@ -26,6 +26,7 @@ from .converters import Converter
 from .dropout import install_dropout_streams
 from .meta import check_meta_buffers, materialize_whole_modules
 from .plan import Plan, inner_norms, match_plan, plan_for, resolve_span, span_members
+from .position_table import TABLE_MODES
 from .sequence import install_sequence_attention
 
 __all__ = [
@@ -199,6 +200,16 @@ def parallelize(
             "sequence_span (the blocks whose activations are split along the sequence)"
         )
     attention = tuple(name for name, role in roles.items() if role == "attention")
+    tables = sorted(name for name, role in roles.items() if role == "position_table")
+    if tables and mode not in TABLE_MODES:
+        raise ValueError(
+            f"parallelize: {tables} compute positions in a forward of their own (role "
+            f"'position_table'), which tensor mode {mode!r} cannot split: the ids, mask and "
+            "position ids they read reach them as this rank's rows or sequence chunk, so "
+            "positions shared by the batch could not be told from one sample's (and a "
+            "learned table would get this rank's part of its gradient); use tensor mode "
+            f"{' or '.join(repr(m) for m in TABLE_MODES)}"
+        )
     if mode == "sequence":  # token-wise modules stay; attention goes around the ring
         materialize_whole_modules(model, ctx.device)
         install_sequence_attention(model, attention, ctx, sequence_attention)

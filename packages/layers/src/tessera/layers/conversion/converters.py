@@ -53,7 +53,7 @@ from .head_share import HEAD_COUNTS, HeadShareConfig
 from .norms import NormSpec, computes_as, computes_formula, computes_own_forward, norm_spec
 from .patch import PatchEmbeddingAdapter, patch_sizes
 from .per_head_norm import PerHeadNorm, holds_weights_per_head, per_head_norm_spec, rank_heads
-from .position_table import SPLIT_MODES, SplitToLayout
+from .position_table import table_width
 from .repeated_heads import HeadRepeats, RepeatedHeads
 
 __all__ = ["Converter", "LinearShape", "linear_shape"]
@@ -718,13 +718,19 @@ class Converter:
         return new
 
     def position_table(self, name: str, module: nn.Module) -> nn.Module:
-        """``position_table``: the module itself, its ``[b, s, h]`` output split for the mode.
+        """``position_table``: the module itself, whole.
 
-        Its parameters (a learned table) stay whole on every rank (see
-        :mod:`~tessera.layers.conversion.position_table`).
+        1D only (see :mod:`~tessera.layers.conversion.position_table`).
+
+        Raises:
+            TypeError: it holds no table (an ``nn.Embedding``, or a float buffer of 2+ dims).
         """
-        if self.mode in SPLIT_MODES:
-            module.register_forward_hook(SplitToLayout(self.context))
+        if table_width(module) is None:
+            raise TypeError(
+                f"parallelize: {name!r} ({type(module).__name__}) has role 'position_table', "
+                "which takes an nn.Embedding or a module holding its table as a floating-point "
+                "buffer [positions, hidden]"
+            )
         return module
 
     def norm(self, name: str, module: nn.Module) -> nn.Module:

@@ -31,8 +31,9 @@ papers need to know of a transformer; every activation layout follows from them:
 ``"position_embedding"``
     A learned position embedding, added to every row of the batch.
 ``"position_table"``
-    A module without parameters that returns positions ``[b, s, h]`` from a table it holds as a
-    buffer (XGLM's sinusoidal ``embed_positions``): its output is split into the mode's layout
+    1D only: a position module computing its rows in a forward of its own, kept whole: an
+    ``nn.Embedding`` subclass (OPT's) or a module holding its table as a buffer (XGLM's
+    sinusoidal ``embed_positions``); other modes refuse it
     (:mod:`~tessera.layers.conversion.position_table`).
 ``"norm"``
     A LayerNorm (or RMSNorm) over the hidden dim.
