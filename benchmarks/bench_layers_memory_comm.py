@@ -258,7 +258,7 @@ q x q (x d), m = T/(d*q) rows per rank; 3D cube q x q x q, n = T/q^2 rows per ra
                 variant of SUMMA (van de Geijn and Watts 1997) that sends less: the weights
                 stay when 2m < 3 in/q (choose_algorithm in training), else they travel. On
                 gloo a gather or reduce-scatter over q ranks sends each of the other q-1 its
-                block (one exchange of point-to-point sends), q-1 blocks.
+                block (one exchange: a gloo all-to-all), q-1 blocks.
                 weights stay: fwd c*X + (q-1)*Y (this rank's X block to the c ranks of mesh
                 row j that multiply it, c = q, or q-1 at a diagonal rank (i, i); the partial
                 outputs reduce-scattered over the column); bwd (q-1)*Y + 2c*X (dY gathered
@@ -278,7 +278,7 @@ q x q (x d), m = T/(d*q) rows per rank; 3D cube q x q x q, n = T/q^2 rows per ra
                 tessera.layers.cube_linear runs the variant that sends less: the weights stay
                 when 3qnk + 2no < 3ok (choose_cube_algorithm in training), else the operands
                 travel. On gloo every gather, scatter and all-to-all over w ranks sends w-1
-                blocks (one exchange of point-to-point sends).
+                blocks (one exchange: a gloo all-to-all).
                 operands travel (Bian et al. 2021): fwd (q-1)(X + W + Y) (X gathered over the
                 other batch axis, W over WEIGHT, the partial [qn, out/q] reduce-scattered over
                 the hidden axis); bwd (q-1)(Y + W + X) (gathered again), (q-1)X (dX reduce-

@@ -13,9 +13,9 @@
     chunk never leaves the rank);
   - ``send``, ``isend``, ``gather``: the tensor; ``batch_isend_irecv``: the tensors of its
     ``isend`` operations; receives count nothing;
-  - ``exchange``: one block exchange of tessera's layers on gloo (the sends and receives
-    they post together on a process group, ``tessera.layers.comm.inflight.post_exchange``):
-    the tensors it sends.
+  - ``exchange``: one block exchange of tessera's layers on gloo, posted on a process group
+    itself (``tessera.layers.comm.inflight``'s ``post_exchange``, sends and receives posted
+    together, and ``post_all_to_all``): the tensors it sends to other ranks.
 
   This is the algorithmic volume, independent of how gloo implements a collective (a ring
   all-reduce moves about ``2 (P - 1) / P`` times its buffer over the wire).
@@ -148,6 +148,9 @@ class TrafficCounter:
         if not getattr(inflight.post_exchange, "_counted", False):
             sent = lambda a: _sum(t for _, t in a["sends"])  # noqa: E731
             inflight.post_exchange = self._wrap("exchange", inflight.post_exchange, sent)
+        if not getattr(inflight.post_all_to_all, "_counted", False):
+            to_others = lambda a: _nbytes(a["blocks"]) - _nbytes(a["blocks"][a["group"].rank()])  # noqa: E731
+            inflight.post_all_to_all = self._wrap("exchange", inflight.post_all_to_all, to_others)
 
     def _wrap(self, name: str, original: Fn, contributed: Callable[[dict[str, Any]], int]) -> Fn:
         signature = inspect.signature(original)

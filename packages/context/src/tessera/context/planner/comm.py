@@ -18,9 +18,10 @@ traffic, and how they travel depends on the backend (``tessera.layers.comm.infli
 blocks* (every rank gets every rank's block) and *scatter blocks* (rank ``l`` gets the sum of
 every rank's block ``l``), and 3d's weights-stay variant adds *all-to-all blocks* (rank ``l``
 gets every rank's block ``l``). NCCL runs them as an all-gather, a reduce-scatter and an
-all-to-all; gloo sends each of the other ``n - 1`` ranks its block, all posted at once in one
-exchange of point-to-point sends (a ``send`` here). The bytes on the wire are the same ``n - 1``
-blocks either way; the bytes contributed and the kinds of call differ.
+all-to-all; gloo sends each of the other ``n - 1`` ranks its block, in one exchange (one gloo
+all-to-all of per-peer blocks, or point-to-point sends posted together: a ``send`` here).
+The bytes on the wire are the same ``n - 1`` blocks either way; the bytes contributed and the
+kinds of call differ.
 """
 
 from __future__ import annotations

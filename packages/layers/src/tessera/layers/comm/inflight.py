@@ -13,12 +13,24 @@ and reduce-scatter go through staging copies and, for the reduce-scatter, a full
 the block it needs, straight from its own memory, and sums what it receives in group-rank
 order. The bytes per rank are the same ``(w - 1)`` blocks either way.
 
-On gloo the sends are posted on the group's ``ProcessGroup`` directly, with group ranks
-looked up once per group: torch's ``P2POp`` / ``batch_isend_irecv`` path translates ranks and
-checks arguments in Python on every call, which cost about 0.3 ms of CPU per exchange here
-(with eight ranks on two cores, CPU time is step time). On NCCL the point-to-point exchanges
-that remain (the weights-stay variants, the 3D layout switch) stay one ``batch_isend_irecv``:
-NCCL needs their sends and receives in one group call.
+On gloo those pairwise blocks travel as one all-to-all (:func:`post_all_to_all`), which
+gloo runs on the process group's worker thread, not as sends and receives posted from the
+calling thread. The reason is gloo's socket thread: it only *tries* the lock of a peer's
+connection, and while another thread holds it (posting a send or a receive there) it
+returns to ``epoll`` at once and spins. The calling thread, which has just multiplied and
+used up its time slice, is the one likely to be preempted while holding that lock; the
+worker thread wakes only to communicate. Measured with eight ranks on two cores (a 3D MLP
+step, hidden 512): the socket threads' spins fell to a third, system time per rank and step
+from 11 to 7 ms, and the transformer block's step by 13 % (``benchmarks/bench_colossal.py``).
+A gather sends its block once per peer from a ``[w, *block]`` copy (``w - 1`` blocks more
+memory for the duration of the call).
+
+The point-to-point transfers that remain (:func:`start_transfers`: SUMMA's panels, the 3D
+layout switch) are posted on the group's ``ProcessGroup`` directly, with group ranks looked
+up once per group: torch's ``P2POp`` / ``batch_isend_irecv`` path translates ranks and checks
+arguments in Python on every call, which cost about 0.3 ms of CPU per exchange here (with
+eight ranks on two cores, CPU time is step time). On NCCL they stay one
+``batch_isend_irecv``: NCCL needs their sends and receives in one group call.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import torch.distributed as dist
 
 __all__ = [
     "Pending",
+    "post_all_to_all",
     "start_all_reduce",
     "start_all_to_all_blocks",
     "start_gather_blocks",
@@ -95,7 +108,8 @@ class _Route:
     """What the exchanges need to know of a group, looked up once.
 
     Attributes:
-        pairwise: Blocks travel as pairwise sends (gloo) rather than as collectives.
+        pairwise: Blocks travel pairwise, as one all-to-all (gloo), rather than as the
+            backend's all-gather and reduce-scatter.
         global_rank: The group's ranks in order: rank in the group -> global rank.
         group_rank: Global rank -> rank in the group.
     """
@@ -121,7 +135,7 @@ def _route(group: dist.ProcessGroup) -> _Route:
 
 
 def _pairwise(group: dist.ProcessGroup) -> bool:
-    """Whether blocks travel as pairwise sends (gloo) rather than as collectives."""
+    """Whether blocks travel pairwise (gloo) rather than as the backend's collectives."""
     return _route(group).pairwise
 
 
@@ -157,6 +171,19 @@ def post_exchange(
     return works
 
 
+def post_all_to_all(
+    received: torch.Tensor, blocks: torch.Tensor, group: dist.ProcessGroup
+) -> dist.Work:
+    """Post ``blocks[l]`` ``[w, *s]`` to group rank ``l``, into ``received[l]`` from it (gloo).
+
+    Run by the group's worker thread (see the module docstring), called on the process group
+    itself (``dist.all_to_all_single`` checks its arguments in Python on every call). The one
+    place the layers post their gloo block exchanges (looked up at each call, so a
+    benchmark's traffic counter can wrap it: ``benchmarks/meters.py``).
+    """
+    return group.alltoall_base(received, blocks, [], [])
+
+
 def start_transfers(
     sends: Sequence[tuple[int, torch.Tensor]],
     recvs: Sequence[tuple[int, torch.Tensor]],
@@ -173,19 +200,6 @@ def start_transfers(
     )
 
 
-def _exchange(
-    sends: Sequence[torch.Tensor | None],
-    recvs: Sequence[torch.Tensor | None],
-    group: dist.ProcessGroup,
-) -> list[dist.Work]:
-    """Post ``sends[l]`` to and ``recvs[l]`` from group rank ``l`` (``None``: nothing)."""
-    return post_exchange(
-        [(peer, t) for peer, t in enumerate(sends) if t is not None],
-        [(peer, t) for peer, t in enumerate(recvs) if t is not None],
-        group,
-    )
-
-
 def start_gather_blocks(block: torch.Tensor, group: dist.ProcessGroup, world_size: int) -> Pending:
     """Post an all-gather; ``wait()`` gives ``[w, *block.shape]``, entry ``l`` from rank ``l``."""
     block = block.contiguous()
@@ -196,11 +210,8 @@ def start_gather_blocks(block: torch.Tensor, group: dist.ProcessGroup, world_siz
         flat = out.view(world_size * block.shape[0], *block.shape[1:]) if block.dim() else out
         works = [_work(_all_gather_flat(flat, block, group=group, async_op=True))]
         return Pending(works, lambda: out, (block,))
-    me = group.rank()
-    out[me].copy_(block)
-    peers = [None if peer == me else block for peer in range(world_size)]
-    recvs = [None if peer == me else out[peer] for peer in range(world_size)]
-    return Pending(_exchange(peers, recvs, group), lambda: out, (block,))
+    copies = block.unsqueeze(0).expand(world_size, *block.shape).contiguous()  # [w, *block]
+    return Pending([post_all_to_all(out, copies, group)], lambda: out, (copies,))
 
 
 def start_scatter_blocks(
@@ -223,12 +234,9 @@ def start_scatter_blocks(
         send = blocks.view(world_size * shape[0], *shape[1:]) if len(shape) else blocks
         works = [_work(_reduce_scatter_flat(out, send, group=group, async_op=True))]
         return Pending(works, lambda: out, (blocks,))
-    me = group.rank()
     received = torch.empty_like(blocks)  # [w, *s]: entry l is rank l's block for this rank
-    received[me].copy_(blocks[me])
-    sends = [None if peer == me else blocks[peer] for peer in range(world_size)]
-    recvs = [None if peer == me else received[peer] for peer in range(world_size)]
-    return Pending(_exchange(sends, recvs, group), lambda: received.sum(0), (blocks,))
+    work = post_all_to_all(received, blocks, group)
+    return Pending([work], lambda: received.sum(0), (blocks,))
 
 
 def start_all_to_all_blocks(
@@ -246,11 +254,7 @@ def start_all_to_all_blocks(
     if not _pairwise(group):
         works = [_work(dist.all_to_all_single(received, blocks, group=group, async_op=True))]
         return Pending(works, lambda: received, (blocks,))
-    me = group.rank()
-    received[me].copy_(blocks[me])
-    sends = [None if peer == me else blocks[peer] for peer in range(world_size)]
-    recvs = [None if peer == me else received[peer] for peer in range(world_size)]
-    return Pending(_exchange(sends, recvs, group), lambda: received, (blocks,))
+    return Pending([post_all_to_all(received, blocks, group)], lambda: received, (blocks,))
 
 
 def start_all_reduce(x: torch.Tensor, group: dist.ProcessGroup, world_size: int) -> Pending:
