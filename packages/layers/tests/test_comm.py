@@ -125,3 +125,40 @@ def _check_ops_over_collectives() -> int:
 def test_comm_ops_forward_and_backward(dist, world: int, transport: str) -> None:
     check = _check_ops if transport == "pairwise" else _check_ops_over_collectives
     assert dist.run(check, world_size=world, timeout=60.0) == [20] * world
+
+
+def _check_block_dtypes() -> int:
+    """Gather, scatter and all-to-all blocks keep every dtype, complex and empty blocks too."""
+    from tessera.layers.comm.inflight import (
+        start_all_to_all_blocks,
+        start_gather_blocks,
+        start_scatter_blocks,
+    )
+
+    group = dist_.group.WORLD
+    world, rank = dist_.get_world_size(), dist_.get_rank()
+    checks = 0
+    for dtype in (torch.complex64, torch.bool, torch.int64, torch.bfloat16):
+        for shape in ((2, 3), (0, 3)):
+            # rank r's block for rank d: values r * 10 + d + 1, then cast
+            def block(
+                r: int, d: int, shape: tuple[int, ...] = shape, dtype: torch.dtype = dtype
+            ) -> torch.Tensor:
+                return torch.full(shape, r * 10 + d + 1).to(dtype)
+
+            got = start_gather_blocks(block(rank, 0), group, world).wait()
+            assert got.dtype == dtype
+            assert torch.equal(got, torch.stack([block(r, 0) for r in range(world)]))
+            sends = torch.stack([block(rank, d) for d in range(world)])
+            got = start_all_to_all_blocks(sends, group, world).wait()
+            assert torch.equal(got, torch.stack([block(r, rank) for r in range(world)]))
+            if dtype != torch.bool:
+                got = start_scatter_blocks(sends, group, world).wait()
+                want = torch.stack([block(r, rank) for r in range(world)]).sum(0)
+                assert torch.equal(got, want.to(dtype))
+            checks += 1
+    return checks
+
+
+def test_blocks_keep_every_dtype(dist) -> None:
+    assert dist.run(_check_block_dtypes, world_size=2, timeout=60.0) == [8, 8]

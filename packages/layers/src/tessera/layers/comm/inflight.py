@@ -179,9 +179,15 @@ def post_all_to_all(
     Run by the group's worker thread (see the module docstring), called on the process group
     itself (``dist.all_to_all_single`` checks its arguments in Python on every call). The one
     place the layers post their gloo block exchanges (looked up at each call, so a
-    benchmark's traffic counter can wrap it: ``benchmarks/meters.py``).
+    benchmark's traffic counter can wrap it: ``benchmarks/meters.py``). Both buffers must be
+    contiguous; they travel as bytes (gloo's all-to-all takes no complex dtype, its sends did).
     """
-    return group.alltoall_base(received, blocks, [], [])
+    return group.alltoall_base(_bytes(received), _bytes(blocks), [], [])
+
+
+def _bytes(blocks: torch.Tensor) -> torch.Tensor:
+    """``[w, *s]`` seen as ``[w, bytes of one block]`` (no copy)."""
+    return blocks.view(blocks.shape[0], blocks.numel() // blocks.shape[0]).view(torch.uint8)
 
 
 def start_transfers(
