@@ -176,6 +176,38 @@ def test_check_failures_raises_without_a_collective() -> None:
         monitor.check("between steps")
 
 
+@pytest.mark.parametrize(
+    "exc",
+    [StopIteration(), StopAsyncIteration(), GeneratorExit(), KeyboardInterrupt(), SystemExit(0)],
+    ids=lambda e: type(e).__name__,
+)
+def test_control_flow_through_a_guard_is_not_a_failure(exc: BaseException) -> None:
+    # an IterableDataset's epoch ends by StopIteration out of execute_schedule's guard
+    store = tdist.HashStore()
+    monitor = FailureMonitor(_board(1, 2, store), None)
+    with pytest.raises(type(exc)), monitor.guard("engine.execute_schedule"):
+        raise exc
+    assert _board(0, 2, store).reports() == []
+    FailureMonitor(_board(0, 2, store), None).check("next step")  # a peer sees no failure
+    # ... and a real failure afterwards is still posted and blamed on the right rank
+    with pytest.raises(ValueError), monitor.guard("engine.step"):
+        raise ValueError("loss is nan")
+    with pytest.raises(RankFailedError, match=r"rank 1 failed in 'engine\.step': ValueError"):
+        FailureMonitor(_board(0, 2, store), None).check("next step")
+
+
+def test_a_failing_exit_and_errors_after_destroy() -> None:
+    store = tdist.HashStore()
+    monitor = FailureMonitor(_board(1, 2, store), None)
+    with pytest.raises(SystemExit), monitor.guard("main"):
+        raise SystemExit(3)  # a non-zero exit is a failure
+    assert [r.error for r in _board(0, 2, store).reports()] == ["SystemExit"]
+    monitor.stop()  # what destroy() does: what its teardown raises is no failure
+    with pytest.raises(RuntimeError), monitor.guard("engine.step"):
+        raise RuntimeError("the process group was destroyed")
+    assert len(_board(0, 2, store).reports()) == 1
+
+
 def test_guard_without_a_board_only_reraises() -> None:
     monitor = FailureMonitor(None, None)
     with pytest.raises(RuntimeError, match="Timed out"), monitor.guard("step"):

@@ -22,6 +22,7 @@ from tessera.context.failures import (
     FailureReport,
     RankFailedError,
     is_communication_error,
+    is_control_flow,
 )
 from tessera.context.full_form import (
     FullForm,
@@ -122,6 +123,7 @@ __all__ = [
     "FailureBoard",
     "DEFAULT_HEARTBEAT_INTERVAL",
     "is_communication_error",
+    "is_control_flow",
     # seeds
     "get_host_rng_state",
     "set_host_rng_state",

@@ -358,6 +358,8 @@ class ParallelContext:
         if a collective in the body fails because of another rank (a timeout, a closed
         connection), this rank raises ``RankFailedError`` naming the rank that failed and where
         it was. Guards nest (the innermost ``where`` is reported; an error is posted once).
+        Control flow (``StopIteration``, ``GeneratorExit``, ``KeyboardInterrupt``, a clean
+        ``SystemExit``: ``is_control_flow``) and errors after ``destroy()`` are not posted.
         The engine's ``step``/``execute_schedule`` and the pipeline runner guard themselves;
         wrap your own loop body when you drive collectives yourself.
         """

@@ -8,6 +8,9 @@ rendezvoused on (the TCPStore every torch.distributed job already has).
 
 - ``ParallelContext.guard(where)`` wraps a step. When the body raises on this rank, the
   exception is posted to the board as ``{rank, where, type, message}`` and re-raised unchanged.
+  Control flow is not failure (``is_control_flow``): ``StopIteration`` at the end of an epoch,
+  ``GeneratorExit``, ``KeyboardInterrupt``, a clean ``SystemExit``, and anything raised after
+  the context's ``destroy()`` are re-raised and never posted.
   When the body raises a *communication* error (a collective timed out or a peer closed its
   connection), the guard reads the board and raises :class:`RankFailedError` naming the rank
   that failed and where, chained to the original error.
@@ -55,6 +58,7 @@ __all__ = [
     "RankFailedError",
     "default_store",
     "is_communication_error",
+    "is_control_flow",
 ]
 
 #: Seconds between heartbeats: one tiny store write per rank, so cheap for thousands of ranks;
@@ -113,6 +117,22 @@ def default_store() -> Store | None:
     except (RuntimeError, ValueError, AttributeError, KeyError):
         return None
     return store if isinstance(store, Store) else None
+
+
+def is_control_flow(exc: BaseException) -> bool:
+    """Whether ``exc`` ends a loop or the process on purpose, so no rank is at fault.
+
+    ``StopIteration`` (a loader without ``len()`` ends its epoch through ``execute_schedule``),
+    ``StopAsyncIteration``, ``GeneratorExit`` (a generator closed early), ``KeyboardInterrupt``
+    (Ctrl-C reaches every rank of the terminal's process group; a user's stop is no rank's
+    failure) and ``SystemExit`` with status 0 or ``None`` (a clean ``sys.exit()``). Posting
+    them would make ``check_failures()`` raise on a healthy job and blame the next real
+    failure on the wrong rank. A rank that stops alone this way while its peers wait is still
+    named by its stopped heartbeat.
+    """
+    if isinstance(exc, SystemExit):
+        return exc.code is None or exc.code == 0
+    return isinstance(exc, StopIteration | StopAsyncIteration | GeneratorExit | KeyboardInterrupt)
 
 
 def is_communication_error(exc: BaseException) -> bool:
@@ -468,6 +488,7 @@ class FailureMonitor:
         self._abort = abort
         self._aborted = False
         self._abort_lock = threading.Lock()
+        self._stopped = False
         if board is not None and self.heartbeat_interval is not None and board.world_size > 1:
             self._thread = _Heartbeat(self, board, self.heartbeat_interval)
             self._thread.start()
@@ -500,6 +521,7 @@ class FailureMonitor:
         at different times; the diagnosis of a failed collective still counts a rank that
         left mid-job as a candidate, since its peers were still waiting for it.
         """
+        self._stopped = True  # a destroyed context's errors are its teardown, not failures
         thread, self._thread = self._thread, None
         _RUNNING.discard(self)
         if thread is not None:
@@ -548,6 +570,8 @@ class FailureMonitor:
         board = self.board
         if board is None or getattr(exc, _POSTED, False):
             return None
+        if is_control_flow(exc) or self._stopped:
+            return None  # re-raised unchanged, posted nowhere
         try:
             if not is_communication_error(exc):
                 self._post(board, exc, where)
