@@ -202,7 +202,7 @@ def test_a_failing_exit_and_errors_after_destroy() -> None:
     with pytest.raises(SystemExit), monitor.guard("main"):
         raise SystemExit(3)  # a non-zero exit is a failure
     assert [r.error for r in _board(0, 2, store).reports()] == ["SystemExit"]
-    monitor.stop()  # what destroy() does: what its teardown raises is no failure
+    monitor.close()  # what destroy() does: what its teardown raises is no failure
     with pytest.raises(RuntimeError), monitor.guard("engine.step"):
         raise RuntimeError("the process group was destroyed")
     assert len(_board(0, 2, store).reports()) == 1

@@ -384,7 +384,7 @@ class ParallelContext:
         if self.is_destroyed:
             return
         self._mesh = None
-        self._monitor.stop()
+        self._monitor.close()
         self._groups.destroy()
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()

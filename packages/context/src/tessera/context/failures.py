@@ -488,7 +488,7 @@ class FailureMonitor:
         self._abort = abort
         self._aborted = False
         self._abort_lock = threading.Lock()
-        self._stopped = False
+        self._closed = False
         if board is not None and self.heartbeat_interval is not None and board.world_size > 1:
             self._thread = _Heartbeat(self, board, self.heartbeat_interval)
             self._thread.start()
@@ -521,7 +521,6 @@ class FailureMonitor:
         at different times; the diagnosis of a failed collective still counts a rank that
         left mid-job as a candidate, since its peers were still waiting for it.
         """
-        self._stopped = True  # a destroyed context's errors are its teardown, not failures
         thread, self._thread = self._thread, None
         _RUNNING.discard(self)
         if thread is not None:
@@ -530,6 +529,15 @@ class FailureMonitor:
             if self.board is not None:
                 with contextlib.suppress(Exception):
                     self.board.leave()
+
+    def close(self) -> None:
+        """Stop for good (``ParallelContext.destroy``): later errors are teardown, not failures.
+
+        What a guard sees after its context was destroyed (a collective on a destroyed group)
+        is this rank's own orderly exit, so it is re-raised and not posted.
+        """
+        self._closed = True
+        self.stop()
 
     @contextmanager
     def guard(self, where: str) -> Iterator[None]:
@@ -570,7 +578,7 @@ class FailureMonitor:
         board = self.board
         if board is None or getattr(exc, _POSTED, False):
             return None
-        if is_control_flow(exc) or self._stopped:
+        if is_control_flow(exc) or self._closed:
             return None  # re-raised unchanged, posted nowhere
         try:
             if not is_communication_error(exc):
