@@ -56,6 +56,12 @@ from .hooks import (
 )
 from .initialize import ENGINE_CONFIG_KEYS, initialize, sync_replicated_parameters
 from .loss_scaler import DynamicLossScaler
+from .lr_schedulers import (
+    CosineAnnealingWarmupLR,
+    LinearWarmupLR,
+    MultiStepWarmupLR,
+    OneCycleLR,
+)
 from .master_weights import MasterWeights
 from .metrics import AverageMetric, ThroughputMetric
 from .nonfinite import NonFiniteError, NonFiniteReport
@@ -98,6 +104,11 @@ __all__ = [
     "shard_with_fsdp2",
     "rebuild_optimizer",
     "AccumulatedLRScheduler",
+    # learning-rate schedules with warm-up (registered in tessera.registry.LR_SCHEDULERS)
+    "LinearWarmupLR",
+    "CosineAnnealingWarmupLR",
+    "MultiStepWarmupLR",
+    "OneCycleLR",
     "clip_grad_norm",
     "global_grad_norm",
     "norm_contributions",
