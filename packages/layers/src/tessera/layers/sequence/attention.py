@@ -15,9 +15,12 @@ the weights. Two ways to attend over the whole sequence:
   ring when there are enough heads.
 
 Causal masking uses global positions: query ``r c + i`` sees keys ``<= r c + i``, across
-chunks. A padding mask (which keys exist, per sample: ``[b, c]`` on each rank, split with the
-sequence like the activations) is gathered whole over the group, ``[b, 1, 1, s]``, a few bytes
-per token, since every rank's queries look at every key.
+chunks; the future is ``-inf`` and a padded key the dtype's lowest finite value, so a query
+that sees only padding (the first tokens of a left-padded sample) attends to its padding, never
+to the future, under both implementations. A padding mask (which keys exist, per sample:
+``[b, c]`` on each rank, split with the sequence like the activations) is gathered whole over
+the group, ``[b, 1, 1, s]``, a few bytes per token, since every rank's queries look at every
+key.
 
 The parameters (``qkv``, ``proj``: ``torch.nn.Linear``, so the full state dict is a
 plain attention's) are replicated over SEQUENCE and each rank's gradient is the partial
@@ -174,7 +177,9 @@ def attend_over_sequence(
     if mask is not None and causal:  # SDPA takes a mask or is_causal, not both
         s = q.shape[-2]
         future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)  # [s, s]
-        mask = mask.masked_fill(future, torch.finfo(mask.dtype).min)  # [b, 1, s, s]
+        # -inf, as the ring's: a padded key holds the lowest finite value, so a query that
+        # sees only padding (left padding) must still never see the future.
+        mask = mask.masked_fill(future, float("-inf"))  # [b, 1, s, s]
     is_causal = causal and mask is None
     if dropout > 0.0 and dropout_stream:
         assert context is not None, "dropout needs the context's TENSOR seed"
