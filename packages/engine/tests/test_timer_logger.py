@@ -54,3 +54,31 @@ def test_dist_logger_writes_on_chosen_ranks_only() -> None:
     get_dist_logger("tessera-test-logger", ranks=[3])
     logger.info("now rank 3 only")
     assert cap.messages == ["default ranks", "[rank 0] all ranks"]
+
+
+def test_disable_existing_loggers_quiets_other_libraries_only() -> None:
+    import logging
+
+    from tessera.engine import disable_existing_loggers
+
+    other, child = logging.getLogger("seedlib"), logging.getLogger("seedlib.io")
+    ours = logging.getLogger("tessera.seed-test")
+    saved = {
+        name: lg.level
+        for name, lg in logging.root.manager.loggerDict.items()
+        if isinstance(lg, logging.Logger)
+    }
+    try:
+        for lg in (other, child, ours):
+            lg.setLevel(logging.INFO)
+        disable_existing_loggers(include=["seedlib.io"])
+        assert (other.level, child.level) == (logging.INFO, logging.WARNING)
+        disable_existing_loggers()
+        assert other.level == logging.WARNING and not other.isEnabledFor(logging.INFO)
+        assert ours.level == logging.INFO  # tessera's own are excluded
+        assert logging.getLogger("seedlib.later").level == logging.NOTSET  # made afterwards
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+        for lg in (other, child, ours):
+            lg.setLevel(logging.NOTSET)

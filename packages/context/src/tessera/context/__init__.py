@@ -6,6 +6,7 @@ that create it, per-mode RNG streams, and ``ShardInfo``, the description of a sh
 that layers write and the engine reads.
 """
 
+from tessera.context.command_line import get_default_parser
 from tessera.context.config import TENSOR_MODES, ExtraInitializer, ParallelConfig
 from tessera.context.context import (
     DEFAULT_TIMEOUT,
@@ -109,6 +110,7 @@ __all__ = [
     "create_context",
     "DEFAULT_TIMEOUT",
     "launch",
+    "get_default_parser",
     "launch_from_torch",
     "LaunchOptions",
     "launch_from_slurm",

@@ -30,7 +30,7 @@ from .clipping import (
     reduce_contributions,
 )
 from .data import ResumableDataLoader, ResumableDistributedSampler, get_dataloader
-from .dist_logger import DistributedLogger, get_dist_logger
+from .dist_logger import DistributedLogger, disable_existing_loggers, get_dist_logger
 from .engine import Engine
 from .gradient_handlers import (
     BaseGradientHandler,
@@ -153,4 +153,5 @@ __all__ = [
     "Timer",
     "DistributedLogger",
     "get_dist_logger",
+    "disable_existing_loggers",
 ]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-__all__ = ["DistributedLogger", "get_dist_logger"]
+__all__ = ["DistributedLogger", "disable_existing_loggers", "get_dist_logger"]
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _loggers: dict[str, DistributedLogger] = {}
@@ -108,3 +108,29 @@ def get_dist_logger(name: str = "tessera", ranks: Sequence[int] | None = None) -
     elif ranks is not None:
         logger.ranks = tuple(ranks)
     return logger
+
+
+def disable_existing_loggers(
+    include: Sequence[str] | None = None, exclude: Sequence[str] = ("tessera",)
+) -> None:
+    """Quiet the loggers other libraries created: only their warnings and errors still show.
+
+    Imported libraries log INFO lines on every rank (N copies each), burying the training's
+    own. Colossal-AI's programs call this first; it raises the level of every logger that
+    exists now to WARNING, except tessera's (``exclude``) and their children. A logger made
+    later is not affected.
+
+    Args:
+        include: Only these logger names (and their children); ``None``: every existing one.
+        exclude: Names (and their children) left as they are.
+    """
+
+    def under(name: str, roots: Sequence[str]) -> bool:
+        return any(name == root or name.startswith(root + ".") for root in roots)
+
+    for name in list(logging.root.manager.loggerDict):
+        if under(name, exclude) or (include is not None and not under(name, include)):
+            continue
+        logger = logging.root.manager.loggerDict[name]
+        if isinstance(logger, logging.Logger):  # not a PlaceHolder of a dotted name's parent
+            logger.setLevel(logging.WARNING)
