@@ -1150,6 +1150,21 @@ def _errors() -> list[str]:
             "Qwen2MoeAttention under tensor mode 'sequence' attends within a sliding window of 4",
             lambda: windowed_moe(ids),
         )
+        # Attention the plan leaves out would attend within this rank's chunk: refused, for a
+        # researcher's own module (found by its name) and torch's nn.MultiheadAttention.
+        expect(
+            ValueError,
+            r"\['1'\] attend over the tokens but the user plan converts none of them",
+            lambda: parallelize(_own_attention_block(), {"2": "col", "3": "row"}, context=seq),
+        )
+        layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True)
+        encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        mlp = {"layers.*.linear1": "col", "layers.*.linear2": "row"}
+        expect(
+            ValueError,
+            r"\['layers.0.self_attn', 'layers.1.self_attn'\] attend over the tokens",
+            lambda: parallelize(encoder, mlp, context=seq),
+        )
         # GPT-Neo writes its attention out in its forward: the ring cannot reach it.
         expect(TypeError, "does not use", lambda: parallelize(gpt_neo_lm(), context=seq))
         lm = parallelize(gpt2_lm(), context=seq)
@@ -1165,9 +1180,30 @@ def _errors() -> list[str]:
     return caught
 
 
+class _SelfAttention(nn.Module):
+    """A researcher's own attention: q/k/v/o linear layers around SDPA."""
+
+    def __init__(self, hidden: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = (
+            p(x).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, s, d]
+        return self.o(out.transpose(1, 2).reshape(b, s, h))
+
+
+def _own_attention_block() -> nn.Sequential:
+    return nn.Sequential(nn.LayerNorm(16), _SelfAttention(), nn.Linear(16, 32), nn.Linear(32, 16))
+
+
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 29
+    assert len(results[0]) == 31
 
 
 def _offset_norms() -> int:

@@ -27,7 +27,7 @@ from .dropout import install_dropout_streams
 from .meta import check_meta_buffers, materialize_whole_modules
 from .plan import Plan, inner_norms, match_plan, plan_for, resolve_span, span_members
 from .position_table import TABLE_MODES
-from .sequence import install_sequence_attention
+from .sequence import check_attention_covered, install_sequence_attention
 
 __all__ = [
     "CONTEXT_ATTR",
@@ -188,6 +188,10 @@ def parallelize(
         raise ModeNotImplementedError("parallelize", mode, SUPPORTED_MODES)
     chosen = plan_for(model, plan)
     roles = match_plan(model, chosen, mode)
+    if mode == "sequence":  # before any collective: attention left out would see its chunk
+        check_attention_covered(
+            model, [n for n, r in roles.items() if r == "attention"], chosen.name
+        )
     check_meta_buffers(model)
     check_same_weights(model, ctx)
     sequence_parallel = mode == "1d" and sequence_parallel_default(ctx)

@@ -47,6 +47,7 @@ __all__ = [
     "KEY_PADDING_ATTRIBUTE",
     "SEQUENCE_ATTRIBUTE",
     "KeyPadding",
+    "check_attention_covered",
     "install_sequence_attention",
     "key_mask_for_attention",
     "sequence_attention",
@@ -225,6 +226,58 @@ def _check_score_options(module: nn.Module, options: dict[str, Any], length: int
                 "result would differ from the model's: use tensor mode '1d' (with "
                 "sequence_parallel=True for long sequences) or '2d' / '2.5d' / '3d'"
             )
+
+
+def _looks_like_attention(module: nn.Module) -> bool:
+    """Torch's ``nn.MultiheadAttention``, or a module whose class is named as attention.
+
+    A name is all a model someone else wrote tells of its attention (``SelfAttention``,
+    ``GPT2Attention``, ``CausalSelfAttn``...); such a module mixes tokens, which a rank
+    holding a chunk of the sequence cannot do alone.
+    """
+    if isinstance(module, nn.MultiheadAttention):
+        return True
+    name = type(module).__name__.lower()
+    return "attention" in name or "attn" in name
+
+
+def check_attention_covered(model: nn.Module, attention: Iterable[str], plan_name: str) -> None:
+    """Refuse a model whose attention would attend within this rank's chunk only.
+
+    Under ``'sequence'`` every module but attention runs on this rank's tokens as it is. An
+    attention module the plan does not convert would run too, without an error, on ``s/N``
+    keys with positions restarting at 0: a model that trains differently from one process.
+    Covered are the plan's attention modules and tessera's own :class:`RingSelfAttention`,
+    with what is inside or around them (BERT's ``BertAttention`` wraps its self-attention).
+
+    Raises:
+        ValueError: naming the modules left out and what to do.
+    """
+    from ..sequence.attention import RingSelfAttention
+
+    covered = [*attention]
+    covered += [name for name, m in model.named_modules() if isinstance(m, RingSelfAttention)]
+
+    def is_covered(name: str) -> bool:
+        return any(
+            name == c or name.startswith(c + ".") or c.startswith(name + ".") for c in covered
+        )
+
+    left = [
+        name
+        for name, module in model.named_modules()
+        if name and _looks_like_attention(module) and not is_covered(name)
+    ]
+    if left:
+        more = f" and {len(left) - 4} more" if len(left) > 4 else ""
+        raise ValueError(
+            f"parallelize under tensor mode 'sequence': {left[:4]}{more} attend over the tokens "
+            f"but the {plan_name} converts none of them (role 'attention'), so each would attend "
+            "within this rank's chunk of the sequence only, its positions restarting at 0. Give "
+            "a transformers model's attention modules role 'attention', use "
+            "tessera.layers.RingSelfAttention in your own model, or use tensor mode '1d' with "
+            "sequence_parallel=True"
+        )
 
 
 def install_sequence_attention(
