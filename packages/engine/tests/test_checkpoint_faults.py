@@ -134,14 +134,14 @@ def test_a_file_that_does_not_decode_fails_every_rank_alike(
     assert results[0]["message"] == results[1]["message"]
 
 
-def _fail_rank_1_in(what: str, path: str) -> dict[str, Any]:
+def _fail_rank_1_in(what: str, path: str, error: type[Exception] = OSError) -> dict[str, Any]:
     """Rank 1's node-local disk fails in the middle of a save or load (after the first steps)."""
     ctx = _launch()
     point = "write_bytes" if what == "save" else "read_blocks"
     real = getattr(checkpoint_api, point)
 
     def broken(*args: Any, **kwargs: Any) -> Any:
-        raise OSError(f"rank 1's disk failed in {point}")
+        raise error(f"rank 1's disk failed in {point}")
 
     try:
         if tdist.get_rank() == 1:
@@ -156,18 +156,36 @@ def _fail_rank_1_in(what: str, path: str) -> dict[str, Any]:
         ctx.destroy()
 
 
-@pytest.mark.parametrize("what", ["save", "load"])
+@pytest.mark.parametrize(("what", "error"), [("save", ValueError), ("load", OSError)])
 def test_a_rank_failing_mid_save_or_load_is_named(
-    dist: Any, saved: Path, tmp_path: Path, what: str
+    dist: Any, saved: Path, tmp_path: Path, what: str, error: type[Exception]
 ) -> None:
     path = str(tmp_path / "new") if what == "save" else str(saved)
-    results = _run(dist, _fail_rank_1_in, what, path)
-    assert results[1]["outcome"] == "OSError", results[1]
+    results = _run(dist, _fail_rank_1_in, what, path, error)
+    assert results[1]["outcome"] == error.__name__, results[1]
     got = results[0]
     assert got["outcome"] == "RankFailedError", got
     assert (got["rank"], got["where"]) == (1, f"checkpoint.{what}"), got
-    assert f"rank 1 failed in 'checkpoint.{what}': OSError: rank 1's disk failed" in got["message"]
+    assert (f"rank 1 failed in 'checkpoint.{what}': {error.__name__}: rank 1's disk failed"
+            in got["message"])  # fmt: skip
     assert not (tmp_path / "new").exists()  # nothing published
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []  # nor left behind
+
+
+def test_a_write_failing_on_one_rank_is_a_checkpoint_error_on_every_rank(
+    dist: Any, tmp_path: Path
+) -> None:
+    # A disk that fills up under rank 1's own file: said alike on both ranks, nothing posted
+    # (no rank is blamed for a full disk), the partial save removed.
+    results = _run(dist, _fail_rank_1_in, "save", str(tmp_path / "new"))
+    for got in results:
+        assert got["outcome"] == "CheckpointError", got
+        assert f"rank 1: cannot save checkpoint {tmp_path / 'new'}: writing " in got["message"]
+        assert "rank_00001.pt failed with OSError: rank 1's disk failed" in got["message"]
+        assert got["posted"] == [], got
+        assert got["seconds"] < TIMEOUT, got  # agreed, not a peer's timeout
+    assert results[0]["message"] == results[1]["message"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def _rank_1_writes_late(path: str) -> None:

@@ -18,6 +18,7 @@ from .checkpoint import (
     export_torch_state_dict,
     latest_checkpoint,
     load_checkpoint,
+    prepare_checkpoint_dir,
     prune_checkpoints,
     save_checkpoint,
     verify_checkpoint,
@@ -133,6 +134,7 @@ __all__ = [
     "verify_checkpoint",
     "latest_checkpoint",
     "prune_checkpoints",
+    "prepare_checkpoint_dir",
     # trainer, hooks, metrics, timing, logging
     "Trainer",
     "BaseHook",

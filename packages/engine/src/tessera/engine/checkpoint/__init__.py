@@ -16,6 +16,7 @@ from .discovery import checkpoint_dirs, latest_checkpoint, prune_checkpoints, st
 from .errors import CheckpointCorruptError, CheckpointError
 from .export import export_torch_state_dict
 from .files import verify_checkpoint
+from .storage import prepare_checkpoint_dir, sweep_leftovers
 
 __all__ = [
     "save_checkpoint",
@@ -29,6 +30,8 @@ __all__ = [
     "latest_checkpoint",
     "checkpoint_dirs",
     "prune_checkpoints",
+    "prepare_checkpoint_dir",
+    "sweep_leftovers",
     "step_dir",
     "Block",
     "block_of",

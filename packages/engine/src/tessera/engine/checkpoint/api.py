@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -67,6 +68,7 @@ from .optimizer_state import optimizer_parts, prepare_optimizer_load
 from .planners import METADATA_JSON, BlockSavePlanner, metadata_from_json, metadata_to_json
 from .reading import quiet_single_process, read_blocks, read_rank_file
 from .rng import capture_rng, restore_rng
+from .storage import failed_ranks, space_problem, write_failure, write_failure_message
 
 __all__ = [
     "MODEL_PREFIX",
@@ -332,7 +334,10 @@ def save_checkpoint(
         The published directory.
 
     Raises:
-        CheckpointError: on every rank, when any rank cannot describe its state.
+        CheckpointError: on every rank, when any rank cannot describe its state, when the
+            free space is less than the last checkpoint's size (before anything is written),
+            or when a write fails (a full disk: the path, the errno where known and the
+            bytes needed are named). A failed save removes its temporary folder.
         tessera.context.RankFailedError: another rank failed in the middle of the save (it is
             named; the save runs in the context's guard ``"checkpoint.save"``).
     """
@@ -346,13 +351,15 @@ def _save(
     final: Path, parts: CheckpointParts, comm: Comm, step: int, epoch: int, extra: Any
 ) -> Path:
     """``save_checkpoint`` inside its guard."""
-    # 1. A fresh temporary directory, named by rank 0.
+    # 1. A fresh temporary directory, named by rank 0, if the last checkpoint's size fits.
     token, setup_error = None, None
     if comm.is_coordinator:
         token = uuid.uuid4().hex[:12]
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
-            temporary_dir(final, token).mkdir()
+            setup_error = space_problem(final)
+            if setup_error is None:
+                temporary_dir(final, token).mkdir()
         except OSError as exc:
             setup_error = f"cannot create a temporary directory next to {final}: {exc}"
     token, setup_error = comm.broadcast((token, setup_error))
@@ -360,7 +367,26 @@ def _save(
         raise CheckpointError(setup_error)
     assert token is not None
     tmp = temporary_dir(final, token)
+    try:
+        return _write(final, tmp, token, parts, comm, step, epoch, extra)
+    except BaseException:
+        # Every rank (one that died cannot): a failed save must not hold the space a retry
+        # needs. Nothing here was published, so no complete checkpoint is touched.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
+
+def _write(
+    final: Path,
+    tmp: Path,
+    token: str,
+    parts: CheckpointParts,
+    comm: Comm,
+    step: int,
+    epoch: int,
+    extra: Any,
+) -> Path:
+    """Write the checkpoint into ``tmp`` and publish it as ``final`` (the body of ``_save``)."""
     # 2. What this rank holds; every rank learns every rank's problems before any DCP call.
     modules = unwrap_modules(parts.model)
     errors: list[str] = []
@@ -403,45 +429,38 @@ def _save(
 
     # 3. Tensors through DCP (deduplicated, validated: no overlap, no hole), then own files.
     writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, overwrite=False)
-    with quiet_single_process(comm):
-        metadata = dcp_save(
-            {key: b.local for key, b in blocks.items()},
-            storage_writer=writer,
-            planner=BlockSavePlanner(blocks),
-            process_group=comm.group,
-            no_dist=not comm.distributed,
-        )
-    write_bytes(tmp / rank_file(comm.rank), payload)
-    if comm.is_coordinator:
-        write_json(tmp / METADATA_JSON, metadata_to_json(metadata))
-        all_values: dict[str, Any] = {}
-        all_settings: dict[str, Any] = {}
-        for g in gathered:
-            all_values.update(g["values"])
-            all_settings.update(g["settings"])
-        write_json(
-            tmp / STATE_JSON,
-            {
-                "format": FORMAT,
-                "version": FORMAT_VERSION,
-                "step": int(step),
-                "epoch": int(epoch),
-                "layout": _layout(comm),
-                "model_keys": sorted({n for g in gathered for n in g["names"]}),
-                "stored_forms": {n: f for g in gathered for n, f in sorted(g["forms"].items())},
-                "original_names": {
-                    n: o for g in gathered for n, o in sorted(g["originals"].items())
-                },
-                "has_optimizer": any(g["optimizer"] for g in gathered),
-                "param_groups": all_settings,
-                "optimizer_values": all_values,
-                "torch_version": torch.__version__,
-            },
-        )
+    try:
+        with quiet_single_process(comm):
+            metadata = dcp_save(
+                {key: b.local for key, b in blocks.items()},
+                storage_writer=writer,
+                planner=BlockSavePlanner(blocks),
+                process_group=comm.group,
+                no_dist=not comm.distributed,
+            )
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        # DCP gathers every rank's write failures and raises on every rank alike.
+        failure = write_failure(exc)
+        if failure is None:
+            raise
+        message = write_failure_message(final, failure, tmp, failed_ranks(exc))
+        raise CheckpointError(message) from exc
+    writing = tmp / rank_file(comm.rank)
+    write_error: list[str] = []
+    try:
+        write_bytes(writing, payload)
+        if comm.is_coordinator:
+            writing = tmp / METADATA_JSON
+            write_json(writing, metadata_to_json(metadata))
+            writing = tmp / STATE_JSON
+            _write_state(writing, comm, gathered, step, epoch)
+    except OSError as exc:  # e.g. the disk filled up: said on every rank, below
+        write_error.append(write_failure_message(final, exc, writing))
 
     # 4. Checksums (files shared among the ranks), manifest, atomic publication by rank 0.
     # Rank 0 lists the directory only after every rank says its own file is written: a slower
     # rank's file would otherwise be missing from the manifest, so nothing would ever verify it.
+    comm.agree(write_error, f"checkpoint {final} was not saved", CheckpointError)
     written = comm.all_gather(rank_file(comm.rank))
     listing = comm.broadcast(sorted(p.name for p in tmp.iterdir()) if comm.is_coordinator else [])
     _raise_all(
@@ -449,6 +468,47 @@ def _save(
          if name not in listing],
         f"cannot save checkpoint {final}",
     )  # fmt: skip
+    return _publish(final, tmp, token, comm, listing, step, epoch)
+
+
+def _write_state(
+    path: Path, comm: Comm, gathered: list[dict[str, Any]], step: int, epoch: int
+) -> None:
+    """Rank 0 writes ``state.json``: what every rank described, merged."""
+    all_values: dict[str, Any] = {}
+    all_settings: dict[str, Any] = {}
+    for g in gathered:
+        all_values.update(g["values"])
+        all_settings.update(g["settings"])
+    write_json(
+        path,
+        {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "step": int(step),
+            "epoch": int(epoch),
+            "layout": _layout(comm),
+            "model_keys": sorted({n for g in gathered for n in g["names"]}),
+            "stored_forms": {n: f for g in gathered for n, f in sorted(g["forms"].items())},
+            "original_names": {n: o for g in gathered for n, o in sorted(g["originals"].items())},
+            "has_optimizer": any(g["optimizer"] for g in gathered),
+            "param_groups": all_settings,
+            "optimizer_values": all_values,
+            "torch_version": torch.__version__,
+        },
+    )
+
+
+def _publish(
+    final: Path,
+    tmp: Path,
+    token: str,
+    comm: Comm,
+    listing: list[str],
+    step: int,
+    epoch: int,
+) -> Path:
+    """Checksums (each rank a share of the files), the manifest, rank 0's rename."""
     digests = {
         name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
         for i, name in enumerate(listing)
@@ -460,20 +520,22 @@ def _save(
         files: dict[str, Any] = {}
         for d in everyone:
             files.update(d)
+        manifest = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "step": int(step),
+            "epoch": int(epoch),
+            "files": files,
+        }
         try:
-            write_json(
-                tmp / MANIFEST,
-                {
-                    "format": FORMAT,
-                    "version": FORMAT_VERSION,
-                    "step": int(step),
-                    "epoch": int(epoch),
-                    "files": files,
-                },
-            )
-            publish(tmp, final, token)
-        except (OSError, CheckpointError) as exc:
-            publish_error = f"cannot publish checkpoint {final}: {exc}"
+            write_json(tmp / MANIFEST, manifest)
+        except OSError as exc:
+            publish_error = write_failure_message(final, exc, tmp / MANIFEST)
+        if publish_error is None:
+            try:
+                publish(tmp, final, token)
+            except (OSError, CheckpointError) as exc:
+                publish_error = f"cannot publish checkpoint {final}: {exc}"
     publish_error = comm.broadcast(publish_error)
     if publish_error is not None:
         raise CheckpointError(publish_error)

@@ -17,6 +17,7 @@ import torch
 
 from ..checkpoint.api import load_checkpoint, save_checkpoint
 from ..checkpoint.discovery import latest_checkpoint, prune_checkpoints, step_dir
+from ..checkpoint.storage import prepare_checkpoint_dir
 from .base import BaseHook
 
 if TYPE_CHECKING:
@@ -46,6 +47,10 @@ def _loader(trainer: Trainer) -> Any:
 
 class SaveCheckpointHook(BaseHook):
     """Save ``directory/step_<global step>`` every ``interval`` steps (or epochs).
+
+    When attached (the start of ``fit``) every rank checks that it can write in ``directory``
+    and rank 0 removes what earlier crashed saves left there (``prepare_checkpoint_dir``): a
+    read-only or uncreatable folder is refused then, not at the first save hours later.
 
     Args:
         directory: Where the run's checkpoints live (shared by every rank).
@@ -81,6 +86,13 @@ class SaveCheckpointHook(BaseHook):
         self.lr_scheduler = lr_scheduler
         self.saved: list[Path] = []
         self._last_step: int | None = None
+        self._prepared = False
+
+    def after_hook_is_attached(self, trainer: Trainer) -> None:
+        """Refuse an unwritable folder and sweep leftovers, once (every rank: collective)."""
+        if not self._prepared:
+            prepare_checkpoint_dir(self.directory, trainer.engine.context)
+            self._prepared = True
 
     def save(self, trainer: Trainer, epoch_done: bool) -> Path:
         """Save now (every rank calls it)."""
