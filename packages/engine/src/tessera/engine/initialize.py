@@ -24,7 +24,11 @@ offload=False)``           and optimizer state sharded, 3: also parameters; offl
                            ``DeferredSumGradientHandler`` takes over the layers' own sums
                            (2.5D's depth sum) once per step, except under explicit
                            handlers or ZeRO-2/3
-``ddp=dict(...)``          extra keywords of DistributedDataParallel
+``ddp=dict(...)``          extra keywords of DistributedDataParallel; its
+                           ``broadcast_buffers`` (default True) also rules the
+                           ``DataParallelGradientHandler`` of pipelines and model chunks:
+                           the first replica's buffers (BatchNorm statistics) are copied to
+                           the others at every optimizer step
 ``schedule=dict(type=..)`` a schedule from the SCHEDULES registry; default: see below
 ``num_microbatches``,      with pipeline size > 1: ``PipelineSchedule`` (1F1B), or
 ``num_chunks``,            ``InterleavedPipelineSchedule`` when num_chunks > 1, from
@@ -270,7 +274,12 @@ def _gradient_sync(
         if _is_sequence_parallel(ctx) and group_if_parallel(ctx, ParallelMode.SEQUENCE_DP):
             handlers.append(SequenceParallelGradientHandler(forward_model, optimizer, ctx))
         elif data_size > 1 and (pipeline_size > 1 or not isinstance(forward_model, nn.Module)):
-            handlers.append(DataParallelGradientHandler(forward_model, optimizer, ctx))
+            # DDP's option, also where DDP does not fit: replicas agree on BatchNorm statistics
+            handlers.append(
+                DataParallelGradientHandler(
+                    forward_model, optimizer, ctx, broadcast_buffers=_broadcast_buffers(settings)
+                )
+            )
         elif data_size > 1 and isinstance(forward_model, nn.Module):
             ddp_kwargs = dict(settings.ddp)
             if ctx.device.type == "cuda":
@@ -287,6 +296,14 @@ def _gradient_sync(
         # at construction, nothing per step
         handlers.append(PipelineSharedModuleGradientHandler(forward_model, optimizer, ctx))
     return handlers, forward_model
+
+
+def _broadcast_buffers(settings: EngineSettings) -> bool:
+    """``ddp=dict(broadcast_buffers=...)``, DDP's own default (True) when absent."""
+    value = settings.ddp.get("broadcast_buffers", True)
+    if not isinstance(value, bool):
+        raise ConfigError(f"ddp.broadcast_buffers must be True or False, got {value!r}")
+    return value
 
 
 def _check_deferred_sums(
