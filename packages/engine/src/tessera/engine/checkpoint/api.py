@@ -303,6 +303,28 @@ def _agree_corrupt(comm: Comm, corrupt: list[str], what: str) -> None:
     _raise_all([], what, [e for found in comm.all_gather(corrupt) for e in found])
 
 
+def _check_step_boundary(engine: Engine | None) -> None:
+    """Refuse a save between optimizer steps: the accumulated gradients are not saved.
+
+    The same on every rank (every rank counts the same micro-steps), so it is agreed like any
+    other description error. Carrying the gradients instead would hold each data rank's own
+    unreduced sums, valid only under the same layout; a checkpoint is meant to reshard.
+    """
+    if engine is None:
+        return
+    every = engine.gradient_accumulation
+    done = engine.micro_step % every
+    if done:
+        raise CheckpointError(
+            f"cannot save in the middle of gradient accumulation: micro-step {engine.micro_step}"
+            f" is {done} of the {every} micro-steps of an optimizer step ({engine.micro_step} % "
+            f"{every} = {done}), and the gradients accumulated since the last optimizer step "
+            "are not part of a checkpoint, so a resume would silently lose them. Save after "
+            "the engine.step() that completes an optimizer step (engine.micro_step % "
+            "engine.gradient_accumulation == 0); SaveCheckpointHook waits for it by itself"
+        )
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     engine_or_parts: Engine | CheckpointParts,
@@ -317,7 +339,9 @@ def save_checkpoint(
 
     Every rank of the job must call it (collective). The directory appears at ``path`` only
     once complete (written under a hidden temporary name, then renamed); an existing
-    checkpoint at ``path`` is replaced only then.
+    checkpoint at ``path`` is replaced only then. With an Engine, only at an optimizer-step
+    boundary: between the micro-steps of gradient accumulation it raises (the accumulated
+    gradients are not saved, so a resume would differ).
 
     Args:
         path: The checkpoint directory to create (its parent is created if needed; on a
@@ -334,7 +358,8 @@ def save_checkpoint(
         The published directory.
 
     Raises:
-        CheckpointError: on every rank, when any rank cannot describe its state, when the
+        CheckpointError: on every rank, when any rank cannot describe its state (also: the
+            engine is between the micro-steps of an optimizer step), when the
             free space is less than the last checkpoint's size (before anything is written),
             or when a write fails (a full disk: the path, the errno where known and the
             bytes needed are named). A failed save removes its temporary folder.
@@ -398,6 +423,7 @@ def _write(
     settings: dict[str, Any] = {}
     payload = b""
     try:
+        _check_step_boundary(parts.engine)
         for name, tensor in _model_tensors(parts, modules):
             blocks[MODEL_PREFIX + name] = block_of(name, tensor)
             names.append(name)

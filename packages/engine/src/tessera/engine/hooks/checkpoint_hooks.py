@@ -48,6 +48,11 @@ def _loader(trainer: Trainer) -> Any:
 class SaveCheckpointHook(BaseHook):
     """Save ``directory/step_<global step>`` every ``interval`` steps (or epochs).
 
+    Checkpoints are taken only at optimizer-step boundaries: under gradient accumulation a save
+    that falls due between micro-steps (``interval`` counts the Trainer's steps, one batch
+    each) is taken at the step that completes the optimizer step, since the gradients
+    accumulated so far are not saved and a resume from there would silently lose them.
+
     When attached (the start of ``fit``) every rank checks that it can write in ``directory``
     and rank 0 removes what earlier crashed saves left there (``prepare_checkpoint_dir``): a
     read-only or uncreatable folder is refused then, not at the first save hours later.
@@ -87,6 +92,7 @@ class SaveCheckpointHook(BaseHook):
         self.saved: list[Path] = []
         self._last_step: int | None = None
         self._prepared = False
+        self._due = False  # a save fell due between micro-steps: taken at the next boundary
 
     def after_hook_is_attached(self, trainer: Trainer) -> None:
         """Refuse an unwritable folder and sweep leftovers, once (every rank: collective)."""
@@ -114,19 +120,41 @@ class SaveCheckpointHook(BaseHook):
     def after_train_iter(
         self, trainer: Trainer, output: Any, label: Any, loss: torch.Tensor | None
     ) -> None:
-        """Save every ``interval`` steps."""
+        """Save every ``interval`` steps, at the optimizer step that completes it."""
         if not self.by_epoch and trainer.global_step % self.interval == 0:
+            self._due = True
+        if self._due and _at_step_boundary(trainer):
+            self._due = False
             self.save(trainer, epoch_done=False)
 
     def after_train_epoch(self, trainer: Trainer) -> None:
-        """Save every ``interval`` epochs."""
+        """Save every ``interval`` epochs (at the next optimizer step if one is unfinished)."""
         if self.by_epoch and (trainer.epoch + 1) % self.interval == 0:
-            self.save(trainer, epoch_done=True)
+            if _at_step_boundary(trainer):
+                self._due = False
+                self.save(trainer, epoch_done=True)
+            else:
+                self._due = True
 
     def after_train(self, trainer: Trainer) -> None:
         """Save the final state (``save_final``) unless this step was just saved."""
-        if self.save_final and self._last_step != trainer.global_step:
+        if not (self._due or self.save_final) or self._last_step == trainer.global_step:
+            return
+        if _at_step_boundary(trainer):
             self.save(trainer, epoch_done=True)
+            return
+        engine = trainer.engine
+        trainer.logger.warning(
+            f"training ended at micro-step {engine.micro_step}, inside an optimizer step of "
+            f"{engine.gradient_accumulation} micro-steps: no checkpoint of this point (its "
+            f"accumulated gradients were never applied); the last one is step {self._last_step}"
+        )
+
+
+def _at_step_boundary(trainer: Trainer) -> bool:
+    """Whether the engine has no accumulated gradients pending (the last step() stepped)."""
+    engine = trainer.engine
+    return engine.micro_step % engine.gradient_accumulation == 0
 
 
 def _is_rank_zero(trainer: Trainer) -> bool:
