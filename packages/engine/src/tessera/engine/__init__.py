@@ -42,6 +42,7 @@ from .gradient_handlers import (
     mark_pipeline_shared,
 )
 from .hooks import (
+    PREEMPTED_EXIT_CODE,
     AccuracyHook,
     BaseHook,
     LoadCheckpointHook,
@@ -51,6 +52,7 @@ from .hooks import (
     LogTimingByEpochHook,
     LossHook,
     LRSchedulerHook,
+    PreemptionHook,
     SaveCheckpointHook,
     TensorboardHook,
     ThroughputHook,
@@ -149,6 +151,8 @@ __all__ = [
     "TensorboardHook",
     "SaveCheckpointHook",
     "LoadCheckpointHook",
+    "PreemptionHook",
+    "PREEMPTED_EXIT_CODE",
     "AverageMetric",
     "ThroughputMetric",
     "MultiTimer",

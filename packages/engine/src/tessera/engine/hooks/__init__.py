@@ -11,6 +11,7 @@ from .log_hooks import (
 )
 from .lr_scheduler import LRSchedulerHook
 from .metric_hooks import AccuracyHook, LossHook, ThroughputHook, top1_correct
+from .preemption import PREEMPTED_EXIT_CODE, PreemptionHook
 from .tensorboard import TensorboardHook
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "TensorboardHook",
     "SaveCheckpointHook",
     "LoadCheckpointHook",
+    "PreemptionHook",
+    "PREEMPTED_EXIT_CODE",
     "memory_usage",
     "top1_correct",
 ]

@@ -94,6 +94,11 @@ class SaveCheckpointHook(BaseHook):
         self._prepared = False
         self._due = False  # a save fell due between micro-steps: taken at the next boundary
 
+    @property
+    def last_step(self) -> int | None:
+        """The Trainer step of this hook's last save (``None``: none yet)."""
+        return self._last_step
+
     def after_hook_is_attached(self, trainer: Trainer) -> None:
         """Refuse an unwritable folder and sweep leftovers, once (every rank: collective)."""
         if not self._prepared:
