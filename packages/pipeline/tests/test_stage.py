@@ -170,3 +170,25 @@ def test_build_from_cfg_interleaved_and_errors():
         build_pipeline_model_from_cfg(
             dict(layers_cfg=[dict(type=nn.Linear, in_features=2)]), context=FakeContext(0, 1)
         )
+
+
+def test_chunks_answer_module_calls_and_verbose_prints_the_partition(capsys):
+    from tessera.pipeline import PipelineChunks
+
+    model = mlp([4, 8, 8, 8, 2])  # 8 layers, params 40, 0, 72, 0, 72, 0, 18, 0
+    chunks = build_pipeline_model(
+        model, num_chunks=2, method="uniform", context=FakeContext(1, 2), verbose=True
+    )
+    assert isinstance(chunks, PipelineChunks) and isinstance(chunks, list)
+    assert [c.layer_indices for c in chunks] == [(2, 3), (6, 7)]  # indexable as before
+    names = [n for n, _ in chunks.named_parameters()]
+    assert names == ["2.weight", "2.bias", "6.weight", "6.bias"]  # the full model's names
+    assert len(list(torch.optim.Adam(chunks.parameters()).param_groups[0]["params"])) == 4
+    assert list(chunks.state_dict()) == names
+    assert not any(c.training for c in chunks.eval())
+    out = capsys.readouterr().out
+    assert "into 2 stages x 2 chunks, by uniform" in out
+    assert "virtual stage 1: rank 1, chunk 0, layers 2..3 (2..3), 72 parameters" in out
+    assert "virtual stage 3: rank 1, chunk 1, layers 6..7 (6..7), 18 parameters" in out
+    build_pipeline_model(model, method="uniform", context=FakeContext(0, 2))
+    assert capsys.readouterr().out == ""  # quiet unless asked

@@ -33,7 +33,8 @@ offload=False)``           and optimizer state sharded, 3: also parameters; offl
 ``num_microbatches``,      with pipeline size > 1: ``PipelineSchedule`` (1F1B), or
 ``num_chunks``,            ``InterleavedPipelineSchedule`` when num_chunks > 1, from
 ``tensor_shape``           tessera.pipeline (Colossal-AI's ``NUM_MICRO_BATCHES``,
-                           ``NUM_CHUNKS``, ``TENSOR_SHAPE`` are accepted as aliases)
+                           ``NUM_CHUNKS``, ``TENSOR_SHAPE`` are accepted as aliases);
+                           without num_chunks, the chunks build_pipeline_model made
 ``nonfinite="raise"``      a step whose loss or gradients hold inf/NaN: ``"raise"``
                            (default; ``NonFiniteError`` on every rank), ``"skip"`` (every
                            rank skips it; the default under fp16) or ``"warn"`` (skip, warn)
@@ -144,7 +145,35 @@ def sync_replicated_parameters(
     broadcast_coalesced(tensors, src, group)
 
 
-def _pipeline_plan(settings: EngineSettings, ctx: ParallelContext) -> Schedule:
+def _model_chunks(modules: Sequence[nn.Module]) -> int:
+    """How many chunks this rank was given: ``build_pipeline_model``'s ``num_chunks``."""
+    return max(len(modules), *(int(getattr(m, "num_chunks", 1)) for m in modules))
+
+
+def _chunks(settings: EngineSettings, cfg: Mapping[str, Any], modules: Sequence[nn.Module]) -> int:
+    """``num_chunks`` from the config, else from the model; both given, they must agree.
+
+    The interleaved schedule needs the count in the config, the model builder needs it in its
+    call; Colossal-AI's readers give it to the call only, and the first step then failed far
+    from the cause. The chunks the builder made say it.
+
+    Raises:
+        ConfigError: the config's ``num_chunks`` / ``NUM_CHUNKS`` differs from the model's.
+    """
+    built = _model_chunks(modules)
+    key = next((k for k in ("num_chunks", "NUM_CHUNKS") if k in cfg), None)
+    if key is None:
+        return built
+    if settings.chunks != built:
+        raise ConfigError(
+            f"config key {key}={settings.chunks} but the model holds {built} chunk(s) on this "
+            f"rank (build_pipeline_model(..., num_chunks={built})): give both the same number, "
+            f"or leave {key} out of the config and it is taken from the model"
+        )
+    return settings.chunks
+
+
+def _pipeline_plan(settings: EngineSettings, ctx: ParallelContext, chunks: int) -> Schedule:
     """1F1B, or interleaved 1F1B with ``num_chunks > 1``, from the pipeline keys."""
     if settings.micro_batches is None:
         raise ConfigError(
@@ -152,9 +181,9 @@ def _pipeline_plan(settings: EngineSettings, ctx: ParallelContext) -> Schedule:
             "(NUM_MICRO_BATCHES): set num_microbatches (and num_chunks for the interleaved "
             "schedule)"
         )
-    if settings.chunks > 1:
+    if chunks > 1:
         return InterleavedPipelineSchedule(
-            settings.micro_batches, settings.chunks, tensor_shape=settings.tensor_shape
+            settings.micro_batches, chunks, tensor_shape=settings.tensor_shape
         )
     return PipelineSchedule(settings.micro_batches, tensor_shape=settings.tensor_shape)
 
@@ -338,14 +367,17 @@ def _check_deferred_sums(
 
 
 def _schedule(
-    settings: EngineSettings, ctx: ParallelContext | None, masters: MasterWeights | None
+    settings: EngineSettings,
+    ctx: ParallelContext | None,
+    masters: MasterWeights | None,
+    chunks: int,
 ) -> StepSchedule:
     """Step 4: the configured schedule, else the pipeline's (1F1B, interleaved), else none."""
     planned: Any = None
     if settings.schedule is not None:
         planned = _configured_schedule(settings.schedule, ctx)
     elif ctx is not None and ctx.pipeline_size > 1:
-        planned = _pipeline_plan(settings, ctx)
+        planned = _pipeline_plan(settings, ctx, chunks)
     schedule = as_step_schedule(planned, ctx)
     # tensor_shape's receive buffers take the model's format under master weights (a runner's,
     # or an older-interface schedule's own tensor_dtype)
@@ -437,7 +469,9 @@ def _initialize(
     if settings.zero_stage == 1:
         assert ctx is not None
         optimizer = zero_redundancy_optimizer(optimizer, ctx)
-    schedule = _schedule(settings, ctx, masters)
+    pipelined = ctx is not None and ctx.pipeline_size > 1 and settings.schedule is None
+    chunks = _chunks(settings, cfg, modules) if pipelined else settings.chunks
+    schedule = _schedule(settings, ctx, masters, chunks)
 
     scaler = DynamicLossScaler(**settings.loss_scaler) if settings.loss_scaler is not None else None
     accumulation = settings.gradient_accumulation

@@ -16,6 +16,7 @@ from tessera.pipeline.backward_split import (
     backward_weight,
     full_backward,
 )
+from tessera.pipeline.chunks import PipelineChunks
 from tessera.pipeline.dataflow import make_deadlock_free
 from tessera.pipeline.errors import DeadlockError, ScheduleError
 from tessera.pipeline.executor import LossFn, PipelineExecutor, StepLinks, StepOptions
@@ -63,6 +64,7 @@ from tessera.pipeline.stage import (
     PipelineStage,
     build_pipeline_model,
     build_pipeline_model_from_cfg,
+    describe_partition,
     partition_layers,
     select_stage_layers,
 )
@@ -83,6 +85,8 @@ __all__ = [
     "select_stage_layers",
     "build_pipeline_model",
     "build_pipeline_model_from_cfg",
+    "describe_partition",
+    "PipelineChunks",
     # action model
     "Action",
     "ActionKind",

@@ -349,8 +349,8 @@ class PipelineExecutor:
             got = [(list(t.shape), t.dtype) for t in flat]
             raise ValueError(
                 f"pipeline rank {self.rank}: virtual stage {vs} outputs {got}, but tensor_shape "
-                f"says one tensor of {fixed.describe()}; fix tensor_shape / TENSOR_SHAPE or "
-                "leave it unset so the shapes are exchanged"
+                f"says one tensor of {fixed.describe()}; {_short_batch_hint(flat, fixed)}fix "
+                "tensor_shape / TENSOR_SHAPE or leave it unset so the shapes are exchanged"
             )
 
     def _hold(self, m: int, c: int, held: _Held) -> None:
@@ -554,3 +554,24 @@ class PipelineExecutor:
                 "with another schedule object)"
             )
         return agreed, False
+
+
+def _short_batch_hint(flat: list[torch.Tensor], fixed: PayloadMeta) -> str:
+    """Why a tensor_shape that fit earlier batches fails now: a smaller microbatch.
+
+    tensor_shape fixes the microbatch size (its first dimension); a dataset whose size is not
+    a multiple of the batch size ends with a short batch, whose microbatches are smaller. The
+    plain mismatch message did not say so, and the first full epoch had worked.
+    """
+    want = fixed.tensors[0].shape
+    if len(flat) != 1 or flat[0].ndim != len(want) or not want:
+        return ""
+    got = tuple(flat[0].shape)
+    if got[1:] != want[1:] or got[0] >= want[0]:
+        return ""
+    return (
+        f"this batch's microbatches hold {got[0]} samples where tensor_shape's first dimension "
+        f"says {want[0]}: a short batch (the last one of a dataset whose size is not a "
+        "multiple of the batch size); give the dataloader drop_last=True (get_dataloader(..., "
+        "drop_last=True)), or "
+    )

@@ -19,9 +19,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tessera.context import ParallelMode, get_context
+from tessera.pipeline.chunks import PipelineChunks
 from tessera.pipeline.partition import (
     check_boundaries,
     partition_balanced,
@@ -38,6 +40,7 @@ __all__ = [
     "select_stage_layers",
     "build_pipeline_model",
     "build_pipeline_model_from_cfg",
+    "describe_partition",
 ]
 
 PartitionMethod = Literal["parameters", "uniform"] | Sequence[int]
@@ -207,24 +210,66 @@ def build_pipeline_model(
     num_chunks: int = 1,
     method: PartitionMethod = "parameters",
     context: PipelineRankSource | None = None,
-) -> PipelineStage | list[PipelineStage]:
+    verbose: bool = False,
+) -> PipelineStage | PipelineChunks:
     """This pipeline rank's part of ``layers``.
 
     Args:
         layers: the whole model as a sequence of layers.
         num_chunks: model chunks per rank (more than 1 for interleaved 1F1B; chunk c of rank r is
-            virtual stage ``c * pipeline_size + r``).
+            virtual stage ``c * pipeline_size + r``). Give the same number to the config
+            (``num_chunks`` / ``NUM_CHUNKS``), or leave it out there: ``initialize`` reads it
+            from the chunks.
         method: ``"parameters"``, ``"uniform"`` or explicit boundaries (see
             :func:`partition_layers`).
         context: where the pipeline rank and size come from; the current context when None.
+        verbose: print the whole partition (each virtual stage's rank, chunk, layer range and
+            parameter count), once per job (global rank 0, or this process without
+            ``torch.distributed``): a ``tensor_shape`` must match the activation at each cut.
 
     Returns:
-        One :class:`PipelineStage` when ``num_chunks == 1``, else a list of ``num_chunks`` of
-        them, chunk 0 first.
+        One :class:`PipelineStage` when ``num_chunks == 1``, else a
+        :class:`~tessera.pipeline.PipelineChunks` (a list of ``num_chunks`` stages, chunk 0
+        first, that also answers ``parameters()``, ``state_dict()``, ``train()``...).
     """
     rank, size = _pipeline_position(context)
     stages = select_stage_layers(layers, rank, size, num_chunks, method)
-    return stages[0] if num_chunks == 1 else stages
+    if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(describe_partition(layers, size, num_chunks, method))
+    return stages[0] if num_chunks == 1 else PipelineChunks(stages)
+
+
+def describe_partition(
+    layers: nn.Sequential | nn.ModuleList | Sequence[nn.Module],
+    pipeline_size: int,
+    num_chunks: int = 1,
+    method: PartitionMethod = "parameters",
+) -> str:
+    """The partition of ``layers`` as text: one line per virtual stage, in pipeline order.
+
+    Each line names the virtual stage, the pipeline rank and chunk holding it, its layers (the
+    full model's indices and names) and its parameter count, so a user can see where the cuts
+    fall (tessera balances parameters, Colossal-AI balanced layer counts) and work out the
+    activation shape each cut sends.
+    """
+    named = _named_layers(layers)
+    counts = [_parameter_count(layer) for _, layer in named]
+    weights = [float(c) for c in counts] if method == "parameters" else [0.0] * len(named)
+    boundaries = partition_layers(weights, pipeline_size, num_chunks, method)
+    how = method if isinstance(method, str) else "explicit boundaries"
+    lines = [
+        f"pipeline partition of {len(named)} layers ({sum(counts):,} parameters) into "
+        f"{pipeline_size} stages x {num_chunks} chunks, by {how}:"
+    ]
+    for v in range(pipeline_size * num_chunks):
+        first, end = boundaries[v], boundaries[v + 1]
+        span = f"{first}..{end - 1}" if end - first > 1 else f"{first}"
+        names = f"{named[first][0]}..{named[end - 1][0]}" if end - first > 1 else named[first][0]
+        lines.append(
+            f"  virtual stage {v}: rank {v % pipeline_size}, chunk {v // pipeline_size}, "
+            f"layers {span} ({names}), {sum(counts[first:end]):,} parameters"
+        )
+    return "\n".join(lines)
 
 
 def build_pipeline_model_from_cfg(
@@ -232,7 +277,7 @@ def build_pipeline_model_from_cfg(
     num_chunks: int = 1,
     method: PartitionMethod = "parameters",
     context: PipelineRankSource | None = None,
-) -> PipelineStage | list[PipelineStage]:
+) -> PipelineStage | PipelineChunks:
     """Like :func:`build_pipeline_model`, building only this rank's layers from a config.
 
     ``model_cfg["layers_cfg"]`` is a list of layer configs, each built with
@@ -285,7 +330,7 @@ def build_pipeline_model_from_cfg(
                 num_chunks=num_chunks,
             )
         )
-    return stages[0] if num_chunks == 1 else stages
+    return stages[0] if num_chunks == 1 else PipelineChunks(stages)
 
 
 def _build_layer(entry: Any, index: int) -> nn.Module:
