@@ -58,6 +58,28 @@ def _loss_and_accuracy(ctx: ParallelContext) -> float:
         (par.reshape(ref.shape) * w).sum().backward()
         assert ref_in.grad is not None and par_in.grad is not None
         torch.testing.assert_close(par_in.grad, chunk(ref_in.grad, -1, ctx), **TOL)
+    # Whole logits (a plain model's, alike on every rank) are never read as a slice: an error
+    # without the vocabulary's size, the plain cross-entropy with it, value and gradient.
+    with pytest.raises(ValueError, match=r"logits \[.., 16\] are the same on all"):
+        vocab_parallel_cross_entropy(logits, target, group)
+    whole = logits.clone().requires_grad_()
+    got = vocab_parallel_cross_entropy(whole, target, group, vocab_size=16)
+    want_in = logits.clone().requires_grad_()
+    want = F.cross_entropy(want_in.view(-1, 16), target.view(-1))
+    torch.testing.assert_close(got, want, **TOL)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(whole.grad, want_in.grad, **TOL)
+    with pytest.raises(ValueError, match=r"neither the whole vocabulary of 12 nor a slice"):
+        vocab_parallel_cross_entropy(chunk(logits, -1, ctx), target, group, vocab_size=12)
+    # bf16 logits: max, exponentials and their sum in fp32, as torch's under autocast
+    low = (logits * 8).bfloat16()
+    par_low = chunk(low, -1, ctx).clone().requires_grad_()
+    loss_low = vocab_parallel_cross_entropy(par_low, target, group)
+    ref_low = F.cross_entropy(low.float().view(-1, 16), target.view(-1))
+    torch.testing.assert_close(loss_low, ref_low, rtol=1e-6, atol=1e-6)
+    loss_low.backward()
+    assert par_low.grad is not None and par_low.grad.dtype == torch.bfloat16
     # the dispatching loss/metric pick the vocab-parallel versions
     loss = CrossEntropyLoss(vocab_parallel=True, context=ctx)
     torch.testing.assert_close(

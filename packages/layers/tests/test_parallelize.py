@@ -166,8 +166,8 @@ def _per_sample_positions(ctx: ParallelContext) -> list[float]:
 #: under 'sequence' the ViT's class token is gathered from its rank's chunk, and on 4 ranks
 #: its 10 tokens (9 patches and the class token) are padded to 12, masked as keys.
 CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
-    "gpt2": lambda ctx: _lm_matches_reference(gpt2_lm(), ctx),
-    "llama": lambda ctx: _lm_matches_reference(llama_lm(), ctx),
+    "gpt2": lambda ctx: _lm_matches_reference(gpt2_lm(), ctx, generate=True),
+    "llama": lambda ctx: _lm_matches_reference(llama_lm(), ctx, generate=True),
     "qwen2 (inferred plan)": lambda ctx: _lm_matches_reference(qwen2_lm(), ctx),
     "fewer key/value heads than tensor ranks (repeated)": lambda ctx: _repeated_heads(ctx),
     "mixtures of experts (family plans, experts split under 1D)": lambda ctx: _experts(ctx),
@@ -309,6 +309,7 @@ def _lm_matches_reference(
     then_attention: str | None = None,
     defer: bool = False,
     keep_gathered: bool = False,
+    generate: bool = False,
 ) -> float:
     """A transformers language model, parallelized, against itself on one process.
 
@@ -317,6 +318,7 @@ def _lm_matches_reference(
     ``defer``: the layers leave their gradient sums to the caller, which sums after the
     backward as the engine does at the step. ``keep_gathered``: under 3D every ``Linear3D``
     (also one a converted module runs outside its parameters) keeps its gathered operands.
+    ``generate``: also greedy generation and the loss of whole logits (a causal LM).
     """
     mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
     impl = "all_to_all" if mode == "sequence" and size == 4 else "ring"
@@ -382,6 +384,9 @@ def _lm_matches_reference(
     for name, p in ref.named_parameters(remove_duplicate=False):
         assert p.grad is not None
         torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    if generate:
+        _whole_logits_loss(logits, ids, ref_loss, ctx)
+        _generates_as_one_process(ref, model, ids, ctx)
     # The original state dict loads back as it is (Conv1D orientation, fused q/k/v).
     with torch.no_grad():
         for p in model.parameters():
@@ -389,6 +394,37 @@ def _lm_matches_reference(
     load_full_state_dict(model, original)
     _assert_same_state(gather_full_state_dict(model, context=ctx), original)
     return round(float(loss.detach()), 5)
+
+
+def _whole_logits_loss(
+    logits: torch.Tensor, ids: torch.Tensor, ref_loss: torch.Tensor, ctx: ParallelContext
+) -> None:
+    """Whole logits under 1D: the plain loss given the vocabulary's size, else an error."""
+    if ctx.config.tensor_mode != "1d":
+        return
+    whole = gather_logits(logits, context=ctx)  # [b, s, V], alike on every rank
+    vocab = whole.shape[-1]
+    got = causal_lm_loss(whole, ids, vocab_size=vocab, context=ctx)
+    torch.testing.assert_close(got, ref_loss.detach(), **TOL)
+    with pytest.raises(ValueError, match=r"are the same on all \d ranks of the group"):
+        causal_lm_loss(whole, ids, context=ctx)
+
+
+def _generates_as_one_process(
+    ref: nn.Module, model: nn.Module, ids: torch.Tensor, ctx: ParallelContext
+) -> None:
+    """Greedy ``generate()``, with and without the cache, gives one process's tokens; refused
+    by name where a cached step's one new token would be split over the sequence ranks."""
+    prompt, kwargs = ids[:, :4], dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    splits_sequence = ctx.config.tensor_args.get("sequence_parallel", False)
+    if ctx.config.tensor_mode == "sequence" or splits_sequence:
+        with pytest.raises(ValueError, match="cannot be split over the ranks that split the seq"):
+            model.generate(prompt, **kwargs)
+        return
+    for cache in (True, False):
+        want = ref.generate(prompt, use_cache=cache, **kwargs)  # [b, 8]
+        got = model.generate(prompt, use_cache=cache, **kwargs)
+        assert torch.equal(got, want), f"use_cache={cache}: {got.tolist()} != {want.tolist()}"
 
 
 def _assert_planner_counts(ref: nn.Module, model: nn.Module, ctx: ParallelContext) -> None:

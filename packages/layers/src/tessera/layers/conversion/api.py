@@ -24,6 +24,7 @@ from ..shared.errors import ModeNotImplementedError
 from .boundary import install_boundary
 from .converters import Converter
 from .dropout import install_dropout_streams
+from .generation import install_generation
 from .meta import check_meta_buffers, materialize_whole_modules
 from .plan import Plan, inner_norms, match_plan, plan_for, resolve_span, span_members
 from .position_table import TABLE_MODES
@@ -219,6 +220,8 @@ def parallelize(
         install_sequence_attention(model, attention, ctx, sequence_attention)
         install_dropout_streams(model, ctx, mode, roles)
         install_boundary(model, chosen, ctx, mode, sequence_parallel=False)
+        if chosen.causal_lm:
+            install_generation(model, ctx, mode, sequence_parallel=False)
         setattr(model, PARALLELIZED_ATTR, mode)
         setattr(model, CONTEXT_ATTR, ctx)
         return model
@@ -262,6 +265,8 @@ def parallelize(
         )
     install_dropout_streams(model, ctx, mode, roles, sequence_parallel, chosen.sequence_span)
     install_boundary(model, chosen, ctx, mode, sequence_parallel, attention)
+    if chosen.causal_lm:
+        install_generation(model, ctx, mode, sequence_parallel)
     setattr(model, PARALLELIZED_ATTR, mode)
     setattr(model, CONTEXT_ATTR, ctx)
     if sequence_parallel:

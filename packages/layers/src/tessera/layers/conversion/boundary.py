@@ -413,6 +413,7 @@ def causal_lm_loss(
     *,
     ignore_index: int = -100,
     reduction: Literal["mean"] = "mean",
+    vocab_size: int | None = None,
     context: ParallelContext | None = None,
 ) -> torch.Tensor: ...
 
@@ -424,6 +425,7 @@ def causal_lm_loss(
     *,
     ignore_index: int = -100,
     reduction: Literal["sum_and_count"],
+    vocab_size: int | None = None,
     context: ParallelContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -434,6 +436,7 @@ def causal_lm_loss(
     *,
     ignore_index: int = -100,
     reduction: Reduction = "mean",
+    vocab_size: int | None = None,
     context: ParallelContext | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy of a parallelized language model, from its split logits.
@@ -447,15 +450,23 @@ def causal_lm_loss(
         input_ids: The whole batch of token ids ``[b, s]``, as given to the model.
         ignore_index: Targets that count for nothing.
         reduction: ``"mean"``, or ``"sum_and_count"`` (see :func:`token_loss`).
+        vocab_size: The whole vocabulary's size (see :func:`token_loss`).
         context: The ParallelContext (default the current one).
     """
     pad = torch.full_like(input_ids[:, :1], ignore_index)
     targets = torch.cat([input_ids[:, 1:], pad], 1)  # [b, s]: position i predicts token i+1
     if reduction == "sum_and_count":
         return token_loss(
-            logits, targets, ignore_index=ignore_index, reduction=reduction, context=context
+            logits,
+            targets,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            vocab_size=vocab_size,
+            context=context,
         )
-    return token_loss(logits, targets, ignore_index=ignore_index, context=context)
+    return token_loss(
+        logits, targets, ignore_index=ignore_index, vocab_size=vocab_size, context=context
+    )
 
 
 @overload
@@ -465,6 +476,7 @@ def token_loss(
     *,
     ignore_index: int = -100,
     reduction: Literal["mean"] = "mean",
+    vocab_size: int | None = None,
     context: ParallelContext | None = None,
 ) -> torch.Tensor: ...
 
@@ -476,6 +488,7 @@ def token_loss(
     *,
     ignore_index: int = -100,
     reduction: Literal["sum_and_count"],
+    vocab_size: int | None = None,
     context: ParallelContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -486,6 +499,7 @@ def token_loss(
     *,
     ignore_index: int = -100,
     reduction: Reduction = "mean",
+    vocab_size: int | None = None,
     context: ParallelContext | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy over every non-ignored target of the whole batch, from split logits.
@@ -509,6 +523,11 @@ def token_loss(
             token of the global step alike however data ranks, microbatches and accumulation
             steps cut it (``tessera.engine``'s ``token_weighting.py``). Not under
             ``'sequence'``, whose mean already spans its ranks' tokens.
+        vocab_size: The whole vocabulary's size. Under 1D it tells whole logits ``[b, s, V]``
+            (a model whose head was not converted, or :func:`gather_logits`'s), which then get
+            the plain cross-entropy, from a slice; without it, logits that lost the head's
+            mark (scaled or capped after the head) are checked on the loss's own all-reduce
+            and whole ones are an error (see ``vocab_parallel_cross_entropy``).
         context: The ParallelContext (default the current one).
 
     Raises:
@@ -529,8 +548,9 @@ def token_loss(
                 "'sequence' (its mean already spans every token of the sequence ranks)"
             )
         count = (targets != ignore_index).sum()  # the whole batch's: alike on every tensor rank
-        return _cross_entropy(logits, targets, ignore_index, "sum", ctx, mode), count
-    return _cross_entropy(logits, targets, ignore_index, "mean", ctx, mode)
+        total = _cross_entropy(logits, targets, ignore_index, "sum", ctx, mode, vocab_size)
+        return total, count
+    return _cross_entropy(logits, targets, ignore_index, "mean", ctx, mode, vocab_size)
 
 
 def _cross_entropy(
@@ -540,6 +560,7 @@ def _cross_entropy(
     reduction: str,
     ctx: ParallelContext | None,
     mode: str | None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """The whole batch's ``"mean"`` or ``"sum"`` cross-entropy, from this rank's logits."""
     local = targets
@@ -567,6 +588,7 @@ def _cross_entropy(
             ctx.get_group(ParallelMode.PARALLEL_1D),
             ignore_index=ignore_index,
             reduction=reduction,
+            vocab_size=vocab_size,
         )
     if mode == "sequence":
         return _sequence_token_loss(logits, local, ignore_index, ctx)

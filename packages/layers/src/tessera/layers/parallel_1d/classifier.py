@@ -18,6 +18,7 @@ from tessera.context import ParallelContext
 from ..comm.collectives import check_divisible
 from ..comm.ops import copy_to_group, gather_along_dim, reduce_from_group, split_along_dim
 from ..shared.base import Module1D
+from ..shared.cross_entropy import mark_vocab_split
 from ..shared.dense import DenseHead, check_shared_weight
 from ..shared.initializers import Initializer
 from ..shared.input_checks import check_input_dim
@@ -159,5 +160,5 @@ class VocabParallelClassifier1D(DenseHead, Module1D):
             x = copy_to_group(x, group)  # f
         logits = F.linear(x, self.weight, self.bias)  # [.., C/p]
         if self.gather_output:
-            logits = gather_along_dim(logits, -1, group)  # [.., C]
-        return logits
+            return gather_along_dim(logits, -1, group)  # [.., C]
+        return mark_vocab_split(logits, self.num_classes)
