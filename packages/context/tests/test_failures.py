@@ -155,6 +155,33 @@ def test_guard_names_a_rank_whose_heartbeat_stopped() -> None:
     assert [(r.rank, r.where) for r in _board(2, 3, store).reports()] == [(0, "step")]
 
 
+@pytest.mark.parametrize("raising", [False, True], ids=["finished", "raised_outside_guards"])
+def test_a_rank_that_left_is_not_reported_as_crashed(raising: bool) -> None:
+    # a pipeline stage whose loader ran out first destroys its context; its peer waits on it
+    store = tdist.HashStore()
+    left = FailureMonitor(_board(1, 2, store), 0.05)  # its heartbeat runs, so it can leave
+    with left.guard("engine.execute_schedule"):
+        while _board(0, 2, store).last_where(1) is None:
+            time.sleep(0.01)
+    if raising:
+        try:
+            raise OSError("bad sector")  # outside any guard: never posted
+        except OSError:
+            left.close()
+    else:
+        left.close()
+    monitor = FailureMonitor(_board(0, 2, store), 0.05)
+    monitor.stop()  # drive rank 0's beats by hand
+    with pytest.raises(RankFailedError) as info, monitor.guard("pipeline rank 0 of 2"):
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:5555")
+    message = str(info.value)
+    assert info.value.rank == 1 and "probably exited" not in message, message
+    assert "rank 1 left the job: it " in message  # outside its guards: no place named
+    assert "still waited for it in 'pipeline rank 0 of 2'" in message
+    ended = "while raising OSError: bad sector outside any guard" if raising else "normally"
+    assert ended in message
+
+
 def test_guard_without_news_raises_an_unattributed_error() -> None:
     monitor = FailureMonitor(_board(0, 2), None)
     start = time.monotonic()

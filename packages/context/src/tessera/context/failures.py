@@ -39,6 +39,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import sys
 import threading
 import time
 import weakref
@@ -146,6 +147,11 @@ def is_communication_error(exc: BaseException) -> bool:
         return False
     text = str(exc).lower()
     return any(marker in text for marker in _COMMUNICATION_MARKERS)
+
+
+def _described(exc: BaseException) -> str:
+    """``ValueError: bad batch``, kept short."""
+    return f"{type(exc).__name__}: {_summary(exc)}"
 
 
 def _summary(exc: BaseException) -> str:
@@ -315,9 +321,23 @@ class FailureBoard:
         """Whether any rank has been declared dead (one store round trip)."""
         return self.store.add(self._key("silent"), 0) > 0
 
-    def leave(self) -> None:
-        """Say that this rank's heartbeat stops on purpose (its context was destroyed)."""
-        self.store.set(self._key("left", self.rank), "1")
+    def leave(self, raising: str = "") -> None:
+        """Say that this rank's heartbeat stops on purpose (its context was destroyed).
+
+        Args:
+            raising: The error propagating while the context was destroyed (``finally``
+                after an error outside any guard, which was never posted), ``""`` for a
+                normal finish: a peer left waiting then names it rightly.
+        """
+        self.store.set(self._key("left", self.rank), raising or "1")
+
+    def left_raising(self, rank: int) -> str | None:
+        """The error ``rank`` left the job with (``""``: none, a normal finish; None: not left)."""
+        key = self._key("left", rank)
+        if not self.store.check([key]):
+            return None
+        text = bytes(self.store.get(key)).decode()
+        return "" if text == "1" else text
 
     def has_left(self, rank: int) -> bool:
         """Whether ``rank`` stopped its heartbeat on purpose."""
@@ -514,12 +534,13 @@ class FailureMonitor:
         """The innermost guard this rank is in (``'-'`` outside every guard)."""
         return self._where[-1] if self._where else "-"
 
-    def stop(self) -> None:
+    def stop(self, raising: str = "") -> None:
         """Stop the heartbeat (before the store and groups go away), saying so on the board.
 
         The ``left`` mark keeps this rank's watcher from declaring it dead when ranks finish
         at different times; the diagnosis of a failed collective still counts a rank that
-        left mid-job as a candidate, since its peers were still waiting for it.
+        left mid-job as a candidate, since its peers were still waiting for it, and says
+        whether it finished normally or was raising ``raising`` (see ``FailureBoard.leave``).
         """
         thread, self._thread = self._thread, None
         _RUNNING.discard(self)
@@ -528,16 +549,19 @@ class FailureMonitor:
             thread.join(timeout=5.0)
             if self.board is not None:
                 with contextlib.suppress(Exception):
-                    self.board.leave()
+                    self.board.leave(raising)
 
     def close(self) -> None:
         """Stop for good (``ParallelContext.destroy``): later errors are teardown, not failures.
 
         What a guard sees after its context was destroyed (a collective on a destroyed group)
-        is this rank's own orderly exit, so it is re-raised and not posted.
+        is this rank's own orderly exit, so it is re-raised and not posted. Called from a
+        ``finally`` while an error propagates, the ``left`` mark carries that error.
         """
         self._closed = True
-        self.stop()
+        error = sys.exc_info()[1]
+        raising = "" if error is None or is_control_flow(error) else _described(error)
+        self.stop(raising)
 
     @contextmanager
     def guard(self, where: str) -> Iterator[None]:
@@ -637,6 +661,29 @@ class FailureMonitor:
             for r in (board.stopped_ranks(before, board.beats()) if interval is not None else [])
             if r not in victims
         ]
+        how = {r: board.left_raising(r) for r in stopped}
+        left = [r for r in stopped if how[r] is not None]
+        if left:  # a rank that ended its part on purpose is no crash: say what it did
+            first = left[0]
+            last = board.last_where(first)
+            place = f" (last seen in {last!r})" if last not in (None, "-") else ""
+            ended = (
+                f"it destroyed its context while raising {how[first]} outside any guard"
+                if how[first]
+                else "it finished normally (destroyed its context, or its process ended) "
+                "and posted no error"
+            )
+            return RankFailedError(
+                f"rank {first} left the job{place}: {ended}, while rank {board.rank} still "
+                f"waited for it in {where!r}; the ranks ran different numbers of steps or "
+                f"collectives (uneven data? compare the loaders' lengths); ranks that left "
+                f"{left}: {_summary(exc)}{_also(_victims(reports, board.rank))}",
+                rank=first,
+                where=last,
+                reports=reports,
+                observer=board.rank,
+                observed_where=where,
+            )
         if stopped:
             first = stopped[0]
             last = board.last_where(first)

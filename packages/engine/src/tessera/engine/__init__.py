@@ -31,6 +31,7 @@ from .clipping import (
     reduce_contributions,
 )
 from .data import ResumableDataLoader, ResumableDistributedSampler, get_dataloader
+from .data_agreement import AgreedBatches, agree_on_data, agree_on_length
 from .dist_logger import DistributedLogger, disable_existing_loggers, get_dist_logger
 from .engine import Engine
 from .gradient_handlers import (
@@ -123,6 +124,9 @@ __all__ = [
     "broadcast_coalesced",
     # data
     "get_dataloader",
+    "agree_on_data",
+    "agree_on_length",
+    "AgreedBatches",
     "ResumableDataLoader",
     "ResumableDistributedSampler",
     # checkpoints

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from tessera.context import ParallelMode
 
 from .context_lookup import group_if_parallel
+from .data_agreement import agree_on_data, agree_on_length
 from .dist_logger import DistributedLogger, get_dist_logger
 from .engine import Engine
 from .hooks.base import BaseHook
@@ -171,8 +172,11 @@ class Trainer:
     ) -> None:
         """Train for ``epochs`` epochs (or until ``max_steps`` steps in all).
 
-        Every rank must call it with loaders of the same length. With a pipeline schedule one
-        step takes one batch from the loader and splits it into micro-batches.
+        Every rank must call it with loaders of the same length: the lengths are compared
+        first (a ``ValueError`` on every rank names the ranks and their lengths), and where a
+        loader has no ``len()`` (an ``IterableDataset``) every step's data read agrees on who
+        has a batch (``tessera.engine.data_agreement``). With a pipeline schedule one step
+        takes one batch from the loader and splits it into micro-batches.
 
         Args:
             train_dataloader: Yields ``(inputs, labels)`` batches.
@@ -198,6 +202,8 @@ class Trainer:
         except TypeError:
             length = None
         self.steps_per_epoch = length
+        if not agree_on_length(length, self.engine.context, "train"):
+            length = None  # some rank's has no len(): every rank agrees per step instead
         stop = False
         first = self.start_epoch
         for epoch in range(first, epochs):
@@ -239,6 +245,8 @@ class Trainer:
         # draws from the loader's generator, which the uninterrupted run did not do here.
         done = length is not None and start_step >= length
         data_iter: Iterator[Any] = iter(()) if done else iter(loader)
+        if length is None:
+            data_iter = agree_on_data(data_iter, engine.context)
         stopped = False
         self.timer.start("train-epoch")
         step_in_epoch = start_step
@@ -305,8 +313,12 @@ class Trainer:
             length: int | None = len(test_dataloader)  # type: ignore[arg-type]
         except TypeError:
             length = None
+        if not agree_on_length(length, engine.context, "test"):
+            length = None
         bar = self._progress(length, f"test {self.epoch}", display_progress)
         data_iter: Iterator[Any] = iter(test_dataloader)
+        if length is None:
+            data_iter = agree_on_data(data_iter, engine.context)
         done = 0
         while length is None or done < length:
             self._call(ordered, "before_test_iter")
