@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,7 @@ from hf_models import (
     xglm_lm,
 )
 from mesh_reference import sum_deferred
+from plain_models import plain_lm
 from torch import nn
 
 from tessera.context import (
@@ -219,6 +221,9 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     ),
     "position tables (xglm's sinusoidal, opt's shifted; plans read from the blocks)": lambda ctx: (
         _position_tables(ctx)
+    ),
+    "plain transformer (plan read from its blocks, learned positions, SDPA)": lambda ctx: (
+        _plain_lm_matches_reference(ctx)
     ),
     "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
     "vit": lambda ctx: _lm_matches_reference(vit_classifier(), ctx),
@@ -393,6 +398,32 @@ def _lm_matches_reference(
             p.zero_()
     load_full_state_dict(model, original)
     _assert_same_state(gather_full_state_dict(model, context=ctx), original)
+    return round(float(loss.detach()), 5)
+
+
+def _plain_lm_matches_reference(ctx: ParallelContext) -> float:
+    """A transformer as a researcher writes it, no plan given: the plan read from its blocks
+    (token and position tables told apart), loss, logits and every gradient as one process.
+    Under 'sequence' its SDPA call is taken over and its position table moved to the chunk."""
+    mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
+    impl = "all_to_all" if mode == "sequence" and size == 4 else "ring"
+    ref = plain_lm()
+    model = parallelize(copy.deepcopy(ref), sequence_attention=impl, context=ctx)
+    _assert_same_state(gather_full_state_dict(model, context=ctx), ref.state_dict())
+    ids = token_ids()
+    ref_logits = ref(ids)  # [b, s, V]
+    vocab = ref_logits.shape[-1]
+    ref_loss = F.cross_entropy(ref_logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+    logits = model(ids)
+    loss = causal_lm_loss(logits, ids, context=ctx)
+    ref_loss.backward()
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    torch.testing.assert_close(gather_logits(logits, context=ctx), ref_logits.detach(), **TOL)
+    grads = _full_grads(model, ctx, mean_loss=True)
+    for name, p in ref.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
     return round(float(loss.detach()), 5)
 
 
@@ -1148,10 +1179,24 @@ def _errors() -> list[str]:
                 gpt2_lm(n_embd=18, n_head=3), sequence_attention="all_to_all", context=seq
             ),
         )
+        # Attention of a model that is not transformers' is taken over through its SDPA call:
+        # one that computes its scores itself is an error at its forward.
+        manual = parallelize(copy.deepcopy(block), {"1": "attention"}, context=seq)
         expect(
-            TypeError,
-            "no transformers config",
-            lambda: parallelize(copy.deepcopy(block), {"1": "attention"}, context=seq),
+            ValueError,
+            "Linear under tensor mode 'sequence' made no call to F.scaled_dot_product_attention",
+            lambda: manual(torch.zeros(4, 8, 16)),
+        )
+        # A model counting positions itself with no position table to move is refused.
+        no_table = plain_lm()
+        del no_table.pos_emb
+        no_table.forward = types.MethodType(
+            lambda self, ids: self.head(self.tok_emb(ids)), no_table
+        )
+        expect(
+            ValueError,
+            "PlainLM.forward takes no position_ids and no module has role 'position_embedding'",
+            lambda: parallelize(no_table, context=seq),
         )
         from transformers import GPT2Config, GPT2DoubleHeadsModel
 
@@ -1239,7 +1284,7 @@ def _own_attention_block() -> nn.Sequential:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 31
+    assert len(results[0]) == 32
 
 
 def _offset_norms() -> int:

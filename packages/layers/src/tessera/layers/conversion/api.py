@@ -29,6 +29,7 @@ from .meta import check_meta_buffers, materialize_whole_modules
 from .plan import Plan, inner_norms, match_plan, plan_for, resolve_span, span_members
 from .position_table import TABLE_MODES
 from .sequence import check_attention_covered, install_sequence_attention
+from .sequence_positions import forward_takes_positions, install_chunk_positions
 
 __all__ = [
     "CONTEXT_ATTR",
@@ -218,6 +219,9 @@ def parallelize(
     if mode == "sequence":  # token-wise modules stay; attention goes around the ring
         materialize_whole_modules(model, ctx.device)
         install_sequence_attention(model, attention, ctx, sequence_attention)
+        if chosen.boundary == "tokens" and not forward_takes_positions(model):
+            tables = [name for name, role in roles.items() if role == "position_embedding"]
+            install_chunk_positions(model, tables, ctx)
         install_dropout_streams(model, ctx, mode, roles)
         install_boundary(model, chosen, ctx, mode, sequence_parallel=False)
         if chosen.causal_lm:

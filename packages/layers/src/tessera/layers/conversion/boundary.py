@@ -44,6 +44,7 @@ from ..shared.cross_entropy import vocab_parallel_cross_entropy
 from ..shared.errors import ModeNotImplementedError
 from .plan import Plan
 from .sequence import KEY_PADDING_ATTRIBUTE, KeyPadding
+from .sequence_positions import forward_takes_positions
 
 __all__ = ["causal_lm_loss", "gather_logits", "install_boundary", "token_loss"]
 
@@ -100,11 +101,13 @@ def _sequence_inputs(
     context: ParallelContext,
     owner: str,
     padding: KeyPadding | None,
+    takes_positions: bool = True,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Tensor mode 'sequence': this rank's chunk of every token, with global positions.
 
     A padding mask goes to the attention layers through ``padding`` (conversion/sequence.py), not
-    through transformers.
+    through transformers. A model whose forward takes no ``position_ids`` gets none; its
+    position tables move their ids to this rank's chunk instead (sequence_positions.py).
     """
     ids = args[0] if args else kwargs.get("input_ids")
     if not isinstance(ids, torch.Tensor):
@@ -125,7 +128,7 @@ def _sequence_inputs(
         padding.set(split_sequence_activation(mask, context))
     elif padding is not None:
         padding.set(None)
-    if kwargs.get("position_ids") is None:  # positions of the whole sequence, then split
+    if takes_positions and kwargs.get("position_ids") is None:  # the whole sequence's, split
         kwargs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
     for key in (*BATCH_KWARGS, "position_ids"):
         if isinstance(kwargs.get(key), torch.Tensor):
@@ -164,6 +167,7 @@ def install_boundary(
     ]
 
     splits_tokens = sequence_parallel or mode == "sequence"
+    takes_positions = forward_takes_positions(model)
 
     def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if splits_tokens and _wants_router_logits(module, kwargs):
@@ -200,7 +204,9 @@ def install_boundary(
             return _image_inputs(args, kwargs, context, mode, type(module).__name__)
         if mode == "sequence":
             padding = getattr(module, KEY_PADDING_ATTRIBUTE, None)
-            return _sequence_inputs(args, kwargs, context, type(module).__name__, padding)
+            return _sequence_inputs(
+                args, kwargs, context, type(module).__name__, padding, takes_positions
+            )
         if not splits_batch:
             return None
         if kwargs.get("inputs_embeds") is not None:

@@ -58,16 +58,20 @@ from .repeated_heads import HeadRepeats, RepeatedHeads
 
 __all__ = ["Converter", "LinearShape", "linear_shape"]
 
+#: Attributes of an attention module that count its query heads: transformers' names, and
+#: the ones people write their own attention with (nanoGPT's ``n_head``, ``nn.Transformer``'s
+#: ``nhead``).
+QUERY_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "nhead", "heads")
 #: Attributes of an attention module that count heads or their total width.
 HEAD_ATTRIBUTES = (
-    "num_heads",
-    "num_attention_heads",
+    *QUERY_COUNTS,
     "num_key_value_heads",
     "num_kv_heads",
     "kv_heads",
     "split_size",
     "embed_dim",
     "all_head_size",
+    "attn_dim",
 )
 
 
@@ -136,8 +140,7 @@ def _is_count(value: object) -> bool:
 def _heads_of(module: nn.Module, found: dict[str, int], config: object) -> Heads:
     """The whole head counts of an attention module (its own attributes, else its config)."""
     query = _first_count(
-        found.get("num_heads"),
-        found.get("num_attention_heads"),
+        *(found.get(name) for name in QUERY_COUNTS),
         getattr(config, "num_attention_heads", None),
     )
     key_value = _first_count(

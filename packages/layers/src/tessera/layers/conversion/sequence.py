@@ -41,6 +41,8 @@ from ..sequence.attention import (
 )
 from ..sequence.replicated import mark_sequence_replicated
 from ..shared.context_access import GroupInfo
+from .converters import QUERY_COUNTS, _first_count
+from .sdpa_takeover import take_over_sdpa
 
 __all__ = [
     "ATTENTION_NAME",
@@ -285,11 +287,14 @@ def install_sequence_attention(
 ) -> None:
     """Mark every parameter, and route the named attention modules through the ring.
 
+    A transformers model's attention goes through its ``AttentionInterface``; any other
+    model's attention modules get their ``F.scaled_dot_product_attention`` call taken over
+    (:func:`~.sdpa_takeover.take_over_sdpa`).
+
     Raises:
         ValueError: ``impl`` is unknown, or all-to-all cannot split a module's heads.
-        TypeError: the model is not a transformers model (no config to point at tessera's
-            attention) but the plan names attention modules, or its class does not route
-            attention through transformers' ``AttentionInterface``.
+        TypeError: a transformers model's class does not route attention through
+            transformers' ``AttentionInterface``.
     """
     if impl not in IMPLS:
         raise ValueError(f"parallelize: sequence_attention must be one of {IMPLS}, got {impl!r}")
@@ -297,13 +302,11 @@ def install_sequence_attention(
     names = list(attention)
     if names:
         config = getattr(model, "config", None)
-        if config is None or not hasattr(config, "_attn_implementation"):
-            raise TypeError(
-                f"parallelize under tensor mode 'sequence' swaps the attention of transformers "
-                f"models; {type(model).__name__} has no transformers config. Use "
-                "tessera.layers.RingSelfAttention in your own model"
-            )
-        if getattr(type(model), "_supports_attention_backend", True) is False:
+        transformers_model = config is not None and hasattr(config, "_attn_implementation")
+        if (
+            transformers_model
+            and getattr(type(model), "_supports_attention_backend", True) is False
+        ):
             # its attention is written out in its own forward, which would attend within the
             # local chunk only: silently wrong, so refused
             raise TypeError(
@@ -312,22 +315,31 @@ def install_sequence_attention(
                 "(_supports_attention_backend is False); use tensor mode '1d' with "
                 "sequence_parallel=True for long sequences of this model"
             )
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(ATTENTION_NAME, sequence_attention)
         padding = KeyPadding(sequence)
         setattr(model, KEY_PADDING_ATTRIBUTE, padding)
         spec = SequenceAttention(impl, sequence, context, padding)
         for name in names:
             module = model.get_submodule(name)
-            heads = getattr(module, "num_heads", getattr(config, "num_attention_heads", None))
+            heads = _first_count(
+                *(getattr(module, a, None) for a in QUERY_COUNTS),
+                getattr(config, "num_attention_heads", None),
+            )
             n = sequence.world_size
-            if impl == "all_to_all" and isinstance(heads, int) and heads % n != 0:
+            if impl == "all_to_all" and heads is not None and heads % n != 0:
                 raise ValueError(
                     f"parallelize: {name} has {heads} heads, which all-to-all attention cannot "
                     f"split over the {n} sequence ranks ({heads} % {n} = {heads % n}); use "
                     "sequence_attention='ring'"
                 )
-            setattr(module, SEQUENCE_ATTRIBUTE, spec)
-        config._attn_implementation = ATTENTION_NAME
+            if transformers_model:
+                setattr(module, SEQUENCE_ATTRIBUTE, spec)
+            else:
+                take_over_sdpa(module, spec)
+        if transformers_model:
+            from transformers import AttentionInterface
+
+            assert config is not None
+
+            AttentionInterface.register(ATTENTION_NAME, sequence_attention)
+            config._attn_implementation = ATTENTION_NAME
     mark_sequence_replicated(model, context)

@@ -119,7 +119,18 @@ def _block_list(model: nn.Module) -> str | None:
     return None if best is None else best[1]
 
 
+#: Name parts of a learned position table, told apart from the token embedding by them.
+_POSITION_NAMES = ("pos", "wpe", "position")
+
+
 def _token_embedding(model: nn.Module) -> tuple[str, nn.Embedding] | None:
+    """The token embedding: the one ``nn.Embedding`` of the vocabulary size.
+
+    Without a config saying the vocabulary's size (a model someone wrote themselves, with a
+    learned position table beside its token table), the token table is the one a head maps
+    back onto (a linear layer from its width to its row count), else the one whose name does
+    not say position (``pos_emb``, ``wpe``, ``position_embeddings``).
+    """
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     found = [
@@ -129,6 +140,15 @@ def _token_embedding(model: nn.Module) -> tuple[str, nn.Embedding] | None:
         and embedding_scale(module) is not None  # plain, or rows times a constant (Gemma's)
         and (vocab is None or module.num_embeddings == vocab)
     ]
+    if len(found) > 1 and vocab is None:
+        heads = {
+            sizes
+            for name, module in model.named_modules()
+            if (sizes := _linear_or_none(name, module)) is not None
+        }
+        onto = [(n, m) for n, m in found if (m.embedding_dim, m.num_embeddings) in heads]
+        named = [(n, m) for n, m in found if not any(p in n.lower() for p in _POSITION_NAMES)]
+        found = onto if len(onto) == 1 else named
     return found[0] if len(found) == 1 else None
 
 

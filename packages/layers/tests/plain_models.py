@@ -1,0 +1,63 @@
+"""A transformer as a researcher writes it, with no transformers class and no plan.
+
+A token and a learned position ``nn.Embedding``, blocks of q/k/v/o ``nn.Linear`` around
+``F.scaled_dot_product_attention`` and a two-layer MLP, a final norm and a head onto the
+vocabulary: what ``parallelize`` must read a plan from by itself. Sized like hf_models.py's
+GPT-2 (hidden 16, 4 heads, vocabulary 32) so every layout divides it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, hidden: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (
+            p(x).view(b, s, self.n_head, -1).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, s, d]
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, n_head: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.attn = SelfAttention(hidden, n_head)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class PlainLM(nn.Module):
+    def __init__(self, vocab: int = 32, hidden: int = 16, n_head: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb = nn.Embedding(vocab, hidden), nn.Embedding(16, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, n_head) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)  # [s]
+        x = self.tok_emb(ids) + self.pos_emb(positions)  # [b, s, h]
+        for block in self.blocks:
+            x = block(x)
+        logits: torch.Tensor = self.head(self.ln_f(x))  # [b, s, V]
+        return logits
+
+
+def plain_lm(seed: int = 0) -> PlainLM:
+    """:class:`PlainLM` with weights drawn from ``seed`` (the same on every rank)."""
+    torch.manual_seed(seed)
+    return PlainLM()
