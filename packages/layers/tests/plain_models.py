@@ -61,3 +61,20 @@ def plain_lm(seed: int = 0) -> PlainLM:
     """:class:`PlainLM` with weights drawn from ``seed`` (the same on every rank)."""
     torch.manual_seed(seed)
     return PlainLM()
+
+
+#: The plan a user would write for :class:`PlainLM` (what ``parallelize`` reads without it).
+PLAIN_PLAN = {
+    "tok_emb": "embedding",
+    "pos_emb": "position_embedding",
+    "blocks.*.attn": "attention",
+    "blocks.*.attn.q": "col",
+    "blocks.*.attn.k": "col",
+    "blocks.*.attn.v": "col",
+    "blocks.*.attn.o": "row",
+    "blocks.*.fc1": "col",
+    "blocks.*.fc2": "row",
+    "blocks.*.ln*": "norm",
+    "ln_f": "norm",
+    "head": "head",
+}

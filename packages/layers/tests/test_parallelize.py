@@ -56,7 +56,7 @@ from hf_models import (
     xglm_lm,
 )
 from mesh_reference import sum_deferred
-from plain_models import plain_lm
+from plain_models import PLAIN_PLAN, plain_lm
 from torch import nn
 
 from tessera.context import (
@@ -401,14 +401,19 @@ def _lm_matches_reference(
     return round(float(loss.detach()), 5)
 
 
-def _plain_lm_matches_reference(ctx: ParallelContext) -> float:
-    """A transformer as a researcher writes it, no plan given: the plan read from its blocks
-    (token and position tables told apart), loss, logits and every gradient as one process.
-    Under 'sequence' its SDPA call is taken over and its position table moved to the chunk."""
+def _plain_lm_matches_reference(ctx: ParallelContext) -> list[float]:
+    """A transformer as a researcher writes it, no plan given (the plan read from its blocks,
+    token and position tables told apart) and its dict plan (token ids kept whole): loss,
+    logits and every gradient as one process. Under 'sequence' its SDPA call is taken over
+    and its position table moved to the chunk."""
+    return [_plain_lm_loss(ctx, plan) for plan in (None, PLAIN_PLAN)]
+
+
+def _plain_lm_loss(ctx: ParallelContext, plan: dict[str, str] | None) -> float:
     mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
     impl = "all_to_all" if mode == "sequence" and size == 4 else "ring"
     ref = plain_lm()
-    model = parallelize(copy.deepcopy(ref), sequence_attention=impl, context=ctx)
+    model = parallelize(copy.deepcopy(ref), plan, sequence_attention=impl, context=ctx)
     _assert_same_state(gather_full_state_dict(model, context=ctx), ref.state_dict())
     ids = token_ids()
     ref_logits = ref(ids)  # [b, s, V]

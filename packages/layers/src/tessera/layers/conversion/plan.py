@@ -504,7 +504,7 @@ def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
     if isinstance(plan, Plan):
         return plan
     if plan is not None:
-        return Plan(dict(plan))
+        return _user_plan(model, dict(plan))
     for cls in type(model).__mro__:
         if cls.__name__ in BUILTIN_PLANS:
             shipped = BUILTIN_PLANS[cls.__name__]
@@ -531,6 +531,28 @@ def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
         f"their families: {', '.join(FAMILIES)}; nor as the usual transformer block stack: "
         f"{read.reason}); pass plan={{'module.name.pattern': 'col', ...}} with roles "
         f"{', '.join(ROLES)}"
+    )
+
+
+def _user_plan(model: nn.Module, rules: dict[str, str]) -> Plan:
+    """A dict plan: ``"features"``, or ``"tokens"`` where it names a token embedding.
+
+    A model with an ``embedding`` takes token ids, which no mode may split like an activation
+    (under 2D they would be cut along the sequence as if it were the hidden size): the
+    boundary keeps this rank's rows or tokens of them, and the embedding makes the mode's
+    layout itself, as for a transformers model. Its logits then stay split (by vocabulary
+    under 1D, by rows on the mesh and cube, by tokens under ``'sequence'``) for
+    :func:`~tessera.layers.causal_lm_loss`, and 1D sequence parallelism spans its blocks as
+    read from its structure (:func:`~.structure.infer_structure`), where they can be read.
+    """
+    if "embedding" not in rules.values():
+        return Plan(rules)
+    read = infer_structure(model)
+    return Plan(
+        rules,
+        boundary="tokens",
+        sequence_span=read.sequence_span,
+        causal_lm="head" in rules.values(),
     )
 
 
