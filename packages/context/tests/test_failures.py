@@ -295,6 +295,43 @@ def test_a_watch_restarted_after_a_store_stall_declares_no_one() -> None:
     assert _board(0, 3, store).reports() == [] and watch.target == 1
 
 
+def test_a_beating_rank_without_progress_is_declared_only_when_others_are_past_it() -> None:
+    from tessera.context.failures import _Watch
+
+    store = tdist.HashStore()
+    stuck, ahead = _board(1, 3, store), _board(2, 3, store)
+    stuck.add_progress(3)  # entered its step, then blocked in a read: 3 marks and no more
+    ahead.add_progress(3)
+    watch = _Watch(_board(0, 3, store), 0.01, 1, progress_limit=0.2)
+    for beats in range(30):  # rank 1 beats throughout (its heartbeat thread runs)
+        stuck.beat("engine.execute_schedule")
+        watch.step()
+        if beats == 10:
+            ahead.add_progress(2)  # rank 2 read its batch and went on to wait for rank 1
+        time.sleep(0.02)
+    (report,) = _board(2, 3, store).reports()
+    assert (report.rank, report.kind, report.where) == (1, "silent", "engine.execute_schedule")
+    assert report.describe().startswith(
+        "rank 1 made no progress (last seen in 'engine.execute_schedule'): no progress mark for"
+    )
+    assert "ranks [2] are past it" in report.message and watch.target is None
+
+
+def test_ranks_waiting_together_are_not_stalled() -> None:
+    # a slow step: every rank at the same count for longer than the bound, none behind
+    from tessera.context.failures import _Watch
+
+    store = tdist.HashStore()
+    for rank in range(3):
+        _board(rank, 3, store).add_progress(5)
+    watch = _Watch(_board(0, 3, store), 0.01, 1, progress_limit=0.1)
+    for _ in range(20):
+        _board(1, 3, store).beat()
+        watch.step()
+        time.sleep(0.02)
+    assert _board(0, 3, store).reports() == [] and watch.target == 1
+
+
 def test_heartbeat_thread_beats_and_stops() -> None:
     store = tdist.HashStore()
     monitor = FailureMonitor(_board(0, 2, store), 0.01)
@@ -563,4 +600,51 @@ def test_a_stopped_rank_is_left_within_the_heartbeat_window(dist: Any) -> None:
         assert "rank 1 stopped responding" in got["message"]
         # Named by the heartbeats (3 beats), far inside the collective timeout.
         assert got["seconds"] < STOPPED_BOUND, got
+    assert results[1]["outcome"] != "finished"
+
+
+PROGRESS_TIMEOUT = 1.0  # the bound of the hung-read test (s); the default is 120 s
+
+
+def _hang_in_a_read() -> dict[str, Any]:
+    """Rank 1's training thread blocks in a "read" that releases the GIL (its heartbeat beats)."""
+    ctx = launch(
+        {"parallel": {}},
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        host="127.0.0.1",
+        port=int(os.environ["MASTER_PORT"]),
+        timeout=STOPPED_TIMEOUT,
+        heartbeat_interval=BEAT,
+        progress_timeout=PROGRESS_TIMEOUT,
+    )
+    start = time.monotonic()
+    try:
+        with ctx.guard("engine.execute_schedule"):
+            if ctx.global_rank == 1:
+                deadline = time.monotonic() + STOPPED_TIMEOUT
+                while not ctx.failures.aborted and time.monotonic() < deadline:
+                    time.sleep(0.05)  # a read hung on a dead NFS server, until the job aborts
+            else:
+                ctx.mark_progress()  # its batch was read; it waits for rank 1 in the all-reduce
+            tdist.all_reduce(torch.ones(2), group=ctx.get_group(ParallelMode.GLOBAL))
+        return {"outcome": "finished", "seconds": time.monotonic() - start}
+    except RankFailedError as err:
+        return {"outcome": "RankFailedError", "rank": err.rank, "message": str(err),
+                "seconds": time.monotonic() - start}  # fmt: skip
+    except RuntimeError as err:
+        return {"outcome": type(err).__name__, "message": str(err)}
+    finally:
+        ctx.destroy()
+
+
+def test_a_rank_blocked_in_a_read_is_named_after_the_progress_timeout(dist: Any) -> None:
+    results = dist.run(_hang_in_a_read, world_size=2, init_process_group=False, timeout=60)
+    got = results[0]
+    assert got["outcome"] == "RankFailedError", got
+    assert got["rank"] == 1, got
+    assert "rank 1 made no progress (last seen in 'engine.execute_schedule')" in got["message"]
+    # the bound, up to two intervals to see it, one to abort, slack for two busy cores; the
+    # collective timeout (and rank 1's "read") would have ended it at 12 s
+    assert got["seconds"] < PROGRESS_TIMEOUT + 6.0 < STOPPED_TIMEOUT, got
     assert results[1]["outcome"] != "finished"

@@ -18,6 +18,7 @@ from tessera.context.context import (
 from tessera.context.current import get_context, has_context, no_context, set_context
 from tessera.context.failures import (
     DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_PROGRESS_TIMEOUT,
     FailureBoard,
     FailureMonitor,
     FailureReport,
@@ -124,6 +125,7 @@ __all__ = [
     "FailureReport",
     "FailureBoard",
     "DEFAULT_HEARTBEAT_INTERVAL",
+    "DEFAULT_PROGRESS_TIMEOUT",
     "is_communication_error",
     "is_control_flow",
     # seeds

@@ -26,6 +26,7 @@ from .abort import GroupAborter, store_port, tcp_inodes
 from .config import ParallelConfig
 from .failures import (
     DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_PROGRESS_TIMEOUT,
     FailureBoard,
     FailureMonitor,
     default_store,
@@ -350,6 +351,20 @@ class ParallelContext:
         """Seconds between heartbeats (None: heartbeats off)."""
         return self._monitor.heartbeat_interval
 
+    @property
+    def progress_timeout(self) -> float | None:
+        """Seconds without a progress mark after which a rank others passed is named."""
+        return self._monitor.progress_timeout
+
+    def mark_progress(self) -> None:
+        """Tell the watchers this rank's training thread moved on (one int increment).
+
+        Guards (the engine's steps) and the engine's batch reads mark by themselves; call it
+        inside long work of your own that one rank does while the others wait (a solo
+        checkpoint write longer than ``progress_timeout``), so the rank is not named as stalled.
+        """
+        self._monitor.mark_progress()
+
     def guard(self, where: str) -> contextlib.AbstractContextManager[None]:
         """Fail fast across ranks around a step (a context manager, also a decorator).
 
@@ -408,6 +423,7 @@ def create_context(
     device: torch.device | str | None = None,
     store: Store | None = None,
     heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
+    progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
 ) -> ParallelContext:
     """Build every group the config describes on top of the initialized default group.
 
@@ -427,6 +443,10 @@ def create_context(
             default the default group's store. The launchers pass their rendezvous store.
         heartbeat_interval: Seconds between the heartbeats that let other ranks name a rank
             that died without raising; None or 0 turns them off.
+        progress_timeout: Seconds a rank may go without a progress mark (a guard entered or
+            left, a batch read) while another rank is past it, before every rank names it as
+            stalled: a read hung on a dead file server keeps its heartbeat beating. None or
+            0 turns it off (default ``DEFAULT_PROGRESS_TIMEOUT``, 120 s).
 
     Raises:
         RuntimeError: the default process group is not initialized.
@@ -454,13 +474,14 @@ def create_context(
     layout = rank_groups(parallel)
     td = as_timedelta(timeout)
     _check_heartbeat_interval(heartbeat_interval)
+    _check_heartbeat_interval(progress_timeout, "progress_timeout")
     backend = str(dist.get_backend())
     dev = torch.device(device) if device is not None else _default_device(backend)
 
     older_sockets = tcp_inodes()  # not this context's: an abort must leave them alone
     groups = build_groups(layout, rank, timeout=td, cpu_groups="gloo" not in backend)
     monitor = _failure_monitor(
-        store, rank, world, heartbeat_interval, groups, backend, older_sockets
+        store, rank, world, heartbeat_interval, groups, backend, older_sockets, progress_timeout
     )
     return ParallelContext(
         config=parallel,
@@ -476,12 +497,12 @@ def create_context(
     )
 
 
-def _check_heartbeat_interval(interval: float | None) -> None:
+def _check_heartbeat_interval(interval: float | None, name: str = "heartbeat_interval") -> None:
     if interval is not None and (
         isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0
     ):
         raise ValueError(
-            f"heartbeat_interval must be a non-negative number of seconds or None, got {interval!r}"
+            f"{name} must be a non-negative number of seconds or None, got {interval!r}"
         )
 
 
@@ -493,6 +514,7 @@ def _failure_monitor(
     groups: ProcessGroups,
     backend: str,
     older_sockets: frozenset[int] = frozenset(),
+    progress_timeout: float | None = None,
 ) -> FailureMonitor:
     """The failure board of a new context, in a namespace of its own, and its group aborter.
 
@@ -520,4 +542,5 @@ def _failure_monitor(
         board,
         float(heartbeat_interval) if heartbeat_interval else None,
         abort=lambda: aborter.abort(board.peer_endpoints()),
+        progress_timeout=float(progress_timeout) if progress_timeout else None,
     )

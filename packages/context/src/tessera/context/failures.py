@@ -25,6 +25,14 @@ rendezvoused on (the TCPStore every torch.distributed job already has).
   one interval and aborts its groups (``tessera.context.abort``), so a collective blocked on a
   stopped rank (SIGSTOP, a hung NFS read) raises at once instead of at its timeout.
 
+- Liveness is not progress: a training thread blocked in a read on a dead NFS server releases
+  the GIL, so its heartbeat thread keeps beating. Each rank therefore counts *progress marks*
+  (every guard entered and left, every batch the engine reads: ``mark_progress``), and its
+  heartbeat publishes the count. A watcher that sees its neighbour's count stand still for
+  ``progress_timeout`` seconds while another rank is already past that count (the others went
+  on and wait for it) declares it stalled, like a silent rank. Ranks that all wait together
+  (a slow step, one rank's long solo work that no other rank passed) are never declared.
+
 The board holds three kinds of post. ``failed``: a rank's own error (the cause). ``silent``: a
 rank declared dead by its watcher. ``affected``: a rank whose collective failed, telling the
 others it was hit; it is never read as the cause, so a rank hit late does not blame an early
@@ -53,6 +61,7 @@ from torch.distributed import Store  # type: ignore[attr-defined]  # re-exported
 
 __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL",
+    "DEFAULT_PROGRESS_TIMEOUT",
     "FailureBoard",
     "FailureMonitor",
     "FailureReport",
@@ -65,6 +74,11 @@ __all__ = [
 #: Seconds between heartbeats: one tiny store write per rank, so cheap for thousands of ranks;
 #: a dead rank is named about three intervals after its peers notice the failure.
 DEFAULT_HEARTBEAT_INTERVAL = 2.0
+
+#: Seconds a rank may go without a progress mark, while another rank is past it, before it is
+#: declared stalled: generous, so a slow step or data read is never taken for a hang, and
+#: shorter than the 5-minute collective timeout, so the stalled rank is named before it.
+DEFAULT_PROGRESS_TIMEOUT = 120.0
 
 #: Heartbeat intervals without a beat after which a rank counts as dead.
 _SILENT_INTERVALS = 3.0
@@ -101,6 +115,9 @@ _POSTED = "_tessera_failure_posted"
 
 #: Kinds of post: a rank's own error, a rank declared dead by its watcher, a victim's note.
 FAILED, SILENT, AFFECTED = "failed", "silent", "affected"
+
+#: The error name of a ``silent`` post for a rank that beats but made no progress.
+NO_PROGRESS = "NoProgress"
 
 
 def default_store() -> Store | None:
@@ -176,6 +193,10 @@ class FailureReport:
 
     def describe(self) -> str:
         """One line: ``rank 1 failed in 'engine.step': ValueError: boom``."""
+        if self.kind == SILENT and self.error == NO_PROGRESS:
+            return (
+                f"rank {self.rank} made no progress (last seen in {self.where!r}): {self.message}"
+            )
         if self.kind == SILENT:
             return (
                 f"rank {self.rank} stopped responding (last seen in {self.where!r}): {self.message}"
@@ -373,6 +394,35 @@ class FailureBoard:
         if where is not None:
             self.store.set(self._key("where", self.rank), where)
 
+    def add_progress(self, marks: int) -> None:
+        """Publish ``marks`` more progress marks of this rank (from its heartbeat thread)."""
+        self.store.add(self._key("progress", self.rank), marks)
+
+    def progress_count(self, rank: int) -> int:
+        """One rank's published progress marks (0: none yet)."""
+        return int(self.store.add(self._key("progress", rank), 0))
+
+    def ranks_past(self, rank: int, marks: int) -> list[int]:
+        """Ranks still in the job whose progress count exceeds ``marks`` (O(world) reads)."""
+        return [
+            r
+            for r in range(self.world_size)
+            if r != rank and self.progress_count(r) > marks and not self.has_left(r)
+        ]
+
+    def declare_stalled(self, rank: int, seconds: float, past: Sequence[int]) -> FailureReport:
+        """Post that ``rank`` beats but made no progress for ``seconds``; raise the flag."""
+        where = self.last_where(rank) or "-"
+        message = (
+            f"no progress mark for {seconds:.1f} s while its heartbeat still beats (its "
+            f"training thread is blocked: a data read, a C call, a collective the others are "
+            f"not in), and ranks {list(past)} are past it (noticed by rank {self.rank})"
+        )
+        report = FailureReport(rank, where, NO_PROGRESS, message, time.time(), SILENT)
+        self._write(report)
+        self.raise_silent_flag()
+        return report
+
     def beats(self) -> list[int]:
         """Every rank's heartbeat counter (0: never beat)."""
         return [self.beat_count(r) for r in range(self.world_size)]
@@ -409,7 +459,9 @@ class _Heartbeat(threading.Thread):
 
     def run(self) -> None:
         sent: str | None = None
-        watches = [_Watch(self.board, self.interval, step) for step in (1, -1)]
+        published = 0
+        limit = self.monitor.progress_timeout
+        watches = [_Watch(self.board, self.interval, step, limit) for step in (1, -1)]
         if watches[0].target == watches[1].target:  # two ranks: one neighbour, watched once
             watches.pop()
         failures = 0
@@ -418,6 +470,10 @@ class _Heartbeat(threading.Thread):
             try:
                 self.board.beat(where if where != sent else None)
                 sent = where
+                marks = self.monitor.progress
+                if marks != published:
+                    self.board.add_progress(marks - published)
+                    published = marks
                 if not self.monitor.aborted:
                     for watch in watches:
                         watch.step()
@@ -444,13 +500,22 @@ class _Watch:
     *observed* change, so a slow watcher never declares a live neighbour dead.
     """
 
-    def __init__(self, board: FailureBoard, interval: float, direction: int = 1) -> None:
+    def __init__(
+        self,
+        board: FailureBoard,
+        interval: float,
+        direction: int = 1,
+        progress_limit: float | None = None,
+    ) -> None:
         self.board = board
         self.direction = direction
         self.limit = max(_SILENT_INTERVALS * interval, _MIN_SILENCE)
+        self.progress_limit = progress_limit
         self.target: int | None = self._after(board.rank)
         self.count = -1
         self.changed = time.monotonic()
+        self.progress = -1
+        self.progressed = self.changed
 
     def _after(self, rank: int) -> int | None:
         nxt = (rank + self.direction) % self.board.world_size
@@ -458,7 +523,31 @@ class _Watch:
 
     def restart(self) -> None:
         """Count the silence afresh from now (after this watcher could not read the store)."""
-        self.changed = time.monotonic()
+        self.changed = self.progressed = time.monotonic()
+
+    def _check_progress(self, target: int, now: float) -> None:
+        """A beating neighbour: declare it stalled if its progress stood still past the bound.
+
+        Only when another rank is past its count: ranks that all wait together (a slow step)
+        are not stalled, and the victims of a stalled rank, which went further, never are.
+        """
+        if self.progress_limit is None:
+            return
+        marks = self.board.progress_count(target)
+        if marks != self.progress:
+            self.progress, self.progressed = marks, now
+            return
+        if now - self.progressed < self.progress_limit:
+            return
+        past = self.board.ranks_past(target, marks)
+        if not past or self.board.has_left(target):
+            self.progressed = now  # ask the other ranks again only after another bound
+            return
+        if not any(r.kind == SILENT and r.rank == target for r in self.board.reports()):
+            self.board.declare_stalled(target, now - self.progressed, past)
+        else:
+            self.board.raise_silent_flag()
+        self.target = None
 
     def step(self) -> None:
         target = self.target
@@ -468,6 +557,7 @@ class _Watch:
         now = time.monotonic()
         if count != self.count:
             self.count, self.changed = count, now
+            self._check_progress(target, now)
             return
         if count == 0 or now - self.changed < self.limit:
             return  # not started yet, or not silent long enough
@@ -493,6 +583,9 @@ class FailureMonitor:
         abort: Called once, from the heartbeat thread when a rank is declared dead or from a
             guard that raises ``RankFailedError``, to make this rank's blocked collectives
             return (see ``tessera.context.abort``); None: collectives run to their timeout.
+        progress_timeout: Seconds a neighbour may go without a progress mark while another
+            rank is past it before this rank's watcher declares it stalled; None or 0: only
+            liveness is watched. Needs heartbeats (they publish the marks).
     """
 
     def __init__(
@@ -500,9 +593,12 @@ class FailureMonitor:
         board: FailureBoard | None,
         heartbeat_interval: float | None,
         abort: Callable[[], object] | None = None,
+        progress_timeout: float | None = None,
     ) -> None:
         self.board = board
         self.heartbeat_interval = heartbeat_interval or None
+        self.progress_timeout = progress_timeout or None
+        self.progress = 0  # marks so far: bumped by the training thread, read by the heartbeat
         self._where: list[str] = []
         self._thread: _Heartbeat | None = None
         self._abort = abort
@@ -528,6 +624,13 @@ class FailureMonitor:
         if self._abort is not None:
             with contextlib.suppress(Exception):
                 self._abort()
+
+    def mark_progress(self) -> None:
+        """The training thread passed a point (a step, a batch read): one int increment.
+
+        Guards mark on entry and exit by themselves; the heartbeat publishes the count.
+        """
+        self.progress += 1
 
     @property
     def where(self) -> str:
@@ -567,6 +670,7 @@ class FailureMonitor:
     def guard(self, where: str) -> Iterator[None]:
         """See ``ParallelContext.guard``."""
         self._where.append(where)
+        self.progress += 1
         try:
             yield
         except RankFailedError:
@@ -578,6 +682,7 @@ class FailureMonitor:
             raise
         finally:
             self._where.pop()
+            self.progress += 1
 
     def check(self, where: str = "-") -> None:
         """Raise ``RankFailedError`` if another rank has posted a failure (no waiting).

@@ -259,7 +259,7 @@ def launch(
         local_rank: Index of this process on its node (picks ``cuda:<local_rank>``); default
             ``rank % torch.cuda.device_count()``.
         **keywords: Fields of :class:`LaunchOptions` (``backend``, ``seed``, ``timeout``,
-            ``heartbeat_interval``, ``rendezvous_timeout``).
+            ``heartbeat_interval``, ``progress_timeout``, ``rendezvous_timeout``).
 
     Raises:
         ConfigError: invalid configuration (before any network traffic), or ranks launched
@@ -360,6 +360,7 @@ def _launch(
             device=device,
             store=store,
             heartbeat_interval=heartbeat_interval,
+            progress_timeout=options.progress_timeout,
         )
     except BaseException:
         dist.destroy_process_group()

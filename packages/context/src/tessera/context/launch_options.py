@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any, TypedDict
 
 from .context import _check_heartbeat_interval, as_timedelta
-from .failures import DEFAULT_HEARTBEAT_INTERVAL
+from .failures import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_PROGRESS_TIMEOUT
 
 __all__ = ["LaunchKeywords", "LaunchOptions"]
 
@@ -27,6 +27,7 @@ class LaunchKeywords(TypedDict, total=False):
     seed: int
     timeout: float | timedelta | None
     heartbeat_interval: float | None
+    progress_timeout: float | None
     rendezvous_timeout: float | timedelta | None
 
 
@@ -45,6 +46,9 @@ class LaunchOptions:
         heartbeat_interval: Seconds between heartbeats in the rendezvous store, which let the
             other ranks name a rank that died without raising, and abort the groups when a rank
             stops answering for three intervals; None or 0 turns them off.
+        progress_timeout: Seconds a rank may go without a progress mark (a step, a batch
+            read) while another rank is past it before every rank names it as stalled (its
+            heartbeat may still beat: a read hung on a dead NFS server); None or 0 turns it off.
         rendezvous_timeout: Seconds or timedelta the rendezvous waits for every rank (default
             ``timeout`` when given, else 30 minutes): processes may start far apart, while
             collectives can then run under a short ``timeout``.
@@ -57,6 +61,7 @@ class LaunchOptions:
     seed: int = 1024
     timeout: float | timedelta | None = None
     heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL
+    progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT
     rendezvous_timeout: float | timedelta | None = None
 
     def __post_init__(self) -> None:
@@ -73,6 +78,7 @@ class LaunchOptions:
             except ValueError as err:
                 raise ValueError(f"rendezvous_{err}") from None
         _check_heartbeat_interval(self.heartbeat_interval)
+        _check_heartbeat_interval(self.progress_timeout, "progress_timeout")
 
     @classmethod
     def resolve(
@@ -87,7 +93,8 @@ class LaunchOptions:
         if options is not None and not isinstance(options, LaunchOptions):
             raise TypeError(
                 f"{launcher}: options must be a LaunchOptions, got {options!r}; pass backend, "
-                "seed, timeout, heartbeat_interval and rendezvous_timeout as keywords"
+                "seed, timeout, heartbeat_interval, progress_timeout and rendezvous_timeout as "
+                "keywords"
             )
         names = [f.name for f in fields(cls)]
         unknown = sorted(set(keywords) - set(names))

@@ -45,7 +45,7 @@ from .clipping import clip_grad_norm
 from .consistency import agree_on_call, check_replicas_in_step, checks_batch
 from .context_lookup import resolve_context
 from .gradient_handlers.base import BaseGradientHandler
-from .guarding import guarded
+from .guarding import guarded, marking_reads
 from .loss_scaler import DynamicLossScaler
 from .master_weights import LOW_PRECISION_DTYPES, MasterWeights, cast_floating
 from .nonfinite import NonFiniteError, find_nonfinite
@@ -485,6 +485,7 @@ class Engine:
             stage that is not the last).
         """
         self._recorded_losses, self._recorded_counts = [], []
+        data_iter = marking_reads(data_iter, self._context)
         if forward_only:
             criterion = self._token_mean if self._tokens is not None else self.criterion
             return self._schedule.eval_step(

@@ -5,15 +5,20 @@ other ranks, whose collectives then time out or lose their peer, raise
 ``tessera.context.RankFailedError`` naming that rank and the step it was in, instead of
 hanging or reporting a bare gloo/NCCL timeout (see tessera-context's "Failures and
 debugging"). Without a context (one process) the methods run unguarded.
+
+Guards also mark progress (entering and leaving), and :func:`marking_reads` marks every batch
+the engine reads, so a rank whose training thread is blocked (a read hung on a dead file
+server, whose heartbeat still beats) is named by the others after the context's
+``progress_timeout`` (see tessera-context's ``FailureMonitor``).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["guarded"]
+__all__ = ["guarded", "marking_reads"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -39,3 +44,25 @@ def guarded(where: str) -> Callable[[F], F]:
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+class _MarkingReads:
+    """``data_iter``, marking one unit of progress after each batch it yields."""
+
+    def __init__(self, data_iter: Iterator[Any], mark: Callable[[], None]) -> None:
+        self._inner = data_iter
+        self._mark = mark
+
+    def __iter__(self) -> _MarkingReads:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._inner)
+        self._mark()  # past the read: a rank still in it is now behind this one
+        return batch
+
+
+def marking_reads(data_iter: Iterator[Any], context: Any) -> Iterator[Any]:
+    """``data_iter`` whose reads count as progress marks of ``context`` (if it marks)."""
+    mark = getattr(context, "mark_progress", None)
+    return data_iter if mark is None else _MarkingReads(data_iter, mark)
