@@ -489,6 +489,83 @@ def _dies_mid_save(job: Job, rank: int, rec: dict[str, Any]) -> None:
         rec["reload_error"] = f"{type(err).__name__}: {err}"[:500]
 
 
+# ---------------------------------------------------------------------- bodies: data (issue 40)
+
+#: Seconds without progress after which the read-hang case's stalled rank is named; its
+#: collective timeout is far longer, so only progress detection can name it in time.
+READ_HANG_PROGRESS = 2.0
+READ_HANG_TIMEOUT = 60.0
+
+
+class _Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """``rows`` samples without len(); ``hang`` blocks in the read of the second batch."""
+
+    def __init__(self, rows: int, hang: Callable[[], None] | None = None) -> None:
+        self.rows, self.hang = rows, hang
+
+    def __iter__(self) -> Any:
+        x, y = _batch(0)
+        for i in range(self.rows):
+            if self.hang is not None and i == 2:
+                self.hang()
+            yield x[i % BATCH], y[i % BATCH]
+
+
+def _fit(ctx: Any, loader: Any) -> None:
+    from tessera.engine import Trainer
+
+    model = _model()
+    config = {"gradient_handlers": [{"type": "DataParallelGradientHandler"}]}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = initialize(model, opt, nn.CrossEntropyLoss(), config=config, context=ctx)[0]
+    Trainer(engine).fit(loader, epochs=1, display_progress=False)
+
+
+def _uneven_data(job: Job, rank: int, rec: dict[str, Any]) -> None:
+    """The faulty data rank's loader holds one batch fewer (with len(), or a stream)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    world = int(os.environ["WORLD_SIZE"])
+    ctx = _launch({"parallel": {"data": world}}, job.timeout, job.beat)
+    try:
+        batches = 3 if rank == job.faulty else 4
+        if job.variant == "len":
+            x, y = _batch(0)
+            data: Any = TensorDataset(x[: 2 * batches], y[: 2 * batches])
+        else:
+            data = _Stream(2 * batches)
+        rec["t_enter"] = time.time()
+        _fit(ctx, DataLoader(data, batch_size=2))
+    finally:
+        ctx.destroy()
+        rec["t_exit"] = time.time()
+
+
+def _read_hangs(job: Job, rank: int, rec: dict[str, Any]) -> None:
+    """The faulty rank's loader blocks in a read that releases the GIL (its heartbeat beats)."""
+    ctx = launch_from_torch(
+        {"parallel": {"data": int(os.environ["WORLD_SIZE"])}},
+        timeout=READ_HANG_TIMEOUT,
+        heartbeat_interval=job.beat,
+        progress_timeout=READ_HANG_PROGRESS,
+    )
+    _CONTEXT[:] = [ctx]
+
+    def hang() -> None:  # a read on a dead NFS server, until the job is aborted
+        _note_fault(job.out)
+        deadline = time.monotonic() + READ_HANG_TIMEOUT
+        while not ctx.failures.aborted and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    try:
+        from torch.utils.data import DataLoader
+
+        _fit(ctx, DataLoader(_Stream(8, hang if rank == job.faulty else None), batch_size=2))
+    finally:
+        ctx.destroy()
+        rec["t_exit"] = time.time()
+
+
 BODIES: dict[str, Callable[[Job, int, dict[str, Any]], None]] = {
     "nonfinite": _train,
     "batch_shape_differs": _train,
@@ -502,6 +579,8 @@ BODIES: dict[str, Callable[[Job, int, dict[str, Any]], None]] = {
     "ckpt_crash_between_renames": _crash_between_renames,
     "ckpt_recover": _recover,
     "ckpt_dies_mid_save": _dies_mid_save,
+    "uneven_data": _uneven_data,
+    "read_hangs": _read_hangs,
 }
 
 # ------------------------------------------------------------------------------ judging
@@ -591,6 +670,23 @@ def judge(case: Case, job: Job, world: int, records: dict[int, dict[str, Any]]) 
         if len(messages) != 1 or word not in next(iter(messages)):
             return "wrong", f"messages differ or do not name {word!r}: {messages}"
         return "clear", ""
+    if kind == "uneven_data":
+        wrong = _all(records, everyone, "ValueError")
+        if wrong:
+            return wrong
+        if not all("uneven data" in records[r]["message"] for r in everyone):
+            return "wrong", "the ValueError does not say the data is uneven"
+        if not all(f"ranks [{job.faulty}]" in records[r]["message"] for r in everyone):
+            return "wrong_rank", f"the message does not name rank {job.faulty}"
+        return "clear", ""
+    if kind == "read_hangs":
+        others = [r for r in everyone if r != job.faulty]
+        wrong = _all(records, others, "RankFailedError")
+        if wrong:
+            return wrong
+        if records[job.faulty]["outcome"] == "finished":
+            return "wrong", "the rank blocked in its read finished its steps"
+        return _named(records, others, (job.faulty,))
     if kind == "ckpt_tampered":
         wrong = _all(records, everyone, "CheckpointCorruptError")
         if wrong:
@@ -664,6 +760,9 @@ CASES: list[Case] = [
         "ckpt crash between renames", "ckpt_crash_between_renames", 2, dies=True, faulty_from=(0,)
     ),
     Case("ckpt rank dies mid-save", "ckpt_dies_mid_save", 2, dies=True, faulty_from=(1,)),
+    Case("uneven data (len)", "uneven_data", 2, "len", fault_at_start=True),
+    Case("uneven data (stream)", "uneven_data", 2, "stream", fault_at_start=True),
+    Case("rank blocked in a read", "read_hangs", 3, faulty_from=(1, 2)),
 ]
 
 

@@ -109,6 +109,10 @@ class AgreedBatches:
             batch: list[Any] = [next(self._inner)]
         except StopIteration:
             batch = []
+        # past the read, before the collective: a rank still blocked in its read is behind
+        # this one, so the context's progress detection names it (the engine's own read mark
+        # comes only after this all-reduce, which waits for that rank)
+        self._ctx.mark_progress()
         have = torch.zeros(len(self._ranks), dtype=torch.int32)  # [world]: one-hot, summed
         have[self._ranks.index(self._ctx.global_rank)] = 1 if batch else 0
         dist.all_reduce(have, group=self._ctx.get_cpu_group(ParallelMode.GLOBAL))
