@@ -942,6 +942,11 @@ def _mlp_matches_reference(ctx: ParallelContext) -> int:
     checked = _block_matches_reference(ctx, mlp, {"0": "norm", "1": "col", "3": "row"})
     listing_1 = _listing_1()
     checked += _block_matches_reference(ctx, listing_1, {"0": "col", "1": "norm", "2": "row"})
+    if ctx.config.tensor_mode in ("2d", "2.5d", "3d"):  # every activation is split there
+        attention = nn.MultiheadAttention(16, 4, batch_first=True)
+        left_out = nn.Sequential(nn.Linear(16, 16), attention, nn.Linear(16, 32), nn.Linear(32, 16))
+        with pytest.raises(ValueError, match=r"\['1'\] hold parameters but are not in the"):
+            parallelize(left_out, {"0": "dense", "2": "col", "3": "row"}, context=ctx)
     return checked + _dispatching_listing_1(ctx)
 
 

@@ -84,27 +84,41 @@ def _retie(model: nn.Module, replaced: dict[int, nn.Parameter]) -> None:
             module._parameters[pname] = new
 
 
-def _check_sequence_span(model: nn.Module, span: set[str], plan: Plan) -> None:
-    """Under 1D sequence parallelism, no plain parameter may see only this rank's tokens.
+def _check_no_plain_parameters(model: nn.Module, span: set[str], plan: Plan, mode: str) -> None:
+    """Where activations are split, no module the plan left out may hold parameters.
 
-    A module left out of the plan inside the span computes on ``[b, s/p, h]`` and gets a
-    partial gradient nobody sums: the replicas would drift apart.
+    Under 1D sequence parallelism (inside the span) a module left out computes on
+    ``[b, s/p, h]`` and gets a partial gradient nobody sums: the replicas would drift apart.
+    Under 2D, 2.5D and 3D every activation is a block of rows and features: a module left out
+    sees ``h/q`` features (``nn.MultiheadAttention`` fails in its own assert, a convolution
+    reads a block of the image as the whole, a linear layer's product is a partial one).
 
     Raises:
-        ValueError: naming the plain modules with parameters inside the span.
+        ValueError: naming the plain modules with parameters, and what to do.
     """
     plain = sorted(
         name
         for name, module in model.named_modules()
         if name in span and any(get_shard_info(p) is None for p in module.parameters(recurse=False))
     )
-    if plain:
-        more = " ..." if len(plain) > 4 else ""
+    # the outermost ones: "1" rather than "1" and "1.out_proj"
+    plain = [n for n in plain if not any(n.startswith(o + ".") for o in plain)]
+    if not plain:
+        return
+    more = f" and {len(plain) - 4} more" if len(plain) > 4 else ""
+    if mode == "1d":
         raise ValueError(
             f"parallelize with 1d sequence parallelism: {plain[:4]}{more} hold parameters but "
             f"are not in the {plan.name}; inside the sequence span each rank sees only its "
             "tokens, so name them ('norm', 'col', 'row', ...)"
         )
+    raise ValueError(
+        f"parallelize under tensor mode {mode!r}: {plain[:4]}{more} hold parameters but are "
+        f"not in the {plan.name}; under {mode!r} every activation is a block of rows and "
+        "features, which a module left out would read as whole ones. Name them with a role "
+        "('col', 'row', 'norm', 'embedding', ...), or use tensor mode '1d', which keeps "
+        "activations whole outside its column-to-row pairs"
+    )
 
 
 def check_same_weights(model: nn.Module, context: ParallelContext) -> None:
@@ -259,7 +273,9 @@ def parallelize(
     _retie(model, replaced)
     materialize_whole_modules(model, ctx.device)
     if sequence_parallel:
-        _check_sequence_span(model, span, chosen)
+        _check_no_plain_parameters(model, span, chosen, mode)
+    elif mode != "1d":
+        _check_no_plain_parameters(model, {n for n, _ in model.named_modules()}, chosen, mode)
     if not any(
         (info := get_shard_info(p)) is not None and info.is_sharded for p in model.parameters()
     ):
