@@ -382,6 +382,14 @@ def bert_mlm(seed: int = 0, **overrides: Any) -> nn.Module:
     return _distinct(BertForMaskedLM(BertConfig(**{**BERT_CONFIG, **overrides})), seed)
 
 
+def bert_encoder(seed: int = 0, **overrides: Any) -> nn.Module:
+    """The bare ``BertModel`` (with its pooler) from :data:`BERT_CONFIG`, weights from ``seed``."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    return _distinct(BertModel(BertConfig(**{**BERT_CONFIG, **overrides})), seed)
+
+
 def vit_classifier(seed: int = 0, **overrides: Any) -> nn.Module:
     """``ViTForImageClassification`` from :data:`VIT_CONFIG`, its weights drawn from ``seed``."""
     from transformers import ViTConfig, ViTForImageClassification

@@ -22,6 +22,7 @@ from hf_models import (
     BATCH,
     GPT2_CONFIG,
     SEQ,
+    bert_encoder,
     bert_mlm,
     bloom_lm,
     cohere_lm,
@@ -226,6 +227,7 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
         _plain_lm_matches_reference(ctx)
     ),
     "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
+    "bert encoder (hidden states and pooler whole)": lambda ctx: _encoder_matches_reference(ctx),
     "vit": lambda ctx: _lm_matches_reference(vit_classifier(), ctx),
     "per-sample positions": _per_sample_positions,
     "dropout": lambda ctx: _dropout_streams(ctx),
@@ -425,6 +427,35 @@ def _plain_lm_loss(ctx: ParallelContext, plan: dict[str, str] | None) -> float:
     loss.backward()
     torch.testing.assert_close(loss, ref_loss, **TOL)
     torch.testing.assert_close(gather_logits(logits, context=ctx), ref_logits.detach(), **TOL)
+    grads = _full_grads(model, ctx, mean_loss=True)
+    for name, p in ref.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    return round(float(loss.detach()), 5)
+
+
+def _encoder_matches_reference(ctx: ParallelContext) -> float:
+    """The bare BertModel (a sentence-embedding encoder), a padded batch: its hidden states and
+    pooler output come back whole under every layout, and a loss on them (a masked mean
+    pooling, as sentence embeddings take) gives every gradient as one process."""
+    ref = bert_encoder()
+    model = parallelize(copy.deepcopy(ref), context=ctx)
+    ids = token_ids()
+    padded = torch.ones_like(ids)
+    padded[0, -3:], padded[-1, -1:] = 0, 0
+    inputs = dict(input_ids=ids, token_type_ids=token_types(), attention_mask=padded)
+
+    def loss_of(out: Any) -> torch.Tensor:
+        keep = padded.unsqueeze(-1).to(out.last_hidden_state)  # [b, s, 1]
+        pooled = (out.last_hidden_state * keep).sum(1) / keep.sum(1)  # [b, h]
+        return pooled.pow(2).mean() + out.pooler_output.pow(2).mean()
+
+    want, got = ref(**inputs), model(**inputs)
+    for name in ("last_hidden_state", "pooler_output"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), **TOL, msg=name)
+    ref_loss, loss = loss_of(want), loss_of(got)
+    ref_loss.backward()
+    loss.backward()
     grads = _full_grads(model, ctx, mean_loss=True)
     for name, p in ref.named_parameters():
         assert p.grad is not None

@@ -211,7 +211,10 @@ def parallelize(
     check_meta_buffers(model)
     check_same_weights(model, ctx)
     sequence_parallel = mode == "1d" and sequence_parallel_default(ctx)
-    splits_tokens = sequence_parallel or (mode == "sequence" and chosen.boundary == "images")
+    bare = chosen.boundary == "tokens" and not chosen.causal_lm  # its hidden states whole
+    splits_tokens = sequence_parallel or (
+        mode == "sequence" and (chosen.boundary == "images" or bare)
+    )
     if splits_tokens and chosen.sequence_span is not None:  # the only modes that read it
         chosen = replace(chosen, sequence_span=resolve_span(model, chosen.sequence_span))
     if sequence_parallel and chosen.boundary == "tokens" and chosen.sequence_span is None:

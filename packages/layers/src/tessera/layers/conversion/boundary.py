@@ -243,6 +243,55 @@ def install_boundary(
         model.register_forward_hook(after)
     if sequence_parallel:
         _install_sequence_span(model, plan.sequence_span, attention, context)
+    if plan.boundary == "tokens" and not plan.causal_lm and mode != "1d":
+        _install_whole_hidden_states(model, plan, context, mode)
+
+
+#: The outputs of a bare model (an encoder or a decoder without its head) gathered whole.
+HIDDEN_OUTPUTS = ("last_hidden_state", "pooler_output")
+
+
+def _install_whole_hidden_states(
+    model: nn.Module, plan: Plan, context: ParallelContext, mode: str
+) -> None:
+    """A bare model (BertModel, GPT2Model, ...) returns its hidden states whole, every mode.
+
+    Its output feeds the user's own head or pooling (a sentence embedding, a classifier),
+    which reads whole ``[b, s, h]`` hidden states. Under 2D, 2.5D and 3D they are gathered
+    from the mesh's blocks at the model's output. Under ``'sequence'`` the tokens are gathered
+    at the end of the plan's span, so what follows inside the model (BERT's pooler reads the
+    first token) sees the whole sequence; the gather's backward reduce-scatters, the
+    convention of the sequence gradient handler (every rank computes the same loss from the
+    whole output, so each chunk's gradient is ``N`` times its share). 1D keeps them whole
+    already (with sequence parallelism its span gathers them).
+    """
+
+    def gathered(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return gather_activation(output, context)
+        for name in HIDDEN_OUTPUTS:
+            value = getattr(output, name, None)
+            if isinstance(value, torch.Tensor):
+                setattr(output, name, gather_activation(value, context))
+        return output
+
+    if mode != "sequence":
+        model.register_forward_hook(gathered)
+        return
+    group = context.get_group(ParallelMode.SEQUENCE)
+
+    def whole_sequence(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return gather_along_dim(output, 1, group, partial_grad=True)  # [b, s, h]
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (gather_along_dim(output[0], 1, group, partial_grad=True), *output[1:])
+        value = getattr(output, "last_hidden_state", None)
+        if isinstance(value, torch.Tensor):
+            output.last_hidden_state = gather_along_dim(value, 1, group, partial_grad=True)
+        return output
+
+    end = model if plan.sequence_span is None else model.get_submodule(plan.sequence_span[1])
+    end.register_forward_hook(whole_sequence)
 
 
 def _hidden_states(

@@ -152,6 +152,9 @@ class Plan:
             given ``labels``; that loss assumes whole logits, so ``labels`` become an error
             that points to :func:`~tessera.layers.causal_lm_loss` /
             :func:`~tessera.layers.token_loss`.
+        name: How errors name the plan.
+        optional: Patterns that may match no module (a part some configs leave out: BERT's
+            pooler under ``add_pooling_layer=False``); every other pattern must match.
     """
 
     rules: Mapping[str, str]
@@ -159,6 +162,7 @@ class Plan:
     sequence_span: tuple[str, str] | None = None
     causal_lm: bool = False
     name: str = field(default="user plan")
+    optional: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for pattern, role in self.rules.items():
@@ -438,6 +442,8 @@ def _bert(prefix: str, masked_lm: bool) -> Plan:
             "cls.predictions.transform.LayerNorm": "norm",
             "cls.predictions.decoder": "head",
         }
+    else:  # the bare encoder (sentence embeddings): its pooler over the first token
+        rules |= {f"{prefix}pooler.dense": "dense"}
     return Plan(
         rules,
         boundary="tokens",
@@ -445,6 +451,7 @@ def _bert(prefix: str, masked_lm: bool) -> Plan:
         sequence_span=(f"{prefix}encoder.layer.0", f"{prefix}encoder.layer.-1"),
         causal_lm=masked_lm,
         name="BERT" + (" masked LM" if masked_lm else ""),
+        optional=() if masked_lm else (f"{prefix}pooler.dense",),
     )
 
 
@@ -486,6 +493,7 @@ BUILTIN_PLANS: dict[str, Plan] = {
     "Qwen3ForCausalLM": _qwen3("model.", causal_lm=True),
     "Qwen3Model": _qwen3("", causal_lm=False),
     "BertForMaskedLM": _bert("bert.", masked_lm=True),
+    "BertModel": _bert("", masked_lm=False),
     "ViTForImageClassification": _vit(),
 }
 
@@ -678,7 +686,7 @@ def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
     unmatched: list[str] = []
     for pattern, role in plan.rules.items():
         hits = [name for name in names if matches(name, pattern)]
-        if not hits:
+        if not hits and pattern not in plan.optional:
             unmatched.append(pattern)
         for name in hits:
             if name in roles:
