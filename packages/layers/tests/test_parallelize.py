@@ -370,6 +370,9 @@ def _lm_matches_reference(
         ref_loss = F.cross_entropy(ref_logits.reshape(-1, vocab), labels.reshape(-1))
         logits = model(**inputs).logits
         loss = token_loss(logits, labels, context=ctx)
+        # its own loss builds nn.CrossEntropyLoss() inline, which nothing reaches: refused
+        with pytest.raises(ValueError, match="its own loss"):
+            model(**inputs, labels=labels)
         if mode != "sequence":  # the pair an engine with per_token_loss weighs globally
             total, count = token_loss(logits, labels, reduction="sum_and_count", context=ctx)
             assert int(count) == int((labels != -100).sum())
@@ -394,6 +397,7 @@ def _lm_matches_reference(
     if generate:
         _whole_logits_loss(logits, ids, ref_loss, ctx)
         _generates_as_one_process(ref, model, ids, ctx)
+        _labels_give_the_loss(model, ids, ref_loss)
     # The original state dict loads back as it is (Conv1D orientation, fused q/k/v).
     with torch.no_grad():
         for p in model.parameters():
@@ -461,6 +465,16 @@ def _encoder_matches_reference(ctx: ParallelContext) -> float:
         assert p.grad is not None
         torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
     return round(float(loss.detach()), 5)
+
+
+def _labels_give_the_loss(model: nn.Module, ids: torch.Tensor, ref_loss: torch.Tensor) -> None:
+    """``model(ids, labels=ids).loss`` is one process's, also as transformers' Trainer asks
+    for it under gradient accumulation (``num_items_in_batch``: the sum over the labels)."""
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, labels=ids).loss, ref_loss.detach(), **TOL)
+        items = 3 * ids[:, 1:].numel()  # as if the step held three such batches
+        summed = model(ids, labels=ids, num_items_in_batch=items).loss
+        torch.testing.assert_close(summed, ref_loss.detach() * ids[:, 1:].numel() / items, **TOL)
 
 
 def _whole_logits_loss(
@@ -1199,7 +1213,10 @@ def _errors() -> list[str]:
         lm = parallelize(gpt2_lm(), context=ctx)
         assert isinstance(lm, GPT2LMHeadModel)
         ids = token_ids()
-        expect(ValueError, "causal_lm_loss", lambda: lm(ids, labels=ids))
+        # a loss tessera does not compute on split logits (an image classifier's) is refused
+        vit = parallelize(vit_classifier(), context=ctx)
+        pixels, labels = images()
+        expect(ValueError, "causal_lm_loss", lambda: vit(pixels, labels=labels))
     finally:
         ctx.destroy()
     sp = _context(dict(size=2, mode="1d", sequence_parallel=True))

@@ -26,6 +26,7 @@ from .converters import Converter
 from .dropout import install_dropout_streams
 from .generation import install_generation
 from .meta import check_meta_buffers, materialize_whole_modules
+from .model_loss import install_model_loss
 from .plan import Plan, inner_norms, match_plan, plan_for, resolve_span, span_members
 from .position_table import TABLE_MODES
 from .sequence import check_attention_covered, install_sequence_attention
@@ -243,6 +244,7 @@ def parallelize(
         install_boundary(model, chosen, ctx, mode, sequence_parallel=False)
         if chosen.causal_lm:
             install_generation(model, ctx, mode, sequence_parallel=False)
+            install_model_loss(model, ctx)
         setattr(model, PARALLELIZED_ATTR, mode)
         setattr(model, CONTEXT_ATTR, ctx)
         return model
@@ -290,6 +292,7 @@ def parallelize(
     install_boundary(model, chosen, ctx, mode, sequence_parallel, attention)
     if chosen.causal_lm:
         install_generation(model, ctx, mode, sequence_parallel)
+        install_model_loss(model, ctx)
     setattr(model, PARALLELIZED_ATTR, mode)
     setattr(model, CONTEXT_ATTR, ctx)
     if sequence_parallel:

@@ -42,6 +42,7 @@ from ..sequence.replicated import split_sequence_activation
 from ..shared.context_access import current_or_none, tensor_mode
 from ..shared.cross_entropy import vocab_parallel_cross_entropy
 from ..shared.errors import ModeNotImplementedError
+from .model_loss import MODEL_LOSS_ATTR
 from .plan import Plan
 from .sequence import KEY_PADDING_ATTRIBUTE, KeyPadding
 from .sequence_positions import forward_takes_positions
@@ -179,7 +180,8 @@ def install_boundary(
                 "share of the tokens, so the loss would differ from one process's; use tensor "
                 "mode '1d' without sequence_parallel (every rank routes every token)"
             )
-        if plan.causal_lm and kwargs.get("labels") is not None:
+        own_loss = getattr(module, MODEL_LOSS_ATTR, False)
+        if plan.causal_lm and kwargs.get("labels") is not None and not own_loss:
             raise ValueError(
                 f"{type(module).__name__} parallelized under tensor mode {mode!r}: its own loss "
                 "(labels=...) assumes whole logits; call it without labels and use "
