@@ -16,7 +16,6 @@ cache holds the prompt; training keeps its logits split (the losses read them th
 
 from __future__ import annotations
 
-import functools
 import types
 from typing import Any
 
@@ -75,10 +74,9 @@ def install_generation(
     if mode not in GENERATION_MODES or sequence_parallel:
         layout = f"tensor mode {mode!r}" + (" with sequence_parallel" if sequence_parallel else "")
         setattr(model, _LAYOUT_ATTR, layout)
-        refuse = functools.wraps(generate)(_refuse_generate)
-        setattr(model, "generate", types.MethodType(refuse, model))  # noqa: B010
+        setattr(model, "generate", types.MethodType(_refuse_generate, model))  # noqa: B010
         return
-    setattr(model, "generate", types.MethodType(functools.wraps(generate)(_generate), model))  # noqa: B010
+    setattr(model, "generate", types.MethodType(_generate, model))  # noqa: B010
     setattr(model, GENERATING_ATTR, False)
 
     def whole_logits(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
