@@ -30,11 +30,12 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import time
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ BATCH = 12  # divisible by 2 and 3 data ranks
 
 
 class _Fault(nn.Module):
-    """Identity, except on the faulty rank once armed: stop (SIGSTOP) or die (SIGKILL)."""
+    """Identity, except on the faulty rank once armed: stop (SIGSTOP), die (SIGKILL) or raise."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -76,6 +77,8 @@ class _Fault(nn.Module):
             _note_fault(self.out)
             if action == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)  # resumed by a survivor (SIGCONT)
+            elif action == "raise":
+                raise ValueError(f"injected fault on rank {tdist.get_rank()}")
             else:
                 os.kill(os.getpid(), signal.SIGKILL)
         return x
@@ -566,6 +569,248 @@ def _read_hangs(job: Job, rank: int, rec: dict[str, Any]) -> None:
         rec["t_exit"] = time.time()
 
 
+# ------------------------------------------------------ bodies: trainer checkpoints (issue 40)
+
+#: Rows of the Trainer cases' dataset: 6 batches of 2 per rank and epoch on 2 ranks.
+ROWS = 24
+EPOCHS = 2
+#: Where the Trainer cases' checkpoints live, under the case's folder.
+RUN = "run"
+#: variant -> (gradient accumulation, the checkpoint the resumed job must load)
+RESUMES: dict[str, tuple[int, str]] = {
+    "ckpt_leftovers": (1, "step_00000003"),  # saves at 3; killed inside the save of 6
+    "ckpt_accumulation": (2, "step_00000004"),  # due at 3 (mid-step), taken at 4; killed at 5
+    "preempted": (2, "step_00000006"),  # signalled at 5 (mid-step): saved at 6
+    "preempted_twice": (1, "step_00000002"),  # saves at 2; both signals at 3, in the save
+}
+
+
+def _dataset() -> Any:
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(7)
+    return TensorDataset(
+        torch.randn(ROWS, 4, generator=g), torch.randint(0, 3, (ROWS,), generator=g)
+    )
+
+
+def _steps_hook(at: int = 0, action: Any = None, priority: int = 50) -> Any:
+    """A hook noting each step's loss (equal on every rank) and acting once at step ``at``.
+
+    Priority 50: before ``SaveCheckpointHook`` (100) and ``PreemptionHook`` (110) of the step.
+    """
+    from tessera.engine import BaseHook
+
+    class Steps(BaseHook):
+        def __init__(self) -> None:
+            super().__init__(priority)
+            self.losses: list[float] = []
+
+        def after_train_iter(self, trainer: Any, output: Any, label: Any, loss: Any) -> None:
+            self.losses.append(trainer.step_metrics["loss"])
+            if action is not None and trainer.global_step == at:
+                action(trainer)
+
+    return Steps()
+
+
+def _ckpt_fit(ctx: Any, accumulation: int, hooks: list[Any]) -> nn.Module:
+    """The Trainer over a shuffled resumable loader, Adam, data-parallel gradients."""
+    from tessera.engine import Trainer, get_dataloader
+
+    model = _model()
+    config: dict[str, Any] = {"gradient_handlers": [{"type": "DataParallelGradientHandler"}]}
+    if accumulation > 1:
+        config["gradient_accumulation"] = accumulation
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    engine = initialize(model, opt, nn.CrossEntropyLoss(), config=config, context=ctx)[0]
+    loader = get_dataloader(_dataset(), shuffle=True, batch_size=2, context=ctx)
+    Trainer(engine).fit(loader, epochs=EPOCHS, hooks=hooks, display_progress=False)
+    return model
+
+
+def _kill_everyone(job: Job) -> None:
+    """SIGKILL every rank of the job (a node losing power), this one last."""
+    _note_fault(job.out)
+    pids = [int(p.read_text()) for p in Path(job.out).glob("pid*.txt")]
+    for pid in sorted(set(pids) - {os.getpid()}):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _names(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def _disk_full(job: Job, rank: int, rec: dict[str, Any]) -> None:
+    """Saves every 2 steps; after the save of step 2 the disk fills; the save of 4 fails.
+
+    ``tmpfs``: the checkpoint folder is a small tmpfs the report mounted; rank 0 writes a file
+    leaving a page more than the last checkpoint's size free (so the free-space check passes)
+    and the save runs out of space in its writes. ``injected``: the faulty rank's rank-file
+    write raises ENOSPC. Every rank must raise CheckpointError naming the path and the errno;
+    no temporary folder may be left; step 2 must still load with its values.
+    """
+    from tessera.engine import SaveCheckpointHook
+
+    ctx = _launch({"parallel": {"data": int(os.environ["WORLD_SIZE"])}}, job.timeout, job.beat)
+    root = Path(job.out, "disk", RUN)
+    real_write = checkpoint_api.write_bytes
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, os.strerror(28), str(args[0]) if args else "?")
+
+    def fill(trainer: Any) -> None:
+        rec["published"] = _flat(trainer.engine.module)
+        if rank != job.faulty:
+            return
+        _note_fault(job.out)
+        if job.variant == "tmpfs":
+            need = sum(p.stat().st_size for p in (root / "step_00000002").iterdir())
+            free = shutil.disk_usage(root).free
+            size = (free - need - 4096) // 4096 * 4096
+            with open(Path(job.out, "disk", "other_job.bin"), "wb") as f:
+                f.write(b"\0" * max(size, 0))
+            rec["filled"] = [need, free, shutil.disk_usage(root).free]
+        else:
+            checkpoint_api.write_bytes = full
+
+    try:
+        _ckpt_fit(ctx, 1, [SaveCheckpointHook(root, interval=2), _steps_hook(2, fill, 105)])
+    except BaseException as err:
+        _error(rec, err)
+    finally:
+        checkpoint_api.write_bytes = real_write
+        ctx.destroy()
+        rec["t_exit"] = time.time()
+    rec["left"] = _names(root)
+    try:  # the previous checkpoint, alone
+        rec["manifest_step"] = verify_checkpoint(root / "step_00000002")["step"]
+        fresh = _trained(None, 0, seed=5)
+        assert isinstance(fresh.model, nn.Module)
+        load_checkpoint(root / "step_00000002", fresh, strict=False)
+        rec["params"] = _flat(fresh.model)
+    except BaseException as err:
+        rec["reload_error"] = f"{type(err).__name__}: {err}"[:500]
+
+
+def _crashed_run(job: Job, rank: int, rec: dict[str, Any]) -> None:
+    """The first job of a resume case: it ends by SIGKILL or a preemption signal.
+
+    - ``ckpt_leftovers``: saves every 3 steps; every rank is killed inside the save of step 6
+      (its temporary folder left behind);
+    - ``ckpt_accumulation``: 2 micro-steps per optimizer step, a save due every 3 steps;
+      every rank is killed at step 5, between micro-steps;
+    - ``preempted``: the faulty rank gets SIGTERM at step 5 (between micro-steps); every rank
+      must save at step 6 and raise SystemExit(75);
+    - ``preempted_twice``: saves every 2 steps; every rank gets SIGTERM at step 3 and again in
+      the preemption save's first write: every rank exits at once (status 143).
+    """
+    from tessera.engine import PreemptionHook, SaveCheckpointHook
+
+    Path(job.out, f"pid{rank}.txt").write_text(str(os.getpid()))
+    ctx = _launch({"parallel": {"data": int(os.environ["WORLD_SIZE"])}}, job.timeout, job.beat)
+    root = Path(job.out, RUN)
+    accumulation = RESUMES[job.kind][0]
+    real_write = checkpoint_api.write_bytes
+
+    def kill_in_write(*args: Any, **kwargs: Any) -> None:
+        _kill_everyone(job)
+
+    def second_signal(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler exits at once
+        return real_write(*args, **kwargs)
+
+    def act(trainer: Any) -> None:
+        if job.kind == "ckpt_leftovers":
+            checkpoint_api.write_bytes = kill_in_write
+        elif job.kind == "ckpt_accumulation":
+            _kill_everyone(job)
+        elif job.kind == "preempted" and rank == job.faulty:
+            _note_fault(job.out)
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif job.kind == "preempted_twice":
+            _note_fault(job.out)
+            os.kill(os.getpid(), signal.SIGTERM)
+            checkpoint_api.write_bytes = second_signal
+
+    interval = {"ckpt_leftovers": 3, "ckpt_accumulation": 3, "preempted": 100}.get(job.kind, 2)
+    save = SaveCheckpointHook(root, interval=interval)
+    at = {"ckpt_leftovers": 5, "ckpt_accumulation": 5, "preempted": 5}.get(job.kind, 3)
+    try:
+        _ckpt_fit(ctx, accumulation, [save, PreemptionHook(save), _steps_hook(at, act)])
+    except SystemExit as err:
+        rec.update(outcome="SystemExit", code=err.code, saved=[p.name for p in save.saved])
+    finally:
+        checkpoint_api.write_bytes = real_write
+        ctx.destroy()
+        rec["t_exit"] = time.time()
+
+
+def _resumed_run(job: Job, rank: int, rec: dict[str, Any]) -> None:
+    """The job restarted after ``_crashed_run`` (``variant``): sweep, resume, compare.
+
+    With ``LoadCheckpointHook`` and ``SaveCheckpointHook`` on the same folder (the sweep runs
+    when the save hook is attached), then an uninterrupted run from scratch in the same
+    process: the resumed losses must equal its losses from the loaded step on, bitwise.
+    """
+    from tessera.engine import LoadCheckpointHook, SaveCheckpointHook
+
+    ctx = _launch({"parallel": {"data": int(os.environ["WORLD_SIZE"])}}, job.timeout, job.beat)
+    root = Path(job.out, RUN)
+    accumulation = RESUMES[job.variant][0]
+    try:
+        if rank == 0:
+            rec["found"] = _names(root)
+        _barrier(ctx)
+        load, steps = LoadCheckpointHook(root), _steps_hook()
+        model = _ckpt_fit(ctx, accumulation, [load, SaveCheckpointHook(root, 100), steps])
+        rec["loaded"] = None if load.loaded is None else load.loaded.name
+        rec["losses"], rec["params"] = steps.losses, _flat(model)
+        if rank == 0:
+            rec["left"] = _names(root)
+        reference = _steps_hook()
+        model = _ckpt_fit(ctx, accumulation, [reference])
+        rec["reference"], rec["reference_params"] = reference.losses, _flat(model)
+    finally:
+        ctx.destroy()
+        rec["t_exit"] = time.time()
+
+
+def _stream_epochs(job: Job, rank: int, rec: dict[str, Any]) -> None:
+    """Two epochs over an IterableDataset (each ends in StopIteration), then a real fault.
+
+    No rank may have a failure posted after the epochs; then the faulty rank raises in the
+    next epoch and every other rank must name it (not a rank whose epoch ended).
+    """
+    from torch.utils.data import DataLoader
+
+    from tessera.engine import Trainer
+
+    ctx = _launch({"parallel": {"data": int(os.environ["WORLD_SIZE"])}}, job.timeout, job.beat)
+    try:
+        model = _model()
+        fault = next(m for m in model.modules() if isinstance(m, _Fault))
+        fault.out = job.out
+        config = {"gradient_handlers": [{"type": "DataParallelGradientHandler"}]}
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = initialize(model, opt, nn.CrossEntropyLoss(), config=config, context=ctx)[0]
+        trainer = Trainer(engine)
+        trainer.fit(DataLoader(_Stream(8), batch_size=2), epochs=2, display_progress=False)
+        rec["steps"] = trainer.global_step
+        board = ctx.failure_board
+        rec["posts_before"] = [r.describe() for r in board.reports()] if board else []
+        ctx.check_failures("after the epochs")
+        _barrier(ctx)
+        if rank == job.faulty:
+            fault.action = "raise"
+        Trainer(engine).fit(DataLoader(_Stream(8), batch_size=2), epochs=1, display_progress=False)
+    finally:
+        ctx.destroy()
+        rec["t_exit"] = time.time()
+
+
 BODIES: dict[str, Callable[[Job, int, dict[str, Any]], None]] = {
     "nonfinite": _train,
     "batch_shape_differs": _train,
@@ -581,6 +826,10 @@ BODIES: dict[str, Callable[[Job, int, dict[str, Any]], None]] = {
     "ckpt_dies_mid_save": _dies_mid_save,
     "uneven_data": _uneven_data,
     "read_hangs": _read_hangs,
+    "ckpt_disk_full": _disk_full,
+    **{kind: _crashed_run for kind in RESUMES},
+    "ckpt_resume": _resumed_run,
+    "stream_epochs": _stream_epochs,
 }
 
 # ------------------------------------------------------------------------------ judging
@@ -687,6 +936,60 @@ def judge(case: Case, job: Job, world: int, records: dict[int, dict[str, Any]]) 
         if records[job.faulty]["outcome"] == "finished":
             return "wrong", "the rank blocked in its read finished its steps"
         return _named(records, others, (job.faulty,))
+    if kind == "ckpt_disk_full":
+        wrong = _all(records, everyone, "CheckpointError")
+        if wrong:
+            return wrong
+        final = str(Path(job.out, "disk", RUN, "step_00000004"))
+        for r in everyone:
+            if final not in records[r]["message"] or "errno 28" not in records[r]["message"]:
+                return "wrong", f"rank {r}'s error does not name {final} and errno 28"
+        left = [n for r in everyone for n in records[r]["left"] if ".tmp-" in n]
+        if left:
+            return "wrong", f"temporary folders left behind: {sorted(set(left))}"
+        for r in everyone:
+            if "reload_error" in records[r] or records[r].get("params") != records[r]["published"]:
+                return "lost", f"rank {r}: {records[r].get('reload_error', 'other values')}"
+        return "clear", ""
+    if kind == "stream_epochs":
+        posted = {r: records[r].get("posts_before") for r in everyone}
+        if any(p != [] for p in posted.values()):
+            return "wrong", f"failures posted after clean epochs (or none recorded): {posted}"
+        others = [r for r in everyone if r != job.faulty]
+        wrong = _all(records, [job.faulty], "ValueError") or _all(
+            records, others, "RankFailedError"
+        )
+        return wrong or _named(records, others, (job.faulty,))
+    if kind == "preempted":
+        for r in everyone:
+            rec = records[r]
+            if rec["outcome"] != "SystemExit" or rec.get("code") != 75:
+                return "wrong", f"rank {r}: {rec['outcome']} {rec.get('code')}, expected exit 75"
+            if RESUMES[kind][1] not in rec.get("saved", []):
+                return "lost", f"rank {r} saved {rec.get('saved')}, not {RESUMES[kind][1]}"
+        return "preempted", ""
+    if kind == "ckpt_resume":
+        expected = RESUMES[job.variant][1]
+        loaded = {records[r].get("loaded") for r in everyone}
+        if loaded != {expected}:
+            lost = loaded == {None} or min(str(x) for x in loaded) < expected
+            return "lost" if lost else "wrong", f"resumed from {loaded}, expected {expected}"
+        found, left = records[0]["found"], records[0]["left"]
+        if job.variant == "ckpt_leftovers" and not any(".tmp-" in n for n in found):
+            return "wrong", f"the crash left no temporary folder to sweep: {found}"
+        if any(".tmp-" in n for n in left):
+            return "wrong", f"leftovers not swept: {left}"
+        step = int(expected.removeprefix("step_"))
+        for r in everyone:
+            rec = records[r]
+            if rec["losses"] != rec["reference"][step:]:
+                return "wrong", (
+                    f"rank {r}: resumed losses {rec['losses']} != uninterrupted "
+                    f"{rec['reference'][step:]}"
+                )
+            if rec["params"] != rec["reference_params"]:
+                return "wrong", f"rank {r}: final parameters differ from the uninterrupted run"
+        return "ok", f"found {found}, resumed from {expected}, left {left}"
     if kind == "ckpt_tampered":
         wrong = _all(records, everyone, "CheckpointCorruptError")
         if wrong:
@@ -738,6 +1041,7 @@ class Case:
     dies: bool = False  # the faulty rank's process dies
     faulty_from: tuple[int, ...] = (0, 1)  # drawn from these
     fault_at_start: bool = False  # the fault is the job's own input (no fault.json)
+    all_die: bool = False  # every rank's process dies (then a second job resumes)
 
 
 CASES: list[Case] = [
@@ -763,6 +1067,12 @@ CASES: list[Case] = [
     Case("uneven data (len)", "uneven_data", 2, "len", fault_at_start=True),
     Case("uneven data (stream)", "uneven_data", 2, "stream", fault_at_start=True),
     Case("rank blocked in a read", "read_hangs", 3, faulty_from=(1, 2)),
+    Case("ckpt full disk", "ckpt_disk_full", 2),
+    Case("ckpt leftovers swept", "ckpt_leftovers", 2, all_die=True),
+    Case("resume mid-accumulation", "ckpt_accumulation", 2, all_die=True),
+    Case("stream epoch end", "stream_epochs", 3, faulty_from=(1, 2)),
+    Case("preempted (SIGTERM)", "preempted", 2),
+    Case("preempted, 2nd SIGTERM", "preempted_twice", 2, all_die=True),
 ]
 
 
@@ -783,17 +1093,26 @@ _PORT_TAKEN = "could not host the rendezvous store"
 
 
 def _launch_job(
-    runner: DistributedRunner, case: Case, job: Job
+    runner: DistributedRunner, case: Case, job: Job, deaths: dict[int, str] | None = None
 ) -> tuple[Verdict | None, dict[int, dict[str, Any]]]:
-    """Run ``job``; a hang or a rank lost outside the case (or None), and the records found."""
+    """Run ``job``; a hang or a rank lost outside the case (or None), and the records found.
+
+    ``deaths`` receives the launcher's account of each rank that died, and the moment the
+    launch returned (key -1, ``time.time()``).
+    """
     problem: Verdict | None = None
     try:
         runner.run(case_job, case.world, args=(job,), init_process_group=False)
     except RankTimeoutError as err:
         problem = "hang", f"no answer within the bound: {str(err)[:300]}"
     except RankError as err:
-        if not (case.dies and set(err.failures) == {job.faulty}):
+        expected = set(range(case.world)) if case.all_die else {job.faulty}
+        if not ((case.dies or case.all_die) and set(err.failures) == expected):
             problem = "wrong", f"a rank failed outside the case: {str(err)[-600:]}"
+        if deaths is not None:
+            deaths.update(err.failures)
+    if deaths is not None:
+        deaths[-1] = str(time.time())
     records = {
         int(p.stem.removeprefix("rank")): json.loads(p.read_text())
         for p in Path(job.out).glob("rank*.json")
@@ -814,13 +1133,42 @@ def _fault_to_exit(case: Case, job: Job, records: dict[int, dict[str, Any]]) -> 
     return max(exits) - start
 
 
+def _mount_tmpfs(folder: Path) -> bool:
+    """A 2 MiB tmpfs at ``folder`` (root only); whether it worked."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    command = ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(folder)]
+    return subprocess.run(command, capture_output=True, check=False).returncode == 0
+
+
 def run_case(runner: DistributedRunner, case: Case, job: Job) -> Outcome:
-    """Launch one case (and, after the crash case, the job that resumes from its folder)."""
+    """Launch one case (and, after a crash or preemption, the job that resumes its folder).
+
+    A full disk is a real one where this process may mount a small tmpfs (root), else an
+    ENOSPC raised by the faulty rank's write (the label says which).
+    """
+    if case.kind != "ckpt_disk_full":
+        return _run_case(runner, case, job)
+    disk = Path(job.out, "disk")
+    mounted = _mount_tmpfs(disk)
+    try:
+        return _run_case(runner, case, replace(job, variant="tmpfs" if mounted else "injected"))
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], capture_output=True, check=False)
+
+
+def _run_case(runner: DistributedRunner, case: Case, job: Job) -> Outcome:
     label = f"{case.row}{f' [{case.variant}]' if case.kind == 'engine_config' else ''}"
-    if case.dies or case.kind == "rank_stopped":
+    if case.kind == "ckpt_disk_full":
+        label += f" [{job.variant}]"
+    if case.dies or case.kind in ("rank_stopped", "stream_epochs", "preempted"):
         label += f" (rank {job.faulty}, step {job.fault_step})"
+    deaths: dict[int, str] = {}
     for _ in range(3):
-        problem, records = _launch_job(runner, case, job)
+        deaths.clear()
+        problem, records = _launch_job(runner, case, job, deaths)
         if not any(_PORT_TAKEN in r.get("message", "") for r in records.values()):
             break
         # another job on this machine took the fresh rendezvous port: launch again
@@ -828,8 +1176,15 @@ def run_case(runner: DistributedRunner, case: Case, job: Job) -> Outcome:
             stale.unlink(missing_ok=True)
     if problem is not None:
         return Outcome(case, label, *problem, None, records)
+    if case.all_die:
+        return _resume(runner, case, job, label, deaths)
     seconds = _fault_to_exit(case, job, records)
     category, detail = judge(case, job, case.world, records)
+    if case.kind == "preempted" and category == "preempted":
+        resumed = _resume(runner, case, job, label, deaths)
+        if resumed.category != "ok":
+            return resumed
+        detail = f"saved {records[0]['saved']}; {resumed.detail}"
     if category in ("clear", "ok") and seconds is None and case.kind != "nonfinite":
         category, detail = "wrong", "no fault time recorded: the fault did not happen"
     if case.kind == "ckpt_crash_between_renames" and category == "clear":
@@ -846,3 +1201,32 @@ def run_case(runner: DistributedRunner, case: Case, job: Job) -> Outcome:
             return Outcome(case, label, resumed, why, seconds, after)
         detail = f"resumed from {after[0]['latest']}, pruned {after[0]['pruned']}"
     return Outcome(case, label, category, detail, seconds, records)
+
+
+def _resume(
+    runner: DistributedRunner, case: Case, job: Job, label: str, deaths: dict[int, str]
+) -> Outcome:
+    """After a job that every rank left by SIGKILL or a signal: launch the resumed job.
+
+    The time is from the fault to the moment the launcher saw every rank gone.
+    """
+    fault = Path(job.out, "fault.json")
+    if not fault.exists():
+        return Outcome(case, label, "wrong", "the fault did not happen", None, {})
+    t_fault = json.loads(fault.read_text())["t_fault"]
+    seconds = float(deaths[-1]) - t_fault
+    if case.kind == "preempted":
+        seconds = None  # the preemption job's own records time it
+    if case.kind == "preempted_twice":
+        statuses = {r: text for r, text in deaths.items() if r >= 0}
+        if not all("exit code 143" in text for text in statuses.values()):
+            detail = "; ".join(f"rank {r}: {text[-200:]}" for r, text in statuses.items())
+            return Outcome(case, label, "wrong", f"expected exit 143: {detail}", seconds, {})
+    for name in [f"rank{r}.json" for r in range(case.world)]:
+        Path(job.out, name).unlink(missing_ok=True)
+    resume = Job("ckpt_resume", job.faulty, 0, job.out, job.timeout, job.beat, case.kind)
+    problem, after = _launch_job(runner, Case(case.row, "ckpt_resume", case.world), resume)
+    if problem is not None:
+        return Outcome(case, label, problem[0], f"resuming: {problem[1]}", seconds, after)
+    category, detail = judge(case, resume, case.world, after)
+    return Outcome(case, label, category, detail, seconds, after)
