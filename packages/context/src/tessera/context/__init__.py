@@ -74,6 +74,7 @@ from tessera.context.seeds import (
     set_seed,
 )
 from tessera.context.shard import ShardInfo, get_shard_info, set_shard_info
+from tessera.context.tensor_modes import TENSOR_MODE_PLUGINS, TensorMode, find_tensor_mode
 from tessera.context.tied import PIPELINE_SHARED_ATTR, mark_pipeline_shared, pipeline_shared_key
 from tessera.registry import ConfigError
 
@@ -95,6 +96,9 @@ __all__ = [
     "coordinates",
     # initializers (the plug point for custom modes) and their registry
     "PROCESS_GROUP_INITIALIZERS",
+    "TENSOR_MODE_PLUGINS",
+    "TensorMode",
+    "find_tensor_mode",
     "ProcessGroupInitializer",
     "GlobalInitializer",
     "Tensor1DInitializer",

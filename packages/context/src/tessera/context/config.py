@@ -56,7 +56,8 @@ class ParallelConfig:
         data_size: Number of model replicas (data-parallel ranks).
         pipeline_size: Number of pipeline stages.
         tensor_size: Number of ranks splitting each stage's tensors.
-        tensor_mode: ``None``, ``'1d'``, ``'2d'``, ``'2.5d'``, ``'3d'`` or ``'sequence'``.
+        tensor_mode: ``None``, ``'1d'``, ``'2d'``, ``'2.5d'``, ``'3d'``, ``'sequence'`` or the name of
+            a registered ``TensorMode`` (tensor_modes.py).
         tensor_depth: The depth of 2.5D (``tensor_size == q * q * depth``); 1 otherwise.
         tensor_args: Extra keys of ``parallel.tensor`` (e.g. ``sequence_parallel=True``),
             kept for the layers of that mode.
@@ -232,10 +233,20 @@ def _read_tensor(value: object) -> tuple[int, str | None, int, dict[str, Any]]:
         )
     size = _check_size("parallel.tensor.size", value["size"])
     mode = value.get("mode")
-    if mode is not None and (not isinstance(mode, str) or mode not in TENSOR_MODES):
+    plugin = _plugin(mode)
+    if (
+        mode is not None
+        and plugin is None
+        and (not isinstance(mode, str) or mode not in TENSOR_MODES)
+    ):
         raise ConfigError(
-            f"parallel.tensor.mode: unknown mode {mode!r}; known modes: {_known_modes()}"
+            f"parallel.tensor.mode: unknown mode {mode!r}; known modes: {_known_modes()} (a "
+            "mode of your own: register a TensorMode in tessera.context.TENSOR_MODE_PLUGINS)"
         )
+    if plugin is not None:
+        args = {k: v for k, v in value.items() if k not in _TENSOR_KEYS}
+        plugin.check(size, args)
+        return size, plugin.name, 1, args
     if "depth" in value:
         if mode != "2.5d":
             raise ConfigError(
@@ -261,6 +272,17 @@ def _check_mode_arguments(tensor: Mapping[str, Any]) -> None:
     silently, so both are errors.
     """
     mode = tensor.get("mode")
+    plugin = _plugin(mode)
+    if plugin is not None:  # a mode of your own reads exactly its declared keys
+        for key in tensor:
+            if key not in _TENSOR_KEYS and key not in plugin.arguments:
+                raise ConfigError(
+                    f"parallel.tensor.{key} is not read by tensor mode {mode!r} (its keys: "
+                    f"{list(plugin.arguments)}): it would be ignored; remove it"
+                )
+        if "depth" in tensor:
+            raise ConfigError(f"parallel.tensor.depth is only for mode '2.5d', not {mode!r}")
+        return
     every_argument = sorted({a for args in MODE_ARGUMENTS.values() for a in args})
     for key in tensor:
         if key in _TENSOR_KEYS:
@@ -280,7 +302,18 @@ def _check_mode_arguments(tensor: Mapping[str, Any]) -> None:
 
 
 def _known_modes() -> str:
-    return "None, " + ", ".join(repr(m) for m in TENSOR_MODES)
+    from .tensor_modes import TENSOR_MODE_PLUGINS as PLUGINS
+
+    return "None, " + ", ".join(repr(m) for m in (*TENSOR_MODES, *PLUGINS.names()))
+
+
+def _plugin(mode: object) -> Any:
+    """The registered ``TensorMode`` called ``mode`` (tensor_modes.py), or ``None``."""
+    if mode in TENSOR_MODES:
+        return None
+    from .tensor_modes import find_tensor_mode
+
+    return find_tensor_mode(mode)
 
 
 def _check_mode(mode: str | None, size: int, depth: int, where: str) -> None:
@@ -290,6 +323,8 @@ def _check_mode(mode: str | None, size: int, depth: int, where: str) -> None:
             raise ConfigError(
                 f"{where}: tensor size {size} > 1 needs a mode, one of {_known_modes()}"
             )
+        return
+    if _plugin(mode) is not None:
         return
     if mode not in TENSOR_MODES:
         raise ConfigError(f"{where}.mode: unknown mode {mode!r}; known modes: {_known_modes()}")

@@ -18,6 +18,7 @@ from tessera.registry import ConfigError, Registry
 from .config import ExtraInitializer, ParallelConfig
 from .layouts import TENSOR_LAYOUTS, Groups, global_groups, lift, sequence_groups
 from .modes import ParallelMode, mode_key
+from .tensor_modes import find_tensor_mode
 
 __all__ = [
     "PROCESS_GROUP_INITIALIZERS",
@@ -233,7 +234,10 @@ def rank_groups(config: ParallelConfig) -> dict[str, Groups]:
     initializers: list[tuple[str, ProcessGroupInitializer]] = [
         ("GlobalInitializer", GlobalInitializer())
     ]
-    builtin = _BUILTIN[config.tensor_mode]
+    builtin = _BUILTIN.get(config.tensor_mode)
+    if config.tensor_mode not in _BUILTIN:  # a mode of your own (tensor_modes.py)
+        plugin = find_tensor_mode(config.tensor_mode)
+        builtin = None if plugin is None else plugin.initializer
     if builtin is not None:
         initializers.append((builtin.__name__, builtin()))
     for i, entry in enumerate(config.extra):

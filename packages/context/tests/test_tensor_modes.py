@@ -1,0 +1,77 @@
+"""A tensor mode of the user's own, named in the config as tessera's are (tensor_modes.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tessera.context import (
+    TENSOR_MODE_PLUGINS,
+    ConfigError,
+    ParallelConfig,
+    ProcessGroupInitializer,
+    TensorMode,
+    find_tensor_mode,
+    global_rank,
+    rank_groups,
+)
+
+
+class RowsInitializer(ProcessGroupInitializer):
+    modes = ("rows",)
+
+    def rank_groups(self, config: ParallelConfig) -> dict[str, list[tuple[int, ...]]]:
+        blocks = [(d, p) for d in range(config.data_size) for p in range(config.pipeline_size)]
+        return {
+            "rows": [
+                tuple(global_rank(config, d, p, t) for t in range(config.tensor_size))
+                for d, p in blocks
+            ]
+        }
+
+
+class Rows(TensorMode):
+    name = "rows"
+    arguments = ("average",)
+    initializer = RowsInitializer
+
+    def check(self, size: int, args: Any) -> None:
+        if size % 2:
+            raise ConfigError(f"parallel.tensor.size {size}: 'rows' needs an even count")
+
+
+TENSOR_MODE_PLUGINS.register(Rows, name="rows")
+
+
+def test_a_registered_mode_is_read_and_builds_its_groups() -> None:
+    c = ParallelConfig.from_dict({"pipeline": 2, "tensor": {"size": 2, "mode": "rows"}}, 8)
+    assert (c.data_size, c.tensor_size, c.tensor_mode) == (2, 2, "rows")
+    c = ParallelConfig.from_dict({"tensor": {"size": 2, "mode": "rows", "average": False}}, 4)
+    assert dict(c.tensor_args) == {"average": False}
+    groups = rank_groups(c)
+    assert [tuple(g) for g in groups["rows"]] == [(0, 1), (2, 3)]
+    assert isinstance(find_tensor_mode("rows"), Rows) and find_tensor_mode("1d") is None
+
+
+@pytest.mark.parametrize(
+    ("tensor", "fragment"),
+    [
+        ({"size": 3, "mode": "rows"}, "'rows' needs an even count"),
+        ({"size": 2, "mode": "rows", "avrage": 1}, "parallel.tensor.avrage is not read by"),
+        ({"size": 2, "mode": "rows", "depth": 2}, "depth is only for mode '2.5d'"),
+        ({"size": 2, "mode": "row"}, r"unknown mode 'row'; known modes: .*'rows'"),
+    ],
+)
+def test_a_registered_mode_checks_its_keys(tensor: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        ParallelConfig.from_dict({"tensor": tensor}, 6)
+
+
+def test_a_mode_registered_under_another_name_is_refused() -> None:
+    class Misnamed(TensorMode):
+        name = "other"
+
+    TENSOR_MODE_PLUGINS.register(Misnamed, name="misnamed")
+    with pytest.raises(TypeError, match="register it under its own name"):
+        ParallelConfig.from_dict({"tensor": {"size": 2, "mode": "misnamed"}}, 2)
