@@ -56,8 +56,8 @@ class ParallelConfig:
         data_size: Number of model replicas (data-parallel ranks).
         pipeline_size: Number of pipeline stages.
         tensor_size: Number of ranks splitting each stage's tensors.
-        tensor_mode: ``None``, ``'1d'``, ``'2d'``, ``'2.5d'``, ``'3d'``, ``'sequence'`` or the name of
-            a registered ``TensorMode`` (tensor_modes.py).
+        tensor_mode: ``None``, ``'1d'``, ``'2d'``, ``'2.5d'``, ``'3d'``, ``'sequence'`` or the
+            name of a registered ``TensorMode`` (tensor_modes.py).
         tensor_depth: The depth of 2.5D (``tensor_size == q * q * depth``); 1 otherwise.
         tensor_args: Extra keys of ``parallel.tensor`` (e.g. ``sequence_parallel=True``),
             kept for the layers of that mode.
