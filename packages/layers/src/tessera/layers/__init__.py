@@ -130,6 +130,7 @@ from tessera.layers.shared.serial import (
     SerialPatchEmbedding,
 )
 from tessera.layers.shared.shards import new_parameter, shard_info
+from tessera.layers.state.pretrained import PretrainedKeys, load_pretrained, save_pretrained
 from tessera.layers.state.state_dict import gather_full_state_dict, load_full_state_dict
 
 __all__ = [
@@ -265,6 +266,9 @@ __all__ = [
     # state dicts and activations
     "load_full_state_dict",
     "gather_full_state_dict",
+    "load_pretrained",
+    "save_pretrained",
+    "PretrainedKeys",
     "split_activation",
     "gather_activation",
     "split_batch",

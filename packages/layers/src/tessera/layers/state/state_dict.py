@@ -11,7 +11,7 @@ original model's form, so its state dict goes in and comes out unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 from torch import nn
@@ -22,7 +22,61 @@ from ..comm.collectives import all_gather_along
 from ..shared.base import ParallelModule
 from ..shared.context_access import resolve_context
 
-__all__ = ["gather_full_state_dict", "load_full_state_dict"]
+__all__ = [
+    "full_shape",
+    "gather_full_state_dict",
+    "gather_full_tensors",
+    "load_full_state_dict",
+    "shard_of_full",
+]
+
+
+def full_shape(target: torch.Tensor) -> tuple[int, ...]:
+    """The shape of ``target``'s full tensor in the original model's form.
+
+    What a checkpoint of the plain model holds under ``target``'s name: the
+    :class:`~tessera.context.FullForm`'s original shape for a converted parameter (a GPT-2
+    ``Conv1D``'s ``[in, out]``), else the ShardInfo's global shape, else ``target``'s own.
+    Known without communication, so a loader checks a whole checkpoint's shapes, and a writer
+    lays out its files, before any tensor is read or gathered.
+    """
+    form = get_full_form(target)
+    if form is not None:
+        return form.original_shape
+    info = get_shard_info(target)
+    return info.global_shape if info is not None else tuple(target.shape)
+
+
+def shard_of_full(name: str, target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's block of ``target`` cut from ``full``, the original model's full tensor.
+
+    The one conversion every loader shares (a whole state dict, or a checkpoint read one
+    tensor at a time): the original form is turned into tessera's (transposed, q/k/v
+    interleaved by group) and the ShardInfo's block is sliced out. No copy is made where none
+    is needed: the result may be a view of ``full``.
+
+    Args:
+        name: The tensor's key, for the error.
+        target: The module's tensor (its ShardInfo and FullForm say what to cut).
+        full: The full tensor in the original model's form.
+
+    Raises:
+        ValueError: ``full`` does not have the shape the module expects (naming ``name``).
+    """
+    info = get_shard_info(target)
+    expected = info.global_shape if info is not None else tuple(target.shape)
+    form = get_full_form(target)
+    if form is not None:
+        try:
+            full = form.from_original(full, expected)
+        except ValueError as err:
+            raise ValueError(f"{name!r}: {err}") from None
+    if tuple(full.shape) != expected:
+        raise ValueError(
+            f"{name!r} has shape {list(full.shape)}, the module expects the full shape "
+            f"{list(expected)}"
+        )
+    return full[info.slices] if info is not None else full
 
 
 def load_full_state_dict(
@@ -31,7 +85,8 @@ def load_full_state_dict(
     """Copy each rank's block of a full (single-process) state dict into ``module``.
 
     No communication: every rank reads the full tensors and keeps what its ShardInfo says.
-    Every shape is checked before anything is copied.
+    Every shape is checked before anything is copied. A checkpoint too large for one rank's
+    memory is read one tensor at a time by :func:`~tessera.layers.load_pretrained` instead.
 
     Args:
         module: A model built from tessera layers (any mix of parallel and plain modules).
@@ -54,21 +109,10 @@ def load_full_state_dict(
     for name, target in own.items():
         if name not in state_dict:
             continue
-        full = state_dict[name]
-        info = get_shard_info(target)
-        expected = info.global_shape if info is not None else tuple(target.shape)
-        form = get_full_form(target)
-        if form is not None:
-            try:
-                full = form.from_original(full, expected)
-            except ValueError as err:
-                raise ValueError(f"load_full_state_dict: {name!r}: {err}") from None
-        if tuple(full.shape) != expected:
-            raise ValueError(
-                f"load_full_state_dict: {name!r} has shape {list(full.shape)}, the module "
-                f"expects the full shape {list(expected)}"
-            )
-        plan.append((target, full[info.slices] if info is not None else full))
+        try:
+            plan.append((target, shard_of_full(name, target, state_dict[name])))
+        except ValueError as err:
+            raise ValueError(f"load_full_state_dict: {err}") from None
     with torch.no_grad():
         for target, block in plan:
             target.copy_(block)
@@ -86,27 +130,51 @@ def _meta(info: ShardInfo) -> list[int]:
 
 
 def gather_full_state_dict(
-    module: nn.Module, *, context: ParallelContext | None = None
+    module: nn.Module,
+    *,
+    context: ParallelContext | None = None,
+    names: Collection[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The full (single-process) state dict of ``module``, on every tensor rank.
 
     Exact: ``load_full_state_dict(m, gather_full_state_dict(m))`` changes nothing, and the
     result loads into the plain torch model. Collective over the TENSOR group: every tensor
-    rank must call it.
+    rank must call it, with the same ``names``.
 
     Args:
         module: A model built from tessera layers.
         context: The context whose TENSOR group holds the blocks; default the context of the
             first tessera layer in ``module``, else the current one. Under ZeRO-2/3 the
             parameters are also gathered over DATA, so every data rank must call it too.
+        names: Only these keys (default all): a model larger than one rank's memory is
+            gathered a part at a time (what :func:`~tessera.layers.save_pretrained` does).
 
     Raises:
+        KeyError: ``names`` holds keys ``module``'s state dict lacks.
         ValueError: the ranks hold different sets of blocks, or the blocks of a tensor do not
             cover it (a parameter split over a mode outside the TENSOR group).
     """
-    own = _whole_over_data(module.state_dict(keep_vars=True))
-    result = _gather_tessera_form(module, own, context)
-    for name, t in own.items():
+    own = module.state_dict(keep_vars=True)
+    if names is not None:
+        unknown = sorted(set(names) - set(own))
+        if unknown:
+            raise KeyError(f"gather_full_state_dict: the module has no keys {unknown}")
+        own = {name: t for name, t in own.items() if name in names}
+    return gather_full_tensors(module, own, context)
+
+
+def gather_full_tensors(
+    module: nn.Module, own: Mapping[str, torch.Tensor], context: ParallelContext | None = None
+) -> dict[str, torch.Tensor]:
+    """The full tensors, in the original model's form, of ``own`` (some of ``module``'s).
+
+    :func:`gather_full_state_dict` on a state dict already in hand (``state_dict(keep_vars=
+    True)`` or part of it), so a caller gathering a tensor at a time builds it once.
+    Collective as that function is.
+    """
+    whole = _whole_over_data(dict(own))
+    result = _gather_tessera_form(module, whole, context)
+    for name, t in whole.items():
         form = get_full_form(t)
         if form is not None:
             result[name] = form.to_original(result[name])
