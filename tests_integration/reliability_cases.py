@@ -101,9 +101,12 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _note_fault(out: str) -> None:
     """The moment of the fault, written before it happens (first writer wins)."""
-    path = Path(out, "fault.json")
-    if not path.exists():
-        path.write_text(json.dumps({"t_fault": time.time(), "pid": os.getpid()}))
+    try:  # exclusive: ranks noting the same fault at once must not both write
+        fd = os.open(Path(out, "fault.json"), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"t_fault": time.time(), "pid": os.getpid()}))
 
 
 _CONTEXT: list[Any] = []  # this rank's context, for the board's posts in a record

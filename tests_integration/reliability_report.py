@@ -690,12 +690,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cases",
         default=None,
-        help="run only the launched cases whose row contains this text (no hostile configs, "
-        "no round one)",
+        help="run only the launched cases whose row contains one of these comma-separated "
+        "texts (no hostile configs, no round one)",
     )
     args = parser.parse_args(argv)
     if args.cases is not None:
-        cases.CASES[:] = [c for c in cases.CASES if args.cases in c.row]
+        wanted = [w.strip() for w in args.cases.split(",") if w.strip()]
+        cases.CASES[:] = [c for c in cases.CASES if any(w in c.row for w in wanted)]
         args.configs, args.repeats = 0, 0
     torch.set_num_threads(1)
 
