@@ -1166,8 +1166,10 @@ def _run_case(runner: DistributedRunner, case: Case, job: Job) -> Outcome:
     label = f"{case.row}{f' [{case.variant}]' if case.kind == 'engine_config' else ''}"
     if case.kind == "ckpt_disk_full":
         label += f" [{job.variant}]"
-    if case.dies or case.kind in ("rank_stopped", "stream_epochs", "preempted"):
+    if case.dies or case.kind == "rank_stopped":
         label += f" (rank {job.faulty}, step {job.fault_step})"
+    if case.kind in ("stream_epochs", "preempted"):
+        label += f" (rank {job.faulty})"
     deaths: dict[int, str] = {}
     for _ in range(3):
         deaths.clear()

@@ -610,7 +610,7 @@ def round_two(
                 f"  {got.label}: {got.category}, fault to every rank's exit {seconds} "
                 f"({elapsed:.1f} s in all) {got.detail}"[:300]
             )
-            if got.category in ("clear", "ok"):
+            if got.category in ("clear", "ok", "preempted"):
                 continue
             ranks = "; ".join(
                 f"rank {r}: {rec.get('outcome')} {rec.get('message', '')}"[:400]
