@@ -35,11 +35,16 @@
    rank naming the file), a crash between the two renames of an overwriting publish (then a
    newer damaged checkpoint, ``prune_checkpoints(keep_last=1)`` and ``latest_checkpoint``
    must still resume the last published values), a rank dying mid-save (named; the previous
-   checkpoint intact).
+   checkpoint intact). Issue 40 adds, through the Trainer and its checkpoint hooks: uneven
+   data, a read that hangs, a full disk in a save (a real tmpfs when this process may mount
+   one), a save's leftovers swept at restart, a resume of a job killed mid-accumulation, an
+   IterableDataset's epoch end, SIGTERM to one rank and a second SIGTERM in its save (each
+   resume compared bitwise with an uninterrupted run).
 4. **The report**: a table with, per case, the cases tried, clear errors, wrong results, hangs,
-   wrong rank named, checkpoints lost and the worst time from the fault to the last rank's
-   exit. The goal row is 0 / 0 / 0 / 0 and a worst time under ``--exit-bound`` (15 s); the exit
-   status is 1 otherwise.
+   wrong rank named, checkpoints lost, preemptions saved and the worst time from the fault to
+   the last rank's exit. The goal row is 0 / 0 / 0 / 0 and a worst time under ``--exit-bound``
+   (15 s; a preemption's signal to exit under ``--save-bound``, 30 s); the exit status is 1
+   otherwise.
 """
 
 from __future__ import annotations
