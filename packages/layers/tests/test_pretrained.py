@@ -20,6 +20,7 @@ from tessera.layers import (
     load_pretrained,
     meta_parameters,
     parallelize,
+    parallelize_pretrained,
     save_pretrained,
 )
 
@@ -53,20 +54,23 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def _load_and_save(tensor: dict[str, Any], folders: dict[str, str], out: str) -> int:
-    """Each checkpoint into a model built on meta and parallelized: the gathered state equals
-    the original, the logits one process's; saved back, ``from_pretrained`` computes them too."""
+    """Each checkpoint into a model built on meta and parallelized (GPT-2 by hand, Llama by
+    ``parallelize_pretrained``, its bf16 turned fp32): the gathered state equals the original,
+    the logits one process's; saved back, ``from_pretrained`` computes them too."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     ctx = create_context(dict(parallel=dict(tensor=tensor)), timeout=60.0)
     try:
         for name, folder in folders.items():
             ref = _reference(name)
-            with meta_parameters():
-                empty = AutoModelForCausalLM.from_config(
-                    AutoConfig.from_pretrained(folder), dtype=torch.float32
-                )
-            model = parallelize(empty, context=ctx).eval()
-            load_pretrained(model, folder)
+            if name == "gpt2":  # by hand: build on meta, parallelize, load
+                with meta_parameters():
+                    empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+                model = parallelize(empty, context=ctx)
+                load_pretrained(model, folder)
+            else:  # in one line, the class from config.json
+                model = parallelize_pretrained(folder, context=ctx)
+            model.eval()
             gathered, expected = gather_full_state_dict(model), ref.state_dict()
             assert list(gathered) == list(expected)
             for key, t in expected.items():

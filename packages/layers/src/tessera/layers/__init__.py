@@ -130,7 +130,12 @@ from tessera.layers.shared.serial import (
     SerialPatchEmbedding,
 )
 from tessera.layers.shared.shards import new_parameter, shard_info
-from tessera.layers.state.pretrained import PretrainedKeys, load_pretrained, save_pretrained
+from tessera.layers.state.pretrained import (
+    PretrainedKeys,
+    load_pretrained,
+    parallelize_pretrained,
+    save_pretrained,
+)
 from tessera.layers.state.state_dict import gather_full_state_dict, load_full_state_dict
 
 __all__ = [
@@ -267,6 +272,7 @@ __all__ = [
     "load_full_state_dict",
     "gather_full_state_dict",
     "load_pretrained",
+    "parallelize_pretrained",
     "save_pretrained",
     "PretrainedKeys",
     "split_activation",
