@@ -36,9 +36,8 @@ from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode
 
-from ..shared.base import ParallelModule
 from ..shared.context_access import current_or_none
-from .state_dict import full_shape, gather_full_tensors, shard_of_full
+from .state_dict import _find_context, full_shape, gather_full_tensors, shard_of_full
 
 __all__ = ["PretrainedKeys", "load_pretrained", "parallelize_pretrained", "save_pretrained"]
 
@@ -363,13 +362,6 @@ def save_pretrained(
 
 def _numbered(i: int, count: int) -> str:
     return f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-
-
-def _find_context(model: nn.Module) -> ParallelContext | None:
-    for sub in model.modules():
-        if isinstance(sub, ParallelModule):
-            return sub.context
-    return None
 
 
 def _size_in_bytes(size: int | str) -> int:
