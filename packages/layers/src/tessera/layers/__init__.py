@@ -29,6 +29,7 @@ from tessera.layers.conversion import (
     pipeline_layers,
     token_loss,
 )
+from tessera.layers.conversion.pretrained import parallelize_pretrained
 from tessera.layers.cube.classifier import Classifier3D, VocabParallelClassifier3D
 from tessera.layers.cube.dropout import Dropout3D, SequenceDropout, ShardedDropout
 from tessera.layers.cube.embedding import Embedding3D, VocabParallelEmbedding3D
@@ -130,12 +131,7 @@ from tessera.layers.shared.serial import (
     SerialPatchEmbedding,
 )
 from tessera.layers.shared.shards import new_parameter, shard_info
-from tessera.layers.state.pretrained import (
-    PretrainedKeys,
-    load_pretrained,
-    parallelize_pretrained,
-    save_pretrained,
-)
+from tessera.layers.state.pretrained import PretrainedKeys, load_pretrained, save_pretrained
 from tessera.layers.state.state_dict import gather_full_state_dict, load_full_state_dict
 
 __all__ = [
