@@ -57,7 +57,7 @@ from hf_models import (
     xglm_lm,
 )
 from mesh_reference import sum_deferred
-from plain_models import PLAIN_PLAN, plain_lm
+from plain_models import PLAIN_PLAN, SelfAttention, plain_lm
 from torch import nn
 
 from tessera.context import (
@@ -1319,25 +1319,11 @@ def _errors() -> list[str]:
     return caught
 
 
-class _SelfAttention(nn.Module):
-    """A researcher's own attention: q/k/v/o linear layers around SDPA."""
-
-    def __init__(self, hidden: int = 16, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = (
-            p(x).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v)
-        )
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, s, d]
-        return self.o(out.transpose(1, 2).reshape(b, s, h))
-
-
 def _own_attention_block() -> nn.Sequential:
-    return nn.Sequential(nn.LayerNorm(16), _SelfAttention(), nn.Linear(16, 32), nn.Linear(32, 16))
+    """A researcher's own attention (q/k/v/o around SDPA) between a norm and an MLP."""
+    return nn.Sequential(
+        nn.LayerNorm(16), SelfAttention(16, 4), nn.Linear(16, 32), nn.Linear(32, 16)
+    )
 
 
 def test_misuse_is_a_clear_error(dist) -> None:
