@@ -446,7 +446,7 @@ def create_context(
         progress_timeout: Seconds a rank may go without a progress mark (a guard entered or
             left, a batch read) while another rank is past it, before every rank names it as
             stalled: a read hung on a dead file server keeps its heartbeat beating. None or
-            0 turns it off (default ``DEFAULT_PROGRESS_TIMEOUT``, 120 s).
+            0 turns it off (default ``DEFAULT_PROGRESS_TIMEOUT``, 240 s; keep it below ``timeout``).
 
     Raises:
         RuntimeError: the default process group is not initialized.

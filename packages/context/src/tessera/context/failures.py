@@ -76,9 +76,11 @@ __all__ = [
 DEFAULT_HEARTBEAT_INTERVAL = 2.0
 
 #: Seconds a rank may go without a progress mark, while another rank is past it, before it is
-#: declared stalled: generous, so a slow step or data read is never taken for a hang, and
-#: shorter than the 5-minute collective timeout, so the stalled rank is named before it.
-DEFAULT_PROGRESS_TIMEOUT = 120.0
+#: declared stalled: generous, so a slow step, data read or one rank's long checkpoint write
+#: is not taken for a hang (work longer than the collective timeout fails anyway: the others
+#: wait in a collective), and shorter than the 5-minute collective timeout by more than two
+#: heartbeats, so the stalled rank is named before the collectives time out.
+DEFAULT_PROGRESS_TIMEOUT = 240.0
 
 #: Heartbeat intervals without a beat after which a rank counts as dead.
 _SILENT_INTERVALS = 3.0
