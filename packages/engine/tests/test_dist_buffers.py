@@ -3,6 +3,7 @@
 pipeline 2 x data 2 on 4 gloo ranks: the engine averages gradients with its
 DataParallelGradientHandler (DDP does not fit a pipeline), which also copies the first
 replica's buffers to the other at every step unless ``ddp=dict(broadcast_buffers=False)``.
+ZeRO-3 on 2 data ranks: FSDP2 syncs no buffers, the engine's BufferBroadcastHandler does.
 """
 
 from __future__ import annotations
@@ -89,3 +90,34 @@ def test_replicas_hold_the_first_replicas_batchnorm_statistics(dist: Any) -> Non
     # ddp=dict(broadcast_buffers=False), DDP's switch: each replica keeps its own statistics
     first, second = _by_stage(results, "off")[0]
     assert not torch.equal(first["0.running_mean"], second["0.running_mean"])
+
+
+def _zero3(broadcast: bool) -> dict[str, torch.Tensor]:
+    config: dict[str, Any] = dict(zero=dict(stage=3), ddp=dict(broadcast_buffers=broadcast))
+    ctx = create_context(config, timeout=60)
+    try:
+        d = ctx.get_local_rank(M.DATA)
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine, *_ = initialize(model, optimizer, nn.CrossEntropyLoss(), config=config, context=ctx)
+        for step in range(STEPS):
+            engine.zero_grad()
+            x, y = _replica_batch(step, d)
+            engine.backward(engine.criterion(engine(x), y))
+            engine.step()
+        return {name: b.clone() for name, b in model.named_buffers()}
+    finally:
+        ctx.destroy()
+
+
+def test_zero3_replicas_hold_the_first_replicas_batchnorm_statistics(dist: Any) -> None:
+    synced = dist.run(_zero3, world_size=2, args=(True,), timeout=180)
+    assert synced[0].keys() == synced[1].keys() and synced[0]
+    for name in synced[0]:
+        torch.testing.assert_close(synced[1][name], synced[0][name], rtol=0, atol=0, msg=name)
+    reference = nn.BatchNorm1d(4)
+    for step in range(STEPS):
+        reference(_replica_batch(step, 0)[0])
+    torch.testing.assert_close(synced[0]["0.running_mean"], reference.running_mean)
+    apart = dist.run(_zero3, world_size=2, args=(False,), timeout=180)
+    assert not torch.equal(apart[0]["0.running_mean"], apart[1]["0.running_mean"])

@@ -91,6 +91,7 @@ from .context_lookup import group_if_parallel, resolve_context
 from .engine import Engine
 from .gradient_handlers import (
     BaseGradientHandler,
+    BufferBroadcastHandler,
     DataParallelGradientHandler,
     DeferredSumGradientHandler,
     PipelineSharedModuleGradientHandler,
@@ -301,7 +302,11 @@ def _gradient_sync(
         if deferred.sums:
             handlers.append(deferred)
         if _is_sequence_parallel(ctx) and group_if_parallel(ctx, ParallelMode.SEQUENCE_DP):
-            handlers.append(SequenceParallelGradientHandler(forward_model, optimizer, ctx))
+            handlers.append(
+                SequenceParallelGradientHandler(
+                    forward_model, optimizer, ctx, broadcast_buffers=_broadcast_buffers(settings)
+                )
+            )
         elif data_size > 1 and (pipeline_size > 1 or not isinstance(forward_model, nn.Module)):
             # DDP's option, also where DDP does not fit: replicas agree on BatchNorm statistics
             handlers.append(
@@ -316,6 +321,12 @@ def _gradient_sync(
             forward_model = nn.parallel.DistributedDataParallel(
                 forward_model, process_group=ctx.get_group(ParallelMode.DATA), **ddp_kwargs
             )
+    zero_replicas = settings.zero_stage >= 2 and data_size > 1
+    if not settings.gradient_handlers and zero_replicas and _broadcast_buffers(settings):
+        # FSDP2 reduces the gradients but never syncs buffers (BatchNorm's statistics)
+        modules = [forward_model] if isinstance(forward_model, nn.Module) else forward_model
+        if any(True for m in modules for _ in m.buffers()):
+            handlers.append(BufferBroadcastHandler(forward_model, optimizer, ctx))
     _check_deferred_sums(handlers, forward_model)
     if pipeline_size > 1 and not any(
         isinstance(h, PipelineSharedModuleGradientHandler) for h in handlers

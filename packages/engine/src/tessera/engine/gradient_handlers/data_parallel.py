@@ -5,27 +5,21 @@ gradient of the whole batch (synchronous data parallelism, as in Li et al. 2020,
 Distributed"). Used where torch's DDP does not fit: a pipeline stage runs several forwards
 before its backwards, which DDP's reducer does not expect.
 
-Buffers are not gradients, yet replicas must agree on them too: BatchNorm's running statistics
-are updated by each replica's own forwards, so without a sync they drift apart (by up to 7.2
-after 3 steps of the seed's ResNet-50 on 2 replicas), and evaluation or a checkpoint depends on
-which rank is asked. Like DDP (``broadcast_buffers=True``, its default), the handler then
-overwrites every buffer with the first replica's copy, here once per optimizer step after the
-gradients, so after each step every replica holds exactly what the first one computed. To use
-every replica's batch in the statistics instead, convert the model with
-``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` (its group: the DATA group).
+Buffers are not gradients, yet replicas must agree on them too: like DDP
+(``broadcast_buffers=True``, its default), the handler overwrites every buffer with the first
+replica's copy once per optimizer step, after the gradients (buffers.py).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode
 
-from ..buckets import DEFAULT_BUCKET_BYTES, all_reduce_coalesced, broadcast_coalesced
+from ..buckets import DEFAULT_BUCKET_BYTES, all_reduce_coalesced
 from ..context_lookup import group_if_parallel
 from .base import BaseGradientHandler, DenseGrads, ModelLike
+from .buffers import broadcast_buffers
 
 __all__ = ["DataParallelGradientHandler"]
 
@@ -65,13 +59,4 @@ class DataParallelGradientHandler(BaseGradientHandler):
         all_reduce_coalesced(dense.tensors, group, divisor=size, bucket_bytes=self._bucket_bytes)
         dense.drop_unused()
         if self.broadcast_buffers:
-            self._broadcast_buffers(group)
-
-    def _broadcast_buffers(self, group: dist.ProcessGroup) -> None:
-        """Overwrite every buffer with the first data-parallel replica's copy."""
-        assert self._context is not None
-        modules = [self._model] if isinstance(self._model, nn.Module) else list(self._model)
-        buffers = [b for m in modules for b in m.buffers()]
-        if buffers:
-            src = self._context.get_ranks_in_group(ParallelMode.DATA)[0]
-            broadcast_coalesced(buffers, src, group, bucket_bytes=self._bucket_bytes)
+            broadcast_buffers(self._model, self._context, ParallelMode.DATA, self._bucket_bytes)

@@ -25,6 +25,7 @@ from tessera.context import ParallelContext, ParallelMode
 from ..buckets import DEFAULT_BUCKET_BYTES, all_reduce_coalesced
 from ..context_lookup import group_if_parallel
 from .base import BaseGradientHandler, DenseGrads, ModelLike
+from .buffers import broadcast_buffers
 
 __all__ = ["SequenceParallelGradientHandler"]
 
@@ -38,6 +39,8 @@ class SequenceParallelGradientHandler(BaseGradientHandler):
         context: The ParallelContext (default: the current one); it must hold SEQUENCE_DP.
         average: ``"sequence_dp"`` or ``"data"``, see the module docstring.
         bucket_size_mb: Size of one coalesced all-reduce.
+        broadcast_buffers: After the gradients, copy the first SEQUENCE_DP rank's buffers to
+            the others (buffers.py), as the data-parallel handler does over DATA.
 
     Raises:
         ValueError: ``average`` is neither value, or the context has no SEQUENCE_DP mode.
@@ -50,8 +53,10 @@ class SequenceParallelGradientHandler(BaseGradientHandler):
         context: ParallelContext | None = None,
         average: Literal["sequence_dp", "data"] = "sequence_dp",
         bucket_size_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__(model, optimizer, context)
+        self.broadcast_buffers = broadcast_buffers
         if average not in ("sequence_dp", "data"):
             raise ValueError(f"average must be 'sequence_dp' or 'data', got {average!r}")
         ctx = self._context
@@ -76,3 +81,5 @@ class SequenceParallelGradientHandler(BaseGradientHandler):
             dense.tensors, group, divisor=float(divisor), bucket_bytes=self._bucket_bytes
         )
         dense.drop_unused()
+        if self.broadcast_buffers:
+            broadcast_buffers(self._model, ctx, ParallelMode.SEQUENCE_DP, self._bucket_bytes)
