@@ -36,6 +36,7 @@ from .dist_logger import DistributedLogger, disable_existing_loggers, get_dist_l
 from .engine import Engine
 from .gradient_handlers import (
     BaseGradientHandler,
+    BufferBroadcastHandler,
     DataParallelGradientHandler,
     DeferredSumGradientHandler,
     PipelineSharedModuleGradientHandler,
@@ -94,6 +95,7 @@ __all__ = [
     "NonPipelineSchedule",
     # gradient handlers
     "BaseGradientHandler",
+    "BufferBroadcastHandler",
     "DataParallelGradientHandler",
     "DeferredSumGradientHandler",
     "SequenceParallelGradientHandler",
