@@ -38,6 +38,8 @@ class GPTStem(nn.Module):
         super().__init__()
         self.tokens = Embedding(vocab, hidden, vocab_parallel=True)
         self.positions = Embedding(seq_len, hidden)
+        # every row's positions are 0..s-1: the same on every rank of a batch group, on purpose
+        setattr(self.positions, "check_split_batch", False)  # noqa: B010  (2D/2.5D/3D's flag)
         self.drop = Dropout(dropout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

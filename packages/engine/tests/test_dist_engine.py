@@ -35,6 +35,10 @@ def _train_dp(config: dict[str, Any], opt_name: str, steps: int) -> dict[str, An
             # ZeRO's rebuilt optimizer must not pass them back to AdamW's constructor.
             torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
         engine, *_ = initialize(model, opt, nn.CrossEntropyLoss(), config=config, context=ctx)
+        # FSDP2 replaced the parameters: the optimizer passed in would otherwise keep the whole
+        # unsharded ones alive in the caller's frame
+        replaced = config.get("zero", {}).get("stage", 0) >= 2
+        assert not replaced or all(not g["params"] for g in opt.param_groups)
         for s in range(steps):
             x, y = make_data(8, seed=s)
             xs, ys = x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]

@@ -418,6 +418,9 @@ def initialize(
             class and param-group settings replaces it (read ``engine.optimizer``; under
             master weights it holds the fp32 masters); its state is not carried over.
             ``lr_scheduler``, if it was built on ``optimizer``, is moved onto the new one.
+            Under ZeRO-2/3 ``optimizer`` is emptied (no param groups' tensors, no state): it
+            would otherwise keep the whole unsharded parameters alive wherever the caller
+            still holds it.
         criterion: ``criterion(output, label) -> loss``.
         train_dataloader: Returned unchanged (build it with ``get_dataloader``).
         test_dataloader: Returned unchanged.

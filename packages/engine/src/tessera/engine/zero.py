@@ -266,4 +266,19 @@ def rebuild_optimizer(
             params.append(current[name])
         groups.append({"params": params, **_group_settings(g)})
     keywords, _ = _constructor_kwargs(type(optimizer), dict(optimizer.defaults))
-    return type(optimizer)(groups, **keywords)
+    rebuilt = type(optimizer)(groups, **keywords)
+    _release_parameters(optimizer)
+    return rebuilt
+
+
+def _release_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Empty ``optimizer``'s param groups and state, so that it holds no tensor any more.
+
+    The optimizer a user passed to ``initialize`` stays alive in their script; after FSDP2 it
+    would keep the whole unsharded parameters it was built on (the model no longer uses them)
+    in every rank's memory: the very copy ZeRO-3 exists to remove. Emptied, a stray
+    ``optimizer.step()`` is a no-op, as it was on the parameters no longer used.
+    """
+    for group in optimizer.param_groups:
+        group["params"] = []
+    optimizer.state.clear()
