@@ -1,9 +1,15 @@
-"""transformers checkpoint folders: loaded one tensor at a time into a parallelized model built
-on the meta device, and written back from it so that ``from_pretrained`` reads them."""
+"""transformers checkpoint folders: loaded into a parallelized model built on the meta device,
+each rank reading only its own slices, and written back from it so that ``from_pretrained``
+reads them (every rank raising if the writer fails)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import itertools
 import json
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +19,14 @@ from hf_models import gpt2_lm, llama_lm, token_ids
 from torch import nn
 from tp_reference import TOL
 
-from tessera.context import ParallelMode, create_context
+from tessera.context import (
+    FullForm,
+    ParallelMode,
+    ShardInfo,
+    create_context,
+    set_full_form,
+    set_shard_info,
+)
 from tessera.layers import (
     gather_full_state_dict,
     gather_logits,
@@ -63,14 +76,17 @@ def _load_and_save(tensor: dict[str, Any], folders: dict[str, str], out: str) ->
     try:
         for name, folder in folders.items():
             ref = _reference(name)
-            if name == "gpt2":  # by hand: build on meta, parallelize, load
-                with meta_parameters():
-                    empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-                model = parallelize(empty, context=ctx)
-                load_pretrained(model, folder)
-            else:  # in one line, the class from config.json
-                model = parallelize_pretrained(folder, context=ctx)
+            with _counting_reads() as read:
+                if name == "gpt2":  # by hand: build on meta, parallelize, load
+                    with meta_parameters():
+                        config = AutoConfig.from_pretrained(folder)
+                        empty = AutoModelForCausalLM.from_config(config)
+                    model = parallelize(empty, context=ctx)
+                    load_pretrained(model, folder)
+                else:  # in one line, the class from config.json
+                    model = parallelize_pretrained(folder, context=ctx)
             model.eval()
+            _check_reads(read, model, ref)
             gathered, expected = gather_full_state_dict(model), ref.state_dict()
             assert list(gathered) == list(expected)
             for key, t in expected.items():
@@ -88,6 +104,67 @@ def _load_and_save(tensor: dict[str, Any], folders: dict[str, str], out: str) ->
     finally:
         ctx.destroy()
     return 0
+
+
+@contextlib.contextmanager
+def _counting_reads() -> Iterator[Counter[str]]:
+    """``safetensors.safe_open`` counting, per key, the elements read out of the files."""
+    import safetensors
+
+    real = safetensors.safe_open
+    read: Counter[str] = Counter()
+
+    class Slice:
+        def __init__(self, key: str, inner: Any) -> None:
+            self.key, self.inner = key, inner
+
+        def get_shape(self) -> list[int]:
+            return list(self.inner.get_shape())
+
+        def __getitem__(self, index: Any) -> torch.Tensor:
+            t = self.inner[index]
+            read[self.key] += t.numel()
+            return t
+
+    class Open:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.inner = real(*args, **kwargs)
+
+        def __enter__(self) -> Open:
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc: Any) -> Any:
+            return self.inner.__exit__(*exc)
+
+        def keys(self) -> list[str]:
+            return list(self.inner.keys())
+
+        def get_slice(self, key: str) -> Slice:
+            return Slice(key, self.inner.get_slice(key))
+
+        def get_tensor(self, key: str) -> torch.Tensor:
+            t = self.inner.get_tensor(key)
+            read[key] += t.numel()
+            return t
+
+    safetensors.safe_open = Open
+    try:
+        yield read
+    finally:
+        safetensors.safe_open = real
+
+
+def _check_reads(read: Counter[str], model: nn.Module, ref: nn.Module) -> None:
+    """Each tensor's elements read from the files are exactly this rank's block of it, and
+    the split ones (q/k/v fused in GPT-2's transposed ``Conv1D``, the vocabulary, the MLP)
+    are less than the whole."""
+    own, whole = model.state_dict(), ref.state_dict()
+    assert read and all(n == own[key].numel() for key, n in read.items()), {
+        key: (n, own[key].numel()) for key, n in read.items() if n != own[key].numel()
+    }
+    split = [key for key in read if read[key] < whole[key].numel()]
+    assert any("attn" in k for k in split) and any("mlp" in k for k in split), split
 
 
 def _check_saved(folder: Path, name: str, ref: nn.Module, *, sharded: bool) -> None:
@@ -160,6 +237,57 @@ def test_plain_model_loads_base_checkpoint_and_strict_errors_name_keys(tmp_path:
         load_pretrained(model, tmp_path / "index")
 
 
+#: (tessera's full shape, the number of blocks each split dim is cut into, the stored form)
+FORMS = [
+    ((8, 6), {0: 2, 1: 3}, None),  # a 2D tile
+    ((8, 6), {0: 2, 1: 3}, FullForm((6, 8), transposed=True)),  # GPT-2's Conv1D
+    ((3, 4, 6), {1: 2, 2: 2}, FullForm((12, 6))),  # fused parts of equal size
+    ((3, 4, 6), {1: 2, 2: 2}, FullForm((6, 12), transposed=True)),  # GPT-2's c_attn
+    ((3, 4), {1: 2}, FullForm((12,))),  # its bias
+    ((4, 2, 6, 5), {2: 3}, FullForm((4, 12, 5))),  # experts' gate_up_proj
+    ((16, 6), {0: 4, 1: 2}, FullForm((16, 6), sections=(8, 4, 4))),  # q/k/v by group
+    ((16, 6), {0: 8}, FullForm((6, 16), transposed=True, sections=(8, 4, 4))),  # half groups
+    ((18,), {0: 3}, FullForm((18,), sections=(6, 6, 6))),
+]
+
+
+@pytest.mark.parametrize(("shape", "blocks", "form"), FORMS)
+def test_every_block_reads_only_its_elements(
+    tmp_path: Path, shape: tuple[int, ...], blocks: dict[int, int], form: FullForm | None
+) -> None:
+    """Each rank's block of each form, loaded (bf16 into fp32) from the slices of the file that
+    hold its elements and nothing more, equals the whole tensor converted and cut."""
+    stored = torch.randn(form.original_shape if form else shape).bfloat16()
+    folder = _write(tmp_path / "checkpoint", {"w": stored})
+    whole = form.from_original(stored.float(), shape) if form else stored.float()
+    for ranks in itertools.product(*(range(n) for n in blocks.values())):
+        splits = {d: [(f"mode{d}", r, n)] for (d, n), r in zip(blocks.items(), ranks, strict=True)}
+        info = ShardInfo.from_split(shape, splits)
+        module = nn.Module()
+        module.w = nn.Parameter(torch.empty(info.local_shape))
+        set_shard_info(module.w, info)
+        if form is not None:
+            set_full_form(module.w, form)
+        with _counting_reads() as read:
+            load_pretrained(module, folder)
+        assert torch.equal(module.w.detach(), whole[info.slices]), ranks
+        assert dict(read) == {"w": module.w.numel()}, ranks
+
+
+def test_a_block_not_written_in_place_is_assembled(tmp_path: Path) -> None:
+    """A parameter that is not one contiguous tensor gets its block assembled, then copied."""
+    stored = torch.randn(6, 12)
+    folder = _write(tmp_path / "checkpoint", {"w": stored})
+    form = FullForm((6, 12), transposed=True, sections=(4, 4, 4))
+    info = ShardInfo.from_split((12, 6), {0: [("mode0", 1, 2)]})
+    module = nn.Module()
+    module.w = nn.Parameter(torch.empty(6, 6).t())  # not contiguous
+    set_shard_info(module.w, info)
+    set_full_form(module.w, form)
+    load_pretrained(module, folder)
+    assert torch.equal(module.w.detach(), form.from_original(stored, (12, 6))[info.slices])
+
+
 def test_plain_model_saves_in_another_dtype_and_replaces_a_folder(tmp_path: Path) -> None:
     from safetensors import safe_open
     from transformers import GPT2LMHeadModel
@@ -180,3 +308,53 @@ def test_plain_model_saves_in_another_dtype_and_replaces_a_folder(tmp_path: Path
     assert reloaded.dtype == torch.bfloat16
     with pytest.raises(ValueError, match=r"max_shard_size '5 parsecs' is not a size"):
         save_pretrained(ref, tmp_path / "other", max_shard_size="5 parsecs")
+
+
+def _save_fails_on_the_writer(folder: str) -> int:
+    """Rank 0 cannot write (the folder's parent is a file; then a full disk in mid-file):
+    it raises its OSError, the other rank a RuntimeError naming it, neither waits, and a later
+    save works (the ranks stayed in step)."""
+    import torch.distributed as torch_dist
+
+    import tessera.layers.state.pretrained as pretrained_module
+
+    ctx = create_context(dict(parallel=dict(tensor=dict(size=2, mode="1d"))), timeout=60.0)
+    try:
+        model = parallelize(gpt2_lm(), context=ctx)
+        rank = ctx.get_local_rank(ParallelMode.GLOBAL)
+        root = Path(folder)
+        if rank == 0:
+            (root / "a-file").write_text("not a folder")
+        torch_dist.barrier()
+        raised = OSError if rank == 0 else RuntimeError
+        with pytest.raises(raised, match=r"a-file|Not a directory|File exists"):
+            save_pretrained(model, root / "a-file" / "out")
+
+        real = pretrained_module._SafetensorsStream.write
+        written: list[str] = []
+
+        def full_disk(self: Any, key: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+            if written:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            written.append(key)
+            real(self, key, tensor, dtype)
+
+        pretrained_module._SafetensorsStream.write = full_disk  # type: ignore[method-assign]
+        try:
+            with pytest.raises(raised, match=r"No space left on device"):
+                save_pretrained(model, root / "out", max_shard_size="8KB")
+        finally:
+            pretrained_module._SafetensorsStream.write = real  # type: ignore[method-assign]
+        assert written == (["transformer.wte.weight"] if rank == 0 else [])
+        assert sorted(p.name for p in root.iterdir()) == ["a-file"]  # no folder, no temp left
+        torch_dist.barrier()  # both looked before rank 0 starts the next save's temp folder
+
+        save_pretrained(model, root / "out")
+        assert (root / "out" / "model.safetensors").is_file()
+    finally:
+        ctx.destroy()
+    return 0
+
+
+def test_a_failed_write_raises_on_every_rank(dist, tmp_path: Path) -> None:
+    dist.run(_save_fails_on_the_writer, world_size=2, args=(str(tmp_path),), timeout=120.0)

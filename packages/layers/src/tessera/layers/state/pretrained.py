@@ -1,13 +1,22 @@
-"""transformers checkpoint folders in and out of a parallelized model, one tensor at a time.
+"""transformers checkpoint folders in and out of a parallelized model, a rank's slices at a time.
 
 A model too large for one rank is built on the meta device (:func:`~tessera.layers.
 meta_parameters`), parallelized (only this rank's shards are allocated), then loaded here:
-the checkpoint's ``model.safetensors`` (or the files its ``model.safetensors.index.json``
-lists) is read one tensor at a time, each cut to this rank's block by the same conversion
-:func:`~tessera.layers.load_full_state_dict` uses (:func:`shard_of_full`: fused q/k/v, GPT-2's
-transposed ``Conv1D``, the whole weight of repeated key/value heads) and freed before the next
-is read. A rank's peak is its shards plus one full tensor (two while its dtype is converted),
-where ``load_full_state_dict`` needs the whole state dict on every rank.
+from the checkpoint's ``model.safetensors`` (or the files its ``model.safetensors.index.json``
+lists) each rank reads only the slices of each tensor that make up its own block
+(``safe_open(...).get_slice(name)[rows, cols]``), copied straight into its parameter. Which
+slices is decided by :func:`shard_reads`, the layout arithmetic :func:`shard_of_full` (and so
+:func:`~tessera.layers.load_full_state_dict`) uses too: the ShardInfo's block of tessera's
+form mapped back through the FullForm to boxes of the stored tensor -- one box for a plain
+split, GPT-2's ``Conv1D`` read in its stored ``[in, out]`` orientation and transposed, one box
+per part for fused q/k/v (the parts sit side by side in the file, and interleaved by group in
+tessera's form). A rank's peak is its shards plus one slice (two while a slice is scattered
+into q/k/v rows of another dtype).
+
+Read whole, still: what a rank holds whole (norms, biases of row-split layers, position
+tables, the weights of key/value heads repeated over the ranks splitting heads), which is its
+block; and a tensor whose forms no box relates (a FullForm that is not a transpose and splits
+of dimensions; no tessera layer writes one today), converted by ``FullForm.from_original``.
 
 Saving walks the other way: every rank gathers one tensor at a time
 (:func:`gather_full_tensors`, collective over TENSOR), and rank 0 streams it into a
@@ -37,7 +46,13 @@ from torch import nn
 from tessera.context import ParallelContext, ParallelMode
 
 from ..shared.context_access import current_or_none
-from .state_dict import _find_context, full_shape, gather_full_tensors, shard_of_full
+from .state_dict import (
+    _find_context,
+    full_shape,
+    gather_full_tensors,
+    shard_of_full,
+    shard_reads,
+)
 
 __all__ = ["PretrainedKeys", "load_pretrained", "save_pretrained"]
 
@@ -77,11 +92,18 @@ class PretrainedKeys:
 def load_pretrained(
     model: nn.Module, folder: str | os.PathLike[str], *, strict: bool = True
 ) -> PretrainedKeys:
-    """Load a transformers checkpoint folder into ``model``, one tensor at a time.
+    """Load a transformers checkpoint folder into ``model``, each rank reading its slices.
 
-    No communication: every rank reads the tensors its model holds and keeps its blocks.
+    No communication: every rank reads, of each tensor its model holds, only the slices that
+    make up its block (:func:`shard_reads`; a plain split is one slice, a fused q/k/v one per
+    part, a GPT-2 ``Conv1D`` is sliced as stored and transposed), and copies them into its
+    parameter: its peak is its shards plus one slice. Read whole are only the tensors the rank
+    holds whole (norms, replicated biases, key/value heads repeated over the ranks splitting
+    heads) and any tensor whose form no slice arithmetic relates to the stored one (none of
+    tessera's layers makes one today). A parameter that cannot be written in place (a DTensor
+    under ZeRO-3 / FSDP2) gets its block assembled first, then copied.
     Keys, shapes and the files themselves are checked (headers only) before any tensor is
-    read. Each tensor is converted to the dtype of the model's tensor (a bf16 or fp16
+    read. Each slice is converted to the dtype of the model's tensor (a bf16 or fp16
     checkpoint into an fp32 model). Tied parameters (a head sharing the token embedding) are
     read once, under whichever of their names the checkpoint holds. A checkpoint of the base
     model (GPT-2's ``h.0...``) loads into a model with a head (``transformer.h.0...``), and the
@@ -161,16 +183,41 @@ def load_pretrained(
         for path, keys in by_file.items():
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in keys:
-                    target = own[key]
-                    full = f.get_tensor(files[key][1])  # one full tensor at a time
-                    if full.dtype != target.dtype:
-                        full = full.to(target.dtype)
                     try:
-                        target.copy_(shard_of_full(key, target, full))
+                        _load_block(f, files[key][1], key, own[key])
                     except ValueError as err:
                         raise ValueError(f"load_pretrained: {path}: {err}") from None
-                    del full
     return PretrainedKeys(missing=missing, unexpected=unexpected)
+
+
+def _load_block(f: Any, stored: str, key: str, target: torch.Tensor) -> None:
+    """Read ``target``'s block of the tensor ``stored`` in the open file ``f``, box by box.
+
+    The boxes are :func:`shard_reads`' (the layout arithmetic :func:`shard_of_full` uses
+    too), each read with ``get_slice`` and copied (converting its dtype) straight into
+    ``target``: this rank's share of the file is all it reads. A tensor whose forms no box
+    relates is read whole and converted (:func:`shard_of_full`).
+    """
+    plan = shard_reads(target)
+    if plan is None:
+        full = f.get_tensor(stored)  # the whole tensor: its forms need it
+        target.copy_(shard_of_full(key, target, full.to(target.dtype)))
+        return
+    in_place = type(target) in (torch.Tensor, nn.Parameter) and target.is_contiguous()
+    block = (
+        target.view(plan.shape)
+        if in_place
+        else torch.empty(plan.shape, dtype=target.dtype, device=target.device)
+    )
+    stored_slice = f.get_slice(stored)
+    shape = tuple(stored_slice.get_shape())
+    for read in plan.reads:
+        whole = all((s.start, s.stop) == (0, n) for s, n in zip(read.source, shape, strict=True))
+        piece = f.get_tensor(stored) if whole else stored_slice[read.source]
+        plan.place(block, read, piece)
+        del piece
+    if not in_place:
+        target.copy_(block.view(target.shape))
 
 
 def _checkpoint_files(folder: Path) -> dict[str, tuple[Path, str]]:
@@ -253,7 +300,8 @@ def save_pretrained(
     together; under ZeRO-3 the data ranks too). Rank 0 writes, holding one full tensor at a
     time; it writes into a temporary folder beside ``folder`` and renames it into place at
     the end (an existing ``folder`` is moved aside first and removed after), so a reader
-    never sees a half-written checkpoint. Every rank returns once the folder is there.
+    never sees a half-written checkpoint. Every rank returns once the folder is there, or
+    raises if the writer failed (all ranks exchange the outcome, in place of a barrier).
 
     Args:
         model: The parallelized model (or a plain one).
@@ -269,6 +317,12 @@ def save_pretrained(
     Raises:
         ValueError: ``max_shard_size`` cannot be read, or the model is split into pipeline
             stages (each stage holds part of the model; not written yet).
+        OSError: (or whatever writing raised) on the writing rank, when it could not write
+            the folder (a full disk, no permission); it still takes part in every gather,
+            and its temporary folder is removed.
+        RuntimeError: on every other rank in that case, naming the writer's error: the
+            ranks agree on the outcome before returning, so none waits for a writer that
+            gave up.
     """
     folder = Path(folder)
     limit = _size_in_bytes(max_shard_size)
@@ -283,37 +337,89 @@ def save_pretrained(
     out_dtype = {n: _out_dtype(own[n], dtype) for n in names}
     shards = _shard_layout(names, own, out_dtype, limit)
     writer = not dist.is_initialized() or dist.get_rank() == 0
+    group = ctx.get_group(ParallelMode.GLOBAL) if ctx is not None else None
 
     temp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
-    if writer:
-        shutil.rmtree(temp, ignore_errors=True)
-        temp.mkdir(parents=True)
+    attempt = _FirstFailure(enabled=writer)
+    attempt(_fresh_folder, temp)
     weight_map: dict[str, str] = {}
     total = 0
     for i, keys in enumerate(shards):
-        file = (
-            SINGLE_FILE
-            if len(shards) == 1
-            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        )
+        file = SINGLE_FILE if len(shards) == 1 else _numbered(i, len(shards))
         header = {k: (out_dtype[k], full_shape(own[k])) for k in keys}
-        with _SafetensorsStream(temp / file, header) if writer else _NoWrite() as out:
-            for key in keys:
-                full = gather_full_tensors(model, {key: own[key]}, ctx)[key]
-                out.write(key, full.to(out_dtype[key]))
-                del full
+        out = _SafetensorsStream(temp / file, header)
+        attempt(out.open)
+        for key in keys:  # gathered on every rank even once the writer failed: collective
+            full = gather_full_tensors(model, {key: own[key]}, ctx)[key]
+            attempt(out.write, key, full, out_dtype[key])
+            del full
+        out.close()
+        attempt(out.check_complete)
         weight_map |= dict.fromkeys(keys, file)
         total += sum(_nbytes(full_shape(own[k]), out_dtype[k]) for k in keys)
-    if writer:
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (temp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        _write_config(model, temp, out_dtype)
-        _move_into_place(temp, folder)
-    if dist.is_initialized():
-        group = ctx.get_group(ParallelMode.GLOBAL) if ctx is not None else None
-        dist.barrier(group=group)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        attempt((temp / INDEX_FILE).write_text, text)
+    attempt(_write_config, model, temp, out_dtype)
+    attempt(_move_into_place, temp, folder)
+    if attempt.failure is not None:
+        shutil.rmtree(temp, ignore_errors=True)
+    _agree_on_failure(attempt.failure, folder, group)
     return folder
+
+
+class _FirstFailure:
+    """Calls made on the writing rank until one raises; that exception is kept, not raised.
+
+    The writer keeps gathering with the other ranks after a failed write (they are in the
+    same collectives), and every rank learns of the failure at the end
+    (:func:`_agree_on_failure`) instead of waiting for the writer forever.
+    """
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self.failure: Exception | None = None
+
+    def __call__(self, fn: Any, *args: Any) -> None:
+        if not self.enabled or self.failure is not None:
+            return
+        try:
+            fn(*args)
+        except Exception as exc:  # re-raised by _agree_on_failure, on this rank as it was
+            self.failure = exc
+
+
+def _agree_on_failure(
+    failure: Exception | None, folder: Path, group: dist.ProcessGroup | None
+) -> None:
+    """Raise on every rank if the writer failed (a collective where several ranks save).
+
+    It takes the place of the final barrier: every rank sends its failure (the writer's, or
+    none) and waits for every other's, so no rank returns before the folder is in place, and
+    none waits for a writer that gave up. The writer raises its own exception; the others a
+    ``RuntimeError`` naming it.
+    """
+    if dist.is_initialized():
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+        dist.all_gather_object(everyone, mine, group=group)
+    else:
+        everyone = [None]
+    if failure is not None:
+        raise failure
+    failed = [(rank, text) for rank, text in enumerate(everyone) if text is not None]
+    if failed:
+        rank, text = failed[0]
+        raise RuntimeError(
+            f"save_pretrained: {folder} was not written: the writing rank (rank {rank} of the "
+            f"group) failed: {text}"
+        )
+
+
+def _fresh_folder(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
 
 
 def _numbered(i: int, count: int) -> str:
@@ -408,15 +514,16 @@ class _SafetensorsStream:
         self._header = raw + b" " * (-len(raw) % 8)  # data starts 8-byte aligned
         self._file: BinaryIO | None = None
 
-    def __enter__(self) -> _SafetensorsStream:
-        self._file = open(self._path, "wb")
+    def open(self) -> None:
+        """Create the file and write its header."""
+        self._file = open(self._path, "wb")  # noqa: SIM115 (closed by close())
         self._file.write(struct.pack("<Q", len(self._header)))
         self._file.write(self._header)
-        return self
 
-    def write(self, key: str, tensor: torch.Tensor) -> None:
-        """Append ``key``'s data; keys come in the header's order, in its dtype and shape."""
+    def write(self, key: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        """Append ``key``'s data in ``dtype``; keys come in the header's order and shapes."""
         assert self._file is not None
+        tensor = tensor.to(dtype)
         expected = self._order.pop(0)
         dtype, shape = self._expected[expected]
         if key != expected or tensor.dtype != dtype or tuple(tensor.shape) != shape:
@@ -427,24 +534,16 @@ class _SafetensorsStream:
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         self._file.write(data.numpy().data)
 
-    def __exit__(self, *exc: object) -> None:
-        assert self._file is not None
-        self._file.close()
-        if exc[0] is None and self._order:
+    def close(self) -> None:
+        """Close the file if it is open (also after a failed write)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def check_complete(self) -> None:
+        """Raise if a tensor of the header was not written."""
+        if self._order:
             raise RuntimeError(f"save_pretrained: {self._path.name} lacks {self._order}")
-
-
-class _NoWrite:
-    """The ranks that gather but do not write."""
-
-    def __enter__(self) -> _NoWrite:
-        return self
-
-    def write(self, key: str, tensor: torch.Tensor) -> None:
-        """Nothing: rank 0 writes."""
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _write_config(model: nn.Module, folder: Path, dtypes: Mapping[str, torch.dtype]) -> None:

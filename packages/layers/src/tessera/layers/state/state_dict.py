@@ -11,7 +11,10 @@ original model's form, so its state dict goes in and comes out unchanged.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,11 +26,14 @@ from ..shared.base import ParallelModule
 from ..shared.context_access import resolve_context
 
 __all__ = [
+    "ShardReads",
+    "StoredRead",
     "full_shape",
     "gather_full_state_dict",
     "gather_full_tensors",
     "load_full_state_dict",
     "shard_of_full",
+    "shard_reads",
 ]
 
 
@@ -47,13 +53,172 @@ def full_shape(target: torch.Tensor) -> tuple[int, ...]:
     return info.global_shape if info is not None else tuple(target.shape)
 
 
+@dataclass(frozen=True)
+class StoredRead:
+    """One box of a stored tensor (the original model's form) and where it lands in a block.
+
+    Attributes:
+        source: The box, one slice per dimension of the stored tensor: what
+            ``safe_open(...).get_slice(name)[source]`` reads.
+        transposed: The box is transposed before it lands (a ``Conv1D`` stores ``[in, out]``
+            where tessera holds ``[out, in]``).
+        place: Where it lands in the block seen as :attr:`ShardReads.shape`, per dimension a
+            slice or the positions it fills (an index tensor: q, k and v rows interleaved).
+    """
+
+    source: tuple[slice, ...]
+    transposed: bool
+    place: tuple[slice | torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class ShardReads:
+    """The boxes of the stored tensor that make up this rank's block, and nothing else.
+
+    Attributes:
+        shape: The block seen with one dimension per dimension of the stored tensor (in
+            tessera's orientation): a view of the block, which has the ShardInfo's local shape.
+        reads: The boxes; together they fill the block once.
+    """
+
+    shape: tuple[int, ...]
+    reads: tuple[StoredRead, ...]
+
+    def place(self, block: torch.Tensor, read: StoredRead, piece: torch.Tensor) -> None:
+        """Copy ``piece`` (``read``'s box as stored, any dtype) into ``block`` (:attr:`shape`)."""
+        if read.transposed:
+            piece = piece.t()
+        if all(isinstance(p, slice) for p in read.place):
+            block[read.place].copy_(piece)
+            return
+        mesh = []
+        for dim, p in enumerate(read.place):
+            where = torch.arange(p.start, p.stop) if isinstance(p, slice) else p
+            view = [1] * len(read.place)
+            view[dim] = -1
+            mesh.append(where.to(block.device).view(view))
+        block[tuple(mesh)] = piece.to(block.dtype)
+
+
+def shard_reads(target: torch.Tensor) -> ShardReads | None:
+    """The boxes of ``target``'s stored (original-form) full tensor that hold its block.
+
+    The one place the layout arithmetic of loading lives: the ShardInfo's block of tessera's
+    full form (every tensor mode writes it the same way) is mapped back through the
+    :class:`~tessera.context.FullForm` (a transpose, fused parts reshaped, q/k/v rows
+    interleaved by group) to boxes of the tensor as a checkpoint stores it. A loader reads just
+    these boxes (``safetensors``' ``get_slice``); :func:`shard_of_full` cuts them from a tensor
+    in hand. Each box is contiguous in the stored tensor: one per fused part where q, k and v
+    sit side by side in the file, one for everything else.
+
+    Returns:
+        The boxes, or ``None`` where the forms are not related by a transpose and splits of
+        dimensions (a shape no tessera layer writes); the caller then converts the whole
+        tensor (:meth:`~tessera.context.FullForm.from_original`).
+    """
+    info = get_shard_info(target)
+    form = get_full_form(target)
+    full = info.global_shape if info is not None else tuple(target.shape)
+    box = info.slices if info is not None else tuple(slice(0, n) for n in full)
+    original = form.original_shape if form is not None else full
+    transposed = form is not None and form.transposed
+    sections = form.sections if form is not None else ()
+    if transposed and len(original) != 2:
+        return None
+    stored = tuple(reversed(original)) if transposed else original  # in tessera's orientation
+    groups = _dim_groups(stored, full)
+    if groups is None or 0 in full or (sections and (not stored or sum(sections) != stored[0])):
+        return None
+    per_dim: list[list[tuple[slice, slice | torch.Tensor]]] = []
+    sizes: list[int] = []
+    for dim, fulls in enumerate(groups):
+        index = _raveled(box, full, fulls)
+        if dim == 0 and sections:
+            index = _rows_as_stored(index, sections)
+        per_dim.append(_runs(index))
+        sizes.append(index.numel())
+    reads = []
+    for combo in itertools.product(*per_dim):
+        source = tuple(s for s, _ in combo)
+        place = tuple(p for _, p in combo)
+        reads.append(StoredRead(source[::-1] if transposed else source, transposed, place))
+    return ShardReads(tuple(sizes), tuple(reads))
+
+
+def _dim_groups(stored: tuple[int, ...], full: tuple[int, ...]) -> list[list[int]] | None:
+    """The dimensions of ``full`` each dimension of ``stored`` is split into, else ``None``."""
+    groups: list[list[int]] = []
+    k = 0
+    for n in stored:
+        dims: list[int] = []
+        product = 1
+        while product < n and k < len(full):
+            product *= full[k]
+            dims.append(k)
+            k += 1
+        if product != n:
+            return None
+        groups.append(dims)
+    while k < len(full):  # trailing dimensions of one
+        if full[k] != 1 or not groups:
+            return None
+        groups[-1].append(k)
+        k += 1
+    return groups
+
+
+def _raveled(box: tuple[slice, ...], full: tuple[int, ...], dims: list[int]) -> torch.Tensor:
+    """The indices along one stored dimension of the block's positions, in the block's order."""
+    index = torch.zeros(1, dtype=torch.int64)
+    for k in dims:
+        here = torch.arange(box[k].start, box[k].stop, dtype=torch.int64)
+        index = (index[:, None] * full[k] + here[None, :]).reshape(-1)
+    return index
+
+
+def _rows_as_stored(rows: torch.Tensor, sections: tuple[int, ...]) -> torch.Tensor:
+    """Rows of tessera's form (parts interleaved by group) -> the stored rows (part by part).
+
+    The inverse of :func:`~tessera.context.grouped` on indices: row ``g * u + c_i + t`` of
+    tessera's form (group ``g``, part ``i``, ``u`` a group's width over all parts) is row
+    ``o_i + g * w_i + t`` of the stored tensor (``o_i`` where part ``i`` starts).
+    """
+    groups = math.gcd(*sections)
+    widths = torch.tensor([s // groups for s in sections], dtype=torch.int64)
+    starts_in_group = torch.cumsum(widths, 0) - widths
+    starts = torch.cumsum(torch.tensor(sections, dtype=torch.int64), 0) - torch.tensor(sections)
+    group, within = rows // int(widths.sum()), rows % int(widths.sum())
+    part = torch.searchsorted(torch.cumsum(widths, 0), within, right=True)
+    return starts[part] + group * widths[part] + within - starts_in_group[part]
+
+
+def _runs(index: torch.Tensor) -> list[tuple[slice, slice | torch.Tensor]]:
+    """``index`` cut into runs of consecutive stored indices.
+
+    Each run is one slice of the stored tensor and the block positions it fills (a slice where
+    they are consecutive too).
+    """
+    order = torch.argsort(index, stable=True)
+    ordered = index[order]
+    breaks = (torch.nonzero(ordered[1:] - ordered[:-1] != 1).reshape(-1) + 1).tolist()
+    runs: list[tuple[slice, slice | torch.Tensor]] = []
+    for a, b in zip([0, *breaks], [*breaks, index.numel()], strict=True):
+        source = slice(int(ordered[a]), int(ordered[b - 1]) + 1)
+        positions = order[a:b]
+        first = int(positions[0])
+        in_order = bool((positions == torch.arange(first, first + b - a)).all())
+        runs.append((source, slice(first, first + b - a) if in_order else positions))
+    return runs
+
+
 def shard_of_full(name: str, target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's block of ``target`` cut from ``full``, the original model's full tensor.
 
-    The one conversion every loader shares (a whole state dict, or a checkpoint read one
-    tensor at a time): the original form is turned into tessera's (transposed, q/k/v
-    interleaved by group) and the ShardInfo's block is sliced out. No copy is made where none
-    is needed: the result may be a view of ``full``.
+    The one conversion every loader shares (a whole state dict, or a checkpoint read a tensor
+    or a slice at a time): the boxes :func:`shard_reads` names are cut from ``full`` and put
+    in tessera's form (transposed, q/k/v interleaved by group). No copy is made where none is
+    needed: where the block is one box in the same orientation, the result is a view of
+    ``full``.
 
     Args:
         name: The tensor's key, for the error.
@@ -66,17 +231,36 @@ def shard_of_full(name: str, target: torch.Tensor, full: torch.Tensor) -> torch.
     info = get_shard_info(target)
     expected = info.global_shape if info is not None else tuple(target.shape)
     form = get_full_form(target)
-    if form is not None:
-        try:
-            full = form.from_original(full, expected)
-        except ValueError as err:
-            raise ValueError(f"{name!r}: {err}") from None
-    if tuple(full.shape) != expected:
+    plan = shard_reads(target)
+    if plan is None:  # no box arithmetic for these forms: convert the whole tensor
+        if form is not None:
+            try:
+                full = form.from_original(full, expected)
+            except ValueError as err:
+                raise ValueError(f"{name!r}: {err}") from None
+        if tuple(full.shape) != expected:
+            raise ValueError(
+                f"{name!r} has shape {list(full.shape)}, the module expects the full shape "
+                f"{list(expected)}"
+            )
+        return full[info.slices] if info is not None else full
+    original = full_shape(target)
+    if tuple(full.shape) != original:
         raise ValueError(
-            f"{name!r} has shape {list(full.shape)}, the module expects the full shape "
+            f"{name!r}: expected the original shape {list(original)}, got {list(full.shape)}"
+            if form is not None
+            else f"{name!r} has shape {list(full.shape)}, the module expects the full shape "
             f"{list(expected)}"
         )
-    return full[info.slices] if info is not None else full
+    local = info.local_shape if info is not None else expected
+    only = plan.reads[0]
+    if len(plan.reads) == 1 and all(isinstance(p, slice) for p in only.place):
+        piece = full[only.source]
+        return (piece.t() if only.transposed else piece).reshape(local)
+    block = torch.empty(plan.shape, dtype=full.dtype, device=full.device)
+    for read in plan.reads:
+        plan.place(block, read, full[read.source])
+    return block.view(local)
 
 
 def load_full_state_dict(
