@@ -8,7 +8,8 @@ activation maps and the size errors.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -64,6 +65,25 @@ def _mesh_coordinates(ctx: ParallelContext) -> None:
     assert m.batch.rank == dep * m.q + m.col.rank and m.batch.world_size == m.depth * m.q
 
 
+@contextlib.contextmanager
+def _counting_gathers() -> Iterator[list[tuple[int, ...]]]:
+    """The shapes of the blocks SUMMA gathers while the block runs."""
+    from tessera.layers.mesh import summa
+
+    shapes: list[tuple[int, ...]] = []
+    original = summa.gather_blocks
+
+    def counted(block: torch.Tensor, group: Any) -> Any:
+        shapes.append(tuple(block.shape))
+        return original(block, group)
+
+    summa.gather_blocks = counted  # type: ignore[assignment]
+    try:
+        yield shapes
+    finally:
+        summa.gather_blocks = original  # type: ignore[assignment]
+
+
 def _summa(ctx: ParallelContext) -> None:
     """The three products and their gradients, per depth layer, against torch."""
     m = mesh(ctx)
@@ -88,8 +108,12 @@ def _summa(ctx: ParallelContext) -> None:
         out = fn(xp, yp.t().contiguous().t(), m.row, m.col)
         w = torch.randn(out_ref.shape, generator=g)
         (out_ref * w).sum().backward()
-        (out * blk(w).detach()).sum().backward()
         name = fn.__name__
+        with _counting_gathers() as gathers:
+            (out * blk(w).detach()).sum().backward()
+        # each gradient product gathers one operand; one both need (the output gradient's
+        # panels in abt's and atb's backward) is gathered once
+        assert len(gathers) == 2, (name, gathers)
         torch.testing.assert_close(out, blk(out_ref.detach()).detach(), **TOL, msg=name)
         assert xr.grad is not None and yr.grad is not None
         torch.testing.assert_close(xp.grad, blk(xr.grad).detach(), **TOL, msg=f"{name} dA")

@@ -69,12 +69,27 @@ class _Product:
     """
 
     def __init__(
-        self, kind: str, a: torch.Tensor, b: torch.Tensor, row: GroupInfo, col: GroupInfo
+        self,
+        kind: str,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        row: GroupInfo,
+        col: GroupInfo,
+        gathered: dict[tuple[int, int], Pending] | None = None,
     ) -> None:
         self.kind, self.row, self.col = kind, row, col
+        shared = {} if gathered is None else gathered
+
+        def gather(block: torch.Tensor, group: GroupInfo) -> Pending:
+            # one gather per operand and group, shared by the products posted together
+            key = (id(block), id(group))
+            if key not in shared:
+                shared[key] = gather_blocks(block, group)
+            return shared[key]
+
         # ab gathers both operands, abt the B panels of its column, atb the A panels of its row.
-        self._a = gather_blocks(a, row) if kind in ("ab", "atb") else Pending.done(a)
-        self._b = gather_blocks(b, col) if kind in ("ab", "abt") else Pending.done(b)
+        self._a = gather(a, row) if kind in ("ab", "atb") else Pending.done(a)
+        self._b = gather(b, col) if kind in ("ab", "abt") else Pending.done(b)
         self._out: Pending | None = None
 
     def multiply(self) -> None:
@@ -145,8 +160,10 @@ class _Summa(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         a, b = ctx.saved_tensors
         operands = {"a": a, "b": b, "g": grad.contiguous()}
+        # abt's two gradients both need the panels of g along the row: gathered once
+        gathered: dict[tuple[int, int], Pending] = {}
         wanted = [
-            (index, _Product(kind, operands[x], operands[y], ctx.row, ctx.col))
+            (index, _Product(kind, operands[x], operands[y], ctx.row, ctx.col, gathered))
             for index, (kind, x, y) in enumerate(_GRADIENTS[ctx.kind])
             if ctx.needs_input_grad[index]
         ]  # both products' gathers in flight before either multiplies
