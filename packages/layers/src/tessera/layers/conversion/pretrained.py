@@ -32,8 +32,9 @@ def parallelize_pretrained(
 
     Builds the class of ``config.json``'s ``architectures`` on the meta device, parallelizes
     it under the context's layout (allocating this rank's shards only) and loads the folder
-    with :func:`load_pretrained`. A model another class should hold, or a plan of one's own,
-    goes through those three steps by hand (docs/pretrained.md).
+    with :func:`load_pretrained` (each rank reading only the slices of its blocks). A model
+    another class should hold, or a plan of one's own, goes through those three steps by hand
+    (docs/pretrained.md).
 
     Args:
         folder: A transformers checkpoint folder (``config.json`` and safetensors).

@@ -97,7 +97,7 @@ class ShardReads:
             view = [1] * len(read.place)
             view[dim] = -1
             mesh.append(where.to(block.device).view(view))
-        block[tuple(mesh)] = piece.to(block.dtype)
+        block[tuple(mesh)] = piece.to(block.device, block.dtype)  # index_put_: one device
 
 
 def shard_reads(target: torch.Tensor) -> ShardReads | None:
