@@ -128,10 +128,11 @@ class _SummaLinear(BlockLinearFunction):
             if need_b:
                 parts[:, size:] = grad.sum(0)  # every chunk carries the partial bias gradient
             summed = scatter_blocks(parts, mesh.col)
+            del xs, x_panels  # q input blocks: gone before dx's product allocates its own
         grad_x = None
         if w_panels is not None:  # dx_il = sum_j dy_ij W[out_j, in_l]: [q, m, k/q] over ROW
             grad_x = scatter_blocks(torch.matmul(grad, w_panels.wait()), mesh.row)
-        if x_panels is not None:
+        if need_w or need_b:
             flat = summed.wait()  # [size (+ n/q)]
             grad_w = flat[:size].view(weight.shape)
             depth_sum = _DepthSum(grad_w, flat[size:] if need_b else None, mesh.depth_sum)

@@ -95,6 +95,9 @@ class _Product:
     def multiply(self) -> None:
         """Multiply once the panels arrived; post the reduce-scatter of a split result."""
         a, b = self._a.wait(), self._b.wait()
+        # drop the gathered panels with this product: a product posted beside it multiplies
+        # next, and should not find them still held
+        self._a = self._b = Pending.done(a[:0])
         if self.kind == "ab":  # a [q, m, k/q] (A_il), b [q, k/q, n/q] (B_lj)
             out = torch.mm(a[0], b[0])  # [m, n/q]
             for step in range(1, a.shape[0]):
@@ -167,6 +170,7 @@ class _Summa(torch.autograd.Function):
             for index, (kind, x, y) in enumerate(_GRADIENTS[ctx.kind])
             if ctx.needs_input_grad[index]
         ]  # both products' gathers in flight before either multiplies
+        gathered.clear()  # the products hold what they need
         grads: list[torch.Tensor | None] = [None, None]
         for (index, _), result in zip(wanted, _run(*(p for _, p in wanted)), strict=True):
             grads[index] = result
