@@ -100,10 +100,11 @@ class _GatheredCubeLinear(BlockLinearFunction):
       sum over the input-feature block ``a``); reduce-scatter over ``A`` (batch block ``a q +
       x``, output features block ``b``: the other layout);
     * backward: the three gathers (``dy`` over ``A``, ``W`` over WEIGHT, the rows over ``B``)
-      posted together; ``dx = dy W`` reduce-scattered over ``B`` while ``dW = dy^T x`` is
-      computed, then reduce-scattered over WEIGHT (summing the x ranks' batch blocks), each
-      chunk carrying this rank's partial bias gradient, so the bias is summed over WEIGHT in
-      the same call (``dy`` gathered over ``A`` already summed it over ``A``).
+      posted together; ``dW = dy^T x`` reduce-scattered over WEIGHT (summing the x ranks'
+      batch blocks) while ``dx = dy W`` is computed, then reduce-scattered over ``B``. Each
+      chunk of ``dW`` carries this rank's partial bias gradient, so the bias is summed over
+      WEIGHT in the same call (``dy`` gathered over ``A`` already summed it over ``A``). In
+      that order the gathered rows are freed before ``dx``'s partial sums are allocated.
     """
 
     @staticmethod
@@ -143,16 +144,19 @@ class _GatheredCubeLinear(BlockLinearFunction):
                 rows = x.reshape(-1, k)
                 x_all = start_all_gather(rows, 0, across.group, across.world_size)
         g = g_all.wait()  # [q n, out/q]
+        # dW first: its reduce-scatter travels while dx multiplies, and the gathered rows
+        # (q n x k) are gone before dx's partial sums (as many) are allocated
+        params = None
+        if need_w or need_b:
+            dw_all = None if x_all is None or not need_w else g.t() @ x_all.wait()  # [out/q, k]
+            x_all = None
+            params = _sum_over_weight(
+                dw_all, g.sum(0) if need_b else None, weight, axis.group, cube.q
+            )
         grad_x = None
         if need_x and w_all is not None:  # [q n, k], partial sums over ``B``
             dx_all = torch.matmul(g, flat_weight(w_all.wait()))
             grad_x = start_reduce_scatter(dx_all, 0, across.group, across.world_size)
-        params = None
-        if need_w or need_b:
-            dw_all = None if x_all is None or not need_w else g.t() @ x_all.wait()  # [out/q, k]
-            params = _sum_over_weight(
-                dw_all, g.sum(0) if need_b else None, weight, axis.group, cube.q
-            )
         return _finish(grad_x, x.shape, params, weight, need_w)
 
 
