@@ -26,6 +26,7 @@ from .comm import cube_algorithm
 from .layouts import Layout, microbatch_samples, microbatches
 from .precision import FP32, Precision
 from .shapes import ModelShape
+from .workspace import block_workspace_bytes, head_workspace_bytes
 
 __all__ = [
     "MemoryBreakdown",
@@ -49,17 +50,27 @@ class MemoryBreakdown:
         gradients: Their gradients.
         optimizer: Adam's state (and fp32 masters under mixed precision).
         activations: Tensors saved for the backward, at the peak of a step.
+        workspace: What the layer running at the start of the backward holds beyond them
+            (:mod:`~tessera.context.planner.workspace`).
     """
 
     parameters: int
     gradients: int
     optimizer: int
     activations: int
+    workspace: int = 0
 
     @property
     def total(self) -> int:
-        """The sum of the four."""
-        return self.parameters + self.gradients + self.optimizer + self.activations
+        """The step's peak: parameters and optimizer state, and the larger of two moments.
+
+        At the start of the backward every activation is saved and no gradient exists yet
+        (the engine's ``zero_grad`` frees them); at the optimizer step every gradient exists
+        and no activation. Measured on every layout (``benchmarks/bench_largest_model.py``),
+        the peak is one of the two, never their sum.
+        """
+        peak = max(self.gradients, self.activations + self.workspace)
+        return self.parameters + self.optimizer + peak
 
 
 def _ceil(a: int, b: int) -> int:
@@ -250,12 +261,15 @@ def stage_blocks(shape: ModelShape, layout: Layout) -> tuple[int, int]:
     return first, last
 
 
-def rank_memory(shape: ModelShape, layout: Layout, precision: Precision) -> MemoryBreakdown:
+def rank_memory(
+    shape: ModelShape, layout: Layout, precision: Precision, backend: str = "nccl"
+) -> MemoryBreakdown:
     """The peak bytes of the fullest rank: the first or the last pipeline stage.
 
     The first stage holds the embedding and, under 1F1B, ``min(p, m)`` microbatches of
     activations; the last holds the head (a copy of the tied token table when ``p > 1``) and
     one microbatch, plus the logits. Without a pipeline one rank holds everything.
+    ``backend`` decides how many blocks a gather holds (:mod:`.workspace`).
     """
     m = microbatches(shape, layout)
     samples = microbatch_samples(shape, layout)
@@ -270,17 +284,22 @@ def rank_memory(shape: ModelShape, layout: Layout, precision: Precision) -> Memo
         params = blocks * block_parameters(shape, layout) + embedding_parameters(
             shape, layout, tables=tables, head=has_head
         )
-        if layout.checkpoint:
-            kept = checkpointed_block_bytes(shape, layout, samples, precision)
-            activations = blocks * in_flight * kept
-            activations += block_activation_bytes(shape, layout, samples, precision)
-        else:
-            activations = (
-                blocks * in_flight * block_activation_bytes(shape, layout, samples, precision)
-            )
+        block = block_activation_bytes(shape, layout, samples, precision)
+        block_work = block_workspace_bytes(shape, layout, samples, precision, backend)
+        head, head_work = 0, 0
         if has_head:
-            activations += head_activation_bytes(shape, layout, samples, precision)
-        breakdown = _sharded(shape, layout, precision, params, activations)
+            head = head_activation_bytes(shape, layout, samples, precision)
+            head_work = head_workspace_bytes(shape, layout, samples, backend)
+        if layout.checkpoint:
+            # the blocks' inputs, and either the head's backward or one block recomputed
+            kept = blocks * in_flight * checkpointed_block_bytes(shape, layout, samples, precision)
+            activations, workspace = max(
+                (kept + head, head_work), (kept + block, block_work), key=sum
+            )
+        else:
+            activations = blocks * in_flight * block + head
+            workspace = max(block_work, head_work)
+        breakdown = _sharded(shape, layout, precision, params, activations, workspace)
         if worst is None or breakdown.total > worst.total:
             worst = breakdown
     assert worst is not None
@@ -288,16 +307,22 @@ def rank_memory(shape: ModelShape, layout: Layout, precision: Precision) -> Memo
 
 
 def _sharded(
-    shape: ModelShape, layout: Layout, precision: Precision, params: int, activations: int
+    shape: ModelShape,
+    layout: Layout,
+    precision: Precision,
+    params: int,
+    activations: int,
+    workspace: int,
 ) -> MemoryBreakdown:
     """Apply ZeRO's sharding over the ``data`` ranks to a stage's ``params`` elements."""
     n, zero = layout.data, layout.zero
     held = _ceil(params, n) if zero >= 3 else params
-    if zero >= 3:  # FSDP2 gathers one block at a time for its forward and backward
-        held += block_parameters(shape, layout)
+    if zero >= 3:  # FSDP2 gathers a block for its backward and prefetches the next one
+        held += 2 * block_parameters(shape, layout)
     return MemoryBreakdown(
         parameters=precision.parameter * held,
         gradients=precision.gradient * (_ceil(params, n) if zero >= 2 else params),
         optimizer=precision.optimizer * (_ceil(params, n) if zero >= 1 else params),
         activations=activations,
+        workspace=workspace,
     )

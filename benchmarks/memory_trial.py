@@ -1,0 +1,254 @@
+"""One training run of a GPT under one layout, each rank held to a memory budget the OS enforces.
+
+``run_trial(layout, size, budget)`` forks ``layout.world`` ranks of this process. Each joins a
+gloo group, creates tessera's context, then takes its baseline: resident memory after imports
+and process-group setup (torch's libraries, gloo's buffers), the part of a process no layout
+changes. From there on:
+
+* the operating system holds the rank to ``budget`` bytes more: ``RLIMIT_DATA``, which since
+  Linux 4.7 counts every private writable mapping (the heap and every ``mmap`` of the
+  allocator), is set to the baseline's data size plus the budget, so an allocation past it
+  fails in torch's allocator (``RuntimeError: ... can't allocate memory``) and the run does not
+  fit;
+* the peak resident memory is reset (``/proc/self/clear_refs``) and read after the steps
+  (``VmHWM``): the measured peak is its rise over the baseline.
+
+The model is examples/gpt's (token and position embeddings, pre-LN blocks, LayerNorm and an
+untied vocabulary-parallel head, tessera's vocabulary-parallel cross-entropy): the planner's
+``ModelShape`` with ``tied_head=False``. It is built in the layout directly (each rank
+allocates its own shards) and trained with Adam through tessera's engine (``initialize``),
+ZeRO and all; activation checkpointing wraps each block in ``tessera.layers.checkpoint``.
+
+glibc's allocator is pinned so that resident memory follows live tensors: one arena and a
+fixed 64 KiB mmap threshold (every tensor past it is its own mapping, returned on free). The
+variables are read when a process starts, so :func:`pin_allocator` re-executes the script
+with them once. Linux only.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import resource
+import sys
+import traceback
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessera.context.planner import DEFAULT_MACHINE, Layout, ModelShape, estimate_layout
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
+
+__all__ = ["Size", "Trial", "pin_allocator", "planned_peak", "run_trial", "shape_of"]
+
+TIMEOUT = timedelta(seconds=300)
+ALLOCATOR = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Size:
+    """The model and its global batch: examples/gpt's ``build_gpt`` arguments."""
+
+    hidden: int
+    depth: int
+    heads: int = 8
+    seq: int = 128
+    vocab: int = 1024
+    batch: int = 16
+
+
+@dataclass
+class Trial:
+    """What one run under one layout did, per rank.
+
+    Attributes:
+        fits: Every rank finished its steps inside the budget.
+        peaks: Each rank's peak resident bytes over its baseline (0 where it failed).
+        errors: Each failing rank's error (``""`` where it finished).
+    """
+
+    fits: bool
+    peaks: list[int] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def pin_allocator() -> None:
+    """Re-execute this script with glibc's allocator pinned (see the module's docstring)."""
+    if any(os.environ.get(k) != v for k, v in ALLOCATOR.items()):
+        os.environ.update(ALLOCATOR)
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+def shape_of(size: Size) -> ModelShape:
+    """The planner's shape of examples/gpt's model at ``size``."""
+    return ModelShape(
+        layers=size.depth,
+        hidden=size.hidden,
+        heads=size.heads,
+        seq=size.seq,
+        vocab=size.vocab,
+        batch=size.batch,
+        tied_head=False,
+    )
+
+
+#: The planner's machine here: gloo, whose pairwise exchanges hold more blocks than NCCL's.
+GLOO = replace(DEFAULT_MACHINE, backend="gloo")
+
+
+def planned_peak(layout: Layout, size: Size) -> int:
+    """The planner's peak bytes per rank for ``size`` under ``layout`` (fp32, Adam, gloo)."""
+    return estimate_layout(shape_of(size), layout, memory_budget=0, machine=GLOO).memory.total
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _parallel(layout: Layout) -> dict[str, Any]:
+    parallel: dict[str, Any] = {"data": layout.data}
+    if layout.mode != "none":
+        tensor: dict[str, Any] = {"size": layout.tensor, "mode": layout.mode}
+        if layout.mode == "2.5d":
+            tensor["depth"] = layout.depth
+        parallel["tensor"] = tensor
+    return parallel
+
+
+class _Checkpointed(torch.nn.Module):
+    """A block whose activations are recomputed in the backward."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from tessera.layers import checkpoint
+
+        out: torch.Tensor = checkpoint(self.block, x)
+        return out
+
+
+def _train(layout: Layout, size: Size, steps: int) -> None:
+    """Build the model in this rank's layout and take ``steps`` Adam steps."""
+    from model import GPTLoss, build_gpt
+
+    from tessera.context import ParallelMode, get_context
+    from tessera.engine import initialize
+
+    ctx = get_context()
+    torch.manual_seed(0)
+    model = build_gpt(size.vocab, size.seq, size.hidden, size.depth, size.heads)
+    if layout.checkpoint:
+        for i in range(1, len(model) - 1):
+            model[i] = _Checkpointed(model[i])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    config: dict[str, Any] = {"parallel": _parallel(layout)}
+    if layout.zero:
+        config["zero"] = {"stage": layout.zero}
+    engine, *_ = initialize(model, optimizer, GPTLoss(), config=config)
+    rows = size.batch // layout.data
+    start = ctx.get_local_rank(ParallelMode.DATA) * rows if layout.data > 1 else 0
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(size.vocab, (size.batch, size.seq + 1), generator=generator)
+    ids = ids[start : start + rows]
+    engine.train()
+    for _ in range(steps):
+        engine.zero_grad()
+        loss = engine.criterion(engine(ids[:, :-1]), ids[:, 1:])
+        engine.backward(loss)
+        engine.step()
+
+
+def _rank(
+    rank: int, layout: Layout, size: Size, budget: int, steps: int, port: int, out: Any
+) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    peak, error = 0, ""
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=layout.world, timeout=TIMEOUT)
+        from tessera.context import create_context, set_context
+
+        ctx = create_context({"parallel": _parallel(layout)}, timeout=TIMEOUT)
+        set_context(ctx)
+        # The framework's fixed cost, outside the budget: a warm-up step of one short block
+        # imports the modules and faults in the kernels' code (torch's libraries are large).
+        _train(layout, replace(size, depth=1, seq=8), steps=1)
+        gc.collect()
+        dist.barrier()
+        baseline = _status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the resident size now
+        limit = _status("VmData") + budget
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.RLIM_INFINITY))
+        _train(layout, size, steps)
+        peak = _status("VmHWM") - baseline
+        resource.setrlimit(resource.RLIMIT_DATA, (resource.RLIM_INFINITY,) * 2)
+        dist.barrier()
+    except BaseException as e:  # reported, the parent ends the others
+        error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        if not _is_out_of_memory(e):
+            error += "\n" + traceback.format_exc()
+    out.put((rank, peak, error))
+    out.close()
+    out.join_thread()  # the queue writes from a thread: flush it before leaving
+    os._exit(0)  # skip teardown: the others may be gone
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, MemoryError) or "can't allocate memory" in str(e)
+
+
+def run_trial(layout: Layout, size: Size, budget: int, steps: int = 2) -> Trial:
+    """Train ``size`` under ``layout`` for ``steps`` with every rank held to ``budget`` bytes.
+
+    Raises:
+        RuntimeError: a rank failed for another reason than memory (its traceback).
+    """
+    from meters import free_port
+
+    fork = mp.get_context("fork")
+    out = fork.Queue()
+    port = free_port()
+    ranks = [
+        fork.Process(target=_rank, args=(r, layout, size, budget, steps, port, out))
+        for r in range(layout.world)
+    ]
+    for p in ranks:
+        p.start()
+    peaks, errors = [0] * layout.world, [""] * layout.world
+    seen = 0
+    try:
+        while seen < layout.world:
+            try:
+                rank, peak, error = out.get(timeout=TIMEOUT.total_seconds())
+            except Exception:  # a rank died without reporting (killed past its budget)
+                errors = [e or "no report (killed?)" for e in errors]
+                break
+            seen += 1
+            peaks[rank], errors[rank] = peak, error
+            if error:
+                break
+    finally:
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    failures = [e for e in errors if e and "\n" in e]
+    if failures:
+        raise RuntimeError(f"a rank failed for another reason than memory:\n{failures[0]}")
+    return Trial(fits=not any(errors), peaks=peaks, errors=errors)

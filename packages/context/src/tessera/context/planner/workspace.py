@@ -1,0 +1,95 @@
+"""Working memory: what one layer allocates beyond the tensors the step keeps, at the peak.
+
+Saved activations, parameters, gradients and optimizer state are what a step *keeps*. The peak
+of a step is higher by what the layer running at that moment holds only while it runs. Measured
+per rank (``benchmarks/bench_largest_model.py``, every layout on gloo), the largest of these
+comes from one of three places, and the planner counts the largest:
+
+* **the loss and the head**: the cross-entropy holds the logits and a copy of them (the shifted
+  logits in the forward, the gradient beside the saved softmax in the backward), two logits
+  blocks ``L`` (fp32, ``[T/r, V/t]``); the 2D / 2.5D head (SUMMA's ``A B^T``, Xu et al. 2021)
+  also holds the ``q`` partial products of its forward, and its backward the ``q`` gathered
+  panels of the output gradient: ``(1 + g) L``;
+* **the widest linear layer** (the MLP's second, whose input is ``F`` wide): a 2D / 2.5D / 3D
+  linear gathers ``q`` blocks of its input ``X`` (``[T/r, F/q]``) and, in its backward, holds
+  ``q`` partial blocks of the input's gradient before they are reduce-scattered: ``(g + 1)
+  X``; when its weights stay in place (``cube_algorithm`` says ``"stationary"``) a 3D layer
+  gathers the whole input plane, ``q`` times more;
+* **attention**: the raw scores beside the masked ones and the probabilities (forward), the
+  probabilities' gradient beside the scores' (backward): two score blocks.
+
+``g`` counts the gathered blocks a collective holds: ``q`` with NCCL, ``2 q`` on gloo, whose
+pairwise exchanges send each peer its block from a ``[q, *block]`` copy
+(``tessera.layers.comm.inflight``). 1D and a single process gather nothing: their linear
+layers' working memory is their output.
+
+Under activation checkpointing the head's working memory and a recomputed block's do not meet:
+the head's backward is done before the last block is recomputed
+(:func:`~tessera.context.planner.memory.rank_memory` takes the larger moment).
+"""
+
+from __future__ import annotations
+
+from .comm import cube_algorithm
+from .layouts import Layout
+from .precision import FP32, Precision
+from .shapes import ModelShape
+
+__all__ = ["block_workspace_bytes", "gathered_blocks", "head_workspace_bytes"]
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def gathered_blocks(layout: Layout, backend: str) -> int:
+    """Blocks one gather holds on this rank: ``q``, twice that on gloo (its send copies)."""
+    return layout.side * (2 if backend == "gloo" else 1)
+
+
+def block_workspace_bytes(
+    shape: ModelShape, layout: Layout, samples: int, precision: Precision, backend: str = "nccl"
+) -> int:
+    """The larger of a block's two working memories on one rank: attention's, the widest linear's.
+
+    Args:
+        shape: The model.
+        layout: The layout.
+        samples: Sequences in one microbatch of one replica.
+        precision: Bytes per element.
+        backend: ``"nccl"`` or ``"gloo"``.
+    """
+    e = precision.activation
+    # heads over the tensor ranks (1D), batch and heads over the mesh or cube: 1/t either way
+    scores = e * _ceil(samples * shape.heads * shape.seq * shape.seq, layout.tensor)
+    found = 2 * scores
+    if layout.mode in ("2d", "2.5d", "3d"):
+        q, k = layout.side, _ceil(shape.ffn, layout.side)
+        rows = _ceil(samples * shape.seq, layout.row_split)
+        widest = e * rows * k  # the input block of the MLP's second layer
+        plane = 1  # a 3D layer whose weights stay gathers its whole input plane
+        if layout.mode == "3d":
+            o = _ceil(shape.hidden, q * q)
+            if cube_algorithm(rows, k, o, q, layout.keep_gathered) == "stationary":
+                plane = q
+        found = max(found, (gathered_blocks(layout, backend) * plane + 1) * widest)
+    return found
+
+
+def head_workspace_bytes(
+    shape: ModelShape, layout: Layout, samples: int, backend: str = "nccl"
+) -> int:
+    """The loss's and the head's working memory on one rank (0 without a vocabulary).
+
+    Args:
+        shape: The model.
+        layout: The layout.
+        samples: Sequences in one microbatch of one replica.
+        backend: ``"nccl"`` or ``"gloo"``.
+    """
+    if not shape.vocab:
+        return 0
+    # [T/r, V/c] in fp32: T V / t elements in every mode
+    logits = FP32 * _ceil(samples * shape.seq * shape.vocab, layout.tensor)
+    copies = 1 + gathered_blocks(layout, backend) if layout.mode in ("2d", "2.5d") else 2
+    return copies * logits
