@@ -40,6 +40,7 @@ from tessera.context.planner.memory import block_activation_bytes, block_paramet
 from tessera.context.planner.rank import stage_steps
 from tessera.context.planner.table import format_header
 from tessera.context.planner.units import format_bytes
+from tessera.context.planner.workspace import block_workspace_bytes, head_workspace_bytes
 
 GIB = 2**30
 FP32 = precision_for("fp32", 0)
@@ -497,6 +498,34 @@ def test_mesh_modes_cut_activations_by_all_ranks_and_1d_does_not() -> None:
         assert none / layout.tensor <= cut <= 1.01 * none / layout.tensor
     # 1d keeps 4Th + 4T whole on every rank (Korthikanti et al. 2022, section 4.2.1)
     assert block_activation_bytes(SHAPE, Layout(1, 1, 4, "1d"), 8, FP32) > 1.5 * none / 4
+
+
+def test_working_memory_is_the_largest_layers_and_the_peak_one_of_two_moments() -> None:
+    """What benchmarks/bench_largest_model.py measured on gloo (docs/choosing-a-layout.md)."""
+    gloo = replace(DEFAULT_MACHINE, backend="gloo")
+    samples, tokens = SHAPE.batch, SHAPE.batch * SHAPE.seq
+    logits = 4 * tokens * SHAPE.vocab  # one process's, fp32
+    for layout, machine, head in [
+        (Layout(1, 1, 1, "none"), DEFAULT_MACHINE, 2),  # logits and the loss's copy
+        (Layout(1, 1, 4, "1d"), DEFAULT_MACHINE, 2),
+        (Layout(1, 1, 4, "2d"), DEFAULT_MACHINE, 1 + 2),  # and SUMMA's q panels
+        (Layout(1, 1, 4, "2d"), gloo, 1 + 2 * 2),  # gloo's exchanges: q copies more
+    ]:
+        m = estimate_layout(SHAPE, layout, GIB, machine=machine).memory
+        assert head_workspace_bytes(SHAPE, layout, samples, machine.backend) == (
+            head * logits // layout.tensor
+        )
+        block = block_workspace_bytes(SHAPE, layout, samples, FP32, machine.backend)
+        assert m.workspace == max(block, head * logits // layout.tensor)
+        # the start of the backward (no gradient yet) or the optimizer step (no activation)
+        peak = max(m.gradients, m.activations + m.workspace)
+        assert m.total == m.parameters + m.optimizer + peak
+    # a 2D linear layer gathers q blocks of its widest input (the MLP's second layer's)
+    wide = replace(SHAPE, vocab=0)
+    layout = Layout(1, 1, 4, "2d")
+    widest = 4 * (tokens // 2) * (wide.ffn // 2)
+    assert block_workspace_bytes(wide, layout, samples, FP32) >= (2 + 1) * widest
+    assert block_workspace_bytes(wide, layout, samples, FP32, "gloo") >= (4 + 1) * widest
 
 
 def test_over_budget_layouts_come_last_with_the_reason() -> None:
