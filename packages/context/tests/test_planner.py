@@ -487,7 +487,9 @@ def test_checkpointing_keeps_less(layout: Layout) -> None:
     off = estimate_layout(SHAPE, layout, GIB)
     on = estimate_layout(SHAPE, Layout(**{**layout.__dict__, "checkpoint": True}), GIB)
     assert on.memory.activations < off.memory.activations / 2
-    assert on.memory.total < off.memory.total  # (a pipeline's fullest stage may change)
+    # (a pipeline's fullest stage may change; where the optimizer step is the peak, both
+    # runs reach the same one)
+    assert on.memory.total <= off.memory.total
     assert on.comm_bytes >= off.comm_bytes  # the recomputed forward communicates again
 
 

@@ -52,6 +52,9 @@ class MemoryBreakdown:
         activations: Tensors saved for the backward, at the peak of a step.
         workspace: What the layer running at the start of the backward holds beyond them
             (:mod:`~tessera.context.planner.workspace`).
+        update: What the optimizer step holds beyond the optimizer state: torch's Adam
+            computes the denominator ``sqrt(v) + eps`` of every tensor it updates at once
+            (its ``foreach`` implementation), one fp32 copy of this rank's optimized elements.
     """
 
     parameters: int
@@ -59,17 +62,18 @@ class MemoryBreakdown:
     optimizer: int
     activations: int
     workspace: int = 0
+    update: int = 0
 
     @property
     def total(self) -> int:
         """The step's peak: parameters and optimizer state, and the larger of two moments.
 
         At the start of the backward every activation is saved and no gradient exists yet
-        (the engine's ``zero_grad`` frees them); at the optimizer step every gradient exists
-        and no activation. Measured on every layout (``benchmarks/bench_largest_model.py``),
-        the peak is one of the two, never their sum.
+        (the engine's ``zero_grad`` frees them); at the optimizer step every gradient exists,
+        with the update's temporaries, and no activation. Measured on every layout
+        (``benchmarks/bench_largest_model.py``), the peak is one of the two, never their sum.
         """
-        peak = max(self.gradients, self.activations + self.workspace)
+        peak = max(self.gradients + self.update, self.activations + self.workspace)
         return self.parameters + self.optimizer + peak
 
 
@@ -319,10 +323,12 @@ def _sharded(
     held = _ceil(params, n) if zero >= 3 else params
     if zero >= 3:  # FSDP2 gathers a block for its backward and prefetches the next one
         held += 2 * block_parameters(shape, layout)
+    updated = _ceil(params, n) if zero >= 1 else params  # the optimizer's elements here
     return MemoryBreakdown(
         parameters=precision.parameter * held,
         gradients=precision.gradient * (_ceil(params, n) if zero >= 2 else params),
-        optimizer=precision.optimizer * (_ceil(params, n) if zero >= 1 else params),
+        optimizer=precision.optimizer * updated,
         activations=activations,
         workspace=workspace,
+        update=FP32 * updated,
     )
