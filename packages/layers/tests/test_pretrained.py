@@ -274,6 +274,39 @@ def test_every_block_reads_only_its_elements(
         assert dict(read) == {"w": module.w.numel()}, ranks
 
 
+def _every_form_under_fsdp2(folder: str) -> int:
+    """Each form's block, a DTensor sharded over 2 data ranks as ZeRO-3 (FSDP2) holds it: each
+    rank reads the elements of its rows of the block and nothing more, written in place."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(torch.distributed.group.WORLD, "cpu")
+    rank = torch.distributed.get_rank()
+    for i, (shape, blocks, form) in enumerate(FORMS):
+        torch.manual_seed(i)  # the same tensor on both ranks
+        stored = torch.randn(form.original_shape if form else shape).bfloat16()
+        path = _write(Path(folder) / f"rank{rank}-form{i}", {"w": stored})
+        whole = form.from_original(stored.float(), shape) if form else stored.float()
+        splits = {d: [(f"mode{d}", n - 1, n)] for d, n in blocks.items()}  # the last block
+        info = ShardInfo.from_split(shape, splits)
+        module = nn.Module()
+        module.w = nn.Parameter(torch.zeros(info.local_shape))
+        fully_shard(module, mesh=mesh)
+        set_shard_info(module.w, info)  # as the engine's ZeRO-3 carries them over
+        if form is not None:
+            set_full_form(module.w, form)
+        with _counting_reads() as read:
+            load_pretrained(module, path)
+        assert torch.equal(module.w.full_tensor(), whole[info.slices]), (i, rank)
+        local = module.w.to_local().numel()
+        assert dict(read) == ({"w": local} if local else {}), (i, rank, dict(read))
+    return 0
+
+
+def test_every_block_under_zero3_reads_only_its_rows(dist, tmp_path: Path) -> None:
+    dist.run(_every_form_under_fsdp2, world_size=2, args=(str(tmp_path),), timeout=60.0)
+
+
 def test_a_block_not_written_in_place_is_assembled(tmp_path: Path) -> None:
     """A parameter that is not one contiguous tensor gets its block assembled, then copied."""
     stored = torch.randn(6, 12)

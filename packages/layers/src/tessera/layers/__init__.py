@@ -131,7 +131,13 @@ from tessera.layers.shared.serial import (
     SerialPatchEmbedding,
 )
 from tessera.layers.shared.shards import new_parameter, shard_info
-from tessera.layers.state.pretrained import PretrainedKeys, load_pretrained, save_pretrained
+from tessera.layers.state.pretrained import (
+    PretrainedKeys,
+    PretrainedSource,
+    load_pretrained,
+    mark_pretrained_source,
+    save_pretrained,
+)
 from tessera.layers.state.state_dict import gather_full_state_dict, load_full_state_dict
 
 __all__ = [
@@ -271,6 +277,8 @@ __all__ = [
     "parallelize_pretrained",
     "save_pretrained",
     "PretrainedKeys",
+    "PretrainedSource",
+    "mark_pretrained_source",
     "split_activation",
     "gather_activation",
     "split_batch",

@@ -62,6 +62,7 @@ from tessera.context import (
 from ..comm.ops import gather_along_dim
 from ..dispatch.activations import split_batch
 from ..sequence.replicated import split_sequence_activation
+from ..state.pretrained import mark_pretrained_source
 from .api import CONTEXT_ATTR, SEQUENCE_SPAN_ATTR
 from .boundary import TOKEN_SPAN_ATTRIBUTE, TokenSpan, rank_rows, split_tokens
 from .dropout import fork_each_layer
@@ -579,7 +580,9 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
         model's modules. Weights the head shares with the embedding are marked
         ``mark_pipeline_shared`` (key: the weight's name in ``model``), and each layer carries
         the model's names of its tensors (``set_original_names``), which engine checkpoints
-        record and export under.
+        record and export under, and what ``save_pretrained`` / ``load_pretrained`` need of the
+        model (its class, config and ties: ``mark_pretrained_source``), so a stage of them
+        loads and saves a transformers checkpoint folder.
 
     Raises:
         TypeError: the model is none of the families above.
@@ -620,6 +623,8 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
     sequential = nn.Sequential(OrderedDict(layers))
     _mark_tied(sequential, model)
     _mark_original_names(sequential, model)
+    for layer in sequential:  # a stage saves the model's config.json, leaves out its ties
+        mark_pretrained_source(layer, model)
     fork_each_layer(model, sequential)  # dropout on split activations: a mask per rank
     if probe is not None and want is not None:
         _check_like_the_model(sequential, model, family, ctx, probe, want)

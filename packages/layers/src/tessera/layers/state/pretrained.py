@@ -18,11 +18,17 @@ tables, the weights of key/value heads repeated over the ranks splitting heads),
 block; and a tensor whose forms no box relates (a FullForm that is not a transpose and splits
 of dimensions; no tessera layer writes one today), converted by ``FullForm.from_original``.
 
+Under ZeRO-3 (FSDP2, loaded after ``initialize``) a parameter is a DTensor over DATA holding
+rows of the tensor-parallel block: those rows are a smaller block of the full tensor, read the
+same way. A pipeline stage of ``pipeline_layers`` speaks the model's names (its layers carry
+them, and the model's class, config and ties: :class:`PretrainedSource`).
+
 Saving walks the other way: every rank gathers one tensor at a time
-(:func:`gather_full_tensors`, collective over TENSOR), and rank 0 streams it into a
-safetensors file whose header it wrote first (every full shape is known from the ShardInfo and
-FullForm without communication). The files are written to a temporary folder renamed into
-place at the end, so a reader never sees half a checkpoint.
+(:func:`gather_full_tensors`, collective over TENSOR, and DATA under ZeRO-3), and the first
+rank of each pipeline stage streams its stage's tensors into safetensors files of their own
+whose headers it wrote first (every full shape is known from the ShardInfo and FullForm
+without communication). The files are written to a temporary folder renamed into place at the
+end, so a reader never sees half a checkpoint.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import re
 import shutil
 import struct
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -43,7 +49,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.context import ParallelContext, ParallelMode
+from tessera.context import (
+    ParallelContext,
+    ParallelMode,
+    ShardInfo,
+    get_shard_info,
+    original_names_of,
+    pipeline_shared_key,
+)
 
 from ..shared.context_access import current_or_none
 from .state_dict import (
@@ -54,7 +67,13 @@ from .state_dict import (
     shard_reads,
 )
 
-__all__ = ["PretrainedKeys", "load_pretrained", "save_pretrained"]
+__all__ = [
+    "PretrainedKeys",
+    "PretrainedSource",
+    "load_pretrained",
+    "mark_pretrained_source",
+    "save_pretrained",
+]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -72,8 +91,105 @@ _DTYPE_CODES: dict[torch.dtype, str] = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+#: The attribute :func:`mark_pretrained_source` sets on a module.
+SOURCE_ATTR = "_tessera_pretrained_source"
+
+
+@dataclass(frozen=True)
+class PretrainedSource:
+    """What a checkpoint folder needs of the transformers model some modules were cut from.
+
+    A pipeline stage holds some of a model's layers (``pipeline_layers``), not the model, so
+    each layer carries this record (:func:`mark_pretrained_source`): a stage then writes the
+    ``config.json`` of the model's class, leaves out its tied keys, and loads a checkpoint of
+    the base model as the model would. A transformers model is its own record.
+
+    Attributes:
+        class_name: The model's class (``config.json``'s ``architectures``).
+        config: Its transformers config (``None``: no ``config.json`` is written).
+        generation_config: Its generation config, if any.
+        tied_keys: The keys transformers leaves out of a checkpoint as ties (``lm_head.weight``).
+        base_model_prefix: Where its base model sits (``transformer`` for GPT-2).
+        ignore_missing: Its ``_keys_to_ignore_on_load_missing`` patterns.
+        ignore_unexpected: Its ``_keys_to_ignore_on_load_unexpected`` patterns.
+    """
+
+    class_name: str
+    config: Any = None
+    generation_config: Any = None
+    tied_keys: frozenset[str] = frozenset()
+    base_model_prefix: str = ""
+    ignore_missing: tuple[str, ...] = ()
+    ignore_unexpected: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, model: nn.Module) -> PretrainedSource:
+        """The record of ``model`` (any module; a transformers model fills every field)."""
+        tied = getattr(model, "_tied_weights_keys", None) or ()
+        config = getattr(model, "config", None)
+        return cls(
+            class_name=type(model).__name__,
+            config=config if hasattr(config, "to_json_file") else None,
+            generation_config=getattr(model, "generation_config", None),
+            # a dict (transformers 5: tied -> source) or a list (4.x): its keys
+            tied_keys=frozenset(tied),
+            base_model_prefix=str(getattr(model, "base_model_prefix", "") or ""),
+            ignore_missing=tuple(getattr(model, "_keys_to_ignore_on_load_missing", None) or ()),
+            ignore_unexpected=tuple(
+                getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+            ),
+        )
+
+
+def mark_pretrained_source(module: nn.Module, model: nn.Module) -> None:
+    """Record on ``module`` (a layer cut from ``model``) what ``model``'s checkpoints need."""
+    setattr(module, SOURCE_ATTR, PretrainedSource.of(model))
+
+
+def _source_of(model: nn.Module) -> PretrainedSource:
+    """``model``'s own record if it is a transformers model, else the first its layers carry."""
+    if getattr(model, "config", None) is None:
+        for module in model.modules():
+            found = getattr(module, SOURCE_ATTR, None)
+            if isinstance(found, PretrainedSource):
+                return found
+    return PretrainedSource.of(model)
+
+
+def _context_of(
+    model: nn.Module, context: ParallelContext | None, caller: str
+) -> ParallelContext | None:
+    """``context``, else the model's layers', else the current one.
+
+    Raises:
+        ValueError: none, for a pipeline stage of ``pipeline_layers`` in a job of several
+            ranks: which stage it is, and so what the others hold, is the context's to say.
+    """
+    ctx = context or _find_context(model) or current_or_none(None)
+    cut = any(getattr(m, SOURCE_ATTR, None) is not None for m in model.modules())
+    if ctx is None and cut and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"{caller}: the model is cut from another ({_source_of(model).class_name}, by "
+            "pipeline_layers) and no context says which stage it is: pass context= or "
+            "launch with one (the other stages hold the rest of the model)"
+        )
+    return ctx
+
+
+def _original_named(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict (``keep_vars``) under the original model's names.
+
+    A pipeline stage of ``pipeline_layers`` names GPT-2's ``transformer.h.0.mlp.c_fc.weight``
+    ``layer0.layer.mlp.c_fc.weight``; its layers carry the map back
+    (:func:`~tessera.context.original_names_of`). Other modules keep their names.
+    """
+    originals = original_names_of([model])
+    return {originals.get(n, n): t for n, t in model.state_dict(keep_vars=True).items()}
 
 
 @dataclass(frozen=True)
@@ -90,7 +206,11 @@ class PretrainedKeys:
 
 
 def load_pretrained(
-    model: nn.Module, folder: str | os.PathLike[str], *, strict: bool = True
+    model: nn.Module,
+    folder: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    context: ParallelContext | None = None,
 ) -> PretrainedKeys:
     """Load a transformers checkpoint folder into ``model``, each rank reading its slices.
 
@@ -100,8 +220,12 @@ def load_pretrained(
     parameter: its peak is its shards plus one slice. Read whole are only the tensors the rank
     holds whole (norms, replicated biases, key/value heads repeated over the ranks splitting
     heads) and any tensor whose form no slice arithmetic relates to the stored one (none of
-    tessera's layers makes one today). A parameter that cannot be written in place (a DTensor
-    under ZeRO-3 / FSDP2) gets its block assembled first, then copied.
+    tessera's layers makes one today). Under ZeRO-3 / FSDP2 a model loaded after
+    ``initialize`` holds each parameter as a DTensor over DATA: each data rank reads only the
+    rows of its block it holds, into FSDP2's storage of them (loaded before ``initialize``, the
+    blocks are sharded by it). A pipeline stage of ``pipeline_layers`` reads its tensors
+    under the model's names (its layers carry them), its copy of a weight tied across stages
+    under the name it is tied under (GPT-2's head: the embedding's ``transformer.wte.weight``).
     Keys, shapes and the files themselves are checked (headers only) before any tensor is
     read. Each slice is converted to the dtype of the model's tensor (a bf16 or fp16
     checkpoint into an fp32 model). Tied parameters (a head sharing the token embedding) are
@@ -117,8 +241,12 @@ def load_pretrained(
         folder: Holds ``model.safetensors`` or ``model.safetensors.index.json`` and the files
             it lists (``config.json`` is not read: build the model from it first).
         strict: Require every key of the model in the checkpoint and every key of the
-            checkpoint in the model. A pipeline stage, which holds part of the model, passes
-            ``False`` and checks the returned missing keys.
+            checkpoint in the model. A pipeline stage holds part of the model: the stages
+            exchange the names they hold (collective over PIPELINE: every stage calls it) and
+            a key is unexpected when no stage holds it. ``False`` loads what this rank holds,
+            without communication, and returns the rest.
+        context: The context holding the model's groups (default: its layers', else the
+            current one); read only for a pipeline's stages under ``strict``.
 
     Returns:
         The missing and unexpected keys (both empty under ``strict``).
@@ -133,44 +261,52 @@ def load_pretrained(
     from safetensors import safe_open
 
     folder = Path(folder)
-    files = _checkpoint_files(folder)
-    own = model.state_dict(keep_vars=True)
-    files = _renamed_to_model(files, own, getattr(model, "base_model_prefix", ""))
+    source = _source_of(model)
+    own = _original_named(model)
     aliases = _aliases(own)
+    held = {name for names in aliases for name in names}
+    ctx = _context_of(model, context, "load_pretrained")
+    stages = ctx.get_world_size(ParallelMode.PIPELINE) if ctx is not None else 1
+    if strict and stages > 1:  # a stage holds part of the model: all of them hold it all
+        everyone: list[Any] = [None] * stages
+        group = ctx.get_cpu_group(ParallelMode.PIPELINE) if ctx is not None else None
+        dist.all_gather_object(everyone, sorted(held), group=group)
+        held = {name for names in everyone for name in names}
+    files = _checkpoint_files(folder)
+    files = _renamed_to_model(files, held, source.base_model_prefix)
 
-    ignore_missing = _patterns(model, "_keys_to_ignore_on_load_missing")
-    ignore_unexpected = _patterns(model, "_keys_to_ignore_on_load_unexpected")
-    to_load: list[str] = []  # one key per tensor of the model
+    ignore_missing, ignore_unexpected = source.ignore_missing, source.ignore_unexpected
+    to_load: list[tuple[str, torch.Tensor]] = []  # one key per tensor of the model
     missing: list[str] = []
     for names in aliases:
         present = [n for n in names if n in files]
         if present:
-            to_load.append(present[0])
+            to_load.append((present[0], own[names[0]]))
         elif not all(_matches(n, ignore_missing) for n in names):
             missing.append(names[0])
-    unexpected = [k for k in files if k not in own and not _matches(k, ignore_unexpected)]
+    unexpected = [k for k in files if k not in held and not _matches(k, ignore_unexpected)]
     if strict and (missing or unexpected):
         where = {k: files[k][0].name for k in unexpected}
         raise KeyError(
             f"load_pretrained: {folder} does not match the model: missing keys "
             f"{_few(missing)}, unexpected keys {_few([f'{k} ({where[k]})' for k in unexpected])}"
         )
-    on_meta = [n for n in to_load if own[n].is_meta]
+    on_meta = [key for key, target in to_load if target.is_meta]
     if on_meta:
         raise ValueError(
             f"load_pretrained: {_few(on_meta)} are on the meta device: parallelize the model "
             "built inside meta_parameters() first (it allocates this rank's shards), then load"
         )
 
-    by_file: dict[Path, list[str]] = {}
-    for key in to_load:
-        by_file.setdefault(files[key][0], []).append(key)
+    by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
+    for key, target in to_load:
+        by_file.setdefault(files[key][0], []).append((key, target))
     wrong: list[str] = []
-    for path, keys in by_file.items():  # headers only: every shape before any tensor
+    for path, entries in by_file.items():  # headers only: every shape before any tensor
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in keys:
+            for key, target in entries:
                 shape = tuple(f.get_slice(files[key][1]).get_shape())
-                expected = list(full_shape(own[key]))
+                expected = list(full_shape(target))
                 if list(shape) != expected:
                     wrong.append(f"{key!r} in {path.name}: {list(shape)}, expected {expected}")
     if wrong:
@@ -180,11 +316,14 @@ def load_pretrained(
         )
 
     with torch.no_grad():
-        for path, keys in by_file.items():
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for key in keys:
+        for path, entries in by_file.items():
+            for key, target in entries:
+                # Opened per tensor: safetensors maps the file, and every page a read touches
+                # (a column block touches them all) stays resident while it is open. So at most
+                # one tensor's pages are, not the whole file's.
+                with safe_open(str(path), framework="pt", device="cpu") as f:
                     try:
-                        _load_block(f, files[key][1], key, own[key])
+                        _load_block(f, files[key][1], key, target)
                     except ValueError as err:
                         raise ValueError(f"load_pretrained: {path}: {err}") from None
     return PretrainedKeys(missing=missing, unexpected=unexpected)
@@ -198,26 +337,63 @@ def _load_block(f: Any, stored: str, key: str, target: torch.Tensor) -> None:
     ``target``: this rank's share of the file is all it reads. A tensor whose forms no box
     relates is read whole and converted (:func:`shard_of_full`).
     """
-    plan = shard_reads(target)
+    from torch.distributed.tensor import DTensor
+
+    piece: ShardInfo | None = None  # this data rank's part of the block, under ZeRO-3
+    dest = target
+    if isinstance(target, DTensor):
+        piece, within = _piece_of(target)
+        dest = target.to_local()  # FSDP2's storage of this rank's part: written in place
+        if dest.numel() == 0:
+            return
+    plan = shard_reads(target, info=piece)
     if plan is None:
         full = f.get_tensor(stored)  # the whole tensor: its forms need it
-        target.copy_(shard_of_full(key, target, full.to(target.dtype)))
+        block = shard_of_full(key, target, full.to(target.dtype))
+        dest.copy_(block if piece is None else block[within])
         return
-    in_place = type(target) in (torch.Tensor, nn.Parameter) and target.is_contiguous()
+    in_place = type(dest) in (torch.Tensor, nn.Parameter) and dest.is_contiguous()
     block = (
-        target.view(plan.shape)
+        dest.view(plan.shape)
         if in_place
-        else torch.empty(plan.shape, dtype=target.dtype, device=target.device)
+        else torch.empty(plan.shape, dtype=dest.dtype, device=dest.device)
     )
     stored_slice = f.get_slice(stored)
     shape = tuple(stored_slice.get_shape())
     for read in plan.reads:
         whole = all((s.start, s.stop) == (0, n) for s, n in zip(read.source, shape, strict=True))
-        piece = f.get_tensor(stored) if whole else stored_slice[read.source]
-        plan.place(block, read, piece)
-        del piece
+        box = f.get_tensor(stored) if whole else stored_slice[read.source]
+        plan.place(block, read, box)
+        del box
     if not in_place:
-        target.copy_(block.view(target.shape))
+        dest.copy_(block.view(dest.shape))
+
+
+def _piece_of(target: Any) -> tuple[ShardInfo, tuple[slice, ...]]:
+    """The ShardInfo of the part of its block a DTensor holds here, and where it sits in it.
+
+    ZeRO-3 (FSDP2) holds each parameter as a DTensor over DATA whose global shape is the
+    tensor-parallel block's (the ShardInfo's local shape): this rank's part (rows of the block)
+    is a smaller block of the full tensor, read like any other, so a data rank reads its own
+    share of the file and no more.
+    """
+    (chunk,) = target.__create_chunk_list__()
+    offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+    shape = tuple(target.shape)
+    info = get_shard_info(target) or ShardInfo(shape, (0,) * len(shape), shape)
+    data = str(ParallelMode.DATA.value)
+    split = tuple(
+        modes + ((data,) if (o, n) != (0, whole) and data not in modes else ())
+        for modes, o, n, whole in zip(info.split_modes, offsets, sizes, shape, strict=True)
+    )
+    piece = ShardInfo(
+        global_shape=info.global_shape,
+        offsets=tuple(a + b for a, b in zip(info.offsets, offsets, strict=True)),
+        local_shape=sizes,
+        split_modes=split,
+        replicated_modes=tuple(m for m in info.replicated_modes if m != data),
+    )
+    return piece, tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
 
 
 def _checkpoint_files(folder: Path) -> dict[str, tuple[Path, str]]:
@@ -242,7 +418,7 @@ def _checkpoint_files(folder: Path) -> dict[str, tuple[Path, str]]:
 
 
 def _renamed_to_model(
-    files: dict[str, tuple[Path, str]], own: Mapping[str, torch.Tensor], prefix: str
+    files: dict[str, tuple[Path, str]], own: Collection[str], prefix: str
 ) -> dict[str, tuple[Path, str]]:
     """The checkpoint's keys in the model's names, across transformers' base-model prefix.
 
@@ -261,15 +437,20 @@ def _renamed_to_model(
 
 
 def _aliases(own: Mapping[str, torch.Tensor]) -> list[list[str]]:
-    """The model's keys grouped by tensor: tied parameters share one group, in state order."""
+    """The model's keys grouped by tensor: tied parameters share one group, in state order.
+
+    A pipeline stage's copy of a weight tied across stages (GPT-2's head on the last stage)
+    also goes by the name it is tied under (``mark_pipeline_shared``'s key, the embedding's
+    name in the model), which is where the checkpoint holds it.
+    """
     groups: dict[int, list[str]] = {}
     for name, t in own.items():
         groups.setdefault(id(t), []).append(name)
+    for names in groups.values():
+        shared = pipeline_shared_key(own[names[0]])
+        if shared is not None and shared not in names:
+            names.append(shared)
     return list(groups.values())
-
-
-def _patterns(model: nn.Module, attribute: str) -> list[str]:
-    return list(getattr(model, attribute, None) or [])
 
 
 def _matches(key: str, patterns: Iterable[str]) -> bool:
@@ -297,14 +478,20 @@ def save_pretrained(
     parameters are written once, under the name transformers keeps (not the tied head's).
 
     Collective: every rank of the model calls it (the tensor ranks gather each tensor
-    together; under ZeRO-3 the data ranks too). Rank 0 writes, holding one full tensor at a
-    time; it writes into a temporary folder beside ``folder`` and renames it into place at
-    the end (an existing ``folder`` is moved aside first and removed after), so a reader
-    never sees a half-written checkpoint. Every rank returns once the folder is there, or
-    raises if the writer failed (all ranks exchange the outcome, in place of a barrier).
+    together; under ZeRO-3 the data ranks too). The first rank of each pipeline stage (data
+    and tensor rank 0; rank 0 alone without a pipeline) writes that stage's tensors into files
+    of their own, holding one full tensor at a time: a stage of ``pipeline_layers`` writes
+    under the model's names (its layers carry them), and the copy of a weight tied across
+    stages (GPT-2's head) is written once, by the stage holding it under its own name. The
+    files go into a temporary folder beside ``folder`` that rank 0 renames into place at the
+    end (an existing ``folder`` is moved aside first and removed after), so a reader never
+    sees a half-written checkpoint; with several stages every stage's writer must see that
+    folder (a shared file system), as every rank must see a folder it loads. Every rank
+    returns once the folder is there, or raises if a writer failed (all ranks exchange the
+    outcome, in place of a barrier).
 
     Args:
-        model: The parallelized model (or a plain one).
+        model: The parallelized model (or a plain one), or this rank's pipeline stage.
         folder: Where the checkpoint goes.
         max_shard_size: The largest file, in bytes or as ``"5GB"``, ``"500MiB"``; a tensor
             larger than it gets a file of its own.
@@ -315,66 +502,137 @@ def save_pretrained(
         The folder.
 
     Raises:
-        ValueError: ``max_shard_size`` cannot be read, or the model is split into pipeline
-            stages (each stage holds part of the model; not written yet).
+        ValueError: ``max_shard_size`` cannot be read.
         OSError: (or whatever writing raised) on the writing rank, when it could not write
             the folder (a full disk, no permission); it still takes part in every gather,
-            and its temporary folder is removed.
+            and the temporary folder is removed.
         RuntimeError: on every other rank in that case, naming the writer's error: the
             ranks agree on the outcome before returning, so none waits for a writer that
             gave up.
     """
     folder = Path(folder)
     limit = _size_in_bytes(max_shard_size)
-    ctx = context or _find_context(model) or current_or_none(None)
-    if ctx is not None and ctx.get_world_size(ParallelMode.PIPELINE) > 1:
-        raise ValueError(
-            f"save_pretrained: the model is split into {ctx.get_world_size(ParallelMode.PIPELINE)}"
-            " pipeline stages; each holds part of it, and writing them is not supported yet"
-        )
-    own = model.state_dict(keep_vars=True)
-    names = _kept_names(own, _tied_names(model))
+    ctx = _context_of(model, context, "save_pretrained")
+    source = _source_of(model)
+    own = _original_named(model)
+    names = _kept_names(own, set(source.tied_keys))
     out_dtype = {n: _out_dtype(own[n], dtype) for n in names}
-    shards = _shard_layout(names, own, out_dtype, limit)
-    writer = not dist.is_initialized() or dist.get_rank() == 0
-    group = ctx.get_group(ParallelMode.GLOBAL) if ctx is not None else None
+    root = not dist.is_initialized() or dist.get_rank() == 0
+    writer = _is_writer(ctx)
+    stage = ctx.get_local_rank(ParallelMode.PIPELINE) if ctx is not None else 0
+    group = ctx.get_cpu_group(ParallelMode.GLOBAL) if ctx is not None else None
 
+    # One exchange: rank 0's temporary folder (made, or why not), each writer's tensors.
     temp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     attempt = _FirstFailure(enabled=writer)
-    attempt(_fresh_folder, temp)
-    weight_map: dict[str, str] = {}
-    total = 0
-    for i, keys in enumerate(shards):
-        file = SINGLE_FILE if len(shards) == 1 else _numbered(i, len(shards))
-        header = {k: (out_dtype[k], full_shape(own[k])) for k in keys}
-        out = _SafetensorsStream(temp / file, header)
+    if root:
+        attempt(_fresh_folder, temp)
+    mine = [(n, _DTYPE_CODES[out_dtype[n]], full_shape(own[n])) for n in names]
+    plans = _all_gather(
+        dict(temp=str(temp), failure=_text(attempt.failure), stage=stage, writes=mine)
+        if writer
+        else dict(stage=stage),
+        group,
+    )
+    temp = Path(plans[0]["temp"])
+    _raise_failed(attempt.failure, [p.get("failure") for p in plans], folder)
+
+    files, header = _files_of_stages(plans, limit)
+    codes = _CODE_DTYPES
+    for file, (owner, keys) in files.items():
+        if owner != stage:
+            continue  # another stage's ranks write it
+        out = _SafetensorsStream(
+            temp / file, {k: (codes[header[k][0]], header[k][1]) for k in keys}
+        )
         attempt(out.open)
         for key in keys:  # gathered on every rank even once the writer failed: collective
             full = gather_full_tensors(model, {key: own[key]}, ctx)[key]
-            attempt(out.write, key, full, out_dtype[key])
+            attempt(out.write, key, full, codes[header[key][0]])
             del full
         out.close()
         attempt(out.check_complete)
-        weight_map |= dict.fromkeys(keys, file)
-        total += sum(_nbytes(full_shape(own[k]), out_dtype[k]) for k in keys)
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-        attempt((temp / INDEX_FILE).write_text, text)
-    attempt(_write_config, model, temp, out_dtype)
-    attempt(_move_into_place, temp, folder)
-    if attempt.failure is not None:
-        shutil.rmtree(temp, ignore_errors=True)
-    _agree_on_failure(attempt.failure, folder, group)
+    if root:
+        if len(files) > 1:
+            weight_map = {k: file for file, (_, keys) in files.items() for k in keys}
+            total = sum(_nbytes(shape, codes[code]) for code, shape in header.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+            attempt((temp / INDEX_FILE).write_text, text)
+        attempt(_write_config, source, temp, [codes[code] for code, _ in header.values()])
+
+    # Every writer done (or failed) before rank 0 moves the folder into place, or removes it;
+    # then every rank learns the outcome, once nothing is left to clean up.
+    failed = any(p.get("failure") for p in _all_gather(dict(failure=_text(attempt.failure)), group))
+    if root:
+        if not failed:
+            attempt(_move_into_place, temp, folder)
+        if failed or attempt.failure is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+    outcome = _all_gather(dict(failure=_text(attempt.failure)), group)
+    _raise_failed(attempt.failure, [p.get("failure") for p in outcome], folder)
     return folder
 
 
-class _FirstFailure:
-    """Calls made on the writing rank until one raises; that exception is kept, not raised.
+def _is_writer(ctx: ParallelContext | None) -> bool:
+    """Whether this rank writes its stage's files: data and tensor rank 0 of its stage."""
+    if ctx is None:
+        return not dist.is_initialized() or dist.get_rank() == 0
+    return all(ctx.get_local_rank(m) == 0 for m in (ParallelMode.DATA, ParallelMode.TENSOR))
 
-    The writer keeps gathering with the other ranks after a failed write (they are in the
-    same collectives), and every rank learns of the failure at the end
-    (:func:`_agree_on_failure`) instead of waiting for the writer forever.
+
+def _files_of_stages(
+    plans: list[dict[str, Any]], limit: int
+) -> tuple[dict[str, tuple[int, list[str]]], dict[str, tuple[str, tuple[int, ...]]]]:
+    """The files, stage by stage: ``{file: (stage, keys)}`` and every key's (dtype, shape).
+
+    Each stage's writer writes files of its own tensors (a new file where the next tensor
+    would pass ``limit``), in stage order; a key two stages hold is written by the first.
+    """
+    header: dict[str, tuple[str, tuple[int, ...]]] = {}
+    per_stage: list[tuple[int, list[list[str]]]] = []
+    for plan in sorted((p for p in plans if "writes" in p), key=lambda p: int(p["stage"])):
+        shards: list[list[str]] = [[]]
+        size = 0
+        for key, code, shape in plan["writes"]:
+            if key in header:
+                continue
+            header[key] = (code, tuple(shape))
+            n = _nbytes(tuple(shape), _CODE_DTYPES[code])
+            if shards[-1] and size + n > limit:
+                shards.append([])
+                size = 0
+            shards[-1].append(key)
+            size += n
+        per_stage.append((int(plan["stage"]), [keys for keys in shards if keys]))
+    count = sum(len(shards) for _, shards in per_stage)
+    files: dict[str, tuple[int, list[str]]] = {}
+    for stage, shards in per_stage:
+        for keys in shards:
+            name = SINGLE_FILE if count == 1 else _numbered(len(files), count)
+            files[name] = (stage, keys)
+    return files, header
+
+
+def _all_gather(mine: dict[str, Any], group: dist.ProcessGroup | None) -> list[dict[str, Any]]:
+    """Every rank's ``mine`` (of the group; just ``mine`` without torch.distributed)."""
+    if not dist.is_initialized():
+        return [mine]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
+
+
+def _text(failure: Exception | None) -> str | None:
+    return None if failure is None else f"{type(failure).__name__}: {failure}"
+
+
+class _FirstFailure:
+    """Calls made on a writing rank until one raises; that exception is kept, not raised.
+
+    A writer keeps gathering with the other ranks after a failed write (they are in the
+    same collectives), and every rank learns of the failure at the next exchange
+    (:func:`_raise_failed`) instead of waiting for the writer forever.
     """
 
     def __init__(self, *, enabled: bool) -> None:
@@ -386,26 +644,17 @@ class _FirstFailure:
             return
         try:
             fn(*args)
-        except Exception as exc:  # re-raised by _agree_on_failure, on this rank as it was
+        except Exception as exc:  # re-raised by _raise_failed, on this rank as it was
             self.failure = exc
 
 
-def _agree_on_failure(
-    failure: Exception | None, folder: Path, group: dist.ProcessGroup | None
-) -> None:
-    """Raise on every rank if the writer failed (a collective where several ranks save).
+def _raise_failed(failure: Exception | None, everyone: list[str | None], folder: Path) -> None:
+    """Raise on every rank if a writer failed (``everyone``: each rank's failure, exchanged).
 
-    It takes the place of the final barrier: every rank sends its failure (the writer's, or
-    none) and waits for every other's, so no rank returns before the folder is in place, and
-    none waits for a writer that gave up. The writer raises its own exception; the others a
-    ``RuntimeError`` naming it.
+    The exchange takes the place of a barrier: no rank returns before the folder is in place,
+    and none waits for a writer that gave up. A writer that failed raises its own exception;
+    the others a ``RuntimeError`` naming it.
     """
-    if dist.is_initialized():
-        everyone: list[Any] = [None] * dist.get_world_size(group)
-        mine = None if failure is None else f"{type(failure).__name__}: {failure}"
-        dist.all_gather_object(everyone, mine, group=group)
-    else:
-        everyone = [None]
     if failure is not None:
         raise failure
     failed = [(rank, text) for rank, text in enumerate(everyone) if text is not None]
@@ -442,16 +691,16 @@ def _size_in_bytes(size: int | str) -> int:
     return value
 
 
-def _tied_names(model: nn.Module) -> set[str]:
-    """The keys transformers leaves out of a checkpoint as ties (``lm_head.weight``)."""
-    tied = getattr(model, "_tied_weights_keys", None) or ()
-    return set(tied)  # a dict (transformers 5: tied -> source) or a list (4.x): its keys
-
-
 def _kept_names(own: Mapping[str, torch.Tensor], tied: set[str]) -> list[str]:
-    """One key per tensor: of tied keys the first transformers does not drop as a tie."""
+    """One key per tensor: of tied keys the first transformers does not drop as a tie.
+
+    A pipeline stage's copy of a weight another stage holds under the name it is tied under
+    (GPT-2's head on the last stage) is left to that stage.
+    """
     kept = []
     for names in _aliases(own):
+        if any(n not in own for n in names):
+            continue
         untied = [n for n in names if n not in tied]
         kept.append((untied or names)[0])
     order = {name: i for i, name in enumerate(own)}
@@ -467,25 +716,6 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     for n in shape:
         numel *= n
     return numel * dtype.itemsize
-
-
-def _shard_layout(
-    names: list[str],
-    own: Mapping[str, torch.Tensor],
-    dtypes: Mapping[str, torch.dtype],
-    limit: int,
-) -> list[list[str]]:
-    """The keys of each file, in order: a new file where the next tensor would pass ``limit``."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name in names:
-        n = _nbytes(full_shape(own[name]), dtypes[name])
-        if shards[-1] and size + n > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += n
-    return shards
 
 
 class _SafetensorsStream:
@@ -546,14 +776,14 @@ class _SafetensorsStream:
             raise RuntimeError(f"save_pretrained: {self._path.name} lacks {self._order}")
 
 
-def _write_config(model: nn.Module, folder: Path, dtypes: Mapping[str, torch.dtype]) -> None:
+def _write_config(source: PretrainedSource, folder: Path, dtypes: list[torch.dtype]) -> None:
     """``config.json`` from the model's transformers config, naming its class and dtype."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_json_file"):
+    config = source.config
+    if config is None:
         return
     config = copy.deepcopy(config)
-    config.architectures = [type(model).__name__]
-    floating = [d for d in dtypes.values() if d.is_floating_point]
+    config.architectures = [source.class_name]
+    floating = [d for d in dtypes if d.is_floating_point]
     if floating:
         saved = max(set(floating), key=floating.count)
         # transformers 5 names it dtype, 4.x torch_dtype
@@ -562,7 +792,7 @@ def _write_config(model: nn.Module, folder: Path, dtypes: Mapping[str, torch.dty
         config.save_pretrained(folder)
     else:
         config.to_json_file(folder / "config.json")
-    generation = getattr(model, "generation_config", None)
+    generation = source.generation_config
     if generation is not None and hasattr(generation, "save_pretrained"):
         generation.save_pretrained(folder)
 

@@ -100,7 +100,7 @@ class ShardReads:
         block[tuple(mesh)] = piece.to(block.device, block.dtype)  # index_put_: one device
 
 
-def shard_reads(target: torch.Tensor) -> ShardReads | None:
+def shard_reads(target: torch.Tensor, info: ShardInfo | None = None) -> ShardReads | None:
     """The boxes of ``target``'s stored (original-form) full tensor that hold its block.
 
     The one place the layout arithmetic of loading lives: the ShardInfo's block of tessera's
@@ -111,12 +111,17 @@ def shard_reads(target: torch.Tensor) -> ShardReads | None:
     in hand. Each box is contiguous in the stored tensor: one per fused part where q, k and v
     sit side by side in the file, one for everything else.
 
+    Args:
+        target: The module's tensor: its ShardInfo and FullForm say what to read.
+        info: The block to read in place of ``target``'s ShardInfo: a ZeRO-3 (FSDP2) data
+            rank's piece of it, the rows of the tensor-parallel block that rank holds.
+
     Returns:
         The boxes, or ``None`` where the forms are not related by a transpose and splits of
         dimensions (a shape no tessera layer writes); the caller then converts the whole
         tensor (:meth:`~tessera.context.FullForm.from_original`).
     """
-    info = get_shard_info(target)
+    info = info if info is not None else get_shard_info(target)
     form = get_full_form(target)
     full = info.global_shape if info is not None else tuple(target.shape)
     box = info.slices if info is not None else tuple(slice(0, n) for n in full)
