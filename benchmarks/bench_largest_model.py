@@ -12,8 +12,10 @@ batch 16, vocabulary 1024), so its parameters grow as ``k^3``. The search starts
 planner's guess and steps up while a size fits, down until one does: real runs decide.
 
 Printed per layout: the largest size that fits and its parameter count, the measured peak per
-rank there (largest rank), the planner's prediction for it and the ratio (the planner is
-validated to 10%), and the parameters as a multiple of 1D(4)'s. Then, at one size where
+rank of its training steps there (largest rank), the planner's prediction for it and the ratio
+(the planner is validated to 10%), and the parameters as a multiple of 1D(4)'s. Building the
+model counts against the budget too: every rank builds the whole model before ZeRO-3 shards
+it, which is then the limit (printed where it is). Then, at one size where
 activations dominate, each layout's peak against one process's / P (the paper's claim: 2D,
 2.5D and 3D hold ``1/P`` of everything).
 
@@ -142,13 +144,15 @@ def search(
         base = found.get("1D(4)", (layout, None))[1]
         ratio = parameters(result.k) / parameters(base.k) if base and base.k else float("nan")
         peak = max(result.trial.peaks) if result.trial else 0
+        built = max(result.trial.built) if result.trial else 0
         planned = planned_peak(layout, ladder(result.k)) if result.k else 0
         tried = " ".join(f"{k}{'+' if ok else '-'}" for k, ok in sorted(result.tried.items()))
         print(
             f"{name:<16}{result.k:>5}{fmt_params(parameters(result.k)) if result.k else '-':>10}"
             f"{peak / MIB:>10.1f}{planned / MIB:>9.1f}"
             f"{planned / peak if peak else float('nan'):>14.2f}{ratio:>9.2f}{tried:>20}"
-            f"   ({time.perf_counter() - start:.0f} s)",
+            f"   ({time.perf_counter() - start:.0f} s)"
+            + (f"  building the model: {built / MIB:.1f} MiB" if built > peak else ""),
             flush=True,
         )
     return found
@@ -201,6 +205,7 @@ def record(layout: Layout, found: Largest) -> dict[str, object]:
                 "fits": run.fits,
                 "peak": max(run.peaks),
                 "peaks": run.peaks,
+                "built": max(run.built),
                 "planned": planned_peak(layout, ladder(k)),
                 "parameters": parameters(k),
             }
@@ -221,7 +226,20 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     budget = parse_bytes(args.budget)
-    results: dict[str, object] = {"budget": budget}
+    base = ladder(1)
+    results: dict[str, object] = {
+        "budget": budget,
+        "backend": "gloo",
+        # size k of the ladder: hidden ``hidden * k``, depth ``depth * k`` (docs/make_figures.py)
+        "ladder": {
+            "hidden": base.hidden,
+            "depth": base.depth,
+            "heads": base.heads,
+            "seq": base.seq,
+            "vocab": base.vocab,
+            "batch": base.batch,
+        },
+    }
     # the short version: two sizes per layout (the planner's guess and the next one up)
     trials = TOP if args.search else 2
     found = search(args.layouts, budget, args.search and not args.no_checkpointing, trials)

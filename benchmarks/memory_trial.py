@@ -70,13 +70,17 @@ class Trial:
 
     Attributes:
         fits: Every rank finished its steps inside the budget.
-        peaks: Each rank's peak resident bytes over its baseline (0 where it failed).
+        peaks: Each rank's peak resident bytes over its baseline during the training steps
+            (0 where it failed): what the planner predicts.
+        built: Each rank's peak while the model was built and handed to ``initialize``
+            (every rank builds the whole model before ZeRO-3 shards it).
         errors: Each failing rank's error (``""`` where it finished).
     """
 
     fits: bool
     peaks: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    built: list[int] = field(default_factory=list)
 
 
 def pin_allocator() -> None:
@@ -140,8 +144,12 @@ class _Checkpointed(torch.nn.Module):
         return out
 
 
-def _train(layout: Layout, size: Size, steps: int) -> None:
-    """Build the model in this rank's layout and take ``steps`` Adam steps."""
+def _train(layout: Layout, size: Size, steps: int) -> int:
+    """Build the model in this rank's layout and take ``steps`` Adam steps.
+
+    Returns:
+        The peak resident bytes while building (the steps' peak is measured from there on).
+    """
     from model import GPTLoss, build_gpt
 
     from tessera.context import ParallelMode, get_context
@@ -158,6 +166,9 @@ def _train(layout: Layout, size: Size, steps: int) -> None:
     if layout.zero:
         config["zero"] = {"stage": layout.zero}
     engine, *_ = initialize(model, optimizer, GPTLoss(), config=config)
+    built = _status("VmHWM")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the steps' peak from here
     rows = size.batch // layout.data
     start = ctx.get_local_rank(ParallelMode.DATA) * rows if layout.data > 1 else 0
     generator = torch.Generator().manual_seed(1)
@@ -169,6 +180,7 @@ def _train(layout: Layout, size: Size, steps: int) -> None:
         loss = engine.criterion(engine(ids[:, :-1]), ids[:, 1:])
         engine.backward(loss)
         engine.step()
+    return built
 
 
 def _rank(
@@ -178,7 +190,7 @@ def _rank(
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    peak, error = 0, ""
+    peak, built, error = 0, 0, ""
     try:
         dist.init_process_group("gloo", rank=rank, world_size=layout.world, timeout=TIMEOUT)
         from tessera.context import create_context, set_context
@@ -195,7 +207,7 @@ def _rank(
             f.write("5")  # reset VmHWM to the resident size now
         limit = _status("VmData") + budget
         resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.RLIM_INFINITY))
-        _train(layout, size, steps)
+        built = _train(layout, size, steps) - baseline
         peak = _status("VmHWM") - baseline
         resource.setrlimit(resource.RLIMIT_DATA, (resource.RLIM_INFINITY,) * 2)
         dist.barrier()
@@ -203,7 +215,7 @@ def _rank(
         error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         if not _is_out_of_memory(e):
             error += "\n" + traceback.format_exc()
-    out.put((rank, peak, error))
+    out.put((rank, peak, built, error))
     out.close()
     out.join_thread()  # the queue writes from a thread: flush it before leaving
     os._exit(0)  # skip teardown: the others may be gone
@@ -230,17 +242,17 @@ def run_trial(layout: Layout, size: Size, budget: int, steps: int = 2) -> Trial:
     ]
     for p in ranks:
         p.start()
-    peaks, errors = [0] * layout.world, [""] * layout.world
+    peaks, built, errors = [0] * layout.world, [0] * layout.world, [""] * layout.world
     seen = 0
     try:
         while seen < layout.world:
             try:
-                rank, peak, error = out.get(timeout=TIMEOUT.total_seconds())
+                rank, peak, building, error = out.get(timeout=TIMEOUT.total_seconds())
             except Exception:  # a rank died without reporting (killed past its budget)
                 errors = [e or "no report (killed?)" for e in errors]
                 break
             seen += 1
-            peaks[rank], errors[rank] = peak, error
+            peaks[rank], built[rank], errors[rank] = peak, building, error
             if error:
                 break
     finally:
@@ -251,4 +263,4 @@ def run_trial(layout: Layout, size: Size, budget: int, steps: int = 2) -> Trial:
     failures = [e for e in errors if e and "\n" in e]
     if failures:
         raise RuntimeError(f"a rank failed for another reason than memory:\n{failures[0]}")
-    return Trial(fits=not any(errors), peaks=peaks, errors=errors)
+    return Trial(fits=not any(errors), peaks=peaks, errors=errors, built=built)

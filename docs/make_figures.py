@@ -3,6 +3,9 @@
     python docs/make_figures.py            # every figure
     python docs/make_figures.py --out DIR  # somewhere else
 
+The largest-model figure plots what ``benchmarks/bench_largest_model.py --search --json
+docs/figures/largest_model.json`` measured, beside the planner's curve for the same ladder.
+
 Rank layouts are read from ``tessera.context.rank_groups`` (the same pure arithmetic the
 launchers use), so a picture cannot disagree with the code; pipeline timelines come from
 ``tessera.pipeline.simulate`` and ``plot_timeline``.
@@ -11,8 +14,11 @@ launchers use), so a picture cannot disagree with the code; pipeline timelines c
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import pathlib
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import matplotlib
 
@@ -22,6 +28,13 @@ from matplotlib.axes import Axes
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from tessera.context import ParallelConfig, ParallelMode, rank_groups
+from tessera.context.planner import (
+    DEFAULT_MACHINE,
+    Layout,
+    ModelShape,
+    estimate_layout,
+    layout_problems,
+)
 from tessera.pipeline import (
     GPipeSchedule,
     InterleavedPipelineSchedule,
@@ -261,6 +274,99 @@ def draw_schedules(out: pathlib.Path) -> None:
         plot_timeline(result, out / name, title=title)
 
 
+#: The paper's Figure 3 points under 2D (Bian et al. 2021 / Xu et al. 2021): parameters on
+#: ranks of 16 GB, at batch 16 without ZeRO or offload.
+PAPER_2D = ((4, 3e9), (16, 12e9))
+PAPER_MEMORY = 16 * 2**30
+
+
+def planner_largest(ladder: dict[str, int], layout: Layout, budget: int, backend: str) -> int:
+    """Parameters of the largest ladder step the planner says fits ``budget`` (0: none)."""
+    machine = replace(DEFAULT_MACHINE, backend=backend)
+    best = 0
+    for k in range(1, 129):
+        shape = ModelShape(
+            layers=ladder["depth"] * k,
+            hidden=ladder["hidden"] * k,
+            heads=ladder["heads"],
+            seq=ladder["seq"],
+            vocab=ladder["vocab"],
+            batch=ladder["batch"],
+            tied_head=False,
+        )
+        if layout_problems(shape, layout):
+            continue  # does not divide at this size; a larger one may
+        if estimate_layout(shape, layout, budget, machine=machine).memory.total > budget:
+            break
+        best = shape.parameters
+    return best
+
+
+#: Each mode's layout on ``w`` ranks (``None`` where it has none), for the planner's curves.
+CURVES: dict[str, tuple[str, Callable[[int], Layout | None]]] = {
+    "1D": ("1d", lambda w: Layout(1, 1, w, "1d")),
+    "2D": ("2d", lambda w: Layout(1, 1, w, "2d") if math.isqrt(w) ** 2 == w else None),
+    "2.5D, depth 2": (
+        "2.5d",
+        lambda w: Layout(1, 1, w, "2.5d", depth=2) if math.isqrt(w // 2) ** 2 * 2 == w else None,
+    ),
+    "3D": ("3d", lambda w: Layout(1, 1, w, "3d") if round(w ** (1 / 3)) ** 3 == w else None),
+    "ZeRO-3": ("none", lambda w: Layout(w, 1, 1, "none", zero=3)),
+}
+
+
+def draw_largest_model(out: pathlib.Path) -> None:
+    """The paper's Figure 3, measured: the largest model each layout trains per rank budget."""
+    found = json.loads((HERE / "figures" / "largest_model.json").read_text())
+    budget, ladder, backend = found["budget"], found["ladder"], found["backend"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    worlds = [4, 8, 16, 32, 64]
+    markers = "os^Dv"
+    for i, (name, (mode, layout_of)) in enumerate(CURVES.items()):
+        color = COLORS[i]
+        curve = [
+            (w, n)
+            for w in worlds
+            if (layout := layout_of(w)) is not None
+            and (n := planner_largest(ladder, layout, budget, backend))
+        ]  # a mode's layout exists on these ranks and the ladder divides under it
+        ax.plot(*zip(*curve, strict=True), "--", color=color, alpha=0.6, label=f"{name}: planner")
+        measured = sorted(
+            (run["world"] * (1 + 0.03 * (i - 2)), run["parameters"])  # side by side, not hidden
+            for run in found["layouts"].values()
+            if run["mode"] == mode and not run["checkpoint"]
+        )
+        if measured:
+            ax.plot(
+                *zip(*measured, strict=True),
+                markers[i],
+                color=color,
+                markeredgecolor="black",
+                label=f"{name}: measured",
+            )
+    scale = budget / PAPER_MEMORY
+    ax.plot(
+        [w for w, _ in PAPER_2D],
+        [n * scale for _, n in PAPER_2D],
+        "*",
+        color="black",
+        markersize=12,
+        label=f"the paper's 2D, x {budget / 2**20:.0f} MiB / 16 GiB",
+    )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(worlds, [str(w) for w in worlds])
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("largest trainable model (parameters)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, ncol=2)
+    title = f"Largest GPT each layout trains, {budget / 2**20:.0f} MiB per rank (fp32, Adam)"
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out / "largest-model.png", dpi=110)
+    plt.close(fig)
+
+
 FIGURES: dict[str, Callable[[pathlib.Path], None]] = {
     "data": draw_data,
     "1d": draw_1d,
@@ -270,6 +376,7 @@ FIGURES: dict[str, Callable[[pathlib.Path], None]] = {
     "sequence": draw_sequence,
     "pipeline": draw_pipeline,
     "schedules": draw_schedules,
+    "largest model": draw_largest_model,
 }
 
 
