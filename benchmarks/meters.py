@@ -15,7 +15,8 @@
     ``isend`` operations; receives count nothing;
   - ``exchange``: one block exchange of tessera's layers on gloo, posted on a process group
     itself (``tessera.layers.comm.inflight``'s ``post_exchange``, sends and receives posted
-    together, and ``post_all_to_all``): the tensors it sends to other ranks.
+    together, ``post_all_to_all`` and ``post_peer_exchange``): the tensors it sends to other
+  ranks.
 
   This is the algorithmic volume, independent of how gloo implements a collective (a ring
   all-reduce moves about ``2 (P - 1) / P`` times its buffer over the wire).
@@ -151,6 +152,10 @@ class TrafficCounter:
         if not getattr(inflight.post_all_to_all, "_counted", False):
             to_others = lambda a: _nbytes(a["blocks"]) - _nbytes(a["blocks"][a["group"].rank()])  # noqa: E731
             inflight.post_all_to_all = self._wrap("exchange", inflight.post_all_to_all, to_others)
+        if not getattr(inflight.post_peer_exchange, "_counted", False):
+            to_peer = lambda a: _nbytes(a["block"])  # noqa: E731
+            wrapped = self._wrap("exchange", inflight.post_peer_exchange, to_peer)
+            inflight.post_peer_exchange = wrapped
 
     def _wrap(self, name: str, original: Fn, contributed: Callable[[dict[str, Any]], int]) -> Fn:
         signature = inspect.signature(original)

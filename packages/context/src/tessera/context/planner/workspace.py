@@ -18,10 +18,10 @@ comes from one of three places, and the planner counts the largest:
 * **attention**: the raw scores beside the masked ones and the probabilities (forward), the
   probabilities' gradient beside the scores' (backward): two score blocks.
 
-``g`` counts the gathered blocks a collective holds: ``q`` with NCCL, ``2 q`` on gloo, whose
-pairwise exchanges send each peer its block from a ``[q, *block]`` copy
-(``tessera.layers.comm.inflight``). 1D and a single process gather nothing: their linear
-layers' working memory is their output.
+``g`` counts the gathered blocks a collective holds: ``q`` with NCCL, ``2 q`` on gloo with
+``q > 2``, whose pairwise exchanges send each peer its block from a ``[q, *block]`` copy
+(``tessera.layers.comm.inflight``; two ranks exchange without one). 1D and a single process
+gather nothing: their linear layers' working memory is their output.
 
 Under activation checkpointing the head's working memory and a recomputed block's do not meet:
 the head's backward is done before the last block is recomputed
@@ -43,8 +43,13 @@ def _ceil(a: int, b: int) -> int:
 
 
 def gathered_blocks(layout: Layout, backend: str) -> int:
-    """Blocks one gather holds on this rank: ``q``, twice that on gloo (its send copies)."""
-    return layout.side * (2 if backend == "gloo" else 1)
+    """Blocks one gather holds on this rank: ``q``, twice that on gloo past ``q = 2``.
+
+    gloo's pairwise exchange sends from a ``[q, *block]`` copy, except between two ranks,
+    where the block travels as it is (``tessera.layers.comm.inflight``).
+    """
+    q = layout.side
+    return q * (2 if backend == "gloo" and q > 2 else 1)
 
 
 def block_workspace_bytes(

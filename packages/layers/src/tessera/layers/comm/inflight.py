@@ -23,7 +23,9 @@ worker thread wakes only to communicate. Measured with eight ranks on two cores 
 step, hidden 512): the socket threads' spins fell to a third, system time per rank and step
 from 11 to 7 ms, and the transformer block's step by 13 % (``benchmarks/bench_colossal.py``).
 A gather sends its block once per peer from a ``[w, *block]`` copy (``w - 1`` blocks more
-memory for the duration of the call).
+memory for the duration of the call); between two ranks, the commonest group of a 2 x 2 mesh,
+the block travels as it is and a reduce-scatter receives only the peer's part
+(:func:`post_peer_exchange`).
 
 The point-to-point transfers that remain (:func:`start_transfers`: SUMMA's panels, the 3D
 layout switch) are posted on the group's ``ProcessGroup`` directly, with group ranks looked
@@ -45,6 +47,7 @@ import torch.distributed as dist
 __all__ = [
     "Pending",
     "post_all_to_all",
+    "post_peer_exchange",
     "start_all_reduce",
     "start_all_to_all_blocks",
     "start_gather_blocks",
@@ -185,6 +188,21 @@ def post_all_to_all(
     return group.alltoall_base(_bytes(received), _bytes(blocks), [], [])
 
 
+def post_peer_exchange(
+    received: torch.Tensor, block: torch.Tensor, group: dist.ProcessGroup
+) -> dist.Work:
+    """Two ranks: post ``block`` to the other rank of ``group``, into ``received`` from it (gloo).
+
+    The all-to-all of :func:`post_all_to_all`, its own chunk empty: nothing is copied, where
+    a ``[2, *block]`` send buffer would hold two blocks more. Both contiguous and the same
+    size; counted by a benchmark's traffic counter as :func:`post_all_to_all` is.
+    """
+    size = block.numel() * block.element_size()
+    splits = [0, size] if _route(group).group_rank[dist.get_rank()] == 0 else [size, 0]
+    flat_in, flat_out = block.reshape(-1).view(torch.uint8), received.reshape(-1).view(torch.uint8)
+    return group.alltoall_base(flat_out, flat_in, splits, splits)
+
+
 def _bytes(blocks: torch.Tensor) -> torch.Tensor:
     """``[w, *s]`` seen as ``[w, bytes of one block]`` (no copy)."""
     return blocks.view(blocks.shape[0], blocks.numel() // blocks.shape[0]).view(torch.uint8)
@@ -216,6 +234,11 @@ def start_gather_blocks(block: torch.Tensor, group: dist.ProcessGroup, world_siz
         flat = out.view(world_size * block.shape[0], *block.shape[1:]) if block.dim() else out
         works = [_work(_all_gather_flat(flat, block, group=group, async_op=True))]
         return Pending(works, lambda: out, (block,))
+    if world_size == 2:  # the peer's block straight into its slot, this one's copied
+        peer = 1 - _route(group).group_rank[dist.get_rank()]
+        work = post_peer_exchange(out[peer], block, group)
+        out[1 - peer].copy_(block)
+        return Pending([work], lambda: out, (block,))
     copies = block.unsqueeze(0).expand(world_size, *block.shape).contiguous()  # [w, *block]
     return Pending([post_all_to_all(out, copies, group)], lambda: out, (copies,))
 
@@ -240,6 +263,18 @@ def start_scatter_blocks(
         send = blocks.view(world_size * shape[0], *shape[1:]) if len(shape) else blocks
         works = [_work(_reduce_scatter_flat(out, send, group=group, async_op=True))]
         return Pending(works, lambda: out, (blocks,))
+    if world_size == 2:  # only the peer's part travels; a sum of two is the same either way
+        own = _route(group).group_rank[dist.get_rank()]
+        part = torch.empty(shape, dtype=blocks.dtype, device=blocks.device)
+        work = post_peer_exchange(part, blocks[1 - own], group)
+        summed: list[torch.Tensor] = []  # once, however often the result is asked for
+
+        def total() -> torch.Tensor:
+            if not summed:
+                summed.append(part.add_(blocks[own]))
+            return summed[0]
+
+        return Pending([work], total, (blocks,))
     received = torch.empty_like(blocks)  # [w, *s]: entry l is rank l's block for this rank
     work = post_all_to_all(received, blocks, group)
     return Pending([work], lambda: received.sum(0), (blocks,))
