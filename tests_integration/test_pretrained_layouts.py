@@ -8,7 +8,8 @@ rows of its tensor-parallel block; or loaded before, then sharded), and a pipeli
 stages), under 1D and over 2 data replicas (ZeRO-1; only the first replica writes). Each
 loaded model equals the single-process one (its logits, or every tensor a stage holds), and
 each saved folder loads with transformers' ``from_pretrained`` into the same logits, every
-tensor written once.
+tensor written once. An engine checkpoint of such a run is exported offline, in one process
+(tessera-engine's ``export_pretrained``), as a folder ``from_pretrained`` reads.
 """
 
 from __future__ import annotations
@@ -148,3 +149,87 @@ def test_load_and_save_under_zero3_and_pipeline(
 ) -> None:
     """Each case loads like one process and saves a folder ``from_pretrained`` reads."""
     dist.run(_load_and_save, world_size=4, args=(case, checkpoint, str(tmp_path)), timeout=120.0)
+
+
+def _train_and_checkpoint(folder: str, path: str) -> dict[str, Any] | None:
+    """GPT-2 from ``folder`` trained one step by the engine, checkpointed: 2 replicas x 1D.
+
+    1D on 2 ranks (GPT-2's ``Conv1D`` held transposed, q/k/v fused), replicated over 2 data
+    ranks so that the 4 ranks of the module's other cases run it.
+
+    Returns (rank 0) the gathered weights (the original class's names and forms) and the
+    parallel model's logits after the step.
+    """
+    from tessera.context import ParallelMode, create_context
+    from tessera.engine import initialize, save_checkpoint
+    from tessera.layers import gather_full_state_dict, gather_logits, parallelize_pretrained
+
+    config = dict(parallel=dict(data=2, tensor=dict(size=2, mode="1d")))
+    ctx = create_context(config, timeout=60.0)
+    try:
+        model = parallelize_pretrained(folder, context=ctx)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        engine, *_ = initialize(model, optimizer, config=config, context=ctx)
+        engine.zero_grad()
+        engine.backward(engine(_ids(), labels=_ids()).loss)
+        engine.step()
+        save_checkpoint(path, engine, step=1)
+        full = gather_full_state_dict(model, context=ctx)
+        with torch.no_grad():
+            logits = gather_logits(model.eval()(_ids()).logits, context=ctx)
+        root = ctx.get_local_rank(ParallelMode.GLOBAL) == 0
+    finally:
+        ctx.destroy()
+    return dict(full=full, logits=logits) if root else None
+
+
+def test_export_an_engine_checkpoint_offline(dist: Any, checkpoint: str, tmp_path: Path) -> None:
+    """An engine checkpoint exported in this process, without a context, as a transformers folder.
+
+    Written by 2 replicas x 1D; from_pretrained's logits equal the trained weights' and the
+    parallel model's.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tessera.engine import export_pretrained
+    from tessera.engine.export import main
+
+    saved = tmp_path / "step_00000001"
+    trained, *_ = dist.run(
+        _train_and_checkpoint, world_size=4, args=(checkpoint, str(saved)), timeout=120.0
+    )
+    ref = GPT2LMHeadModel(GPT2Config.from_pretrained(checkpoint)).eval()
+    ref.load_state_dict(trained["full"])
+    with torch.no_grad():
+        expected = ref(_ids()).logits
+    torch.testing.assert_close(expected, trained["logits"], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(
+        ref.transformer.h[0].attn.c_attn.weight,
+        _reference().state_dict()["transformer.h.0.attn.c_attn.weight"],
+    )  # the step changed it
+
+    # the command: the class from the starting folder's config.json, sharded past 8 KB
+    assert (
+        main([str(saved), str(tmp_path / "cli"), "--config", checkpoint, "--max-shard-size", "8KB"])
+        == 0
+    )
+    index = json.loads((tmp_path / "cli" / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(
+        k for k in ref.state_dict() if k != "lm_head.weight"
+    )
+    # the function: a class and its config, in bf16
+    config = GPT2Config.from_pretrained(checkpoint)
+    export_pretrained(
+        saved, tmp_path / "bf16", GPT2LMHeadModel, config=config, dtype=torch.bfloat16
+    )
+    for out, exact in (("cli", EXACT), ("bf16", dict(rtol=0.05, atol=0.05))):
+        reloaded = GPT2LMHeadModel.from_pretrained(tmp_path / out).eval()
+        with torch.no_grad():
+            logits = reloaded.float()(_ids()).logits
+        torch.testing.assert_close(logits, expected, **exact)
+    assert GPT2LMHeadModel.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+
+    deeper = GPT2Config.from_pretrained(checkpoint, n_layer=3)  # not the trained model
+    with pytest.raises(KeyError, match=r"missing keys \['transformer\.h\.2\.ln_1\.weight'"):
+        export_pretrained(saved, tmp_path / "deeper", GPT2LMHeadModel, config=deeper)
+    assert not (tmp_path / "deeper").exists()

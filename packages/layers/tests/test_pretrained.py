@@ -349,7 +349,7 @@ def _save_fails_on_the_writer(folder: str) -> int:
     save works (the ranks stayed in step)."""
     import torch.distributed as torch_dist
 
-    import tessera.layers.state.pretrained as pretrained_module
+    from tessera.context import SafetensorsStream
 
     ctx = create_context(dict(parallel=dict(tensor=dict(size=2, mode="1d"))), timeout=60.0)
     try:
@@ -363,7 +363,7 @@ def _save_fails_on_the_writer(folder: str) -> int:
         with pytest.raises(raised, match=r"a-file|Not a directory|File exists"):
             save_pretrained(model, root / "a-file" / "out")
 
-        real = pretrained_module._SafetensorsStream.write
+        real = SafetensorsStream.write
         written: list[str] = []
 
         def full_disk(self: Any, key: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
@@ -372,12 +372,12 @@ def _save_fails_on_the_writer(folder: str) -> int:
             written.append(key)
             real(self, key, tensor, dtype)
 
-        pretrained_module._SafetensorsStream.write = full_disk  # type: ignore[method-assign]
+        SafetensorsStream.write = full_disk  # type: ignore[method-assign]
         try:
             with pytest.raises(raised, match=r"No space left on device"):
                 save_pretrained(model, root / "out", max_shard_size="8KB")
         finally:
-            pretrained_module._SafetensorsStream.write = real  # type: ignore[method-assign]
+            SafetensorsStream.write = real  # type: ignore[method-assign]
         assert written == (["transformer.wte.weight"] if rank == 0 else [])
         assert sorted(p.name for p in root.iterdir()) == ["a-file"]  # no folder, no temp left
         torch_dist.barrier()  # both looked before rank 0 starts the next save's temp folder

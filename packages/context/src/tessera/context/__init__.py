@@ -66,6 +66,20 @@ from tessera.context.original_names import (
     set_original_names,
 )
 from tessera.context.planner import LayoutEstimate, Machine, ModelShape, plan_layouts
+from tessera.context.pretrained_folder import (
+    INDEX_FILE,
+    SAFETENSORS_DTYPES,
+    SINGLE_FILE,
+    PretrainedSource,
+    SafetensorsStream,
+    fresh_folder,
+    move_into_place,
+    plan_pretrained_files,
+    shard_size_in_bytes,
+    write_config,
+    write_index,
+    write_pretrained_folder,
+)
 from tessera.context.seeds import (
     RngStreams,
     derive_seed,
@@ -156,6 +170,19 @@ __all__ = [
     "DefersGradientSum",
     "defer_gradient_sums",
     "deferred_sum_mode",
+    # transformers checkpoint folders, written tensor by tensor (layers' save, engine's export)
+    "PretrainedSource",
+    "SafetensorsStream",
+    "SAFETENSORS_DTYPES",
+    "SINGLE_FILE",
+    "INDEX_FILE",
+    "shard_size_in_bytes",
+    "plan_pretrained_files",
+    "write_index",
+    "write_config",
+    "fresh_folder",
+    "move_into_place",
+    "write_pretrained_folder",
     # weights tied across pipeline stages
     "PIPELINE_SHARED_ATTR",
     "mark_pipeline_shared",

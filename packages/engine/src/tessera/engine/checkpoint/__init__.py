@@ -14,7 +14,7 @@ from .api import (
 from .blocks import Block, block_of
 from .discovery import checkpoint_dirs, latest_checkpoint, prune_checkpoints, step_dir
 from .errors import CheckpointCorruptError, CheckpointError
-from .export import export_torch_state_dict
+from .export import export_pretrained, export_torch_state_dict
 from .files import verify_checkpoint
 from .storage import prepare_checkpoint_dir, sweep_leftovers
 
@@ -26,6 +26,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointCorruptError",
     "export_torch_state_dict",
+    "export_pretrained",
     "verify_checkpoint",
     "latest_checkpoint",
     "checkpoint_dirs",

@@ -1,4 +1,4 @@
-"""Turn a checkpoint into the plain ``torch.save`` state dict of the unparallel model.
+"""Turn a checkpoint into the unparallel model's state dict, or a transformers checkpoint folder.
 
 Any layout's checkpoint assembles into full tensors (DCP reads every chunk into a tensor of
 the global shape) in one process, without a process group. The result is what
@@ -7,20 +7,30 @@ a tensor held in another form than its original module's (``tessera.context.Full
 transformers ``Conv1D`` transposed, fused q/k/v) is turned back into that module's form, and
 a tensor of layers that restate a model (``pipeline_layers``' stages,
 ``tessera.context.set_original_names``) is named as that model names it.
+
+``export_pretrained`` writes the same tensors as a transformers checkpoint folder
+(``config.json`` and safetensors, sharded with an index past a size: what ``from_pretrained``
+reads), reading one tensor at a time. The checkpoint holds tensors only, so the model's class
+and config are given; the model is built from them on the meta device, which says its names,
+shapes and ties (a tied head is written once, under the name transformers keeps).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
-from tessera.context import FullForm
+from tessera.context import FullForm, PretrainedSource, write_pretrained_folder
 
 from .api import MODEL_PREFIX, STATE_JSON
 from .blocks import Block
@@ -29,7 +39,7 @@ from .files import fsync_dir, read_json, verify_checkpoint
 from .planners import METADATA_JSON, metadata_from_json
 from .reading import read_blocks
 
-__all__ = ["export_torch_state_dict", "main"]
+__all__ = ["export_pretrained", "export_torch_state_dict", "main"]
 
 
 def export_torch_state_dict(
@@ -82,16 +92,242 @@ def export_torch_state_dict(
     return state
 
 
+@dataclass(frozen=True)
+class _Saved:
+    """A model tensor of a checkpoint: its DCP key, dtype and shape, and its original form."""
+
+    key: str
+    dtype: torch.dtype
+    stored_shape: tuple[int, ...]
+    form: FullForm | None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape in the original module's form."""
+        return self.stored_shape if self.form is None else self.form.original_shape
+
+
+def _saved_model_tensors(directory: Path) -> dict[str, _Saved]:
+    """Every model tensor of the checkpoint, under the original model's names (no data read)."""
+    metadata = metadata_from_json(read_json(directory / METADATA_JSON), directory / METADATA_JSON)
+    saved = read_json(directory / STATE_JSON)
+    forms: dict[str, Any] = saved.get("stored_forms", {})
+    originals: dict[str, str] = saved.get("original_names", {})
+    found: dict[str, _Saved] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if not key.startswith(MODEL_PREFIX):
+            continue
+        assert hasattr(md, "properties") and hasattr(md, "size")
+        name = key[len(MODEL_PREFIX) :]
+        form = FullForm.from_json(forms[name]) if name in forms else None
+        shape = tuple(int(n) for n in md.size)
+        found[originals.get(name, name)] = _Saved(key, md.properties.dtype, shape, form)
+    return found
+
+
+def _read_tensor(directory: Path, saved: _Saved) -> torch.Tensor:
+    """One full tensor of the checkpoint, in its original form (DCP reads only its chunks)."""
+    shape = saved.stored_shape
+    block = Block(torch.empty(shape, dtype=saved.dtype), shape, (0,) * len(shape))
+    read_blocks(directory, {saved.key: block}, Comm.local())
+    return block.local if saved.form is None else saved.form.to_original(block.local)
+
+
+def _model_on_meta(model: Any, config: Any) -> nn.Module:
+    """The transformers model ``model`` names, built on the meta device (no memory).
+
+    ``model``: a module (used as it is), a class (with ``config``), a transformers config
+    (the class its ``architectures`` names) or a folder holding ``config.json``.
+    """
+    if isinstance(model, nn.Module):
+        return model
+    if isinstance(model, str | os.PathLike):
+        where = Path(model)
+        if not where.exists():
+            raise FileNotFoundError(
+                f"export_pretrained: {where} does not exist (a folder "
+                "holding the model's config.json, or the file)"
+            )
+        from transformers import AutoConfig
+
+        model = AutoConfig.from_pretrained(str(where))
+    if isinstance(model, type):
+        cls: Any = model
+        if config is None:
+            raise ValueError(f"export_pretrained: {cls.__name__} needs its config (config=)")
+    else:
+        import transformers
+
+        config = model
+        names = list(getattr(config, "architectures", None) or [])
+        cls = getattr(transformers, names[0], None) if names else None
+        if cls is None:
+            raise ValueError(
+                f"export_pretrained: the config names the architectures {names}, no class of "
+                "transformers: pass the model class (and config=)"
+            )
+    with torch.device("meta"):
+        built = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+    if not isinstance(built, nn.Module):
+        raise TypeError(f"export_pretrained: {cls.__name__} built a {type(built).__name__}")
+    return built
+
+
+def _matches(key: str, patterns: Sequence[str]) -> bool:
+    return any(re.search(p, key) for p in patterns)
+
+
+def _few(keys: list[str], n: int = 8) -> str:
+    return f"{keys[:n]}{f' and {len(keys) - n} more' if len(keys) > n else ''}"
+
+
+def export_pretrained(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    model: Any,
+    *,
+    config: Any = None,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write a checkpoint's model as a transformers checkpoint folder, one tensor at a time.
+
+    Runs in this process alone (no collective, no GPU), whatever layout saved the checkpoint:
+    each tensor is read whole (DCP assembles it from every rank's chunks), turned back into
+    its module's form (``FullForm``: GPT-2's ``Conv1D``, fused q/k/v) and name (a pipeline
+    stage's layers), and streamed into its safetensors file, so the process holds one tensor
+    at a time. ``out`` gets ``config.json`` (and the generation config) and
+    ``model.safetensors`` or, past ``max_shard_size``, numbered files with a
+    ``model.safetensors.index.json``; transformers' ``from_pretrained`` loads it. Tied
+    parameters are written once, under the name transformers keeps (GPT-2's head is left out).
+    The folder is written beside ``out`` and renamed into place once complete. Tokenizer files
+    are not part of a checkpoint: copy them from the folder the run started from.
+
+    Args:
+        path: A checkpoint directory (written by ``save_checkpoint``).
+        out: The folder to write.
+        model: Which transformers model the checkpoint holds: its class
+            (``GPT2LMHeadModel``, or an auto class such as ``AutoModelForCausalLM``) with
+            ``config=``, its config (the class its ``architectures`` names), a folder holding
+            its ``config.json`` (the folder the run started from), or a model instance (on the
+            meta device is fine). It is built on the meta device: its names, shapes and ties
+            are checked against the checkpoint's.
+        config: The transformers config, when ``model`` is a class.
+        max_shard_size: The largest file, in bytes or as ``"5GB"``, ``"500MiB"``.
+        dtype: Write the floating tensors in this dtype (default: as saved, fp32 master
+            weights under mixed precision).
+
+    Returns:
+        The folder.
+
+    Raises:
+        CheckpointCorruptError: a file of the checkpoint is missing, altered or does not
+            decode (named).
+        KeyError: the model's keys and the checkpoint's differ (naming both sides).
+        ValueError: a tensor has another shape than the model's (naming it and both
+            shapes), or the class cannot be told from ``model``.
+    """
+    directory = Path(path).absolute()
+    template = _model_on_meta(model, config)
+    source = PretrainedSource.of(template)
+    verify_checkpoint(directory, Comm.local())
+    saved = _saved_model_tensors(directory)
+
+    own = template.state_dict(keep_vars=True)
+    groups: dict[int, list[str]] = {}  # tied parameters: one tensor, several names
+    for name, t in own.items():
+        groups.setdefault(id(t), []).append(name)
+    tensors: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    reads: dict[str, _Saved] = {}
+    missing: list[str] = []
+    wrong: list[str] = []
+    for names in groups.values():
+        present = [n for n in names if n in saved]
+        if not present:
+            if not all(_matches(n, source.ignore_missing) for n in names):
+                missing.append(names[0])
+            continue
+        kept = ([n for n in names if n not in source.tied_keys] or names)[0]
+        entry = saved[present[0]]
+        expected = tuple(own[kept].shape)
+        if entry.shape != expected:
+            wrong.append(f"{present[0]!r}: {list(entry.shape)}, expected {list(expected)}")
+        written = dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
+        tensors.append((kept, written, entry.shape))
+        reads[kept] = entry
+    unexpected = [k for k in saved if k not in own and not _matches(k, source.ignore_unexpected)]
+    if missing or unexpected:
+        raise KeyError(
+            f"export_pretrained: {directory} does not hold a {source.class_name}: missing keys "
+            f"{_few(missing)}, unexpected keys {_few(unexpected)}"
+        )
+    if wrong:
+        raise ValueError(
+            f"export_pretrained: {len(wrong)} tensors of {directory} have other shapes than "
+            f"{source.class_name}'s: {'; '.join(wrong[:8])}{' ...' if len(wrong) > 8 else ''}"
+        )
+    return write_pretrained_folder(
+        out,
+        tensors,
+        lambda key: _read_tensor(directory, reads[key]),
+        source,
+        max_shard_size=max_shard_size,
+        caller="export_pretrained",
+    )
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tessera.engine.export CHECKPOINT OUT``."""
+    """``python -m tessera.engine.export CHECKPOINT OUT [--config FOLDER ...]``."""
     parser = argparse.ArgumentParser(
         prog="python -m tessera.engine.export",
         description="Write a tessera checkpoint (any parallel layout) as the plain torch state "
-        "dict of the unparallel model (model.load_state_dict(torch.load(OUT))).",
+        "dict of the unparallel model (model.load_state_dict(torch.load(OUT))), or with "
+        "--config as a transformers checkpoint folder (from_pretrained(OUT)).",
     )
     parser.add_argument("checkpoint", help="checkpoint directory (written by save_checkpoint)")
-    parser.add_argument("out", help="output file (torch.save of {name: tensor})")
+    parser.add_argument(
+        "out", help="output file (torch.save of {name: tensor}), or folder with --config"
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FOLDER",
+        help="the model's config.json, or the folder holding it (the run's starting "
+        "checkpoint): write a transformers checkpoint folder",
+    )
+    parser.add_argument(
+        "--model-class",
+        metavar="NAME",
+        help="the transformers class (default: the config's architectures)",
+    )
+    parser.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), help="write floating tensors so")
     args = parser.parse_args(argv)
+    if args.config is not None:
+        model: Any = args.config
+        config = None
+        if args.model_class is not None:
+            import transformers
+
+            model = getattr(transformers, args.model_class, None)
+            if model is None:
+                parser.error(f"--model-class: transformers has no {args.model_class}")
+            config = transformers.AutoConfig.from_pretrained(args.config)
+        folder = export_pretrained(
+            args.checkpoint,
+            args.out,
+            model,
+            config=config,
+            max_shard_size=args.max_shard_size,
+            dtype=None if args.dtype is None else _DTYPES[args.dtype],
+        )
+        files = sorted(p.name for p in folder.iterdir())
+        print(f"wrote {folder}: {', '.join(files)}", file=sys.stderr)
+        return 0
+    if args.model_class is not None or args.dtype is not None:
+        parser.error("--model-class and --dtype need --config (a transformers folder)")
     state = export_torch_state_dict(args.checkpoint, args.out)
     numel = sum(t.numel() for t in state.values())
     print(f"wrote {len(state)} tensors ({numel} values) to {args.out}", file=sys.stderr)

@@ -33,29 +33,37 @@ end, so a reader never sees half a checkpoint.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
 import shutil
-import struct
-import sys
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tessera.context import (
+    INDEX_FILE,
+    SAFETENSORS_DTYPES,
+    SINGLE_FILE,
     ParallelContext,
     ParallelMode,
+    PretrainedSource,
+    SafetensorsStream,
     ShardInfo,
+    fresh_folder,
     get_shard_info,
+    move_into_place,
     original_names_of,
     pipeline_shared_key,
+    plan_pretrained_files,
+    shard_size_in_bytes,
+    write_config,
+    write_index,
 )
 
 from ..shared.context_access import current_or_none
@@ -75,75 +83,8 @@ __all__ = [
     "save_pretrained",
 ]
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-#: safetensors' names of the dtypes (its header's ``dtype`` field).
-_DTYPE_CODES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
 #: The attribute :func:`mark_pretrained_source` sets on a module.
 SOURCE_ATTR = "_tessera_pretrained_source"
-
-
-@dataclass(frozen=True)
-class PretrainedSource:
-    """What a checkpoint folder needs of the transformers model some modules were cut from.
-
-    A pipeline stage holds some of a model's layers (``pipeline_layers``), not the model, so
-    each layer carries this record (:func:`mark_pretrained_source`): a stage then writes the
-    ``config.json`` of the model's class, leaves out its tied keys, and loads a checkpoint of
-    the base model as the model would. A transformers model is its own record.
-
-    Attributes:
-        class_name: The model's class (``config.json``'s ``architectures``).
-        config: Its transformers config (``None``: no ``config.json`` is written).
-        generation_config: Its generation config, if any.
-        tied_keys: The keys transformers leaves out of a checkpoint as ties (``lm_head.weight``).
-        base_model_prefix: Where its base model sits (``transformer`` for GPT-2).
-        ignore_missing: Its ``_keys_to_ignore_on_load_missing`` patterns.
-        ignore_unexpected: Its ``_keys_to_ignore_on_load_unexpected`` patterns.
-    """
-
-    class_name: str
-    config: Any = None
-    generation_config: Any = None
-    tied_keys: frozenset[str] = frozenset()
-    base_model_prefix: str = ""
-    ignore_missing: tuple[str, ...] = ()
-    ignore_unexpected: tuple[str, ...] = ()
-
-    @classmethod
-    def of(cls, model: nn.Module) -> PretrainedSource:
-        """The record of ``model`` (any module; a transformers model fills every field)."""
-        tied = getattr(model, "_tied_weights_keys", None) or ()
-        config = getattr(model, "config", None)
-        return cls(
-            class_name=type(model).__name__,
-            config=config if hasattr(config, "to_json_file") else None,
-            generation_config=getattr(model, "generation_config", None),
-            # a dict (transformers 5: tied -> source) or a list (4.x): its keys
-            tied_keys=frozenset(tied),
-            base_model_prefix=str(getattr(model, "base_model_prefix", "") or ""),
-            ignore_missing=tuple(getattr(model, "_keys_to_ignore_on_load_missing", None) or ()),
-            ignore_unexpected=tuple(
-                getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
-            ),
-        )
 
 
 def mark_pretrained_source(module: nn.Module, model: nn.Module) -> None:
@@ -511,7 +452,7 @@ def save_pretrained(
             gave up.
     """
     folder = Path(folder)
-    limit = _size_in_bytes(max_shard_size)
+    limit = shard_size_in_bytes(max_shard_size)
     ctx = _context_of(model, context, "save_pretrained")
     source = _source_of(model)
     own = _original_named(model)
@@ -526,8 +467,8 @@ def save_pretrained(
     temp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     attempt = _FirstFailure(enabled=writer)
     if root:
-        attempt(_fresh_folder, temp)
-    mine = [(n, _DTYPE_CODES[out_dtype[n]], full_shape(own[n])) for n in names]
+        attempt(fresh_folder, temp)
+    mine = [(n, SAFETENSORS_DTYPES[out_dtype[n]], full_shape(own[n])) for n in names]
     plans = _all_gather(
         dict(temp=str(temp), failure=_text(attempt.failure), stage=stage, writes=mine)
         if writer
@@ -537,36 +478,29 @@ def save_pretrained(
     temp = Path(plans[0]["temp"])
     _raise_failed(attempt.failure, [p.get("failure") for p in plans], folder)
 
-    files, header = _files_of_stages(plans, limit)
-    codes = _CODE_DTYPES
+    stages = [(int(p["stage"]), p["writes"]) for p in plans if "writes" in p]
+    files, header = plan_pretrained_files(stages, limit)
     for file, (owner, keys) in files.items():
         if owner != stage:
             continue  # another stage's ranks write it
-        out = _SafetensorsStream(
-            temp / file, {k: (codes[header[k][0]], header[k][1]) for k in keys}
-        )
+        out = SafetensorsStream.of(temp / file, keys, header, "save_pretrained")
         attempt(out.open)
         for key in keys:  # gathered on every rank even once the writer failed: collective
             full = gather_full_tensors(model, {key: own[key]}, ctx)[key]
-            attempt(out.write, key, full, codes[header[key][0]])
+            attempt(out.write, key, full, out.dtype_of(key))
             del full
         out.close()
         attempt(out.check_complete)
     if root:
-        if len(files) > 1:
-            weight_map = {k: file for file, (_, keys) in files.items() for k in keys}
-            total = sum(_nbytes(shape, codes[code]) for code, shape in header.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-            attempt((temp / INDEX_FILE).write_text, text)
-        attempt(_write_config, source, temp, [codes[code] for code, _ in header.values()])
+        attempt(write_index, temp, files, header)
+        attempt(write_config, source, temp, header)
 
     # Every writer done (or failed) before rank 0 moves the folder into place, or removes it;
     # then every rank learns the outcome, once nothing is left to clean up.
     failed = any(p.get("failure") for p in _all_gather(dict(failure=_text(attempt.failure)), group))
     if root:
         if not failed:
-            attempt(_move_into_place, temp, folder)
+            attempt(move_into_place, temp, folder)
         if failed or attempt.failure is not None:
             shutil.rmtree(temp, ignore_errors=True)
     outcome = _all_gather(dict(failure=_text(attempt.failure)), group)
@@ -579,39 +513,6 @@ def _is_writer(ctx: ParallelContext | None) -> bool:
     if ctx is None:
         return not dist.is_initialized() or dist.get_rank() == 0
     return all(ctx.get_local_rank(m) == 0 for m in (ParallelMode.DATA, ParallelMode.TENSOR))
-
-
-def _files_of_stages(
-    plans: list[dict[str, Any]], limit: int
-) -> tuple[dict[str, tuple[int, list[str]]], dict[str, tuple[str, tuple[int, ...]]]]:
-    """The files, stage by stage: ``{file: (stage, keys)}`` and every key's (dtype, shape).
-
-    Each stage's writer writes files of its own tensors (a new file where the next tensor
-    would pass ``limit``), in stage order; a key two stages hold is written by the first.
-    """
-    header: dict[str, tuple[str, tuple[int, ...]]] = {}
-    per_stage: list[tuple[int, list[list[str]]]] = []
-    for plan in sorted((p for p in plans if "writes" in p), key=lambda p: int(p["stage"])):
-        shards: list[list[str]] = [[]]
-        size = 0
-        for key, code, shape in plan["writes"]:
-            if key in header:
-                continue
-            header[key] = (code, tuple(shape))
-            n = _nbytes(tuple(shape), _CODE_DTYPES[code])
-            if shards[-1] and size + n > limit:
-                shards.append([])
-                size = 0
-            shards[-1].append(key)
-            size += n
-        per_stage.append((int(plan["stage"]), [keys for keys in shards if keys]))
-    count = sum(len(shards) for _, shards in per_stage)
-    files: dict[str, tuple[int, list[str]]] = {}
-    for stage, shards in per_stage:
-        for keys in shards:
-            name = SINGLE_FILE if count == 1 else _numbered(len(files), count)
-            files[name] = (stage, keys)
-    return files, header
 
 
 def _all_gather(mine: dict[str, Any], group: dist.ProcessGroup | None) -> list[dict[str, Any]]:
@@ -666,31 +567,6 @@ def _raise_failed(failure: Exception | None, everyone: list[str | None], folder:
         )
 
 
-def _fresh_folder(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-
-
-def _numbered(i: int, count: int) -> str:
-    return f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-
-
-def _size_in_bytes(size: int | str) -> int:
-    if isinstance(size, int):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", size, flags=re.IGNORECASE)
-        if match is None:
-            raise ValueError(
-                f"save_pretrained: max_shard_size {size!r} is not a size such as 5GB, 500MiB "
-                "or a number of bytes"
-            )
-        value = int(float(match[1]) * _UNITS[(match[2] or "").upper()])
-    if value < 1:
-        raise ValueError(f"save_pretrained: max_shard_size {size!r} is below one byte")
-    return value
-
-
 def _kept_names(own: Mapping[str, torch.Tensor], tied: set[str]) -> list[str]:
     """One key per tensor: of tied keys the first transformers does not drop as a tie.
 
@@ -709,101 +585,3 @@ def _kept_names(own: Mapping[str, torch.Tensor], tied: set[str]) -> list[str]:
 
 def _out_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and t.is_floating_point() else t.dtype
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    numel = 1
-    for n in shape:
-        numel *= n
-    return numel * dtype.itemsize
-
-
-class _SafetensorsStream:
-    """One safetensors file written tensor by tensor, its header (every shape) written first.
-
-    The format: an 8-byte little-endian header length, the JSON header (each key's dtype,
-    shape and byte range in the data that follows, plus ``__metadata__``), then the data.
-    Writing it directly lets rank 0 hold one tensor at a time, where ``safetensors.torch.
-    save_file`` needs every tensor of the file in memory.
-    """
-
-    def __init__(self, path: Path, header: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]):
-        if sys.byteorder != "little":
-            raise RuntimeError("save_pretrained: safetensors files are little-endian")
-        self._path = path
-        self._expected = dict(header)
-        self._order = list(header)
-        meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        begin = 0
-        for key, (dtype, shape) in header.items():
-            end = begin + _nbytes(shape, dtype)
-            meta[key] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape)}
-            meta[key]["data_offsets"] = [begin, end]
-            begin = end
-        raw = json.dumps(meta, separators=(",", ":")).encode()
-        self._header = raw + b" " * (-len(raw) % 8)  # data starts 8-byte aligned
-        self._file: BinaryIO | None = None
-
-    def open(self) -> None:
-        """Create the file and write its header."""
-        self._file = open(self._path, "wb")  # noqa: SIM115 (closed by close())
-        self._file.write(struct.pack("<Q", len(self._header)))
-        self._file.write(self._header)
-
-    def write(self, key: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
-        """Append ``key``'s data in ``dtype``; keys come in the header's order and shapes."""
-        assert self._file is not None
-        tensor = tensor.to(dtype)
-        expected = self._order.pop(0)
-        dtype, shape = self._expected[expected]
-        if key != expected or tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise RuntimeError(
-                f"save_pretrained: {self._path.name} expects {expected!r} {dtype} {list(shape)}"
-                f" next, got {key!r} {tensor.dtype} {list(tensor.shape)}"
-            )
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(data.numpy().data)
-
-    def close(self) -> None:
-        """Close the file if it is open (also after a failed write)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    def check_complete(self) -> None:
-        """Raise if a tensor of the header was not written."""
-        if self._order:
-            raise RuntimeError(f"save_pretrained: {self._path.name} lacks {self._order}")
-
-
-def _write_config(source: PretrainedSource, folder: Path, dtypes: list[torch.dtype]) -> None:
-    """``config.json`` from the model's transformers config, naming its class and dtype."""
-    config = source.config
-    if config is None:
-        return
-    config = copy.deepcopy(config)
-    config.architectures = [source.class_name]
-    floating = [d for d in dtypes if d.is_floating_point]
-    if floating:
-        saved = max(set(floating), key=floating.count)
-        # transformers 5 names it dtype, 4.x torch_dtype
-        setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", saved)
-    if hasattr(config, "save_pretrained"):
-        config.save_pretrained(folder)
-    else:
-        config.to_json_file(folder / "config.json")
-    generation = source.generation_config
-    if generation is not None and hasattr(generation, "save_pretrained"):
-        generation.save_pretrained(folder)
-
-
-def _move_into_place(temp: Path, folder: Path) -> None:
-    """Rename ``temp`` to ``folder``; an existing ``folder`` is moved aside, then removed."""
-    if folder.exists():
-        old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        folder.rename(old)
-        temp.rename(folder)
-        shutil.rmtree(old)
-    else:
-        temp.rename(folder)
