@@ -215,6 +215,8 @@ def _rank(
         error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         if not _is_out_of_memory(e):
             error += "\n" + traceback.format_exc()
+    # the queue's writer is a thread, whose stack counts against RLIMIT_DATA: lift it first
+    resource.setrlimit(resource.RLIMIT_DATA, (resource.RLIM_INFINITY,) * 2)
     out.put((rank, peak, built, error))
     out.close()
     out.join_thread()  # the queue writes from a thread: flush it before leaving
