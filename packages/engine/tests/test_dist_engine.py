@@ -186,3 +186,21 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(dist: Any) -> None:
         assert r["stepped"] == [False, True]
         assert r["unchanged"] is True
         assert r["scale"] == 2.0**15
+
+
+def _random_work_on_one_rank() -> dict[str, Any]:
+    ctx = create_context(dict(parallel=dict(tensor=dict(size=2, mode="1d"))), timeout=60)
+    try:
+        model = make_model(seed=0)  # (seeds every rank alike)
+        if tdist.get_rank() == 0:
+            torch.rand(7)  # a script's random work on one rank only, after building
+        initialize(model, sgd(model), nn.CrossEntropyLoss(), context=ctx)
+        return {"draw": torch.rand(4)}  # what a replicated dropout would draw next
+    finally:
+        ctx.destroy()
+
+
+def test_initialize_aligns_the_generator_replicated_dropout_draws_from(dist: Any) -> None:
+    """Under 1D, masks on whole activations must be alike on every tensor rank."""
+    first, second = dist.run(_random_work_on_one_rank, world_size=2, timeout=120)
+    torch.testing.assert_close(first["draw"], second["draw"], rtol=0, atol=0)

@@ -89,6 +89,7 @@ from .consistency import (
 )
 from .context_lookup import group_if_parallel, resolve_context
 from .engine import Engine
+from .generators import align_replicated_generator
 from .gradient_handlers import (
     BaseGradientHandler,
     BufferBroadcastHandler,
@@ -253,6 +254,7 @@ def _equal_replicas(
         m.to(ctx.device)
     sync_replicated_parameters(modules, ctx)
     check_parameter_checksums(modules, ctx)
+    align_replicated_generator(ctx)
 
 
 def _precision_and_zero(
