@@ -32,7 +32,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from memory_trial import MIB, Size, Trial, pin_allocator, planned_peak, run_trial, shape_of
+from memory_trial import (
+    MIB,
+    RANKS_LOG,
+    Size,
+    Trial,
+    pin_allocator,
+    planned_peak,
+    run_trial,
+    shape_of,
+)
 
 from tessera.context.planner import Layout, layout_problems, parse_bytes
 
@@ -135,6 +144,7 @@ def search(
         layouts |= dict(with_checkpointing(n, lay) for n, lay in LAYOUTS.items() if n in names)
     found: dict[str, tuple[Layout, Largest]] = {}
     print(f"budget per rank: {budget / MIB:.0f} MiB above the baseline", flush=True)
+    print(f"(the ranks' own stderr: {RANKS_LOG})", flush=True)
     header = f"{'layout':<16}{'size':>5}{'params':>10}{'peak MiB':>10}{'planned':>9}"
     print(header + f"{'planned/peak':>14}{'x 1D(4)':>9}{'tried':>20}", flush=True)
     for name, layout in layouts.items():

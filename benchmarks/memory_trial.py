@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import resource
 import sys
+import tempfile
 import traceback
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -50,6 +51,8 @@ __all__ = ["Size", "Trial", "pin_allocator", "planned_peak", "run_trial", "shape
 TIMEOUT = timedelta(seconds=300)
 ALLOCATOR = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 MIB = 2**20
+#: Where the ranks' own stderr goes (a rank's error reaches the report through its queue).
+RANKS_LOG = os.path.join(tempfile.gettempdir(), "tessera-memory-trial-ranks.log")
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,10 @@ def _rank(
 ) -> None:
     import torch.distributed as dist
 
+    # A rank past its budget leaves its peers to be ended by the parent, and they complain
+    # (c10d's store warnings, stack traces): their stderr goes to RANKS_LOG, not the report.
+    with open(RANKS_LOG, "a") as log:
+        os.dup2(log.fileno(), 2)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     peak, built, error = 0, 0, ""
