@@ -104,10 +104,14 @@ class _Product:
                 out.addmm_(a[step], b[step])
             self._out = Pending.done(out)
         elif self.kind == "abt":  # a [m, n/q] (A_ij), b [q, k/q, n/q] (B_lj)
-            parts = torch.matmul(a, b.transpose(1, 2))  # [q, m, k/q]: A_ij B_lj^T
+            parts = a.new_empty(b.shape[0], a.shape[0], b.shape[1])  # [q, m, k/q]
+            for step in range(b.shape[0]):  # A_ij B_lj^T
+                torch.mm(a, b[step].t(), out=parts[step])
             self._out = scatter_blocks(parts, self.row)
         else:  # atb: a [q, m, k/q] (A_il), b [m, n/q] (B_ij)
-            parts = torch.matmul(a.transpose(1, 2), b)  # [q, k/q, n/q]: A_il^T B_ij
+            parts = a.new_empty(a.shape[0], a.shape[2], b.shape[1])  # [q, k/q, n/q]
+            for step in range(a.shape[0]):  # A_il^T B_ij
+                torch.mm(a[step].t(), b, out=parts[step])
             self._out = scatter_blocks(parts, self.col)
 
     def result(self) -> torch.Tensor:
