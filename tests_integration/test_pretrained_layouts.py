@@ -14,7 +14,6 @@ tensor written once. An engine checkpoint of such a run is exported offline, in 
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -41,11 +40,15 @@ CONFIG: dict[str, Any] = dict(
 )
 #: (parallel config, ZeRO stage, load before initialize) per case; 4 ranks each. (ZeRO-3 with
 #: a pipeline is refused by the engine.)
+#: Without a tensor mode nothing is allocated before load_pretrained: the stages of
+#: "data-pipeline-zero1" allocate their own layers only when loaded, and "zero3" reaches
+#: initialize on meta (FSDP2 shards it there) and each rank allocates and reads its rows.
 CASES: dict[str, tuple[dict[str, Any], int, bool]] = {
     "zero3-1d": (dict(data=2, tensor=dict(size=2, mode="1d")), 3, False),
     "zero3-1d-loaded-before": (dict(data=2, tensor=dict(size=2, mode="1d")), 3, True),
     "pipeline-1d": (dict(pipeline=2, tensor=dict(size=2, mode="1d")), 0, False),
-    "data-pipeline-zero1": (dict(data=2, pipeline=2), 1, False),
+    "data-pipeline-zero1": (dict(data=2, pipeline=2), 1, True),
+    "zero3": (dict(data=4), 3, False),
 }
 
 
@@ -86,6 +89,7 @@ def _load_and_save(case: str, folder: str, out: str) -> int:
         load_pretrained,
         meta_parameters,
         parallelize,
+        parallelize_pretrained,
         pipeline_layers,
         save_pretrained,
     )
@@ -96,23 +100,30 @@ def _load_and_save(case: str, folder: str, out: str) -> int:
     ctx = create_context(config, timeout=60.0)
     try:
         torch.manual_seed(7)  # the replicas agree before the load (initialize checks them)
-        # on meta where parallelize allocates the shards (a tensor mode); without one, whole
-        meta = meta_parameters() if "tensor" in parallel else contextlib.nullcontext()
-        with meta:
-            model: nn.Module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-        model = parallelize(model, context=ctx)
+        if case == "zero3":  # the class from config.json, on meta, not loaded yet
+            model: nn.Module = parallelize_pretrained(folder, load=False, context=ctx)
+        else:
+            with meta_parameters():  # parallelize allocates the shards of a tensor mode, if any
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+            model = parallelize(model, context=ctx)
         staged = ctx.get_world_size(ParallelMode.PIPELINE) > 1
         if staged:
             model = build_pipeline_model(pipeline_layers(model), context=ctx)
+        unallocated = "tensor" not in parallel
+        assert all(p.is_meta for p in model.parameters()) == unallocated
         if before:
             load_pretrained(model, folder, context=ctx)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         settings = {"zero": {"stage": zero}} if zero else {}
         initialize(model, optimizer, config={**config, **settings}, context=ctx)
         if not before:
+            if unallocated:  # FSDP2 sharded it on meta: no rank held the whole model
+                assert all(p.is_meta for p in model.parameters())
             load_pretrained(model, folder, context=ctx)
         if zero == 3:
             assert any(type(p).__name__ == "DTensor" for p in model.parameters())
+            local = sum(p.to_local().numel() for p in model.parameters())  # type: ignore[operator]
+            assert local * ctx.data_size < 1.25 * sum(p.numel() for p in model.parameters())
 
         ref = _reference()
         if staged:  # every tensor the stage holds, under the model's names

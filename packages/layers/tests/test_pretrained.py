@@ -237,6 +237,58 @@ def test_plain_model_loads_base_checkpoint_and_strict_errors_name_keys(tmp_path:
         load_pretrained(model, tmp_path / "index")
 
 
+def test_a_model_on_meta_is_allocated_by_the_load(tmp_path: Path) -> None:
+    """Without a tensor mode nothing allocates a meta model before ``load_pretrained``: it
+    allocates what the model holds (ties and the optimizer's parameters kept) and reads it;
+    what the checkpoint lacks is initialized from the module's name, not the generator."""
+    ref = gpt2_lm()
+    ref.save_pretrained(tmp_path / "full")
+    with meta_parameters():
+        model = gpt2_lm(seed=5)
+    params = list(model.parameters())
+    load_pretrained(model, tmp_path / "full")
+    assert list(model.parameters()) == params and all(not p.is_meta for p in params)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert all(torch.equal(model.state_dict()[k], t) for k, t in ref.state_dict().items())
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0.0, atol=0.0)
+
+    state = _gpt2_state()
+    del state["transformer.wpe.weight"]  # a position table drawn at random when initialized
+    folder = _write(tmp_path / "no-positions", state)
+    drawn = []
+    for seed in (1, 2):  # as two ranks' own generators would differ
+        with meta_parameters():
+            model = gpt2_lm(distinct=False)
+        torch.manual_seed(seed)
+        keys = load_pretrained(model, folder, strict=False)
+        assert keys.missing == ["transformer.wpe.weight"]
+        drawn.append(model.transformer.wpe.weight.detach())
+    assert torch.equal(drawn[0], drawn[1]) and float(drawn[0].std()) > 0
+
+
+def _whole_modules_alike() -> int:
+    """A module ``parallelize`` keeps whole, built on meta, starts equal on every tensor rank
+    although the ranks' generators differ (the runner seeds each rank apart)."""
+    ctx = create_context(dict(parallel=dict(tensor=dict(size=2, mode="1d"))), timeout=60.0)
+    try:
+        with meta_parameters():
+            model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 8))
+        parallelize(model, {"0": "col", "1": "row"}, context=ctx)
+        kept = torch.cat([model[2].weight.detach().flatten(), model[2].bias.detach()])
+        everyone = [torch.empty_like(kept) for _ in range(2)]
+        torch.distributed.all_gather(everyone, kept, group=ctx.get_group(ParallelMode.TENSOR))
+        assert torch.equal(everyone[0], everyone[1]) and float(kept.std()) > 0
+    finally:
+        ctx.destroy()
+    return 0
+
+
+def test_whole_modules_built_on_meta_start_alike_on_every_rank(dist) -> None:
+    dist.run(_whole_modules_alike, world_size=2, timeout=60.0)
+
+
 #: (tessera's full shape, the number of blocks each split dim is cut into, the stored form)
 FORMS = [
     ((8, 6), {0: 2, 1: 3}, None),  # a 2D tile

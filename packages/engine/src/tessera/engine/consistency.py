@@ -222,7 +222,8 @@ def check_parameter_checksums(modules: Sequence[nn.Module], ctx: ParallelContext
     modes) every parameter that is not split there. Catches a replica that was not
     synchronized, or layers that initialize replicated weights from a per-rank RNG stream.
     """
-    tensors = list(_named_tensors(modules))
+    # meta tensors (ZeRO-3 built on meta, loaded after initialize) hold no values yet
+    tensors = [entry for entry in _named_tensors(modules) if not entry[1].is_meta]
     sums = {name: _checksum(t) for name, t, _ in tensors}
     entries = [(name, sums[name]) for name, _, _ in tensors]
     hint = "replicated tensors must be equal (synchronize them, or seed them alike)"

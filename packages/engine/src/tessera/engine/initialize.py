@@ -142,8 +142,8 @@ def sync_replicated_parameters(
     src = ctx.get_ranks_in_group(mode)[0]
     tensors: list[torch.Tensor] = []
     for m in _modules(model):
-        tensors.extend(p.data for p in m.parameters())
-        tensors.extend(b for b in m.buffers())
+        tensors.extend(p.data for p in m.parameters() if not p.is_meta)
+        tensors.extend(b for b in m.buffers() if not b.is_meta)
     broadcast_coalesced(tensors, src, group)
 
 
@@ -240,7 +240,11 @@ def _check_zero_layout(
 
 
 def _equal_replicas(
-    modules: Sequence[nn.Module], ctx: ParallelContext, cfg: Mapping[str, Any], debug: bool
+    modules: Sequence[nn.Module],
+    ctx: ParallelContext,
+    cfg: Mapping[str, Any],
+    debug: bool,
+    settings: EngineSettings,
 ) -> None:
     """Step 1: the ranks agree (config, model), the model on the device, replicas equal.
 
@@ -251,10 +255,45 @@ def _equal_replicas(
     check_config_agreement({**cfg, "debug": debug}, ENGINE_CONFIG_KEYS, ctx)
     check_model_agreement(modules, ctx)
     for m in modules:
-        m.to(ctx.device)
+        if _left_on_meta(m, settings):
+            _buffers_to(m, ctx.device)
+        else:
+            m.to(ctx.device)
     sync_replicated_parameters(modules, ctx)
     check_parameter_checksums(modules, ctx)
     align_replicated_generator(ctx)
+
+
+def _left_on_meta(module: nn.Module, settings: EngineSettings) -> bool:
+    """Whether ``module`` holds parameters on meta, for FSDP2 to shard there (ZeRO-2/3).
+
+    A model built inside ``meta_parameters`` with no tensor mode to allocate it reaches here
+    on meta; FSDP2 shards it without memory and ``load_pretrained`` after ``initialize``
+    allocates and reads each data rank's rows only (replicas hold no values to compare yet).
+
+    Raises:
+        ConfigError: meta parameters under any other setting (nothing would allocate them).
+    """
+    meta = [name for name, p in module.named_parameters() if p.is_meta]
+    if not meta:
+        return False
+    if settings.zero_stage >= 2 and settings.master_dtype is None:
+        return True
+    raise ConfigError(
+        f"initialize: the parameters {meta[:4]}{' ...' if len(meta) > 4 else ''} are on the "
+        "meta device (built inside meta_parameters, and no tensor mode allocated them): call "
+        "tessera.layers.load_pretrained(model, folder) before initialize, which allocates "
+        "and reads them; only under zero.stage 2 or 3 (FSDP2 shards them on meta) may it "
+        "come after, each data rank then reading its own rows"
+    )
+
+
+def _buffers_to(module: nn.Module, device: torch.device) -> None:
+    """Move ``module``'s buffers (real, under ``meta_parameters``) to ``device``."""
+    for sub in module.modules():
+        for key, buffer in sub._buffers.items():
+            if buffer is not None and not buffer.is_meta:
+                sub._buffers[key] = buffer.to(device)
 
 
 def _precision_and_zero(
@@ -475,7 +514,7 @@ def _initialize(
     modules = _modules(model)
     _check_zero_layout(settings, ctx, modules)
     if ctx is not None:
-        _equal_replicas(modules, ctx, cfg, debug)
+        _equal_replicas(modules, ctx, cfg, debug, settings)
     masters, optimizer, forward_model = _precision_and_zero(
         settings, model, modules, optimizer, ctx
     )

@@ -175,7 +175,9 @@ def parallelize(
     afterwards equals the ``state_dict()`` before, in the original names and forms, and tied
     weights stay tied. A model built inside :func:`meta_parameters` gets only this rank's
     shards allocated (initialized, to be loaded with ``load_full_state_dict``). Without tensor
-    parallelism the model is returned unchanged.
+    parallelism the model is returned unchanged (built on meta, it stays there:
+    ``load_pretrained`` allocates what the rank holds, after ``pipeline_layers`` or ZeRO-3's
+    ``initialize`` where they apply).
 
     Args:
         model: A plain torch model (``nn.Linear``, ``nn.LayerNorm``, ``nn.Embedding``,
@@ -235,7 +237,7 @@ def parallelize(
             f"{' or '.join(repr(m) for m in TABLE_MODES)}"
         )
     if mode == "sequence":  # token-wise modules stay; attention goes around the ring
-        materialize_whole_modules(model, ctx.device)
+        materialize_whole_modules(model, ctx.device, seed=ctx.base_seed)
         install_sequence_attention(model, attention, ctx, sequence_attention)
         if chosen.boundary == "tokens" and not forward_takes_positions(model):
             tables = [name for name, role in roles.items() if role == "position_embedding"]
@@ -254,7 +256,7 @@ def parallelize(
         else {name for name, _ in model.named_modules()}  # a features plan: all of it
     )
     routers = [name for name, role in roles.items() if role == "router"]
-    materialize_whole_modules(model, ctx.device, routers)  # kept whole, maybe wrapped
+    materialize_whole_modules(model, ctx.device, routers, seed=ctx.base_seed)  # kept whole
     converter = Converter(
         ctx, mode, sequence_parallel, inner_norms(roles), attention, span, roles=roles
     )
@@ -276,7 +278,7 @@ def parallelize(
                 if pname in after and after[pname] is not param:
                     replaced[id(param)] = after[pname]
     _retie(model, replaced)
-    materialize_whole_modules(model, ctx.device)
+    materialize_whole_modules(model, ctx.device, seed=ctx.base_seed)
     if sequence_parallel:
         _check_no_plain_parameters(model, span, chosen, mode)
     elif mode != "1d":

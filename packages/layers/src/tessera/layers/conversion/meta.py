@@ -7,8 +7,11 @@ state dict, so they could not be recovered later). ``parallelize`` then allocate
 rank's shard of each converted parameter, on the context's device, drawn by the layer's
 initializer (which draws one full parameter at a time, so the peak is the largest single
 parameter), and allocates and initializes the few modules it keeps whole
-(``reset_parameters``, or the transformers model's ``_init_weights``). Load real weights next
-with ``load_full_state_dict`` (each rank reads the full tensors and keeps its blocks).
+(``reset_parameters``, or the transformers model's ``_init_weights``, seeded alike on every
+rank). Without a tensor mode ``parallelize`` allocates nothing: :func:`~tessera.layers.
+load_pretrained` allocates what the rank holds (the whole model, a pipeline stage, or ZeRO-3's
+rows) and reads it. Load real weights next with ``load_pretrained`` (each rank reads its
+slices) or ``load_full_state_dict`` (each rank reads the full tensors and keeps its blocks).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+from ..state.materialize import initialize_meta_modules
 
 __all__ = ["check_meta_buffers", "materialize_whole_modules", "meta_parameters"]
 
@@ -61,9 +66,17 @@ def check_meta_buffers(model: nn.Module) -> None:
 
 
 def materialize_whole_modules(
-    model: nn.Module, device: torch.device, names: Collection[str] | None = None
+    model: nn.Module,
+    device: torch.device,
+    names: Collection[str] | None = None,
+    *,
+    seed: int = 0,
 ) -> None:
     """Allocate and initialize the parameters ``parallelize`` left whole and on meta.
+
+    Each module draws from a generator seeded by ``seed`` and its name
+    (:func:`~tessera.layers.state.materialize.initialize_meta_modules`): the tensor ranks,
+    which all hold it whole, draw the same values whatever their own generators hold.
 
     Args:
         model: The model.
@@ -71,27 +84,13 @@ def materialize_whole_modules(
         names: Only these modules (default: every module). A module that ``parallelize``
             keeps whole but wraps (a router under sequence parallelism) is materialized
             before it is wrapped: the model's ``_init_weights`` knows the plain module's class.
+        seed: The seed every rank shares (the context's ``base_seed``).
 
     Raises:
         ValueError: a module has neither ``reset_parameters`` nor an ``_init_weights`` on the
             model that covers it.
     """
-    init_weights = getattr(model, "_init_weights", None)
-    for name, module in model.named_modules():
-        if names is not None and name not in names:
-            continue
-        if not any(p.is_meta for p in module.parameters(recurse=False)):
-            continue
-        module.to_empty(device=device, recurse=False)
-        reset = getattr(module, "reset_parameters", None)
-        with torch.no_grad():
-            if callable(reset):
-                reset()
-            elif callable(init_weights):
-                init_weights(module)
-            else:
-                raise ValueError(
-                    f"parallelize: {name or 'the model'} ({type(module).__name__}) was built on "
-                    "the meta device and has no reset_parameters to initialize it; give it one, "
-                    "or build the model with real parameters"
-                )
+    chosen = [(n, m) for n, m in model.named_modules() if names is None or n in names]
+    initialize_meta_modules(
+        chosen, device, seed, init_weights=getattr(model, "_init_weights", None)
+    )

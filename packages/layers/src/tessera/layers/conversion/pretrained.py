@@ -25,6 +25,7 @@ def parallelize_pretrained(
     folder: str | os.PathLike[str],
     *,
     dtype: torch.dtype = torch.float32,
+    load: bool = True,
     context: ParallelContext | None = None,
     **parallelize_options: Any,
 ) -> nn.Module:
@@ -32,13 +33,23 @@ def parallelize_pretrained(
 
     Builds the class of ``config.json``'s ``architectures`` on the meta device, parallelizes
     it under the context's layout (allocating this rank's shards only) and loads the folder
-    with :func:`load_pretrained` (each rank reading only the slices of its blocks). A model
-    another class should hold, or a plan of one's own, goes through those three steps by hand
-    (docs/pretrained.md).
+    with :func:`load_pretrained` (each rank reading only the slices of its blocks; without a
+    tensor mode, allocating the whole model on each rank first, which data parallelism
+    holds). A model another class should hold, or a plan of one's own, goes through those
+    three steps by hand (docs/pretrained.md).
+
+    Where a rank holds less than what ``parallelize`` leaves it, load later, with
+    ``load=False``: a pipeline stage (``load_pretrained`` on the stage of
+    ``build_pipeline_model(pipeline_layers(model))`` reads its layers only) and ZeRO-2/3
+    without a tensor mode (the model stays on meta through ``initialize``, which shards it
+    there; ``load_pretrained`` after it allocates and reads each data rank's rows only).
 
     Args:
         folder: A transformers checkpoint folder (``config.json`` and safetensors).
         dtype: The parameters' dtype (the checkpoint's tensors are converted to it).
+        load: Load the folder now; ``False`` returns the model parallelized, its weights not
+            read (on meta where no tensor mode allocated them) for a later
+            :func:`load_pretrained`.
         context: The ParallelContext (default the current one).
         **parallelize_options: Passed to :func:`~tessera.layers.parallelize` (``plan``,
             ``sequence_attention``).
@@ -60,5 +71,6 @@ def parallelize_pretrained(
     with meta_parameters():
         model = model_class(config).to(dtype)  # on meta: no memory, no copy
     model = parallelize(model, context=context, **parallelize_options)
-    load_pretrained(model, folder)
+    if load:
+        load_pretrained(model, folder, context=context)
     return model

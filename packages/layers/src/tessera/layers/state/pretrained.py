@@ -1,7 +1,9 @@
 """transformers checkpoint folders in and out of a parallelized model, a rank's slices at a time.
 
 A model too large for one rank is built on the meta device (:func:`~tessera.layers.
-meta_parameters`), parallelized (only this rank's shards are allocated), then loaded here:
+meta_parameters`), parallelized (only this rank's shards are allocated; without a tensor mode
+nothing is, and what the rank holds -- the whole model, its pipeline stage, or its rows under
+ZeRO-3 once ``initialize`` sharded the meta model -- is allocated here), then loaded here:
 from the checkpoint's ``model.safetensors`` (or the files its ``model.safetensors.index.json``
 lists) each rank reads only the slices of each tensor that make up its own block
 (``safe_open(...).get_slice(name)[rows, cols]``), copied straight into its parameter. Which
@@ -67,6 +69,7 @@ from tessera.context import (
 )
 
 from ..shared.context_access import current_or_none
+from .materialize import allocate, initialize_meta_modules
 from .state_dict import (
     _find_context,
     full_shape,
@@ -177,8 +180,11 @@ def load_pretrained(
     transformers' ``from_pretrained`` does.
 
     Args:
-        model: The model, parallelized or not; built on the meta device is fine once
-            ``parallelize`` has allocated its shards.
+        model: The model, parallelized or not, or this rank's pipeline stage. Built inside
+            ``meta_parameters``, what is still on meta is allocated on the context's device
+            first (without a tensor mode: everything the rank holds) and what the checkpoint
+            does not fill is initialized alike on every rank (seeded by the context's seed and
+            the module's name).
         folder: Holds ``model.safetensors`` or ``model.safetensors.index.json`` and the files
             it lists (``config.json`` is not read: build the model from it first).
         strict: Require every key of the model in the checkpoint and every key of the
@@ -197,7 +203,8 @@ def load_pretrained(
             file that is not there.
         KeyError: ``strict`` and keys are missing or unexpected (naming them and their file).
         ValueError: tensors have other shapes than the model's full ones (naming the key, the
-            file and both shapes), or model tensors are still on the meta device.
+            file and both shapes), or buffers the checkpoint lacks are on the meta device
+            (build inside ``meta_parameters``, which leaves buffers real).
     """
     from safetensors import safe_open
 
@@ -232,12 +239,6 @@ def load_pretrained(
             f"load_pretrained: {folder} does not match the model: missing keys "
             f"{_few(missing)}, unexpected keys {_few([f'{k} ({where[k]})' for k in unexpected])}"
         )
-    on_meta = [key for key, target in to_load if target.is_meta]
-    if on_meta:
-        raise ValueError(
-            f"load_pretrained: {_few(on_meta)} are on the meta device: parallelize the model "
-            "built inside meta_parameters() first (it allocates this rank's shards), then load"
-        )
 
     by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
     for key, target in to_load:
@@ -255,6 +256,7 @@ def load_pretrained(
             f"load_pretrained: {len(wrong)} tensors of {folder} have other shapes than the "
             f"model's full ones: {'; '.join(wrong[:8])}{' ...' if len(wrong) > 8 else ''}"
         )
+    _allocate_meta(model, [target for _, target in to_load], ctx)
 
     with torch.no_grad():
         for path, entries in by_file.items():
@@ -268,6 +270,44 @@ def load_pretrained(
                     except ValueError as err:
                         raise ValueError(f"load_pretrained: {path}: {err}") from None
     return PretrainedKeys(missing=missing, unexpected=unexpected)
+
+
+def _allocate_meta(model: nn.Module, read: list[torch.Tensor], ctx: ParallelContext | None) -> None:
+    """Give storage to what this rank holds on the meta device, before reading into it.
+
+    Without a tensor mode ``parallelize`` allocates nothing: a model built inside
+    ``meta_parameters`` reaches here on meta (whole under data parallelism, a pipeline stage,
+    or FSDP2's rows once ``initialize`` sharded it under ZeRO-3). The tensors read from the
+    checkpoint get uninitialized storage on the context's device (their parameter objects
+    kept: ties, optimizers and FSDP2 still hold them); a module holding a meta parameter the
+    checkpoint does not fill is initialized, alike on every rank
+    (:func:`~tessera.layers.state.materialize.initialize_meta_modules`: seeded by the
+    context's seed and the module's name).
+    """
+    ids = {id(t) for t in read}
+    unread = sorted(n for n, b in model.named_buffers() if b.is_meta and id(b) not in ids)
+    if unread:
+        raise ValueError(
+            f"load_pretrained: the buffers {_few(unread)} are on the meta device and not in the "
+            "checkpoint: their values (computed when the model was built) cannot be recovered. "
+            "Build the model inside tessera.layers.meta_parameters() instead of "
+            "torch.device('meta'): parameters on meta, buffers real"
+        )
+    if not any(t.is_meta for t in read) and not any(p.is_meta for p in model.parameters()):
+        return
+    real = next((t for t in model.parameters() if not t.is_meta), None)
+    device = ctx.device if ctx is not None else real.device if real is not None else None
+    device = device if device is not None else torch.device("cpu")
+    initialize_meta_modules(
+        model.named_modules(),
+        device,
+        ctx.base_seed if ctx is not None else 0,
+        init_weights=getattr(model, "_init_weights", None),
+        skip=ids,
+        caller="load_pretrained",
+    )
+    for target in read:
+        allocate(target, device)
 
 
 def _load_block(f: Any, stored: str, key: str, target: torch.Tensor) -> None:
