@@ -47,6 +47,8 @@ CASES: dict[str, tuple[dict[str, Any], int, bool]] = {
     "zero3-1d": (dict(data=2, tensor=dict(size=2, mode="1d")), 3, False),
     "zero3-1d-loaded-before": (dict(data=2, tensor=dict(size=2, mode="1d")), 3, True),
     "pipeline-1d": (dict(pipeline=2, tensor=dict(size=2, mode="1d")), 0, False),
+    # build_pipeline_model(num_chunks=2): each rank holds two chunks, a list of stages
+    "interleaved-1d": (dict(pipeline=2, tensor=dict(size=2, mode="1d")), 0, False),
     "data-pipeline-zero1": (dict(data=2, pipeline=2), 1, True),
     "zero3": (dict(data=4), 3, False),
 }
@@ -108,7 +110,9 @@ def _load_and_save(case: str, folder: str, out: str) -> int:
             model = parallelize(model, context=ctx)
         staged = ctx.get_world_size(ParallelMode.PIPELINE) > 1
         if staged:
-            model = build_pipeline_model(pipeline_layers(model), context=ctx)
+            chunks = 2 if case.startswith("interleaved") else 1
+            model = build_pipeline_model(pipeline_layers(model), num_chunks=chunks, context=ctx)
+            assert isinstance(model, list) == (chunks > 1)
         unallocated = "tensor" not in parallel
         assert all(p.is_meta for p in model.parameters()) == unallocated
         if before:
@@ -126,11 +130,12 @@ def _load_and_save(case: str, folder: str, out: str) -> int:
             assert local * ctx.data_size < 1.25 * sum(p.numel() for p in model.parameters())
 
         ref = _reference()
-        if staged:  # every tensor the stage holds, under the model's names
-            names = original_names_of([model])
+        if staged:  # every tensor the stage (each chunk) holds, under the model's names
             state = ref.state_dict()
-            for name, t in gather_full_state_dict(model, context=ctx).items():
-                assert torch.equal(t, state[names[name]]), name
+            for part in model if isinstance(model, list) else [model]:
+                names = original_names_of([part])
+                for name, t in gather_full_state_dict(part, context=ctx).items():
+                    assert torch.equal(t, state[names[name]]), name
         else:
             with torch.no_grad():
                 logits = gather_logits(model.eval()(_ids()).logits, context=ctx)

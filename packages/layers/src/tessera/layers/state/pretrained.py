@@ -39,7 +39,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,18 +95,31 @@ def mark_pretrained_source(module: nn.Module, model: nn.Module) -> None:
     setattr(module, SOURCE_ATTR, PretrainedSource.of(model))
 
 
-def _source_of(model: nn.Module) -> PretrainedSource:
+#: A model, or this rank's chunks of an interleaved pipeline (``build_pipeline_model`` with
+#: ``num_chunks > 1`` returns a list of stages, named as in the full model).
+Model = nn.Module | Sequence[nn.Module]
+
+
+def _parts(model: Model) -> list[nn.Module]:
+    """The modules ``model`` is made of: itself, or its chunks."""
+    return [model] if isinstance(model, nn.Module) else list(model)
+
+
+def _source_of(model: Model) -> PretrainedSource:
     """``model``'s own record if it is a transformers model, else the first its layers carry."""
-    if getattr(model, "config", None) is None:
-        for module in model.modules():
+    parts = _parts(model)
+    if len(parts) == 1 and getattr(parts[0], "config", None) is not None:
+        return PretrainedSource.of(parts[0])
+    for part in parts:
+        for module in part.modules():
             found = getattr(module, SOURCE_ATTR, None)
             if isinstance(found, PretrainedSource):
                 return found
-    return PretrainedSource.of(model)
+    return PretrainedSource.of(parts[0])
 
 
 def _context_of(
-    model: nn.Module, context: ParallelContext | None, caller: str
+    model: Model, context: ParallelContext | None, caller: str
 ) -> ParallelContext | None:
     """``context``, else the model's layers', else the current one.
 
@@ -114,8 +127,10 @@ def _context_of(
         ValueError: none, for a pipeline stage of ``pipeline_layers`` in a job of several
             ranks: which stage it is, and so what the others hold, is the context's to say.
     """
-    ctx = context or _find_context(model) or current_or_none(None)
-    cut = any(getattr(m, SOURCE_ATTR, None) is not None for m in model.modules())
+    parts = _parts(model)
+    found = next((c for c in map(_find_context, parts) if c is not None), None)
+    ctx = context or found or current_or_none(None)
+    cut = any(getattr(m, SOURCE_ATTR, None) is not None for p in parts for m in p.modules())
     if ctx is None and cut and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError(
             f"{caller}: the model is cut from another ({_source_of(model).class_name}, by "
@@ -125,15 +140,20 @@ def _context_of(
     return ctx
 
 
-def _original_named(model: nn.Module) -> dict[str, torch.Tensor]:
+def _original_named(model: Model) -> dict[str, torch.Tensor]:
     """``model``'s state dict (``keep_vars``) under the original model's names.
 
     A pipeline stage of ``pipeline_layers`` names GPT-2's ``transformer.h.0.mlp.c_fc.weight``
     ``layer0.layer.mlp.c_fc.weight``; its layers carry the map back
     (:func:`~tessera.context.original_names_of`). Other modules keep their names.
     """
-    originals = original_names_of([model])
-    return {originals.get(n, n): t for n, t in model.state_dict(keep_vars=True).items()}
+    parts = _parts(model)
+    originals = original_names_of(parts)
+    return {
+        originals.get(n, n): t
+        for part in parts  # an interleaved stage's chunks: disjoint layers, disjoint names
+        for n, t in part.state_dict(keep_vars=True).items()
+    }
 
 
 @dataclass(frozen=True)
@@ -150,7 +170,7 @@ class PretrainedKeys:
 
 
 def load_pretrained(
-    model: nn.Module,
+    model: Model,
     folder: str | os.PathLike[str],
     *,
     strict: bool = True,
@@ -180,7 +200,9 @@ def load_pretrained(
     transformers' ``from_pretrained`` does.
 
     Args:
-        model: The model, parallelized or not, or this rank's pipeline stage. Built inside
+        model: The model, parallelized or not, or this rank's pipeline stage (a list of
+            chunks under an interleaved schedule: ``build_pipeline_model(...,
+            num_chunks=2)``, each read under the model's names). Built inside
             ``meta_parameters``, what is still on meta is allocated on the context's device
             first (without a tensor mode: everything the rank holds) and what the checkpoint
             does not fill is initialized alike on every rank (seeded by the context's seed and
@@ -272,7 +294,7 @@ def load_pretrained(
     return PretrainedKeys(missing=missing, unexpected=unexpected)
 
 
-def _allocate_meta(model: nn.Module, read: list[torch.Tensor], ctx: ParallelContext | None) -> None:
+def _allocate_meta(model: Model, read: list[torch.Tensor], ctx: ParallelContext | None) -> None:
     """Give storage to what this rank holds on the meta device, before reading into it.
 
     Without a tensor mode ``parallelize`` allocates nothing: a model built inside
@@ -284,8 +306,11 @@ def _allocate_meta(model: nn.Module, read: list[torch.Tensor], ctx: ParallelCont
     (:func:`~tessera.layers.state.materialize.initialize_meta_modules`: seeded by the
     context's seed and the module's name).
     """
+    parts = _parts(model)
+    params = [p for part in parts for p in part.parameters()]
     ids = {id(t) for t in read}
-    unread = sorted(n for n, b in model.named_buffers() if b.is_meta and id(b) not in ids)
+    buffers = [(n, b) for part in parts for n, b in part.named_buffers()]
+    unread = sorted(n for n, b in buffers if b.is_meta and id(b) not in ids)
     if unread:
         raise ValueError(
             f"load_pretrained: the buffers {_few(unread)} are on the meta device and not in the "
@@ -293,16 +318,16 @@ def _allocate_meta(model: nn.Module, read: list[torch.Tensor], ctx: ParallelCont
             "Build the model inside tessera.layers.meta_parameters() instead of "
             "torch.device('meta'): parameters on meta, buffers real"
         )
-    if not any(t.is_meta for t in read) and not any(p.is_meta for p in model.parameters()):
+    if not any(t.is_meta for t in read) and not any(p.is_meta for p in params):
         return
-    real = next((t for t in model.parameters() if not t.is_meta), None)
+    real = next((t for t in params if not t.is_meta), None)
     device = ctx.device if ctx is not None else real.device if real is not None else None
     device = device if device is not None else torch.device("cpu")
     initialize_meta_modules(
-        model.named_modules(),
+        [named for part in parts for named in part.named_modules()],
         device,
         ctx.base_seed if ctx is not None else 0,
-        init_weights=getattr(model, "_init_weights", None),
+        init_weights=getattr(parts[0], "_init_weights", None),
         skip=ids,
         caller="load_pretrained",
     )
@@ -443,7 +468,7 @@ def _few(keys: list[str], n: int = 8) -> str:
 
 
 def save_pretrained(
-    model: nn.Module,
+    model: Model,
     folder: str | os.PathLike[str],
     *,
     max_shard_size: int | str = "5GB",
@@ -472,7 +497,8 @@ def save_pretrained(
     outcome, in place of a barrier).
 
     Args:
-        model: The parallelized model (or a plain one), or this rank's pipeline stage.
+        model: The parallelized model (or a plain one), or this rank's pipeline stage (or
+            its chunks, a list, under an interleaved schedule).
         folder: Where the checkpoint goes.
         max_shard_size: The largest file, in bytes or as ``"5GB"``, ``"500MiB"``; a tensor
             larger than it gets a file of its own.
@@ -526,7 +552,7 @@ def save_pretrained(
         out = SafetensorsStream.of(temp / file, keys, header, "save_pretrained")
         attempt(out.open)
         for key in keys:  # gathered on every rank even once the writer failed: collective
-            full = gather_full_tensors(model, {key: own[key]}, ctx)[key]
+            full = gather_full_tensors(_parts(model)[0], {key: own[key]}, ctx)[key]
             attempt(out.write, key, full, out.dtype_of(key))
             del full
         out.close()
