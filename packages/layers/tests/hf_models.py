@@ -390,6 +390,58 @@ def bert_encoder(seed: int = 0, **overrides: Any) -> nn.Module:
     return _distinct(BertModel(BertConfig(**{**BERT_CONFIG, **overrides})), seed)
 
 
+def roberta_encoder(seed: int = 0) -> nn.Module:
+    """The bare ``RobertaModel`` from :data:`BERT_CONFIG` (positions counted past the padding
+    token 1, so :data:`SEQ` + 2 of the 16 learned positions are used)."""
+    from transformers import RobertaConfig, RobertaModel
+
+    torch.manual_seed(seed)
+    return _distinct(RobertaModel(RobertaConfig(**BERT_CONFIG)), seed)
+
+
+def distilbert_encoder(seed: int = 0) -> nn.Module:
+    """The bare ``DistilBertModel`` sized as :data:`BERT_CONFIG` (no token types, no pooler)."""
+    from transformers import DistilBertConfig, DistilBertModel
+
+    torch.manual_seed(seed)
+    sizes = dict(dim=16, n_layers=2, n_heads=4, hidden_dim=32, max_position_embeddings=16)
+    config = DistilBertConfig(vocab_size=32, **sizes, dropout=0.0, attention_dropout=0.0)
+    return _distinct(DistilBertModel(config), seed)
+
+
+def vit_encoder(seed: int = 0) -> nn.Module:
+    """The bare ``ViTModel`` (with its pooler) from :data:`VIT_CONFIG`."""
+    from transformers import ViTConfig, ViTModel
+
+    torch.manual_seed(seed)
+    return _distinct(ViTModel(ViTConfig(**VIT_CONFIG)), seed)
+
+
+#: Classes of the sequence classifiers: divisible by the 1D sizes 2 and 4, which split the head.
+NUM_CLASSES = 4
+
+
+def bert_classifier(seed: int = 0) -> nn.Module:
+    """``BertForSequenceClassification`` from :data:`BERT_CONFIG` (its pooler, then a head onto
+    :data:`NUM_CLASSES` classes; its loss built inline)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = BertConfig(**BERT_CONFIG, num_labels=NUM_CLASSES)
+    return _distinct(BertForSequenceClassification(config), seed)
+
+
+def gpt2_classifier(seed: int = 0) -> nn.Module:
+    """``GPT2ForSequenceClassification`` from :data:`GPT2_CONFIG`: a head onto
+    :data:`NUM_CLASSES` classes on every token, each row's last token that is not padding
+    (token 0) read."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = GPT2Config(**GPT2_CONFIG, num_labels=NUM_CLASSES, pad_token_id=0)
+    return _distinct(GPT2ForSequenceClassification(config), seed)
+
+
 def vit_classifier(seed: int = 0, **overrides: Any) -> nn.Module:
     """``ViTForImageClassification`` from :data:`VIT_CONFIG`, its weights drawn from ``seed``."""
     from transformers import ViTConfig, ViTForImageClassification

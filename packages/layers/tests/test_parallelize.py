@@ -20,16 +20,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hf_models import (
     BATCH,
+    BERT_CONFIG,
     GPT2_CONFIG,
+    NUM_CLASSES,
     SEQ,
+    bert_classifier,
     bert_encoder,
     bert_mlm,
     bloom_lm,
     cohere_lm,
+    distilbert_encoder,
     falcon_lm,
     gemma_lm,
     glm4_lm,
     glm_lm,
+    gpt2_classifier,
     gpt2_lm,
     gpt_bigcode_lm,
     gpt_neo_lm,
@@ -50,10 +55,12 @@ from hf_models import (
     qwen2_moe_lm,
     qwen3_lm,
     qwen3_moe_lm,
+    roberta_encoder,
     stablelm_lm,
     token_ids,
     token_types,
     vit_classifier,
+    vit_encoder,
     xglm_lm,
 )
 from mesh_reference import sum_deferred
@@ -227,7 +234,12 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
         _plain_lm_matches_reference(ctx)
     ),
     "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
-    "bert encoder (hidden states and pooler whole)": lambda ctx: _encoder_matches_reference(ctx),
+    "bare encoders (bert, roberta, distilbert, vit: hidden states and pooler whole)": lambda ctx: (
+        _encoders_match_reference(ctx)
+    ),
+    "sequence classifiers (bert, gpt-2: labels give one process's loss)": lambda ctx: (
+        _classifiers_match_reference(ctx)
+    ),
     "vit": lambda ctx: _lm_matches_reference(vit_classifier(), ctx),
     "per-sample positions": _per_sample_positions,
     "dropout": lambda ctx: _dropout_streams(ctx),
@@ -360,6 +372,8 @@ def _lm_matches_reference(
         ref_loss = F.cross_entropy(ref_logits, labels)
         logits = model(pixels).logits
         loss = token_loss(logits, labels, context=ctx)
+        with torch.no_grad():  # its own loss (a loss_function reading [b, C]) is tessera's
+            torch.testing.assert_close(model(pixels, labels=labels).loss, ref_loss, **TOL)
     elif type(ref).__name__ == "BertForMaskedLM":  # a masked LM with token types, padded
         padded = torch.ones_like(ids)
         padded[0, -3:], padded[-1, -1:] = 0, 0  # rows and tokens every layout splits apart
@@ -370,9 +384,9 @@ def _lm_matches_reference(
         ref_loss = F.cross_entropy(ref_logits.reshape(-1, vocab), labels.reshape(-1))
         logits = model(**inputs).logits
         loss = token_loss(logits, labels, context=ctx)
-        # its own loss builds nn.CrossEntropyLoss() inline, which nothing reaches: refused
-        with pytest.raises(ValueError, match="its own loss"):
-            model(**inputs, labels=labels)
+        # its own loss builds nn.CrossEntropyLoss() inline: computed at the boundary instead
+        with torch.no_grad():
+            torch.testing.assert_close(model(**inputs, labels=labels).loss, ref_loss, **TOL)
         if mode != "sequence":  # the pair an engine with per_token_loss weighs globally
             total, count = token_loss(logits, labels, reduction="sum_and_count", context=ctx)
             assert int(count) == int((labels != -100).sum())
@@ -438,25 +452,55 @@ def _plain_lm_loss(ctx: ParallelContext, plan: dict[str, str] | None) -> float:
     return round(float(loss.detach()), 5)
 
 
-def _encoder_matches_reference(ctx: ParallelContext) -> float:
-    """The bare BertModel (a sentence-embedding encoder), a padded batch: its hidden states and
-    pooler output come back whole under every layout, and a loss on them (a masked mean
-    pooling, as sentence embeddings take) gives every gradient as one process."""
-    ref = bert_encoder()
-    model = parallelize(copy.deepcopy(ref), context=ctx)
+def _padded_text() -> dict[str, torch.Tensor]:
+    """A batch of token ids with a padding mask on rows and tokens every layout splits apart."""
     ids = token_ids()
     padded = torch.ones_like(ids)
     padded[0, -3:], padded[-1, -1:] = 0, 0
-    inputs = dict(input_ids=ids, token_type_ids=token_types(), attention_mask=padded)
+    return dict(input_ids=ids, attention_mask=padded)
+
+
+def _encoders_match_reference(ctx: ParallelContext) -> list[float]:
+    """The bare encoders a sentence embedding or an image embedding starts from, each with
+    the plan shipped for its class: BertModel and RobertaModel (token types, pooler),
+    DistilBertModel (neither) on a padded batch, ViTModel (pooler) on images. RoBERTa counts
+    its positions from each row's padding, which tensor mode 'sequence' refuses by name."""
+    text = _padded_text()
+    with_types = dict(text, token_type_ids=token_types())
+    encoders = [(bert_encoder, with_types), (distilbert_encoder, text)]
+    encoders += [(roberta_encoder, with_types), (vit_encoder, dict(pixel_values=images()[0]))]
+    if ctx.config.tensor_mode == "sequence":
+        with pytest.raises(
+            ValueError,
+            match=r"RobertaModel \(RoBERTa\) cannot run under tensor mode 'sequence': it numbers",
+        ):
+            parallelize(roberta_encoder(), context=ctx)
+        encoders.remove((roberta_encoder, with_types))
+    return [_encoder_matches_reference(build(), inputs, ctx) for build, inputs in encoders]
+
+
+def _encoder_matches_reference(
+    ref: nn.Module, inputs: dict[str, torch.Tensor], ctx: ParallelContext
+) -> float:
+    """A bare encoder: its hidden states (and pooler output, where it has one) come back whole
+    under every layout, and a loss on them (a mean pooling over the tokens the mask keeps, as
+    sentence embeddings take) gives every gradient as one process."""
+    mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
+    impl = "all_to_all" if mode == "sequence" and size == 4 else "ring"
+    model = parallelize(copy.deepcopy(ref), sequence_attention=impl, context=ctx)
+    mask = inputs.get("attention_mask")
 
     def loss_of(out: Any) -> torch.Tensor:
-        keep = padded.unsqueeze(-1).to(out.last_hidden_state)  # [b, s, 1]
-        pooled = (out.last_hidden_state * keep).sum(1) / keep.sum(1)  # [b, h]
-        return pooled.pow(2).mean() + out.pooler_output.pow(2).mean()
+        hidden = out.last_hidden_state  # [b, s, h]
+        keep = torch.ones_like(hidden[..., :1]) if mask is None else mask.unsqueeze(-1).to(hidden)
+        loss = ((hidden * keep).sum(1) / keep.sum(1)).pow(2).mean()
+        pooled = getattr(out, "pooler_output", None)
+        return loss if pooled is None else loss + pooled.pow(2).mean()
 
     want, got = ref(**inputs), model(**inputs)
     for name in ("last_hidden_state", "pooler_output"):
-        torch.testing.assert_close(getattr(got, name), getattr(want, name), **TOL, msg=name)
+        if getattr(want, name, None) is not None:
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), **TOL, msg=name)
     ref_loss, loss = loss_of(want), loss_of(got)
     ref_loss.backward()
     loss.backward()
@@ -465,6 +509,44 @@ def _encoder_matches_reference(ctx: ParallelContext) -> float:
         assert p.grad is not None
         torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
     return round(float(loss.detach()), 5)
+
+
+def _classifiers_match_reference(ctx: ParallelContext) -> list[float]:
+    """Sequence classifiers (transformers' convention, the Trainer's): ``model(**inputs,
+    labels=labels).loss`` is one process's and so is every gradient, for BERT's (its pooler
+    reads the first token, its criterion built inline) and GPT-2's (each row's last token
+    that is not padding). Under 'sequence' that token is on one rank only: refused by name."""
+    if ctx.config.tensor_mode == "sequence":
+        for build in (bert_classifier, gpt2_classifier):
+            with pytest.raises(
+                ValueError, match=r"under tensor mode 'sequence': its classifier reads"
+            ):
+                parallelize(build(), context=ctx)
+        return []
+    return [
+        _classifier_matches_reference(build(), ctx) for build in (bert_classifier, gpt2_classifier)
+    ]
+
+
+def _classifier_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float:
+    model = parallelize(copy.deepcopy(ref), context=ctx)
+    inputs = _padded_text()
+    inputs["input_ids"] = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, 0)
+    labels = torch.arange(BATCH) % NUM_CLASSES
+    want, got = ref(**inputs, labels=labels), model(**inputs, labels=labels)
+    assert got.to_tuple()[0] is got.loss  # first, as transformers puts it
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    torch.testing.assert_close(gather_logits(got.logits, context=ctx), want.logits.detach(), **TOL)
+    want.loss.backward()
+    got.loss.backward()
+    grads = _full_grads(model, ctx)
+    for name, p in ref.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    with torch.no_grad():  # return_dict=False: the loss first in the tuple
+        as_tuple = model(**inputs, labels=labels, return_dict=False)
+    torch.testing.assert_close(as_tuple[0], want.loss.detach(), **TOL)
+    return round(float(got.loss.detach()), 5)
 
 
 def _labels_give_the_loss(model: nn.Module, ids: torch.Tensor, ref_loss: torch.Tensor) -> None:
@@ -1213,10 +1295,11 @@ def _errors() -> list[str]:
         lm = parallelize(gpt2_lm(), context=ctx)
         assert isinstance(lm, GPT2LMHeadModel)
         ids = token_ids()
-        # a loss tessera does not compute on split logits (an image classifier's) is refused
+        # a classifier's loss tessera does not compute on split logits (multi-label) is refused
         vit = parallelize(vit_classifier(), context=ctx)
         pixels, labels = images()
-        expect(ValueError, "causal_lm_loss", lambda: vit(pixels, labels=labels))
+        multi = F.one_hot(labels, int(vit.config.num_labels)).float()
+        expect(ValueError, "single_label_classification", lambda: vit(pixels, labels=multi))
     finally:
         ctx.destroy()
     sp = _context(dict(size=2, mode="1d", sequence_parallel=True))
@@ -1731,6 +1814,19 @@ def test_a_subclass_keeps_its_base_class_plan_only_while_that_plan_covers_it() -
     for layer in model.model.layers:  # a module no role describes
         layer.self_attn.gate = nn.Linear(4, 4)
     with pytest.raises(ValueError, match=r"no plan for ExtendedLlama .* inside the attention"):
+        plan_for(model, None)
+
+
+def test_a_classifier_without_a_plan_is_told_to_parallelize_its_base_model() -> None:
+    """RoBERTa's classifier has no plan, but its base model has a bare one: the error says to
+    parallelize that alone (its outputs whole, the head and its loss then run whole)."""
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    from tessera.layers.conversion.plan import plan_for
+
+    model = RobertaForSequenceClassification(RobertaConfig(**BERT_CONFIG))
+    base = r"parallelize\(model\.roberta\) \(RobertaModel, the RoBERTa plan\): its outputs"
+    with pytest.raises(ValueError, match=rf"no plan for RobertaForSequenceClassification .*{base}"):
         plan_for(model, None)
 
 

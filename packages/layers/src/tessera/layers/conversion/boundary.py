@@ -184,7 +184,9 @@ def install_boundary(
         if plan.causal_lm and kwargs.get("labels") is not None and not own_loss:
             raise ValueError(
                 f"{type(module).__name__} parallelized under tensor mode {mode!r}: its own loss "
-                "(labels=...) assumes whole logits; call it without labels and use "
+                f"(labels=...) is of a kind tessera does not compute on split logits "
+                f"(loss_type {getattr(module, 'loss_type', None)!r}) and assumes whole logits; "
+                "call it without labels and use "
                 "tessera.layers.causal_lm_loss(output.logits, input_ids) (token_loss(logits, "
                 "labels) for a masked LM)"
             )
@@ -245,7 +247,9 @@ def install_boundary(
         model.register_forward_hook(after)
     if sequence_parallel:
         _install_sequence_span(model, plan.sequence_span, attention, context)
-    if plan.boundary == "tokens" and not plan.causal_lm and mode != "1d":
+    # A bare model (BertModel, ViTModel); under 'sequence' an image model's span gathers already
+    images = plan.boundary == "images" and mode != "sequence"
+    if (plan.boundary == "tokens" or images) and not plan.causal_lm and mode != "1d":
         _install_whole_hidden_states(model, plan, context, mode)
 
 

@@ -8,11 +8,21 @@ the model's ``loss_function`` to tessera's (:func:`~.boundary.causal_lm_loss`,
 whole, so ``model(ids, labels=ids).loss`` is the single-process loss on every tensor rank, and
 so is everything built on it (transformers' ``Trainer``, whose gradient accumulation passes
 ``num_items_in_batch``: the loss is then the sum over the batch's labels divided by it).
-Models whose loss is of another kind (a classifier's) keep refusing ``labels``.
+
+Some classes compute their loss where no attribute reaches it: ``BertForMaskedLM`` and the
+sequence classifiers build ``nn.CrossEntropyLoss()`` inline, and an image classifier's
+``loss_function`` (``ForImageClassification``) reads ``[b, C]`` logits whole. For those the
+loss moves to the model's boundary (:class:`BoundaryLoss`): ``labels`` are taken out of the
+call before the forward sees them, and the loss of the split logits is put into the output's
+``loss`` as transformers would have, first. A classifier's loss is tessera's only for one
+label per sample (``single_label_classification``); regression and multi-label targets are
+refused by name. Models whose loss is of another kind (question answering) keep refusing
+``labels``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -21,12 +31,21 @@ from torch import nn
 
 from tessera.context import ParallelContext
 
-__all__ = ["LOSS_KINDS", "MODEL_LOSS_ATTR", "install_model_loss"]
+__all__ = [
+    "BOUNDARY_LOSS_KINDS",
+    "LOSS_KINDS",
+    "MODEL_LOSS_ATTR",
+    "BoundaryLoss",
+    "install_model_loss",
+]
 
 #: The attribute of a model whose ``loss_function`` is tessera's.
 MODEL_LOSS_ATTR = "_tessera_model_loss"
 #: transformers' ``loss_type`` values tessera computes on split logits.
 LOSS_KINDS = ("ForCausalLM", "ForMaskedLM")
+#: Kinds computed at the boundary when the model's own loss cannot be replaced: the language
+#: models' (a forward building its criterion inline) and one label per sample's.
+BOUNDARY_LOSS_KINDS = (*LOSS_KINDS, "ForSequenceClassification", "ForImageClassification")
 
 
 class SplitLogitsLoss:
@@ -73,8 +92,8 @@ def _forward_calls_loss_function(model: nn.Module) -> bool:
     """Whether the class's forward computes its loss through ``self.loss_function``.
 
     Some classes still build ``nn.CrossEntropyLoss()`` inline (``BertForMaskedLM``), which no
-    attribute reaches: they keep refusing ``labels``. Read from the forward's source; a class
-    whose source cannot be read is taken not to.
+    attribute reaches: their loss moves to the boundary (:class:`BoundaryLoss`). Read from the
+    forward's source; a class whose source cannot be read is taken not to.
     """
     try:
         source = inspect.getsource(type(model).forward)
@@ -83,21 +102,134 @@ def _forward_calls_loss_function(model: nn.Module) -> bool:
     return "self.loss_function(" in source
 
 
+#: transformers' classification losses tessera computes: one integer label per sample.
+_SINGLE_LABEL = "single_label_classification"
+
+
+class BoundaryLoss:
+    """A model's loss computed at its boundary, from the logits as the mode split them.
+
+    For a class whose loss no attribute replaces (a criterion built inline, or a loss kind
+    whose ``loss_function`` reads whole logits): its forward pre-hook takes ``labels`` out of
+    the call, so the forward runs as without them, and its forward hook puts the loss of the
+    split logits into the output as transformers would: ``output.loss``, first in the output
+    (or first in the tuple of ``return_dict=False``).
+
+    ``num_items_in_batch`` (transformers' ``Trainer`` under gradient accumulation) counts only
+    where the forward would have handed it to its ``loss_function``: an inline criterion takes
+    the mean whatever it is given, and so does this loss then.
+
+    Args:
+        kind: One of :data:`BOUNDARY_LOSS_KINDS`.
+        context: The model's ParallelContext.
+        takes_item_count: Whether ``num_items_in_batch`` divides the summed loss.
+    """
+
+    def __init__(self, kind: str, context: ParallelContext, takes_item_count: bool) -> None:
+        self.kind, self.context, self.takes_item_count = kind, context, takes_item_count
+        # The call in flight: (labels, num_items_in_batch). The root model is not called again
+        # inside its own forward, so one slot suffices.
+        self.pending: tuple[torch.Tensor, Any] | None = None
+
+    def take_labels(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Forward pre-hook: keep ``labels`` for the output, run the forward without them."""
+        labels = kwargs.pop("labels", None)
+        if labels is None:
+            self.pending = None
+            return None
+        items = kwargs.get("num_items_in_batch") if self.takes_item_count else None
+        self.pending = (labels, items)
+        return args, kwargs
+
+    def put_loss(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        """Forward hook: the loss of this call's labels, first in the model's output."""
+        if self.pending is None:
+            return None
+        (labels, items), self.pending = self.pending, None
+        if isinstance(output, tuple):  # return_dict=False: (logits, ...) -> (loss, logits, ...)
+            return (self.loss(module, output[0], labels, items), *output)
+        logits = getattr(output, "logits", None)
+        if not isinstance(logits, torch.Tensor) or not dataclasses.is_dataclass(output):
+            raise ValueError(
+                f"{type(module).__name__} was called with labels, but its forward returned "
+                f"{type(output).__name__} without logits to compute the loss from"
+            )
+        loss = self.loss(module, logits, labels, items)
+        # a new output, so that the loss comes first in its keys and tuple, as transformers'
+        return dataclasses.replace(output, loss=loss)  # type: ignore[type-var]
+
+    def loss(
+        self, module: nn.Module, logits: torch.Tensor, labels: torch.Tensor, items: Any
+    ) -> torch.Tensor:
+        """The single-process loss of ``labels`` (the whole batch's) from split ``logits``."""
+        config = getattr(module, "config", None)
+        if self.kind in LOSS_KINDS:
+            vocab = getattr(config, "vocab_size", None)
+            return SplitLogitsLoss(self.kind, self.context)(
+                logits, labels, vocab_size=vocab, num_items_in_batch=items
+            )
+        # transformers' ForSequenceClassificationLoss: the problem type from the config, else
+        # from the labels, recorded on the config as transformers records it
+        num_labels = getattr(config, "num_labels", None)
+        problem = getattr(config, "problem_type", None)
+        if problem is None:
+            if num_labels == 1:
+                problem = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                problem = _SINGLE_LABEL
+            else:
+                problem = "multi_label_classification"
+            if config is not None:
+                config.problem_type = problem
+        if problem != _SINGLE_LABEL:
+            base = getattr(module, "base_model_prefix", "") or "<encoder>"
+            raise ValueError(
+                f"{type(module).__name__} parallelized: tessera computes a classifier's loss "
+                f"from split logits for one class per sample only ({_SINGLE_LABEL!r}: integer "
+                f"labels, num_labels > 1), and this is {problem!r}; call it without labels, or "
+                f"parallelize only its base model (parallelize(model.{base}) on a fresh model), "
+                "whose outputs come back whole, so its head and its own loss run whole"
+            )
+        # [b] targets for [b, C] logits (one label per sample), the whole batch's
+        return SplitLogitsLoss("ForMaskedLM", self.context)(
+            logits, labels.reshape(-1), num_items_in_batch=items
+        )
+
+
 def install_model_loss(model: nn.Module, context: ParallelContext) -> bool:
-    """Set ``model.loss_function`` to tessera's where transformers lets it be set.
+    """Make ``model(..., labels=...)`` return the single-process loss, where tessera can.
+
+    ``model.loss_function`` becomes tessera's where transformers lets it be set and the
+    forward calls it for a language model's loss; otherwise a loss of
+    :data:`BOUNDARY_LOSS_KINDS` is computed at the boundary (:class:`BoundaryLoss`).
 
     Returns:
-        Whether it was set: a model of another loss kind, or a transformers release without a
-        settable ``loss_function``, keeps refusing ``labels`` at the boundary.
+        Whether ``labels`` are handled: a model of another loss kind keeps refusing them at
+        the boundary.
     """
     # transformers falls back to the causal LM loss where a class name says no kind
     # (GPT2LMHeadModel)
     kind = getattr(model, "loss_type", None) or "ForCausalLM"
     prop = getattr(type(model), "loss_function", None)
-    if kind not in LOSS_KINDS or not isinstance(prop, property) or prop.fset is None:
+    calls_it = _forward_calls_loss_function(model)
+    settable = isinstance(prop, property) and prop.fset is not None
+    if kind in LOSS_KINDS and settable and calls_it:
+        setattr(model, "loss_function", SplitLogitsLoss(kind, context))  # noqa: B010
+    elif kind in BOUNDARY_LOSS_KINDS:  # an inline criterion, or a classifier's loss
+        hooks = BoundaryLoss(kind, context, takes_item_count=calls_it)
+
+        # plain functions: a deep copy of the model shares them (and the context) as it is
+        def take_labels(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return hooks.take_labels(module, args, kwargs)
+
+        def put_loss(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            return hooks.put_loss(module, args, output)
+
+        model.register_forward_pre_hook(take_labels, with_kwargs=True)
+        model.register_forward_hook(put_loss)
+    else:
         return False
-    if not _forward_calls_loss_function(model):  # BERT's masked LM builds its own criterion
-        return False
-    setattr(model, "loss_function", SplitLogitsLoss(kind, context))  # noqa: B010
     setattr(model, MODEL_LOSS_ATTR, True)
     return True

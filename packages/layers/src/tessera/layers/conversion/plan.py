@@ -148,13 +148,19 @@ class Plan:
             everything in between (norms, residual adds) sees ``[b, s/p, h]``. An index ``-1``
             names the last entry of a ``ModuleList`` (``"encoder.layer.-1"``), so one plan
             fits every depth. ``None``: the plan cannot take sequence parallelism.
-        causal_lm: The model would compute a language-model loss inside its forward when
-            given ``labels``; that loss assumes whole logits, so ``labels`` become an error
-            that points to :func:`~tessera.layers.causal_lm_loss` /
-            :func:`~tessera.layers.token_loss`.
+        causal_lm: The model ends in a ``head`` whose logits stay split (a language model's,
+            a classifier's), and would compute its loss from them inside its forward when given
+            ``labels``; that loss assumes whole logits, so ``parallelize`` replaces it with
+            tessera's (:mod:`~tessera.layers.conversion.model_loss`), and ``labels`` of a loss
+            it cannot replace become an error that points to
+            :func:`~tessera.layers.causal_lm_loss` / :func:`~tessera.layers.token_loss`.
         name: How errors name the plan.
         optional: Patterns that may match no module (a part some configs leave out: BERT's
             pooler under ``add_pooling_layer=False``); every other pattern must match.
+        whole_sequence: Why the model must see each sequence whole (a classifier's head reads
+            one token of it, positions counted from a row's padding), or empty: tensor mode
+            ``'sequence'``, which hands every rank a chunk of the tokens, refuses the plan
+            with this reason.
     """
 
     rules: Mapping[str, str]
@@ -163,6 +169,7 @@ class Plan:
     causal_lm: bool = False
     name: str = field(default="user plan")
     optional: tuple[str, ...] = ()
+    whole_sequence: str = ""
 
     def __post_init__(self) -> None:
         for pattern, role in self.rules.items():
@@ -419,7 +426,18 @@ def _qwen2_moe_blocks(prefix: str, causal_lm: bool, *, dense: bool) -> Plan:
     return replace(plan, rules={**plan.rules, **shared})
 
 
-def _bert(prefix: str, masked_lm: bool) -> Plan:
+BertHead = Literal["masked_lm", "pooler", "classifier"]
+
+
+def _bert(prefix: str, head: BertHead, name: str = "BERT") -> Plan:
+    """BERT's encoder, and what it ends in: a masked-LM head, its pooler, or a classifier.
+
+    ``"pooler"``: the bare encoder (sentence embeddings), whose pooler over the first token
+    some configs leave out (``add_pooling_layer=False``). ``"classifier"``: the pooler, and a
+    ``head`` onto the classes reading it (``BertForSequenceClassification``), whose logits
+    stay split like a language model's; it reads the first token, so tensor mode
+    ``'sequence'`` is refused. RoBERTa's modules carry BERT's names.
+    """
     layer = f"{prefix}encoder.layer.*"
     rules = {
         f"{prefix}embeddings.word_embeddings": "embedding",
@@ -436,29 +454,92 @@ def _bert(prefix: str, masked_lm: bool) -> Plan:
         f"{layer}.output.dense": "row",
         f"{layer}.output.LayerNorm": "norm",
     }
-    if masked_lm:
+    if head == "masked_lm":
         rules |= {
             "cls.predictions.transform.dense": "dense",
             "cls.predictions.transform.LayerNorm": "norm",
             "cls.predictions.decoder": "head",
         }
-    else:  # the bare encoder (sentence embeddings): its pooler over the first token
+    else:  # the pooler over the first token
         rules |= {f"{prefix}pooler.dense": "dense"}
+    if head == "classifier":
+        rules |= {"classifier": "head"}
+    suffix = {"masked_lm": " masked LM", "pooler": "", "classifier": " sequence classifier"}
     return Plan(
         rules,
         boundary="tokens",
         # the blocks themselves, not their container: pipeline stages call the blocks only
         sequence_span=(f"{prefix}encoder.layer.0", f"{prefix}encoder.layer.-1"),
-        causal_lm=masked_lm,
-        name="BERT" + (" masked LM" if masked_lm else ""),
-        optional=() if masked_lm else (f"{prefix}pooler.dense",),
+        causal_lm=head != "pooler",
+        name=name + suffix[head],
+        optional=(f"{prefix}pooler.dense",) if head == "pooler" else (),
+        whole_sequence="its classifier reads the first token" if head == "classifier" else "",
     )
 
 
-def _vit() -> Plan:
-    layer = "vit.layers.*"
+def _roberta() -> Plan:
+    """The bare RoBERTa encoder: BERT's modules and names, positions counted from the padding.
+
+    RoBERTa numbers each row's tokens from its padding (``padding_idx + 1`` onward, padding
+    itself at ``padding_idx``); a rank holding a chunk of the sequence cannot count them, so
+    tensor mode ``'sequence'`` is refused.
+    """
+    bert = _bert("", "pooler", name="RoBERTa")
+    reason = "it numbers each row's positions from its padding (padding_idx + 1 onward)"
+    return replace(bert, whole_sequence=reason)
+
+
+def _distilbert() -> Plan:
+    """The bare DistilBERT encoder: BERT's block under other names, no token types, no pooler."""
+    layer = "transformer.layer.*"
     rules = {
-        "vit.embeddings": "patch_embedding",
+        "embeddings.word_embeddings": "embedding",
+        "embeddings.position_embeddings": "position_embedding",
+        "embeddings.LayerNorm": "norm",
+        f"{layer}.attention": "attention",
+        f"{layer}.attention.q_lin": "col",
+        f"{layer}.attention.k_lin": "col",
+        f"{layer}.attention.v_lin": "col",
+        f"{layer}.attention.out_lin": "row",
+        f"{layer}.sa_layer_norm": "norm",
+        f"{layer}.ffn.lin1": "col",
+        f"{layer}.ffn.lin2": "row",
+        f"{layer}.output_layer_norm": "norm",
+    }
+    return Plan(
+        rules,
+        boundary="tokens",
+        sequence_span=("transformer.layer.0", "transformer.layer.-1"),
+        name="DistilBERT",
+    )
+
+
+def _gpt2_classifier() -> Plan:
+    """``GPT2ForSequenceClassification``: GPT-2 and a ``head`` onto the classes (``score``).
+
+    The head runs on every token and the model keeps each row's last token that is not
+    padding, found from the ``input_ids`` it is given: the rows the mode kept, whose logits
+    those are. Under ``'sequence'`` that token may sit on another rank: refused.
+    """
+    gpt2 = _gpt2("transformer.", causal_lm=False)
+    return replace(
+        gpt2,
+        rules={**gpt2.rules, "score": "head"},
+        causal_lm=True,
+        name="GPT-2 sequence classifier",
+        whole_sequence="its classifier reads each row's last token that is not padding",
+    )
+
+
+def _vit(prefix: str, classifier: bool) -> Plan:
+    """A ViT encoder (``ViTModel``, its pooler optional) or image classifier.
+
+    The classifier's logits ``[b, C]`` stay split like a language model's, its own loss
+    replaced by tessera's; the bare encoder returns its hidden states whole.
+    """
+    layer = f"{prefix}layers.*"
+    rules = {
+        f"{prefix}embeddings": "patch_embedding",
         f"{layer}.layernorm_before": "norm",
         f"{layer}.attention": "attention",
         f"{layer}.attention.q_proj": "col",
@@ -468,15 +549,16 @@ def _vit() -> Plan:
         f"{layer}.layernorm_after": "norm",
         f"{layer}.mlp.fc1": "col",
         f"{layer}.mlp.fc2": "row",
-        "vit.layernorm": "norm",
-        "classifier": "head",
+        f"{prefix}layernorm": "norm",
+        **({"classifier": "head"} if classifier else {f"{prefix}pooler.dense": "dense"}),
     }
     return Plan(
         rules,
         boundary="images",
-        sequence_span=("vit.layers.0", "vit.layernorm"),
-        causal_lm=True,  # its own loss (labels=...) would read whole logits
-        name="ViT image classifier",
+        sequence_span=(f"{prefix}layers.0", f"{prefix}layernorm"),
+        causal_lm=classifier,  # its own loss (labels=...) is replaced by tessera's
+        name="ViT image classifier" if classifier else "ViT encoder",
+        optional=() if classifier else (f"{prefix}pooler.dense",),
     )
 
 
@@ -492,9 +574,14 @@ BUILTIN_PLANS: dict[str, Plan] = {
     "Phi3Model": _phi3("", causal_lm=False),
     "Qwen3ForCausalLM": _qwen3("model.", causal_lm=True),
     "Qwen3Model": _qwen3("", causal_lm=False),
-    "BertForMaskedLM": _bert("bert.", masked_lm=True),
-    "BertModel": _bert("", masked_lm=False),
-    "ViTForImageClassification": _vit(),
+    "BertForMaskedLM": _bert("bert.", "masked_lm"),
+    "BertModel": _bert("", "pooler"),
+    "BertForSequenceClassification": _bert("bert.", "classifier"),
+    "RobertaModel": _roberta(),
+    "DistilBertModel": _distilbert(),
+    "GPT2ForSequenceClassification": _gpt2_classifier(),
+    "ViTForImageClassification": _vit("vit.", classifier=True),
+    "ViTModel": _vit("", classifier=False),
 }
 
 
@@ -538,7 +625,33 @@ def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
         f"{', '.join(sorted(BUILTIN_PLANS))}; and its modules are not laid out like one of "
         f"their families: {', '.join(FAMILIES)}; nor as the usual transformer block stack: "
         f"{read.reason}); pass plan={{'module.name.pattern': 'col', ...}} with roles "
-        f"{', '.join(ROLES)}"
+        f"{', '.join(ROLES)}{_base_model_hint(model)}"
+    )
+
+
+def _base_model_hint(model: nn.Module) -> str:
+    """How to run a model whose base model has a bare plan (a classifier nobody planned).
+
+    transformers' task models hold their base model under ``base_model_prefix``
+    (``RobertaForSequenceClassification.roberta``). A bare base model returns its outputs
+    whole, so parallelizing it alone leaves the head and the model's own loss to run whole on
+    every rank, as one process computes them. Empty where there is no such base model.
+    """
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
+    if not isinstance(inner, nn.Module) or inner is model:
+        return ""
+    try:
+        found = plan_for(inner, None)
+    except ValueError:
+        return ""
+    if found.causal_lm or found.boundary == "features":
+        return ""
+    return (
+        f". Or parallelize only its base model, parallelize(model.{prefix}) "
+        f"({type(inner).__name__}, the {found.name} plan): its outputs come back whole, and "
+        f"the rest of {type(model).__name__} (its head, its own loss with labels) runs whole "
+        "on every rank"
     )
 
 
@@ -678,8 +791,16 @@ def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
     """``{module name: role}`` for every module a rule matches.
 
     Raises:
-        ValueError: a pattern matches no module, or a module matches two patterns.
+        ValueError: a pattern matches no module, a module matches two patterns, or the mode
+            is ``'sequence'`` and the plan needs whole sequences (``Plan.whole_sequence``).
     """
+    if mode == "sequence" and plan.whole_sequence:
+        raise ValueError(
+            f"parallelize: {type(model).__name__} ({plan.name}) cannot run under tensor mode "
+            f"'sequence': {plan.whole_sequence}, which each rank's chunk of the tokens does "
+            "not hold; use tensor mode '1d' (with sequence_parallel if activations must be "
+            "split along the sequence), '2d', '2.5d' or '3d'"
+        )
     names = [name for name, _ in model.named_modules() if name]
     roles: dict[str, str] = {}
     by: dict[str, str] = {}
