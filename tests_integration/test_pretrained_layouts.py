@@ -69,9 +69,21 @@ def _ids() -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The reference GPT-2 as transformers writes it (one file, no ``lm_head.weight``)."""
+    """The reference GPT-2 as transformers writes it, and a tokenizer beside it.
+
+    One file, no ``lm_head.weight``; a word-level tokenizer trained here, as a downloaded
+    folder holds one.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     folder = tmp_path_factory.mktemp("gpt2") / "checkpoint"
     _reference().save_pretrained(folder)
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]"])
+    tokenizer.train_from_iterator(["hello world", "tiny words here"], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
     return str(folder)
 
 
@@ -205,7 +217,7 @@ def test_export_an_engine_checkpoint_offline(dist: Any, checkpoint: str, tmp_pat
     Written by 2 replicas x 1D; from_pretrained's logits equal the trained weights' and the
     parallel model's.
     """
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     from tessera.engine import export_pretrained
     from tessera.engine.export import main
@@ -244,6 +256,12 @@ def test_export_an_engine_checkpoint_offline(dist: Any, checkpoint: str, tmp_pat
             logits = reloaded.float()(_ids()).logits
         torch.testing.assert_close(logits, expected, **exact)
     assert GPT2LMHeadModel.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+    # the starting folder's tokenizer beside the weights (by default, from --config's folder)
+    text = "hello tiny world unknown"
+    ids = AutoTokenizer.from_pretrained(checkpoint)(text)["input_ids"]
+    assert len(set(ids)) == 4
+    assert AutoTokenizer.from_pretrained(tmp_path / "cli")(text)["input_ids"] == ids
+    assert not (tmp_path / "bf16" / "tokenizer.json").exists()  # a class names no folder
 
     deeper = GPT2Config.from_pretrained(checkpoint, n_layer=3)  # not the trained model
     with pytest.raises(KeyError, match=r"missing keys \['transformer\.h\.2\.ln_1\.weight'"):

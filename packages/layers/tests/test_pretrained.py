@@ -289,6 +289,39 @@ def test_whole_modules_built_on_meta_start_alike_on_every_rank(dist) -> None:
     dist.run(_whole_modules_alike, world_size=2, timeout=60.0)
 
 
+def _tokenizer(folder: Path) -> Path:
+    """A word-level tokenizer trained here, saved in ``folder`` as transformers saves one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]"])
+    tokenizer.train_from_iterator(["hello world", "tiny words here"], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
+    return folder
+
+
+def test_save_copies_the_tokenizer_files_beside_the_weights(tmp_path: Path) -> None:
+    """``tokenizer_from``: the folder's tokenizer files written with the weights, so that
+    ``AutoTokenizer.from_pretrained`` reads the saved folder; a folder without any is refused
+    before anything is written."""
+    from transformers import AutoTokenizer
+
+    start = _tokenizer(tmp_path / "start")
+    save_pretrained(gpt2_lm(), tmp_path / "out", tokenizer_from=start)
+    text = "hello tiny world unknown"
+    ids = AutoTokenizer.from_pretrained(start)(text)["input_ids"]
+    assert (
+        len(set(ids)) == 4
+        and AutoTokenizer.from_pretrained(tmp_path / "out")(text)["input_ids"] == ids
+    )
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer file"):
+        save_pretrained(gpt2_lm(), tmp_path / "bad", tokenizer_from=tmp_path / "empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "out", "start"]
+
+
 #: (tessera's full shape, the number of blocks each split dim is cut into, the stored form)
 FORMS = [
     ((8, 6), {0: 2, 1: 3}, None),  # a 2D tile

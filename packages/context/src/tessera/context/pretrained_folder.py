@@ -3,10 +3,11 @@
 What tessera-layers' ``save_pretrained`` (a parallel model's tensors gathered one at a time)
 and tessera-engine's ``export_pretrained`` (an engine checkpoint's tensors read one at a time,
 offline) both write: the weights in safetensors files, one ``model.safetensors`` or, past a
-size, ``model-0000i-of-0000n.safetensors`` with a ``model.safetensors.index.json``, and the
-model's ``config.json``. A file's header (every key's dtype, shape and byte range) is known
-before any tensor is, so it is written first and the tensors streamed after it: the writer
-holds one tensor at a time, where ``safetensors.torch.save_file`` needs the whole file's.
+size, ``model-0000i-of-0000n.safetensors`` with a ``model.safetensors.index.json``, the
+model's ``config.json`` and, when asked, the tokenizer files of another folder. A file's
+header (every key's dtype, shape and byte range) is known before any tensor is, so it is
+written first and the tensors streamed after it: the writer holds one tensor at a time, where
+``safetensors.torch.save_file`` needs the whole file's.
 The folder is written beside its name and renamed into place at the end.
 
 It lives here, with ``ShardInfo`` and ``FullForm``, because the engine writes it too, without
@@ -34,7 +35,9 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "SINGLE_FILE",
     "PretrainedSource",
+    "TOKENIZER_FILES",
     "SafetensorsStream",
+    "copy_tokenizer_files",
     "fresh_folder",
     "move_into_place",
     "plan_pretrained_files",
@@ -46,6 +49,22 @@ __all__ = [
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+#: The files a transformers tokenizer is saved as (``AutoTokenizer.from_pretrained`` reads
+#: whichever the folder holds): fast (``tokenizer.json``), BPE, WordPiece, SentencePiece.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 #: safetensors' names of the dtypes (its header's ``dtype`` field).
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -299,6 +318,31 @@ def write_config(source: PretrainedSource, folder: Path, header: Header) -> None
         generation.save_pretrained(folder)
 
 
+def copy_tokenizer_files(
+    source: str | os.PathLike[str], folder: Path, *, required: bool = True, caller: str = ""
+) -> list[str]:
+    """Copy the tokenizer files of ``source`` (:data:`TOKENIZER_FILES`) into ``folder``.
+
+    Called on the temporary folder a checkpoint is written to, so they appear with the weights,
+    atomically. Returns the names copied.
+
+    Raises:
+        FileNotFoundError: ``source`` is not a folder, or (``required``) holds none of them.
+    """
+    where = Path(source)
+    if not where.is_dir():
+        raise FileNotFoundError(f"{caller}: tokenizer_from={where} is not a folder")
+    found = [name for name in TOKENIZER_FILES if (where / name).is_file()]
+    if required and not found:
+        raise FileNotFoundError(
+            f"{caller}: tokenizer_from={where} holds no tokenizer file (none of "
+            f"{', '.join(TOKENIZER_FILES)})"
+        )
+    for name in found:
+        shutil.copyfile(where / name, folder / name)
+    return found
+
+
 def fresh_folder(path: Path) -> None:
     """An empty folder at ``path`` (whatever was there removed)."""
     shutil.rmtree(path, ignore_errors=True)
@@ -324,6 +368,8 @@ def write_pretrained_folder(
     source: PretrainedSource,
     *,
     max_shard_size: int | str = "5GB",
+    tokenizer_from: str | os.PathLike[str] | None = None,
+    tokenizer_required: bool = True,
     caller: str = "write_pretrained_folder",
 ) -> Path:
     """Write a checkpoint folder in this process, reading one tensor at a time.
@@ -334,6 +380,9 @@ def write_pretrained_folder(
         read: The full tensor of a key (converted to its dtype as it is written).
         source: The model's class, config and generation config (``config.json``).
         max_shard_size: The largest file, in bytes or as ``"5GB"``, ``"500MiB"``.
+        tokenizer_from: A folder whose tokenizer files are copied beside the weights
+            (:func:`copy_tokenizer_files`).
+        tokenizer_required: Whether ``tokenizer_from`` must hold a tokenizer file.
         caller: Names the caller in errors.
 
     Returns:
@@ -341,6 +390,7 @@ def write_pretrained_folder(
 
     Raises:
         ValueError: ``max_shard_size`` cannot be read.
+        FileNotFoundError: ``tokenizer_from`` is no folder, or holds no tokenizer file.
         OSError: the folder cannot be written (its temporary folder is removed).
     """
     folder = Path(folder)
@@ -363,6 +413,8 @@ def write_pretrained_folder(
             out.check_complete()
         write_index(temp, files, header)
         write_config(source, temp, header)
+        if tokenizer_from is not None:
+            copy_tokenizer_files(tokenizer_from, temp, required=tokenizer_required, caller=caller)
         move_into_place(temp, folder)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.context import FullForm, PretrainedSource, write_pretrained_folder
+from tessera.context import TOKENIZER_FILES, FullForm, PretrainedSource, write_pretrained_folder
 
 from .api import MODEL_PREFIX, STATE_JSON
 from .blocks import Block
@@ -189,6 +189,7 @@ def export_pretrained(
     config: Any = None,
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
+    tokenizer_from: str | os.PathLike[str] | bool | None = None,
 ) -> Path:
     """Write a checkpoint's model as a transformers checkpoint folder, one tensor at a time.
 
@@ -201,7 +202,9 @@ def export_pretrained(
     ``model.safetensors.index.json``; transformers' ``from_pretrained`` loads it. Tied
     parameters are written once, under the name transformers keeps (GPT-2's head is left out).
     The folder is written beside ``out`` and renamed into place once complete. Tokenizer files
-    are not part of a checkpoint: copy them from the folder the run started from.
+    are not part of a checkpoint: those of the folder the run started from are copied beside
+    the weights (``tokenizer_from``; by default the folder ``model`` names, when it is one), so
+    ``AutoTokenizer.from_pretrained(out)`` works.
 
     Args:
         path: A checkpoint directory (written by ``save_checkpoint``).
@@ -216,6 +219,11 @@ def export_pretrained(
         max_shard_size: The largest file, in bytes or as ``"5GB"``, ``"500MiB"``.
         dtype: Write the floating tensors in this dtype (default: as saved, fp32 master
             weights under mixed precision).
+        tokenizer_from: A folder whose tokenizer files (``tokenizer.json``, ``vocab.json``,
+            ``merges.txt``, ``spiece.model``, ...: ``tessera.context.TOKENIZER_FILES``) are
+            copied into ``out``, atomically with the weights; it must hold one. Default: the
+            folder ``model`` names, if it is one (whatever tokenizer files it holds, maybe
+            none); ``False``: none.
 
     Returns:
         The folder.
@@ -226,6 +234,7 @@ def export_pretrained(
         KeyError: the model's keys and the checkpoint's differ (naming both sides).
         ValueError: a tensor has another shape than the model's (naming it and both
             shapes), or the class cannot be told from ``model``.
+        FileNotFoundError: ``tokenizer_from`` is no folder or holds no tokenizer file.
     """
     directory = Path(path).absolute()
     template = _model_on_meta(model, config)
@@ -266,14 +275,29 @@ def export_pretrained(
             f"export_pretrained: {len(wrong)} tensors of {directory} have other shapes than "
             f"{source.class_name}'s: {'; '.join(wrong[:8])}{' ...' if len(wrong) > 8 else ''}"
         )
+    tokenizer: str | os.PathLike[str] | None = None
+    if tokenizer_from is None and isinstance(model, str | os.PathLike) and Path(model).is_dir():
+        tokenizer = model  # the folder the run started from: its tokenizer, if it has one
+    elif tokenizer_from is not None and not isinstance(tokenizer_from, bool):
+        tokenizer = tokenizer_from
+    elif tokenizer_from is True:
+        raise ValueError("export_pretrained: tokenizer_from=True: name the folder")
     return write_pretrained_folder(
         out,
         tensors,
         lambda key: _read_tensor(directory, reads[key]),
         source,
         max_shard_size=max_shard_size,
+        tokenizer_from=tokenizer,
+        tokenizer_required=tokenizer is not model,
         caller="export_pretrained",
     )
+
+
+def _tokenizer_of(config: str) -> str | bool:
+    """The ``--config`` folder, if it holds a tokenizer file (else ``False``: none copied)."""
+    where = Path(config)
+    return config if any((where / name).is_file() for name in TOKENIZER_FILES) else False
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -304,6 +328,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), help="write floating tensors so")
+    tokenizer = parser.add_mutually_exclusive_group()
+    tokenizer.add_argument(
+        "--tokenizer",
+        metavar="FOLDER",
+        help="copy this folder's tokenizer files beside the weights (default: those of the "
+        "--config folder, if any)",
+    )
+    tokenizer.add_argument("--no-tokenizer", action="store_true", help="copy no tokenizer files")
     args = parser.parse_args(argv)
     if args.config is not None:
         model: Any = args.config
@@ -322,12 +354,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             config=config,
             max_shard_size=args.max_shard_size,
             dtype=None if args.dtype is None else _DTYPES[args.dtype],
+            tokenizer_from=False
+            if args.no_tokenizer
+            else args.tokenizer or _tokenizer_of(args.config),
         )
         files = sorted(p.name for p in folder.iterdir())
         print(f"wrote {folder}: {', '.join(files)}", file=sys.stderr)
         return 0
-    if args.model_class is not None or args.dtype is not None:
-        parser.error("--model-class and --dtype need --config (a transformers folder)")
+    if args.model_class is not None or args.dtype is not None or args.tokenizer is not None:
+        parser.error("--model-class, --dtype and --tokenizer need --config (a transformers folder)")
     state = export_torch_state_dict(args.checkpoint, args.out)
     numel = sum(t.numel() for t in state.values())
     print(f"wrote {len(state)} tensors ({numel} values) to {args.out}", file=sys.stderr)

@@ -57,6 +57,7 @@ from tessera.context import (
     PretrainedSource,
     SafetensorsStream,
     ShardInfo,
+    copy_tokenizer_files,
     fresh_folder,
     get_shard_info,
     move_into_place,
@@ -473,6 +474,7 @@ def save_pretrained(
     *,
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
+    tokenizer_from: str | os.PathLike[str] | None = None,
     context: ParallelContext | None = None,
 ) -> Path:
     """Write ``model`` as a transformers checkpoint folder, gathering one tensor at a time.
@@ -503,6 +505,11 @@ def save_pretrained(
         max_shard_size: The largest file, in bytes or as ``"5GB"``, ``"500MiB"``; a tensor
             larger than it gets a file of its own.
         dtype: Write floating tensors in this dtype (default: the model's).
+        tokenizer_from: A folder (the checkpoint the run started from) whose tokenizer files
+            (``tokenizer.json``, ``tokenizer_config.json``, ``vocab.json``, ``merges.txt``,
+            ``spiece.model``, ...: ``tessera.context.TOKENIZER_FILES``, whichever it holds)
+            rank 0 copies beside the weights, inside the temporary folder, so that
+            ``AutoTokenizer.from_pretrained(folder)`` works once the folder is in place.
         context: The context holding the model's groups (default: its layers').
 
     Returns:
@@ -510,6 +517,8 @@ def save_pretrained(
 
     Raises:
         ValueError: ``max_shard_size`` cannot be read.
+        FileNotFoundError: on rank 0, ``tokenizer_from`` is no folder or holds no tokenizer
+            file (before any tensor is gathered; a ``RuntimeError`` naming it elsewhere).
         OSError: (or whatever writing raised) on the writing rank, when it could not write
             the folder (a full disk, no permission); it still takes part in every gather,
             and the temporary folder is removed.
@@ -534,6 +543,8 @@ def save_pretrained(
     attempt = _FirstFailure(enabled=writer)
     if root:
         attempt(fresh_folder, temp)
+        if tokenizer_from is not None:
+            attempt(_copy_tokenizer, tokenizer_from, temp)
     mine = [(n, SAFETENSORS_DTYPES[out_dtype[n]], full_shape(own[n])) for n in names]
     plans = _all_gather(
         dict(temp=str(temp), failure=_text(attempt.failure), stage=stage, writes=mine)
@@ -542,6 +553,8 @@ def save_pretrained(
         group,
     )
     temp = Path(plans[0]["temp"])
+    if root and any(p.get("failure") for p in plans):  # nothing gathered: nothing to wait for
+        shutil.rmtree(temp, ignore_errors=True)
     _raise_failed(attempt.failure, [p.get("failure") for p in plans], folder)
 
     stages = [(int(p["stage"]), p["writes"]) for p in plans if "writes" in p]
@@ -572,6 +585,10 @@ def save_pretrained(
     outcome = _all_gather(dict(failure=_text(attempt.failure)), group)
     _raise_failed(attempt.failure, [p.get("failure") for p in outcome], folder)
     return folder
+
+
+def _copy_tokenizer(source: str | os.PathLike[str], temp: Path) -> None:
+    copy_tokenizer_files(source, temp, caller="save_pretrained")
 
 
 def _is_writer(ctx: ParallelContext | None) -> bool:
