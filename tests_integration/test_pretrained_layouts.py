@@ -217,7 +217,8 @@ def test_export_an_engine_checkpoint_offline(dist: Any, checkpoint: str, tmp_pat
     Written by 2 replicas x 1D; from_pretrained's logits equal the trained weights' and the
     parallel model's.
     """
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    from safetensors import safe_open
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, GPT2Model
 
     from tessera.engine import export_pretrained
     from tessera.engine.export import main
@@ -262,6 +263,16 @@ def test_export_an_engine_checkpoint_offline(dist: Any, checkpoint: str, tmp_pat
     assert len(set(ids)) == 4
     assert AutoTokenizer.from_pretrained(tmp_path / "cli")(text)["input_ids"] == ids
     assert not (tmp_path / "bf16" / "tokenizer.json").exists()  # a class names no folder
+
+    # the base model of the LM run: 'transformer.' stripped, the head left out
+    base = tmp_path / "base"
+    assert main([str(saved), str(base), "--config", checkpoint, "--write-as", "GPT2Model"]) == 0
+    assert json.loads((base / "config.json").read_text())["architectures"] == ["GPT2Model"]
+    with safe_open(str(base / "model.safetensors"), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(ref.transformer.state_dict())
+    with torch.no_grad():
+        hidden = GPT2Model.from_pretrained(base).eval()(_ids()).last_hidden_state
+        torch.testing.assert_close(hidden, ref.transformer(_ids()).last_hidden_state, **EXACT)
 
     deeper = GPT2Config.from_pretrained(checkpoint, n_layer=3)  # not the trained model
     with pytest.raises(KeyError, match=r"missing keys \['transformer\.h\.2\.ln_1\.weight'"):

@@ -173,6 +173,43 @@ def _model_on_meta(model: Any, config: Any) -> nn.Module:
     return built
 
 
+def _written_model(trained: nn.Module, write_as: Any) -> nn.Module:
+    """The model of class ``write_as`` on meta, with ``trained``'s config.
+
+    ``write_as``: a class, its transformers name, or ``"base"`` (``trained``'s base model's).
+    """
+    if write_as == "base":
+        cls: Any = type(getattr(trained, "base_model", trained))
+    elif isinstance(write_as, str):
+        import transformers
+
+        cls = getattr(transformers, write_as, None)
+        if cls is None:
+            raise ValueError(f"export_pretrained: write_as={write_as!r}: transformers has none")
+    else:
+        cls = write_as
+    config = getattr(trained, "config", None)
+    with torch.device("meta"):
+        built = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+    if not isinstance(built, nn.Module):
+        raise TypeError(f"export_pretrained: {cls.__name__} built a {type(built).__name__}")
+    return built
+
+
+def _under_base(saved: dict[str, _Saved], prefix: str, written: nn.Module) -> dict[str, _Saved]:
+    """The tensors of the trained model's base model, named as the base model names them.
+
+    Where ``written`` is the base model (its keys lack ``prefix``, the checkpoint's have it),
+    the keys under ``prefix.`` lose it and the others (the head) are left out; otherwise the
+    keys stay as they are (another head on the same base: what does not match is named).
+    """
+    own = set(written.state_dict())
+    head = f"{prefix}." if prefix else ""
+    if not head or any(k in own for k in saved) or any(k.startswith(head) for k in own):
+        return saved
+    return {k.removeprefix(head): v for k, v in saved.items() if k.startswith(head)}
+
+
 def _matches(key: str, patterns: Sequence[str]) -> bool:
     return any(re.search(p, key) for p in patterns)
 
@@ -190,6 +227,7 @@ def export_pretrained(
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
     tokenizer_from: str | os.PathLike[str] | bool | None = None,
+    write_as: Any = None,
 ) -> Path:
     """Write a checkpoint's model as a transformers checkpoint folder, one tensor at a time.
 
@@ -224,6 +262,11 @@ def export_pretrained(
             copied into ``out``, atomically with the weights; it must hold one. Default: the
             folder ``model`` names, if it is one (whatever tokenizer files it holds, maybe
             none); ``False``: none.
+        write_as: Write another class than the checkpoint's model: a transformers class, its
+            name, or ``"base"`` (the model's base class). Its names, shapes and ties are
+            checked as the model's are; a base model (``GPT2Model`` from a ``GPT2LMHeadModel``
+            run) is written from the tensors under the model's ``base_model_prefix``
+            (``transformer.``, stripped), the head left out.
 
     Returns:
         The folder.
@@ -237,10 +280,13 @@ def export_pretrained(
         FileNotFoundError: ``tokenizer_from`` is no folder or holds no tokenizer file.
     """
     directory = Path(path).absolute()
-    template = _model_on_meta(model, config)
+    trained = _model_on_meta(model, config)
+    template = trained if write_as is None else _written_model(trained, write_as)
     source = PretrainedSource.of(template)
     verify_checkpoint(directory, Comm.local())
     saved = _saved_model_tensors(directory)
+    if template is not trained:
+        saved = _under_base(saved, PretrainedSource.of(trained).base_model_prefix, template)
 
     own = template.state_dict(keep_vars=True)
     groups: dict[int, list[str]] = {}  # tied parameters: one tensor, several names
@@ -328,6 +374,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), help="write floating tensors so")
+    parser.add_argument(
+        "--write-as",
+        metavar="NAME",
+        help="write this transformers class instead (e.g. GPT2Model from a GPT2LMHeadModel "
+        "run: the base model's tensors, the prefix 'transformer.' stripped, the head left "
+        "out), or 'base' for the model's base class",
+    )
     tokenizer = parser.add_mutually_exclusive_group()
     tokenizer.add_argument(
         "--tokenizer",
@@ -354,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             config=config,
             max_shard_size=args.max_shard_size,
             dtype=None if args.dtype is None else _DTYPES[args.dtype],
+            write_as=args.write_as,
             tokenizer_from=False
             if args.no_tokenizer
             else args.tokenizer or _tokenizer_of(args.config),
@@ -361,8 +415,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         files = sorted(p.name for p in folder.iterdir())
         print(f"wrote {folder}: {', '.join(files)}", file=sys.stderr)
         return 0
-    if args.model_class is not None or args.dtype is not None or args.tokenizer is not None:
-        parser.error("--model-class, --dtype and --tokenizer need --config (a transformers folder)")
+    if any(a is not None for a in (args.model_class, args.dtype, args.tokenizer, args.write_as)):
+        parser.error(
+            "--model-class, --dtype, --tokenizer and --write-as need --config (a transformers "
+            "folder)"
+        )
     state = export_torch_state_dict(args.checkpoint, args.out)
     numel = sum(t.numel() for t in state.values())
     print(f"wrote {len(state)} tensors ({numel} values) to {args.out}", file=sys.stderr)
