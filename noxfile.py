@@ -300,7 +300,7 @@ def integration(session: nox.Session) -> None:
     (CPU workers) with a wall-clock limit, and compares their losses with one uninterrupted
     single-invocation run.
     """
-    _install_examples(session, "pytest>=7", "transformers")
+    _install_examples(session, "pytest>=7", "transformers", "tensorboard")
     session.run(
         "python",
         "-m",
