@@ -417,6 +417,21 @@ def vit_encoder(seed: int = 0) -> nn.Module:
     return _distinct(ViTModel(ViTConfig(**VIT_CONFIG)), seed)
 
 
+def clip_vision_encoder(seed: int = 0) -> nn.Module:
+    """``CLIPVisionModel`` sized as :data:`VIT_CONFIG` (the same images)."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    sizes = ("image_size", "patch_size", "num_channels", "hidden_size", "intermediate_size")
+    config = CLIPVisionConfig(
+        **{k: VIT_CONFIG[k] for k in sizes},
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    return _distinct(CLIPVisionModel(config), seed)
+
+
 #: Classes of the sequence classifiers: divisible by the 1D sizes 2 and 4, which split the head.
 NUM_CLASSES = 4
 

@@ -235,6 +235,9 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     ),
     "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
     "bare encoders (bert, roberta, distilbert, vit: hidden states and pooler whole)": lambda ctx: (
+    "clip vision encoder (patch conv, class token, pooler of the first token)": lambda ctx: (
+        _clip_matches_reference(ctx)
+    ),
         _encoders_match_reference(ctx)
     ),
     "sequence classifiers (bert, gpt-2: labels give one process's loss)": lambda ctx: (
@@ -465,6 +468,25 @@ def _encoders_match_reference(ctx: ParallelContext) -> list[float]:
     the plan shipped for its class: BertModel and RobertaModel (token types, pooler),
     DistilBertModel (neither) on a padded batch, ViTModel (pooler) on images. RoBERTa counts
     its positions from each row's padding, which tensor mode 'sequence' refuses by name."""
+def _clip_matches_reference(ctx: ParallelContext) -> float:
+    """``CLIPVisionModel`` with the plan shipped for it: its state dict in CLIP's names and
+    shapes (class token ``[E]``, position ``nn.Embedding``, no patch bias), hidden states and
+    the pooler's output of the class token whole, every gradient as one process."""
+    from hf_models import clip_vision_encoder
+
+    ref = clip_vision_encoder()
+    model = parallelize(copy.deepcopy(ref), context=ctx)
+    original = ref.state_dict()
+    _assert_same_state(gather_full_state_dict(model, context=ctx), original)
+    loss = _encoder_matches_reference(ref, dict(pixel_values=images()[0]), ctx)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    load_full_state_dict(model, original)
+    _assert_same_state(gather_full_state_dict(model, context=ctx), original)
+    return loss
+
+
     text = _padded_text()
     with_types = dict(text, token_type_ids=token_types())
     encoders = [(bert_encoder, with_types), (distilbert_encoder, text)]

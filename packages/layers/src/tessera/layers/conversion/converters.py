@@ -918,7 +918,14 @@ class Converter:
             inner: nn.Module = PatchEmbedding1D(*args, **where)  # type: ignore[arg-type]
         else:
             inner = classes[self.mode](*args, **where)
+        CLIP's embeddings (:func:`~.patch.clip_patch_sizes`) are the same computation under
+        other names and shapes (:meth:`clip_patch_embedding`).
         state = module.state_dict()
+        from .patch import clip_patch_sizes
+
+        clip = clip_patch_sizes(name, module)
+        if clip is not None:
+            return self.clip_patch_embedding(module, clip)
         if not any(p.is_meta for p in module.parameters()):
             load_full_state_dict(
                 inner,
@@ -948,6 +955,52 @@ class Converter:
         made = self._made_like(module.weight)
         heads: dict[str, type[VocabParallelClassifier1D | Classifier2D | Classifier2p5D]] = {
             "1d": VocabParallelClassifier1D,
+
+    def clip_patch_embedding(
+        self, module: nn.Module, sizes: tuple[int, int, int, int]
+    ) -> nn.Module:
+        """``patch_embedding`` of a CLIP vision model: the mode's patch embedding, CLIP's names.
+
+        See :class:`~tessera.layers.conversion.patch.ClipEmbeddingAdapter`.
+        """
+        from .patch import ClipEmbeddingAdapter
+
+        conv = module.get_submodule("patch_embedding")
+        weight = _tensor(conv, "weight")
+        init = None if weight.is_meta else _no_init
+        args = (*sizes, weight.dtype, init, init, init)
+        where = {"device": self._device(weight), "context": self.context}
+        classes: dict[str, type[nn.Module]] = {
+            "1d": PatchEmbedding1D,
+            "2d": PatchEmbedding2D,
+            "2.5d": PatchEmbedding2p5D,
+            "3d": PatchEmbedding3D,
+        }
+        inner = classes[self.mode](*args, **where)
+        bias = getattr(conv, "bias", None) is not None
+        embed, positions = sizes[3], (sizes[0] // sizes[1]) ** 2 + 1
+        set_full_form(_tensor(inner, "cls_token"), FullForm((embed,)))
+        set_full_form(_tensor(inner, "pos_embed"), FullForm((positions, embed)))
+        if not bias:
+            with torch.no_grad():
+                _tensor(inner, "bias").zero_()
+            _tensor(inner, "bias").requires_grad_(False)
+        if not any(p.is_meta for p in module.parameters()):
+            state = module.state_dict()
+            whole = {
+                "weight": state["patch_embedding.weight"],
+                "cls_token": state["class_embedding"],
+                "pos_embed": state["position_embedding.weight"],
+            }
+            if bias:
+                whole["bias"] = state["patch_embedding.bias"]
+            load_full_state_dict(inner, whole, strict=False)
+        adapter = ClipEmbeddingAdapter(inner, bias)
+        frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+        for pname, p in adapter.named_parameters():
+            p.requires_grad_(pname not in frozen)
+        adapter.train(module.training)
+        return adapter
             "2d": Classifier2D,
             "2.5d": Classifier2p5D,
         }

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PatchEmbeddingAdapter", "patch_sizes"]
+__all__ = ["ClipEmbeddingAdapter", "PatchEmbeddingAdapter", "clip_patch_sizes", "patch_sizes"]
 
 
 def patch_sizes(name: str, module: nn.Module) -> tuple[int, int, int, int]:
@@ -94,3 +94,87 @@ class PatchEmbeddingAdapter(nn.Module):
         out: torch.Tensor = torch.func.functional_call(self._inner[0], params, (pixel_values,))
         dropped: torch.Tensor = self.dropout(out)
         return dropped
+
+
+def clip_patch_sizes(name: str, module: nn.Module) -> tuple[int, int, int, int] | None:
+    """``(image side, patch side, channels, embed size)`` of a CLIP-style embedding, or None.
+
+    transformers' ``CLIPVisionEmbeddings`` (and the ones laid out as it: SigLIP's without a
+    class token are not) holds a class token ``class_embedding [E]``, a patch convolution
+    ``patch_embedding`` (no bias) and a position table ``position_embedding``, an
+    ``nn.Embedding`` of ``N + 1`` rows read in order: the ViT embedding of
+    :func:`patch_sizes` under other names and shapes.
+
+    Raises:
+        ValueError: a non-square image or patch, overlapping patches, or a position table of
+            another length than the patches and the class token.
+    """
+    projection = getattr(module, "patch_embedding", None)
+    table = getattr(module, "position_embedding", None)
+    token = getattr(module, "class_embedding", None)
+    if (
+        not isinstance(projection, nn.Conv2d)
+        or type(table) is not nn.Embedding
+        or not isinstance(token, torch.Tensor)
+        or token.dim() != 1
+    ):
+        return None
+    image = getattr(module, "image_size", None)
+    kernel, stride = tuple(projection.kernel_size), tuple(projection.stride)
+    if not isinstance(image, int) or kernel[0] != kernel[1] or kernel != stride:
+        raise ValueError(
+            f"parallelize: {name!r} needs a square image and square, non-overlapping patches; "
+            f"got image {image}, kernel {kernel}, stride {stride}"
+        )
+    patches = (image // int(kernel[0])) ** 2
+    if table.num_embeddings != patches + 1:
+        raise ValueError(
+            f"parallelize: {name!r} holds {table.num_embeddings} positions for {patches} "
+            "patches and the class token"
+        )
+    return image, int(kernel[0]), projection.in_channels, projection.out_channels
+
+
+class ClipEmbeddingAdapter(nn.Module):
+    """A tessera patch embedding under CLIP's parameter names and shapes.
+
+    ``class_embedding [E]``, ``patch_embedding.weight`` (and ``.bias`` where the convolution
+    has one) and ``position_embedding.weight [N+1, E]`` are the tessera module's
+    ``cls_token [1, 1, E]``, ``weight``, ``bias`` and ``pos_embed [1, N+1, E]`` (the same
+    parameters; their :class:`~tessera.context.FullForm` gives CLIP's shapes in full state
+    dicts). A convolution without a bias leaves the tessera module's bias at zero, frozen and
+    out of the module tree.
+
+    Args:
+        inner: The mode's patch embedding.
+        bias: Whether the convolution had a bias.
+    """
+
+    def __init__(self, inner: nn.Module, bias: bool) -> None:
+        super().__init__()
+        self._inner = [inner]  # not a child: its parameters are registered below, once each
+        self._bias = bias
+        self.class_embedding = inner.cls_token
+        self.patch_embedding = nn.Module()
+        self.patch_embedding.weight = inner.weight
+        if bias:
+            self.patch_embedding.bias = inner.bias
+        self.position_embedding = nn.Module()
+        self.position_embedding.weight = inner.pos_embed
+
+    def forward(
+        self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool | None = False
+    ) -> torch.Tensor:
+        """``[b', C, H, W]`` images -> ``[b', N+1, E']`` in the mode's layout."""
+        if interpolate_pos_encoding:
+            raise ValueError("a parallelized CLIP embedding does not take interpolate_pos_encoding")
+        # The adapter's *current* parameters: ZeRO (FSDP2) replaces them on the adapter only.
+        params: dict[str, torch.Tensor] = {
+            "weight": self.get_submodule("patch_embedding").get_parameter("weight"),
+            "cls_token": self.get_parameter("class_embedding"),
+            "pos_embed": self.get_submodule("position_embedding").get_parameter("weight"),
+        }
+        if self._bias:
+            params["bias"] = self.get_submodule("patch_embedding").get_parameter("bias")
+        out: torch.Tensor = torch.func.functional_call(self._inner[0], params, (pixel_values,))
+        return out

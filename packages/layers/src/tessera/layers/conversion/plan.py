@@ -540,6 +540,38 @@ def _vit(prefix: str, classifier: bool) -> Plan:
     layer = f"{prefix}layers.*"
     rules = {
         f"{prefix}embeddings": "patch_embedding",
+def _clip_vision() -> Plan:
+    """``CLIPVisionModel``: a ViT under CLIP's names, pre-norm blocks, a norm before them.
+
+    Its embeddings (class token ``[E]``, a patch convolution without bias, a position
+    ``nn.Embedding``) are the mode's patch embedding under CLIP's names. It returns the last
+    block's hidden states as ``last_hidden_state`` and ``post_layernorm`` of the class token
+    as ``pooler_output``, both whole under every mode; under ``'sequence'`` the tokens are
+    gathered after the last block, before the class token is read.
+    """
+    layer = "encoder.layers.*"
+    rules = {
+        "embeddings": "patch_embedding",
+        "pre_layrnorm": "norm",
+        f"{layer}.layer_norm1": "norm",
+        f"{layer}.self_attn": "attention",
+        f"{layer}.self_attn.q_proj": "col",
+        f"{layer}.self_attn.k_proj": "col",
+        f"{layer}.self_attn.v_proj": "col",
+        f"{layer}.self_attn.out_proj": "row",
+        f"{layer}.layer_norm2": "norm",
+        f"{layer}.mlp.fc1": "col",
+        f"{layer}.mlp.fc2": "row",
+        "post_layernorm": "norm",
+    }
+    return Plan(
+        rules,
+        boundary="images",
+        sequence_span=("encoder.layers.0", "encoder.layers.-1"),
+        name="CLIP vision encoder",
+    )
+
+
         f"{layer}.layernorm_before": "norm",
         f"{layer}.attention": "attention",
         f"{layer}.attention.q_proj": "col",
@@ -640,6 +672,7 @@ def _base_model_hint(model: nn.Module) -> str:
     prefix = getattr(model, "base_model_prefix", "")
     inner = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
     if not isinstance(inner, nn.Module) or inner is model:
+    "CLIPVisionModel": _clip_vision(),
         return ""
     try:
         found = plan_for(inner, None)
