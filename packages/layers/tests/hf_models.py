@@ -537,3 +537,50 @@ def qwen2_moe_lm(seed: int = 0, **overrides: Any) -> nn.Module:
         **overrides,
     )
     return _distinct(Qwen2MoeForCausalLM(config), seed)
+
+
+#: One BART for every mode: an encoder and a decoder of 2 post-LN blocks each, hidden 16, 4
+#: heads (divisible by the 1D sizes 2 and 4 and by q = 2), vocabulary 32 (divisible by 8), one
+#: token table for both stacks and the head, learned positions read two rows on.
+BART_CONFIG: dict[str, Any] = dict(
+    vocab_size=32,
+    d_model=16,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=32,
+    decoder_ffn_dim=32,
+    max_position_embeddings=16,
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+    pad_token_id=1,
+    bos_token_id=0,
+    eos_token_id=2,
+    decoder_start_token_id=2,
+    forced_eos_token_id=None,
+)
+#: Decoder tokens of the encoder-decoders: a length of their own, not the encoder's SEQ.
+DECODER_SEQ = 6
+
+
+def bart_lm(seed: int = 0, **overrides: Any) -> nn.Module:
+    """``BartForConditionalGeneration`` from :data:`BART_CONFIG`; its ``final_logits_bias``
+    ``[1, V]`` (a buffer, zeros as built) drawn too, so a bias added to the wrong logits shows."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = BartForConditionalGeneration(BartConfig(**{**BART_CONFIG, **overrides}))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 2)
+        model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape, generator=g))
+    return _distinct(model, seed)
+
+
+def decoder_labels(seed: int = 11) -> torch.Tensor:
+    """``[BATCH, DECODER_SEQ]`` target ids of the decoder, -100 (ignored) at the end of a row."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(3, GPT2_CONFIG["vocab_size"], (BATCH, DECODER_SEQ), generator=g)
+    labels[1, -2:] = -100
+    return labels

@@ -24,11 +24,13 @@ from hf_models import (
     GPT2_CONFIG,
     NUM_CLASSES,
     SEQ,
+    bart_lm,
     bert_classifier,
     bert_encoder,
     bert_mlm,
     bloom_lm,
     cohere_lm,
+    decoder_labels,
     distilbert_encoder,
     falcon_lm,
     gemma_lm,
@@ -233,17 +235,20 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "plain transformer (plan read from its blocks, learned positions, SDPA)": lambda ctx: (
         _plain_lm_matches_reference(ctx)
     ),
-    "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
-    "bare encoders (bert, roberta, distilbert, vit: hidden states and pooler whole)": lambda ctx: (
     "clip vision encoder (patch conv, class token, pooler of the first token)": lambda ctx: (
         _clip_matches_reference(ctx)
     ),
+    "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
+    "bare encoders (bert, roberta, distilbert, vit: hidden states and pooler whole)": lambda ctx: (
         _encoders_match_reference(ctx)
     ),
     "sequence classifiers (bert, gpt-2: labels give one process's loss)": lambda ctx: (
         _classifiers_match_reference(ctx)
     ),
     "vit": lambda ctx: _lm_matches_reference(vit_classifier(), ctx),
+    "encoder-decoders (bart: two token streams, cross-attention, final_logits_bias)": lambda ctx: (
+        _encoder_decoders(ctx)
+    ),
     "per-sample positions": _per_sample_positions,
     "dropout": lambda ctx: _dropout_streams(ctx),
     "blocks": lambda ctx: _mlp_matches_reference(ctx),
@@ -298,6 +303,14 @@ ONLY_UNDER = {
     "gemma3 (plan read from its blocks, heads normalized by 1 + weight)": ("1d", "3d"),
     "nemotron (plan read from its blocks, LayerNorms scaling by 1 + weight)": ("1d-sp",),
     "per-sample positions": ("2d", "3d"),
+    "encoder-decoders (bart: two token streams, cross-attention, final_logits_bias)": (
+        "1d",
+        "1d-sp",
+        "2d",
+        "2.5d",
+        "3d",
+        "sequence-ring",
+    ),
     "position tables (xglm's sinusoidal, opt's shifted; plans read from the blocks)": (
         "1d",
         "1d-sp",
@@ -455,19 +468,6 @@ def _plain_lm_loss(ctx: ParallelContext, plan: dict[str, str] | None) -> float:
     return round(float(loss.detach()), 5)
 
 
-def _padded_text() -> dict[str, torch.Tensor]:
-    """A batch of token ids with a padding mask on rows and tokens every layout splits apart."""
-    ids = token_ids()
-    padded = torch.ones_like(ids)
-    padded[0, -3:], padded[-1, -1:] = 0, 0
-    return dict(input_ids=ids, attention_mask=padded)
-
-
-def _encoders_match_reference(ctx: ParallelContext) -> list[float]:
-    """The bare encoders a sentence embedding or an image embedding starts from, each with
-    the plan shipped for its class: BertModel and RobertaModel (token types, pooler),
-    DistilBertModel (neither) on a padded batch, ViTModel (pooler) on images. RoBERTa counts
-    its positions from each row's padding, which tensor mode 'sequence' refuses by name."""
 def _clip_matches_reference(ctx: ParallelContext) -> float:
     """``CLIPVisionModel`` with the plan shipped for it: its state dict in CLIP's names and
     shapes (class token ``[E]``, position ``nn.Embedding``, no patch bias), hidden states and
@@ -487,6 +487,19 @@ def _clip_matches_reference(ctx: ParallelContext) -> float:
     return loss
 
 
+def _padded_text() -> dict[str, torch.Tensor]:
+    """A batch of token ids with a padding mask on rows and tokens every layout splits apart."""
+    ids = token_ids()
+    padded = torch.ones_like(ids)
+    padded[0, -3:], padded[-1, -1:] = 0, 0
+    return dict(input_ids=ids, attention_mask=padded)
+
+
+def _encoders_match_reference(ctx: ParallelContext) -> list[float]:
+    """The bare encoders a sentence embedding or an image embedding starts from, each with
+    the plan shipped for its class: BertModel and RobertaModel (token types, pooler),
+    DistilBertModel (neither) on a padded batch, ViTModel (pooler) on images. RoBERTa counts
+    its positions from each row's padding, which tensor mode 'sequence' refuses by name."""
     text = _padded_text()
     with_types = dict(text, token_type_ids=token_types())
     encoders = [(bert_encoder, with_types), (distilbert_encoder, text)]
@@ -569,6 +582,67 @@ def _classifier_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float
         as_tuple = model(**inputs, labels=labels, return_dict=False)
     torch.testing.assert_close(as_tuple[0], want.loss.detach(), **TOL)
     return round(float(got.loss.detach()), 5)
+
+
+def _encoder_decoders(ctx: ParallelContext) -> list[float]:
+    """Encoder-decoders with the plans shipped for their classes: BART (learned positions
+    read two rows on, one token table for both stacks and the head, ``final_logits_bias``
+    added to the logits). Refused by name under 'sequence' (cross-attention reads the whole
+    encoder output) and 1D sequence parallelism (two stacks, no single span)."""
+    builds = [bart_lm]
+    mode = ctx.config.tensor_mode
+    if mode == "sequence":
+        for build in builds:
+            with pytest.raises(ValueError, match=r"under tensor mode 'sequence': its decoder's"):
+                parallelize(build(), context=ctx)
+        return []
+    if ctx.config.tensor_args.get("sequence_parallel", False):
+        for build in builds:
+            with pytest.raises(ValueError, match=r"sequence_parallel is on, but the .* names no"):
+                parallelize(build(), context=ctx)
+        return []
+    return [_seq2seq_matches_reference(build(), ctx) for build in builds]
+
+
+def _seq2seq_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float:
+    """An encoder-decoder, parallelized, against itself on one process: its encoder reads a
+    padded batch, its decoder a stream of another length (padded too); the loss of split
+    logits, the logits and every gradient; ``labels=`` (decoder input shifted from them) gives
+    one process's loss; greedy ``generate()`` with and without the cache its tokens."""
+    model = parallelize(copy.deepcopy(ref), context=ctx)
+    original = ref.state_dict()
+    _assert_same_state(gather_full_state_dict(model, context=ctx), original)
+    tied = ref.get_output_embeddings().weight is ref.get_input_embeddings().weight
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    inputs = _padded_text()
+    labels = decoder_labels()
+    decoder = dict(
+        decoder_input_ids=ref.prepare_decoder_input_ids_from_labels(labels),
+        decoder_attention_mask=(labels != -100).long(),
+    )
+    ref_logits = ref(**inputs, **decoder).logits  # [b, t, V]
+    vocab = ref_logits.shape[-1]
+    ref_loss = F.cross_entropy(ref_logits.reshape(-1, vocab), labels.reshape(-1))
+    logits = model(**inputs, **decoder).logits
+    loss = token_loss(logits, labels, context=ctx)
+    ref_loss.backward()
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    torch.testing.assert_close(gather_logits(logits, context=ctx), ref_logits.detach(), **TOL)
+    grads = _full_grads(model, ctx)
+    for name, p in ref.named_parameters(remove_duplicate=False):
+        assert p.grad is not None
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    with torch.no_grad():  # its own loss: an inline criterion, computed at the boundary
+        want = ref(**inputs, labels=labels).loss
+        got = model(**inputs, labels=labels)
+        torch.testing.assert_close(got.loss, want, **TOL)
+        torch.testing.assert_close(model(**inputs, **decoder, labels=labels).loss, ref_loss, **TOL)
+    # greedy, with the cache: the encoder runs once on its own, each step feeds one token
+    kwargs = dict(max_new_tokens=4, do_sample=False, num_beams=1, use_cache=True)
+    want_tokens, got_tokens = ref.generate(**inputs, **kwargs), model.generate(**inputs, **kwargs)
+    assert torch.equal(got_tokens, want_tokens), f"{got_tokens.tolist()} != {want_tokens.tolist()}"
+    return round(float(loss.detach()), 5)
 
 
 def _labels_give_the_loss(model: nn.Module, ids: torch.Tensor, ref_loss: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from ..shared.errors import ModeNotImplementedError
 from .boundary import install_boundary
 from .converters import Converter
 from .dropout import install_dropout_streams
+from .encoder_decoder import install_encoder_rows, split_logits_bias
 from .generation import install_generation
 from .meta import check_meta_buffers, materialize_whole_modules
 from .model_loss import install_model_loss
@@ -292,6 +293,10 @@ def parallelize(
         )
     install_dropout_streams(model, ctx, mode, roles, sequence_parallel, chosen.sequence_span)
     install_boundary(model, chosen, ctx, mode, sequence_parallel, attention)
+    if chosen.logits_bias and mode == "1d":  # the logits are split by vocabulary
+        split_logits_bias(model, chosen, ctx)
+    if chosen.encoder is not None and mode != "1d":  # generate() calls it on its own
+        install_encoder_rows(model, chosen, ctx)
     if chosen.causal_lm:
         install_generation(model, ctx, mode, sequence_parallel)
         install_model_loss(model, ctx)

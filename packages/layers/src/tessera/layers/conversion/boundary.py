@@ -49,8 +49,17 @@ from .sequence_positions import forward_takes_positions
 
 __all__ = ["causal_lm_loss", "gather_logits", "install_boundary", "token_loss"]
 
-#: Keyword inputs of transformers' models that hold one row per sample.
-BATCH_KWARGS = ("input_ids", "attention_mask", "token_type_ids")
+#: Keyword inputs of transformers' models that hold one row per sample (an encoder-decoder's
+#: decoder stream too: encoder_decoder.py).
+BATCH_KWARGS = (
+    "input_ids",
+    "attention_mask",
+    "token_type_ids",
+    "decoder_input_ids",
+    "decoder_attention_mask",
+)
+#: Masks attention reads (under 3d they take layout "z"'s rows).
+ATTENTION_MASKS = ("attention_mask", "decoder_attention_mask")
 
 
 def rank_rows(name: str, value: Any, context: ParallelContext) -> Any:
@@ -67,10 +76,10 @@ def rank_rows(name: str, value: Any, context: ParallelContext) -> Any:
         return value
     if name == "position_ids" and value.shape[0] == 1:
         return value  # one row of positions, broadcast over the batch
-    if context.config.tensor_mode == "3d" and name in ("attention_mask", "position_ids"):
+    if context.config.tensor_mode == "3d" and name in (*ATTENTION_MASKS, "position_ids"):
         # Attention runs on a column layer's output, in layout "z", whose rows are not the
         # rows of layout "y" that split_batch keeps: both take layout "z"'s rows.
-        if name == "attention_mask" and bool(value.all()):
+        if name in ATTENTION_MASKS and bool(value.all()):
             return None  # nothing masked: the causal mask alone
         rows = cube_of(context).batch("z")
         check_divisible(value.shape[0], rows.world_size, f"{name} {list(value.shape)}")
@@ -213,11 +222,13 @@ def install_boundary(
             )
         if not splits_batch:
             return None
-        if kwargs.get("inputs_embeds") is not None:
-            raise ValueError(
-                f"{type(module).__name__} under tensor mode {mode!r} takes input_ids, not "
-                "inputs_embeds (the embedding makes the mode's layout)"
-            )
+        for embeds in ("inputs_embeds", "decoder_inputs_embeds"):
+            if kwargs.get(embeds) is not None:
+                ids = "decoder_input_ids" if embeds.startswith("decoder") else "input_ids"
+                raise ValueError(
+                    f"{type(module).__name__} under tensor mode {mode!r} takes {ids}, not "
+                    f"{embeds} (the embedding makes the mode's layout)"
+                )
         args = tuple(
             rank_rows("input_ids", a, context) if i == 0 else a for i, a in enumerate(args)
         )

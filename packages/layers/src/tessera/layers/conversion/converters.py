@@ -51,6 +51,7 @@ from .embedding_scale import ScaledRows, embedding_scale
 from .experts import Experts1D, TokenRouter, expert_sizes
 from .head_share import HEAD_COUNTS, HeadShareConfig
 from .norms import NormSpec, computes_as, computes_formula, computes_own_forward, norm_spec
+from .own_positions import OwnPositionIds, reads_own_ids
 from .patch import PatchEmbeddingAdapter, patch_sizes
 from .per_head_norm import PerHeadNorm, holds_weights_per_head, per_head_norm_spec, rank_heads
 from .position_table import table_width
@@ -685,7 +686,14 @@ class Converter:
                 "takes an nn.Embedding"
             )
         scale = embedding_scale(module) if role == "embedding" else None
-        if scale is None and not computes_as(module, nn.Embedding):
+        # learned positions read at ids its own forward counts (BART's): the mode's table reads
+        # them there (own_positions.py)
+        own_ids = (
+            role == "position_embedding"
+            and not computes_as(module, nn.Embedding)
+            and reads_own_ids(module)
+        )
+        if scale is None and not own_ids and not computes_as(module, nn.Embedding):
             raise _overrides(name, module, nn.Embedding, role)
         if module.max_norm is not None or module.sparse:
             raise ValueError(
@@ -710,6 +718,13 @@ class Converter:
             context=self.context,
         )
         _adopt(new, module, {})
+        tied = self.replaced.get(id(module.weight))
+        if tied is not None:  # one table under several names (T5's and BART's shared one)
+            new.weight = tied
+        if own_ids:
+            new.register_forward_pre_hook(  # first: the table's own checks read the ids
+                OwnPositionIds(module, self._device(module.weight)), with_kwargs=True, prepend=True
+            )
         if scale is not None and scale != 1.0:  # Gemma's rows times sqrt(hidden)
             new.register_forward_hook(ScaledRows(scale))
         if role == "position_embedding":  # one row of positions serves every batch block

@@ -43,9 +43,17 @@ __all__ = [
 MODEL_LOSS_ATTR = "_tessera_model_loss"
 #: transformers' ``loss_type`` values tessera computes on split logits.
 LOSS_KINDS = ("ForCausalLM", "ForMaskedLM")
+#: An encoder-decoder's (T5's, BART's): its labels are the decoder's targets as they are (the
+#: decoder's input is them shifted right), its criterion built inline.
+SEQ2SEQ_KIND = "ForConditionalGeneration"
 #: Kinds computed at the boundary when the model's own loss cannot be replaced: the language
 #: models' (a forward building its criterion inline) and one label per sample's.
-BOUNDARY_LOSS_KINDS = (*LOSS_KINDS, "ForSequenceClassification", "ForImageClassification")
+BOUNDARY_LOSS_KINDS = (
+    *LOSS_KINDS,
+    "ForSequenceClassification",
+    "ForImageClassification",
+    SEQ2SEQ_KIND,
+)
 
 
 class SplitLogitsLoss:
@@ -141,6 +149,12 @@ class BoundaryLoss:
             return None
         items = kwargs.get("num_items_in_batch") if self.takes_item_count else None
         self.pending = (labels, items)
+        if self.kind == SEQ2SEQ_KIND:  # what the forward does with labels, before any split
+            given = ("decoder_input_ids", "decoder_inputs_embeds")
+            if all(kwargs.get(key) is None for key in given):
+                shift = getattr(module, "prepare_decoder_input_ids_from_labels")  # noqa: B009
+                kwargs["decoder_input_ids"] = shift(labels)  # labels shifted right
+            kwargs["use_cache"] = False
         return args, kwargs
 
     def put_loss(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -165,6 +179,10 @@ class BoundaryLoss:
     ) -> torch.Tensor:
         """The single-process loss of ``labels`` (the whole batch's) from split ``logits``."""
         config = getattr(module, "config", None)
+        if self.kind == SEQ2SEQ_KIND:  # each decoder position's target, not shifted again
+            return SplitLogitsLoss("ForMaskedLM", self.context)(
+                logits, labels, num_items_in_batch=items
+            )
         if self.kind in LOSS_KINDS:
             vocab = getattr(config, "vocab_size", None)
             return SplitLogitsLoss(self.kind, self.context)(
@@ -217,7 +235,9 @@ def install_model_loss(model: nn.Module, context: ParallelContext) -> bool:
     settable = isinstance(prop, property) and prop.fset is not None
     if kind in LOSS_KINDS and settable and calls_it:
         setattr(model, "loss_function", SplitLogitsLoss(kind, context))  # noqa: B010
-    elif kind in BOUNDARY_LOSS_KINDS:  # an inline criterion, or a classifier's loss
+    elif kind in BOUNDARY_LOSS_KINDS and not (kind == SEQ2SEQ_KIND and calls_it):
+        # an inline criterion, or a classifier's loss (a conditional generator calling its
+        # loss_function, transformers' causal LM loss, is of another kind)
         hooks = BoundaryLoss(kind, context, takes_item_count=calls_it)
 
         # plain functions: a deep copy of the model shares them (and the context) as it is
@@ -227,7 +247,9 @@ def install_model_loss(model: nn.Module, context: ParallelContext) -> bool:
         def put_loss(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             return hooks.put_loss(module, args, output)
 
-        model.register_forward_pre_hook(take_labels, with_kwargs=True)
+        # first: an encoder-decoder's decoder input comes from the labels before any split
+        first = kind == SEQ2SEQ_KIND
+        model.register_forward_pre_hook(take_labels, with_kwargs=True, prepend=first)
         model.register_forward_hook(put_loss)
     else:
         return False

@@ -161,6 +161,13 @@ class Plan:
             one token of it, positions counted from a row's padding), or empty: tensor mode
             ``'sequence'``, which hands every rank a chunk of the tokens, refuses the plan
             with this reason.
+        encoder: An encoder-decoder's encoder stack (``"model.encoder"``), or ``None``.
+            ``generate()`` calls it on its own, outside the model's forward, so where the mode
+            splits the batch its input is split there too (its output then stays in the
+            mode's layout, as the decoder reads it through ``encoder_outputs``).
+        logits_bias: Buffers ``[1, V]`` the model adds to its head's logits (BART's
+            ``final_logits_bias``): under 1D, whose logits are split by vocabulary, each rank
+            keeps its slice of them; the other modes keep the vocabulary whole.
     """
 
     rules: Mapping[str, str]
@@ -170,6 +177,8 @@ class Plan:
     name: str = field(default="user plan")
     optional: tuple[str, ...] = ()
     whole_sequence: str = ""
+    encoder: str | None = None
+    logits_bias: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for pattern, role in self.rules.items():
@@ -594,6 +603,63 @@ def _clip_vision() -> Plan:
     )
 
 
+#: Why an encoder-decoder cannot run under tensor mode ``'sequence'``.
+_ENCODER_DECODER_SEQUENCE = (
+    "its decoder's cross-attention reads every token of the encoder's output, a sequence of "
+    "its own length, which the ring and all-to-all attention (self-attention over one "
+    "sequence) do not split"
+)
+
+
+def _bart() -> Plan:
+    """``BartForConditionalGeneration``: an encoder and a decoder of post-LN blocks.
+
+    Both stacks and the head read one token table (``model.shared``, the ``embed_tokens`` of
+    each stack, tied to ``lm_head``). Learned positions are read two rows past each position
+    by a forward of their own (``BartLearnedPositionalEmbedding``): whole under 1D, the mode's
+    table on the mesh and the cube, looked up at the ids that forward computes. The decoder's
+    cross-attention (``encoder_attn``) takes its keys and values from the encoder's output,
+    in the mode's layout like any activation. The logits get ``final_logits_bias`` ``[1, V]``
+    added, split by vocabulary under 1D. Under 1D sequence parallelism two stacks of blocks
+    would need two spans: no ``sequence_span``, refused by name.
+    """
+    rules: dict[str, str] = {
+        "model.shared": "embedding",
+        "lm_head": "head",
+    }
+    for stack in ("encoder", "decoder"):
+        layer = f"model.{stack}.layers.*"
+        rules |= {
+            f"model.{stack}.embed_tokens": "embedding",
+            f"model.{stack}.embed_positions": "position_embedding",
+            f"model.{stack}.layernorm_embedding": "norm",
+        }
+        attentions = ("self_attn", "encoder_attn") if stack == "decoder" else ("self_attn",)
+        for attention in attentions:
+            rules |= {
+                f"{layer}.{attention}": "attention",
+                f"{layer}.{attention}.q_proj": "col",
+                f"{layer}.{attention}.k_proj": "col",
+                f"{layer}.{attention}.v_proj": "col",
+                f"{layer}.{attention}.out_proj": "row",
+                f"{layer}.{attention}_layer_norm": "norm",
+            }
+        rules |= {
+            f"{layer}.fc1": "col",
+            f"{layer}.fc2": "row",
+            f"{layer}.final_layer_norm": "norm",
+        }
+    return Plan(
+        rules,
+        boundary="tokens",
+        causal_lm=True,
+        name="BART sequence-to-sequence LM",
+        whole_sequence=_ENCODER_DECODER_SEQUENCE,
+        encoder="model.encoder",
+        logits_bias=("final_logits_bias",),
+    )
+
+
 #: Plans shipped with tessera, by model class name (transformers' classes).
 BUILTIN_PLANS: dict[str, Plan] = {
     "GPT2LMHeadModel": _gpt2("transformer.", causal_lm=True),
@@ -614,6 +680,7 @@ BUILTIN_PLANS: dict[str, Plan] = {
     "GPT2ForSequenceClassification": _gpt2_classifier(),
     "ViTForImageClassification": _vit("vit.", classifier=True),
     "ViTModel": _vit("", classifier=False),
+    "BartForConditionalGeneration": _bart(),
 }
 
 
