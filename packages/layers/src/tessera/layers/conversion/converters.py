@@ -918,7 +918,14 @@ class Converter:
         """``patch_embedding``: a ViT's embeddings, computed by the mode's patch embedding.
 
         Under 1D the output is whole (the plan's sequence span, if any, splits it later).
+        CLIP's embeddings (:func:`~.patch.clip_patch_sizes`) are the same computation under
+        other names and shapes (:meth:`clip_patch_embedding`).
         """
+        from .patch import clip_patch_sizes
+
+        clip = clip_patch_sizes(name, module)
+        if clip is not None:
+            return self.clip_patch_embedding(module, clip)
         image, patch, channels, embed = patch_sizes(name, module)
         weight = _tensor(module.get_submodule("patch_embeddings.projection"), "weight")
         init = None if weight.is_meta else _no_init
@@ -933,14 +940,7 @@ class Converter:
             inner: nn.Module = PatchEmbedding1D(*args, **where)  # type: ignore[arg-type]
         else:
             inner = classes[self.mode](*args, **where)
-        CLIP's embeddings (:func:`~.patch.clip_patch_sizes`) are the same computation under
-        other names and shapes (:meth:`clip_patch_embedding`).
         state = module.state_dict()
-        from .patch import clip_patch_sizes
-
-        clip = clip_patch_sizes(name, module)
-        if clip is not None:
-            return self.clip_patch_embedding(module, clip)
         if not any(p.is_meta for p in module.parameters()):
             load_full_state_dict(
                 inner,
@@ -955,21 +955,6 @@ class Converter:
         adapter = PatchEmbeddingAdapter(inner, dropout if isinstance(dropout, nn.Module) else None)
         adapter.train(module.training)
         return adapter
-
-    def head(self, name: str, module: nn.Module) -> nn.Module:
-        """``head``: vocabulary logits, tied to the converted embedding when it was."""
-        if not isinstance(module, nn.Linear):
-            raise TypeError(
-                f"parallelize: {name!r} ({type(module).__name__}) has role 'head', which takes "
-                "an nn.Linear"
-            )
-        if not computes_as(module, nn.Linear):
-            raise _overrides(name, module, nn.Linear, "head")
-        tied = self.replaced.get(id(module.weight))
-        dims = (module.in_features, module.out_features, tied, module.bias is not None)
-        made = self._made_like(module.weight)
-        heads: dict[str, type[VocabParallelClassifier1D | Classifier2D | Classifier2p5D]] = {
-            "1d": VocabParallelClassifier1D,
 
     def clip_patch_embedding(
         self, module: nn.Module, sizes: tuple[int, int, int, int]
@@ -1016,6 +1001,21 @@ class Converter:
             p.requires_grad_(pname not in frozen)
         adapter.train(module.training)
         return adapter
+
+    def head(self, name: str, module: nn.Module) -> nn.Module:
+        """``head``: vocabulary logits, tied to the converted embedding when it was."""
+        if not isinstance(module, nn.Linear):
+            raise TypeError(
+                f"parallelize: {name!r} ({type(module).__name__}) has role 'head', which takes "
+                "an nn.Linear"
+            )
+        if not computes_as(module, nn.Linear):
+            raise _overrides(name, module, nn.Linear, "head")
+        tied = self.replaced.get(id(module.weight))
+        dims = (module.in_features, module.out_features, tied, module.bias is not None)
+        made = self._made_like(module.weight)
+        heads: dict[str, type[VocabParallelClassifier1D | Classifier2D | Classifier2p5D]] = {
+            "1d": VocabParallelClassifier1D,
             "2d": Classifier2D,
             "2.5d": Classifier2p5D,
         }

@@ -540,15 +540,6 @@ def _gpt2_classifier() -> Plan:
     )
 
 
-def _vit(prefix: str, classifier: bool) -> Plan:
-    """A ViT encoder (``ViTModel``, its pooler optional) or image classifier.
-
-    The classifier's logits ``[b, C]`` stay split like a language model's, its own loss
-    replaced by tessera's; the bare encoder returns its hidden states whole.
-    """
-    layer = f"{prefix}layers.*"
-    rules = {
-        f"{prefix}embeddings": "patch_embedding",
 def _clip_vision() -> Plan:
     """``CLIPVisionModel``: a ViT under CLIP's names, pre-norm blocks, a norm before them.
 
@@ -581,6 +572,15 @@ def _clip_vision() -> Plan:
     )
 
 
+def _vit(prefix: str, classifier: bool) -> Plan:
+    """A ViT encoder (``ViTModel``, its pooler optional) or image classifier.
+
+    The classifier's logits ``[b, C]`` stay split like a language model's, its own loss
+    replaced by tessera's; the bare encoder returns its hidden states whole.
+    """
+    layer = f"{prefix}layers.*"
+    rules = {
+        f"{prefix}embeddings": "patch_embedding",
         f"{layer}.layernorm_before": "norm",
         f"{layer}.attention": "attention",
         f"{layer}.attention.q_proj": "col",
@@ -672,6 +672,7 @@ BUILTIN_PLANS: dict[str, Plan] = {
     "Phi3Model": _phi3("", causal_lm=False),
     "Qwen3ForCausalLM": _qwen3("model.", causal_lm=True),
     "Qwen3Model": _qwen3("", causal_lm=False),
+    "CLIPVisionModel": _clip_vision(),
     "BertForMaskedLM": _bert("bert.", "masked_lm"),
     "BertModel": _bert("", "pooler"),
     "BertForSequenceClassification": _bert("bert.", "classifier"),
@@ -739,7 +740,6 @@ def _base_model_hint(model: nn.Module) -> str:
     prefix = getattr(model, "base_model_prefix", "")
     inner = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
     if not isinstance(inner, nn.Module) or inner is model:
-    "CLIPVisionModel": _clip_vision(),
         return ""
     try:
         found = plan_for(inner, None)
