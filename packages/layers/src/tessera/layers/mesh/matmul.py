@@ -279,7 +279,9 @@ class _StationaryLinear(BlockLinearFunction):
     over COL (rank ``(l, j)`` gets ``y_lj``). Backward: the output gradient's column panel
     ``dy_lj`` (every ``l``) is gathered over COL; ``dW = sum_l dy_lj^T x_li`` and ``db`` are
     then complete on this rank; the partial input gradients ``dy_lj W[out_j, in_i]`` go back to
-    the ranks ``(l, i)`` that own ``x_li`` (:func:`_return_to_column`).
+    the ranks ``(l, i)`` that own ``x_li`` (:func:`_return_to_column`). ``dW`` comes first: the
+    ``q`` input blocks it needs are freed before ``dx``'s ``q`` partials are allocated, and its
+    sum over depth travels while ``dx`` multiplies.
     """
 
     @staticmethod
@@ -303,17 +305,24 @@ class _StationaryLinear(BlockLinearFunction):
         grads = gather_blocks(grad.contiguous(), mesh.col)  # [q, m, n/q]: dy_lj
         inputs = _send_to_row_of_column(x, mesh.ranks, i, j) if need_w else None
         dys = grads.wait()
-        grad_x = None
-        if need_x:  # [q, m, k/q]: dy_lj W[out_j, in_i], a partial of dx_li
-            grad_x = _return_to_column(torch.matmul(dys, weight), mesh.ranks, i, j)
+        del grads
         depth_sum = None
-        if need_w or need_b:
+        if need_w or need_b:  # first: the q input blocks are gone before dx's partials exist
             flat = dys.reshape(-1, dys.shape[-1])  # [q m, n/q]
             grad_w = weight.new_empty(0)  # nothing to sum but the bias
             if inputs is not None:
                 xs = inputs.wait()
                 grad_w = flat.t() @ xs.reshape(-1, xs.shape[-1])  # [n/q, k/q]
+                del xs, inputs
+            # the depth sum travels while dx multiplies
             depth_sum = _DepthSum(grad_w, flat.sum(0) if need_b else None, mesh.depth_sum)
+            del flat
+        grad_x = None
+        if need_x:  # [q, m, k/q]: dy_lj W[out_j, in_i], a partial of dx_li
+            parts = torch.matmul(dys, weight)
+            del dys  # the q output-gradient blocks: gone before the partials' sum arrives
+            grad_x = _return_to_column(parts, mesh.ranks, i, j)
+            del parts  # held by the transfer until it is done
         return _finish(grad_x, depth_sum, need_w)
 
 
