@@ -78,3 +78,46 @@ PLAIN_PLAN = {
     "ln_f": "norm",
     "head": "head",
 }
+
+
+def torch_encoder(seed: int = 0, batch_first: bool = True) -> nn.TransformerEncoder:
+    """torch's own ``nn.TransformerEncoder``: 2 post-norm layers of 4 heads and a final norm,
+    no dropout, sized as :class:`PlainLM` (hidden 16)."""
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=batch_first)
+    return nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(16), enable_nested_tensor=True)
+
+
+class TorchEncoderLM(nn.Module):
+    """A causal LM built from torch's ``nn.TransformerEncoder`` (pre-norm layers), a token and
+    a learned position ``nn.Embedding``, a final norm and a head: no plan given, so
+    ``parallelize`` reads one from its structure. ``attention_mask`` (1: a token, 0: padding)
+    becomes the encoder's ``src_key_padding_mask``."""
+
+    def __init__(self, vocab: int = 32, hidden: int = 16, n_head: int = 4) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb = nn.Embedding(vocab, hidden), nn.Embedding(16, hidden)
+        layer = nn.TransformerEncoderLayer(
+            hidden, n_head, 2 * hidden, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.ln_f = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(
+        self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        length = ids.shape[1]
+        positions = torch.arange(length, device=ids.device)  # [s]
+        x = self.tok_emb(ids) + self.pos_emb(positions)  # [b, s, h]
+        causal = nn.Transformer.generate_square_subsequent_mask(length, device=ids.device)
+        padding = None if attention_mask is None else attention_mask == 0  # True: padding
+        x = self.encoder(x, mask=causal, is_causal=True, src_key_padding_mask=padding)
+        logits: torch.Tensor = self.head(self.ln_f(x))  # [b, s, V]
+        return logits
+
+
+def torch_encoder_lm(seed: int = 0) -> TorchEncoderLM:
+    """:class:`TorchEncoderLM` with weights drawn from ``seed``."""
+    torch.manual_seed(seed)
+    return TorchEncoderLM()

@@ -238,6 +238,9 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "clip vision encoder (patch conv, class token, pooler of the first token)": lambda ctx: (
         _clip_matches_reference(ctx)
     ),
+    "torch nn.TransformerEncoder (nn.MultiheadAttention split by heads, padded)": lambda ctx: (
+        _torch_encoders_match_reference(ctx)
+    ),
     "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
     "bare encoders (bert, roberta, distilbert, vit: hidden states and pooler whole)": lambda ctx: (
         _encoders_match_reference(ctx)
@@ -485,6 +488,88 @@ def _clip_matches_reference(ctx: ParallelContext) -> float:
     load_full_state_dict(model, original)
     _assert_same_state(gather_full_state_dict(model, context=ctx), original)
     return loss
+
+
+def _torch_encoders_match_reference(ctx: ParallelContext) -> list[float]:
+    """torch's own transformer: a bare ``nn.TransformerEncoder`` (its plan shipped for the
+    class, a features plan) on a padded batch under a causal mask, in training and in eval
+    mode (where torch's fast path would read whole weights), and a causal LM built from one
+    (the plan read from its blocks, ``attention_mask`` padded). ``nn.MultiheadAttention``'s
+    fused ``in_proj_weight`` is split by heads and saved in its own form. Under '1d' (and
+    its sequence parallelism) also ``batch_first=False``, which the other modes refuse."""
+    from plain_models import torch_encoder, torch_encoder_lm
+
+    losses = [_torch_encoder_loss(torch_encoder(), ctx)]
+    mode = ctx.config.tensor_mode
+    if mode == "1d":
+        losses.append(_torch_encoder_loss(torch_encoder(batch_first=False), ctx))
+    else:
+        with pytest.raises(ValueError, match=r"'layers.0.self_attn' .* takes \[s, b, h\]"):
+            parallelize(torch_encoder(batch_first=False), context=ctx)
+    ref = _with_plan(torch_encoder_lm(), "plan read from the transformer blocks")
+    model = parallelize(copy.deepcopy(ref), context=ctx)
+    _assert_same_state(gather_full_state_dict(model, context=ctx), ref.state_dict())
+    text = _padded_text()
+    ids, mask = text["input_ids"], text["attention_mask"]
+    ref_logits = ref(ids, attention_mask=mask)
+    vocab = ref_logits.shape[-1]
+    ref_loss = F.cross_entropy(ref_logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+    logits = model(ids, attention_mask=mask)
+    loss = causal_lm_loss(logits, ids, context=ctx)
+    ref_loss.backward()
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    torch.testing.assert_close(gather_logits(logits, context=ctx), ref_logits.detach(), **TOL)
+    grads = _full_grads(model, ctx, mean_loss=True)
+    for name, p in ref.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    return [*losses, round(float(loss.detach()), 5)]
+
+
+def _torch_encoder_loss(ref: nn.Module, ctx: ParallelContext) -> float:
+    from tessera.context import get_shard_info
+
+    model = parallelize(copy.deepcopy(ref), context=ctx)
+    fused = model.layers[0].self_attn.in_proj_weight
+    info = get_shard_info(fused)
+    assert (info is not None and info.is_sharded) == (ctx.config.tensor_mode != "sequence")
+    original = ref.state_dict()
+    _assert_same_state(gather_full_state_dict(model, context=ctx), original)
+    batch_first = ref.layers[0].self_attn.batch_first
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(4))
+    w = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(5))
+    keep = _padded_text()["attention_mask"].bool()  # [b, s]
+    padding, causal = ~keep, nn.Transformer.generate_square_subsequent_mask(8)
+    x_ref, x_par = x.clone().requires_grad_(), x.clone().requires_grad_()
+
+    def run(m: nn.Module, inputs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        out = m(
+            inputs if batch_first else inputs.transpose(0, 1),
+            mask=mask,
+            src_key_padding_mask=padding,
+        )
+        return out if batch_first else out.transpose(0, 1)  # [b, s, h]
+
+    y_ref, y = run(ref, x_ref, causal), run(model, x_par, causal)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    (y_ref * w * keep[..., None]).sum().backward()
+    (y * w * keep[..., None]).sum().backward()
+    assert x_ref.grad is not None and x_par.grad is not None
+    torch.testing.assert_close(x_par.grad, x_ref.grad, **TOL)
+    grads = _full_grads(model, ctx)
+    for name, p in ref.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    with torch.no_grad():  # eval: torch's fast path (nested tensors, fused kernel) stays off
+        ref.eval(), model.eval()
+        want, got = run(ref, x, None), run(model, x, None)
+        torch.testing.assert_close(got * keep[..., None], want * keep[..., None], **TOL)
+        for p in model.parameters():
+            p.zero_()
+    load_full_state_dict(model, original)
+    _assert_same_state(gather_full_state_dict(model, context=ctx), original)
+    return round(float((y * w * keep[..., None]).sum().detach()), 4)
 
 
 def _padded_text() -> dict[str, torch.Tensor]:

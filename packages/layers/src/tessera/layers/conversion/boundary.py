@@ -355,7 +355,10 @@ def _install_sequence_span(
         return replace(gather_along_dim(x, 1, group))  # [b, s, h]
 
     for name in attention:
-        model.get_submodule(name).register_forward_pre_hook(whole, with_kwargs=True)
+        module = model.get_submodule(name)
+        if getattr(module, "_tessera_gathers_own_sequence", False):  # multihead.py's: q, k, v
+            continue
+        module.register_forward_pre_hook(whole, with_kwargs=True)
     if span is None:
         return
     first, last = (model.get_submodule(name) for name in span)

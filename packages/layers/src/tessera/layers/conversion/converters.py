@@ -625,6 +625,10 @@ class Converter:
             ValueError: a count is not divisible by the number of ranks splitting the heads (a
                 key/value count: nor divides it), or heads to repeat have no known size.
         """
+        from .multihead import HeadsAttention
+
+        if isinstance(module, HeadsAttention):  # torch's nn.MultiheadAttention, written out
+            return self.heads_attention(name, module)
         share = self.share
         found = {
             a: getattr(module, a) for a in HEAD_ATTRIBUTES if _is_count(getattr(module, a, None))
@@ -676,6 +680,42 @@ class Converter:
             setattr(module, KEY_VALUE_GROUPS, heads.query // share)  # this rank's queries, one kv
         if from_config:  # a view: this rank's head counts, everything else the model's
             setattr(module, "config", HeadShareConfig(config, share))  # noqa: B010
+        return module
+
+    def heads_attention(self, name: str, module: nn.Module) -> nn.Module:
+        """``attention`` of torch's ``nn.MultiheadAttention``: its heads split (in place).
+
+        Its fused ``in_proj_weight [3E, E]`` becomes the mode's ``qkv`` column layer (q, k and
+        v each split by heads) and ``out_proj`` the mode's ``row`` layer, under the original
+        names (see :class:`~tessera.layers.conversion.multihead.HeadsAttention`).
+
+        Raises:
+            ValueError: the heads do not divide by the ranks splitting them.
+        """
+        from .multihead import HeadsAttention
+
+        assert isinstance(module, HeadsAttention)
+        share, heads = self.share, module.num_heads
+        if heads % share != 0:
+            raise ValueError(
+                f"parallelize: {name}.num_heads = {heads} is not divisible by the {share} "
+                f"ranks that split the heads under tensor mode {self.mode!r} ({heads} % "
+                f"{share} = {heads % share}); each rank needs whole heads"
+            )
+        self.heads[name] = Heads(heads, heads, module.head_dim)
+        weight = _tensor(module, "in_proj_weight")
+        bias = module.in_proj_bias
+        fused = nn.Linear(
+            module.embed_dim, 3 * module.embed_dim, bias=bias is not None, device="meta"
+        )
+        fused.weight = weight
+        if bias is not None:
+            fused.bias = bias
+        in_proj = self.linear(f"{name}.in_proj", fused, "qkv")
+        out_name = f"{name}.out_proj"
+        out_proj = self.linear(out_name, module.get_submodule("out_proj"), "row")
+        in_span = self.sequence_parallel and out_name in self.sequence_span
+        module.split(in_proj, out_proj, self.context, self.mode, in_span, self._head_block(), share)
         return module
 
     def embedding(self, name: str, module: nn.Module, role: str) -> nn.Module:

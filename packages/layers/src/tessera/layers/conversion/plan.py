@@ -540,6 +540,42 @@ def _gpt2_classifier() -> Plan:
     )
 
 
+def _torch_layer_rules(prefix: str, cross_attention: bool = False) -> dict[str, str]:
+    """Roles of torch's ``nn.TransformerEncoderLayer`` (or ``DecoderLayer``) at ``prefix``.
+
+    Its ``nn.MultiheadAttention`` modules take role ``attention``: ``parallelize`` splits
+    their fused ``in_proj_weight`` by heads (:mod:`~tessera.layers.conversion.multihead`).
+    """
+    rules = {
+        f"{prefix}self_attn": "attention",
+        f"{prefix}linear1": "col",
+        f"{prefix}linear2": "row",
+        f"{prefix}norm1": "norm",
+        f"{prefix}norm2": "norm",
+    }
+    if cross_attention:
+        rules |= {f"{prefix}multihead_attn": "attention", f"{prefix}norm3": "norm"}
+    return rules
+
+
+def _torch_transformer_plan(model: nn.Module) -> Plan | None:
+    """The plan of torch's own ``nn.TransformerEncoder`` / ``nn.TransformerEncoderLayer``.
+
+    They take and return activations ``[b, s, h]`` (``batch_first=True``; ``[s, b, h]``
+    under ``'1d'`` only): a ``"features"`` plan. ``None`` for any other class (a subclass
+    may compute otherwise).
+    """
+    if type(model) is nn.TransformerEncoderLayer:
+        return Plan(_torch_layer_rules(""), name="nn.TransformerEncoderLayer plan")
+    if type(model) is nn.TransformerEncoder:
+        return Plan(
+            {**_torch_layer_rules("layers.*."), "norm": "norm"},
+            name="nn.TransformerEncoder plan",
+            optional=("norm",),
+        )
+    return None
+
+
 def _clip_vision() -> Plan:
     """``CLIPVisionModel``: a ViT under CLIP's names, pre-norm blocks, a norm before them.
 
@@ -700,6 +736,9 @@ def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
         return plan
     if plan is not None:
         return _user_plan(model, dict(plan))
+    torch_plan = _torch_transformer_plan(model)
+    if torch_plan is not None:
+        return torch_plan
     for cls in type(model).__mro__:
         if cls.__name__ in BUILTIN_PLANS:
             shipped = BUILTIN_PLANS[cls.__name__]
@@ -974,6 +1013,8 @@ def _check_attention_covered(
     if mode == "sequence":  # whole heads on every rank
         return
     for attention in (name for name, role in roles.items() if role == "attention"):
+        if isinstance(model.get_submodule(attention), nn.MultiheadAttention):
+            continue  # its fused projection and out_proj are split with it (multihead.py)
         inside = model.get_submodule(attention).named_modules(prefix=attention)
         for name, module in inside:
             if not any(True for _ in module.parameters(recurse=False)):

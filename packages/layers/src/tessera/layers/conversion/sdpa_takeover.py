@@ -111,7 +111,13 @@ _SPEC_ATTR = "_tessera_sdpa_sequence"
 def take_over_sdpa(module: nn.Module, spec: Any) -> None:
     """Route ``module``'s SDPA call over the whole sequence (``spec``: its ``SequenceAttention``).
 
-    The forward is a bound method on the instance, so a deep copy binds it to the copy.
+    The forward is a bound method on the instance, so a deep copy binds it to the copy. A
+    module that attends over the sequence itself (multihead.py's ``HeadsAttention``: its
+    masks are ``nn.MultiheadAttention``'s) is handed ``spec`` through its ``take_sequence``.
     """
+    take_sequence = getattr(module, "take_sequence", None)
+    if callable(take_sequence):
+        take_sequence(spec)
+        return
     setattr(module, _SPEC_ATTR, spec)
     setattr(module, "forward", types.MethodType(_forward_over_sequence, module))  # noqa: B010

@@ -156,6 +156,11 @@ def _attention_rules(block: nn.Module, prefix: str, hidden: int) -> dict[str, st
     """``{name: role}`` of the block's one attention module and its projections, or why not."""
     found: list[dict[str, str]] = []
     for name, module in _children(block, prefix):
+        if isinstance(module, nn.MultiheadAttention):  # q, k, v fused, split by heads
+            if module.embed_dim != hidden or not module._qkv_same_embed_dim:
+                return f"{name} (nn.MultiheadAttention) does not attend over the hidden size"
+            found.append({name: "attention"})
+            continue
         children = dict(module.named_children())
         for q, k, v in QKV_NAMES:
             if not all(n in children for n in (q, k, v)):
