@@ -35,6 +35,7 @@ __all__ = [
     "checkpointed_block_bytes",
     "embedding_parameters",
     "head_activation_bytes",
+    "late_bytes",
     "rank_memory",
     "stage_blocks",
 ]
@@ -55,6 +56,10 @@ class MemoryBreakdown:
         update: What the optimizer step holds beyond the optimizer state: torch's Adam
             computes the denominator ``sqrt(v) + eps`` of every tensor it updates at once
             (its ``foreach`` implementation), one fp32 copy of this rank's optimized elements.
+        late: What the backward of the first block, the last one the step runs, holds beyond
+            parameters and optimizer state: the gradients of every layer after it, its
+            activations (recomputed, under checkpointing) and working memory, and under
+            ZeRO-2/3 FSDP2's buffers for its gradients (:func:`late_bytes`).
     """
 
     parameters: int
@@ -63,17 +68,21 @@ class MemoryBreakdown:
     activations: int
     workspace: int = 0
     update: int = 0
+    late: int = 0
 
     @property
     def total(self) -> int:
-        """The step's peak: parameters and optimizer state, and the larger of two moments.
+        """The step's peak: parameters and optimizer state, and the largest of three moments.
 
         At the start of the backward every activation is saved and no gradient exists yet
         (the engine's ``zero_grad`` frees them); at the optimizer step every gradient exists,
-        with the update's temporaries, and no activation. Measured on every layout
-        (``benchmarks/bench_largest_model.py``), the peak is one of the two, never their sum.
+        with the update's temporaries, and no activation; in between, the first block's
+        backward meets nearly every gradient with one block's activations (``late``), the
+        peak of a checkpointed step, whose recomputed block is as large as everything it
+        kept. Measured on every layout (``benchmarks/bench_largest_model.py``), the peak is
+        one of the three, never a sum of two.
         """
-        peak = max(self.gradients + self.update, self.activations + self.workspace)
+        peak = max(self.gradients + self.update, self.activations + self.workspace, self.late)
         return self.parameters + self.optimizer + peak
 
 
@@ -303,11 +312,43 @@ def rank_memory(
         else:
             activations = blocks * in_flight * block + head
             workspace = max(block_work, head_work)
-        breakdown = _sharded(shape, layout, precision, params, activations, workspace)
+        # the stem's tables get their gradients after the first block's backward
+        stem = embedding_parameters(shape, layout, tables=2, head=False) if tables == 2 else 0
+        # the block's input and the incoming gradient: the gradient of each, [T, h] per rank
+        flowing = 2 * checkpointed_block_bytes(shape, layout, samples, precision)
+        late = late_bytes(shape, layout, precision, params - stem, block + block_work + flowing)
+        breakdown = _sharded(shape, layout, precision, params, activations, workspace, late)
         if worst is None or breakdown.total > worst.total:
             worst = breakdown
     assert worst is not None
     return worst
+
+
+def late_bytes(
+    shape: ModelShape, layout: Layout, precision: Precision, gradients: int, block: int
+) -> int:
+    """What the first block's backward holds beyond parameters and optimizer state.
+
+    It runs last: every later layer's gradient exists by then, and the block's activations
+    (recomputed under checkpointing: as large as all the inputs the step kept, or larger), its
+    working memory, the gradient arriving from the next block and the one it passes down the
+    residual stream are held at once (``block`` bytes). Under ZeRO-2/3 the gradients are
+    sharded over the ``data`` ranks, and FSDP2 holds the block's own gradients unsharded and
+    copied into the reduce-scatter's input (two blocks of gradients).
+
+    Args:
+        shape: The model.
+        layout: The layout.
+        precision: Bytes per element.
+        gradients: Elements whose gradients exist when the first block's backward starts (the
+            stage's parameters but the stem's tables).
+        block: The block's activations and working memory, bytes.
+    """
+    own = block_parameters(shape, layout)
+    later = max(gradients - own, 0)
+    if layout.zero >= 2:
+        return precision.gradient * (_ceil(later, layout.data) + 2 * own) + block
+    return precision.gradient * later + block
 
 
 def _sharded(
@@ -317,6 +358,7 @@ def _sharded(
     params: int,
     activations: int,
     workspace: int,
+    late: int = 0,
 ) -> MemoryBreakdown:
     """Apply ZeRO's sharding over the ``data`` ranks to a stage's ``params`` elements."""
     n, zero = layout.data, layout.zero
@@ -331,4 +373,5 @@ def _sharded(
         activations=activations,
         workspace=workspace,
         update=FP32 * updated,
+        late=late,
     )

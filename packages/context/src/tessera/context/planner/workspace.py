@@ -13,8 +13,12 @@ comes from one of three places, and the planner counts the largest:
 * **the widest linear layer** (the MLP's second, whose input is ``F`` wide): a 2D / 2.5D / 3D
   linear gathers ``q`` blocks of its input ``X`` (``[T/r, F/q]``) and, in its backward, holds
   ``q`` partial blocks of the input's gradient before they are reduce-scattered: ``(g + 1)
-  X``; when its weights stay in place (``cube_algorithm`` says ``"stationary"``) a 3D layer
-  gathers the whole input plane, ``q`` times more;
+  X``; it also holds the ``q`` panels of its weight block ``W`` (``h F / q^2`` elements in 2D
+  and 2.5D, ``h F / q^3`` in 3D) for ``dx`` while ``dW``'s ``q`` partial blocks and the block
+  that receives their sum are in flight, ``(2 g + 1) W`` more, and a 3D layer the ``q``
+  gathered row blocks of its output gradient; when its weights stay in place
+  (``cube_algorithm`` says ``"stationary"``) a 3D layer gathers the whole input plane, ``q``
+  times more;
 * **attention**: the raw scores beside the masked ones and the probabilities (forward), the
   probabilities' gradient beside the scores' (backward): two score blocks.
 
@@ -77,7 +81,13 @@ def block_workspace_bytes(
             o = _ceil(shape.hidden, q * q)
             if cube_algorithm(rows, k, o, q, layout.keep_gathered) == "stationary":
                 plane = q
-        found = max(found, (gathered_blocks(layout, backend) * plane + 1) * widest)
+        g = gathered_blocks(layout, backend)
+        # the weight's gathered panels, and dW's partials with the block receiving their sum
+        weight = _ceil(shape.hidden * shape.ffn, layout.weight_split)
+        others = (2 * g + 1) * precision.gradient * weight
+        if layout.mode == "3d":  # and the output gradient's q gathered row blocks
+            others += g * e * rows * _ceil(shape.hidden, q)
+        found = max(found, (g * plane + 1) * widest + others)
     return found
 
 
