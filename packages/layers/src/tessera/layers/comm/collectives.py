@@ -12,7 +12,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .inflight import Pending, start_gather_blocks, start_scatter_blocks
+from .inflight import (
+    Pending,
+    functional_collectives,
+    start_gather_blocks,
+    start_scatter_blocks,
+    tracing,
+)
 
 __all__ = [
     "all_gather_along",
@@ -134,8 +140,12 @@ def all_to_all_along(
     # [.., w*c, ..] -> [w, .., c, ..]: block j goes to rank j.
     send = x.reshape(*shape[:scatter_dim], world_size, chunk, *shape[scatter_dim + 1 :])
     send = send.movedim(scatter_dim, 0).contiguous()
-    recv = torch.empty_like(send)  # recv[j] came from rank j
-    dist.all_to_all_single(recv, send, group=group)
+    recv: torch.Tensor
+    if tracing():
+        recv = functional_collectives().all_to_all_single(send, None, None, group)
+    else:
+        recv = torch.empty_like(send)  # recv[j] came from rank j
+        dist.all_to_all_single(recv, send, group=group)
     block = list(send.shape[1:])
     moved = recv.movedim(0, gather_dim)  # [.., w, g, ..]
     block[gather_dim] *= world_size

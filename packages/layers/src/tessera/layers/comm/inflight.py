@@ -33,6 +33,14 @@ up once per group: torch's ``P2POp`` / ``batch_isend_irecv`` path translates ran
 arguments in Python on every call, which cost about 0.3 ms of CPU per exchange here (with
 eight ranks on two cores, CPU time is step time). On NCCL they stay one
 ``batch_isend_irecv``: NCCL needs their sends and receives in one group call.
+
+Under ``torch.compile`` every exchange here goes through torch's functional collectives
+(``torch.distributed._functional_collectives``), which Dynamo traces into the graph, where
+the ``Work`` handles of ``async_op=True`` calls, gloo's direct process-group calls and
+point-to-point sends would each break it: the compiler then schedules the overlap itself.
+The point-to-point transfers of one call become one all-to-all over their group (their
+callers, SUMMA's stationary-weights product and the 3D layout switch, post them on every
+rank of that group at once, as an all-to-all needs).
 """
 
 from __future__ import annotations
@@ -40,12 +48,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
     "Pending",
+    "functional_collectives",
     "post_all_to_all",
     "post_peer_exchange",
     "start_all_reduce",
@@ -53,6 +63,7 @@ __all__ = [
     "start_gather_blocks",
     "start_scatter_blocks",
     "start_transfers",
+    "tracing",
 ]
 
 _Collective = Callable[..., object]
@@ -98,6 +109,18 @@ class Pending:
             work.wait()
         self._works, self._keep = [], ()
         return self._finish()
+
+
+def tracing() -> bool:
+    """Whether ``torch.compile`` is tracing (the functional collectives' path, above)."""
+    return bool(torch.compiler.is_compiling())
+
+
+def functional_collectives() -> Any:
+    """The functional collectives of torch (imported when first traced, never in eager runs)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
 
 
 def _work(handle: object) -> dist.Work:
@@ -218,10 +241,55 @@ def start_transfers(
     Every peer must be a rank of ``group`` other than this one, every tensor contiguous.
     Between two ranks, sends arrive in the order they were posted.
     """
+    if tracing():
+        return _transfers_as_all_to_all(sends, recvs, group)
     local = _route(group).group_rank
     return post_exchange(
         [(local[peer], t) for peer, t in sends], [(local[peer], t) for peer, t in recvs], group
     )
+
+
+def _transfers_as_all_to_all(
+    sends: Sequence[tuple[int, torch.Tensor]],
+    recvs: Sequence[tuple[int, torch.Tensor]],
+    group: dist.ProcessGroup,
+) -> list[dist.Work]:
+    """:func:`start_transfers` as one traced all-to-all over ``group``: done when it returns.
+
+    Every rank of ``group`` must call it at once (each with its own sends and receives, a
+    peer may be this rank itself). The sends go out flattened in group-rank order, each
+    peer's in the order posted, and arrive into the receive buffers in the same order.
+    """
+    tensors = [t for _, t in (*sends, *recvs)]
+    if not tensors:
+        return []
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"traced transfers take one dtype per call, got {sorted(map(str, dtypes))}"
+        )
+    route = _route(group)
+    width = len(route.global_rank)
+    outgoing: list[list[torch.Tensor]] = [[] for _ in range(width)]
+    incoming: list[list[torch.Tensor]] = [[] for _ in range(width)]
+    for peer, tensor in sends:
+        outgoing[route.group_rank[peer]].append(tensor.reshape(-1))
+    for peer, tensor in recvs:
+        incoming[route.group_rank[peer]].append(tensor)
+    flat = [t for per_peer in outgoing for t in per_peer]
+    sent = torch.cat(flat) if flat else tensors[0].new_empty(0)
+    got = functional_collectives().all_to_all_single(
+        sent,
+        [sum(t.numel() for t in per_peer) for per_peer in incoming],
+        [sum(t.numel() for t in per_peer) for per_peer in outgoing],
+        group,
+    )
+    offset = 0
+    for per_peer in incoming:
+        for tensor in per_peer:
+            tensor.copy_(got[offset : offset + tensor.numel()].view(tensor.shape))
+            offset += tensor.numel()
+    return []
 
 
 def start_gather_blocks(block: torch.Tensor, group: dist.ProcessGroup, world_size: int) -> Pending:
@@ -229,6 +297,10 @@ def start_gather_blocks(block: torch.Tensor, group: dist.ProcessGroup, world_siz
     block = block.contiguous()
     if world_size == 1:
         return Pending.done(block.unsqueeze(0))
+    if tracing():
+        return Pending.done(
+            functional_collectives().all_gather_tensor(block.unsqueeze(0), 0, group)
+        )
     out = torch.empty((world_size, *block.shape), dtype=block.dtype, device=block.device)
     if not _pairwise(group):
         flat = out.view(world_size * block.shape[0], *block.shape[1:]) if block.dim() else out
@@ -257,6 +329,10 @@ def start_scatter_blocks(
     blocks = blocks.contiguous()
     if world_size == 1:
         return Pending.done(blocks[0])
+    if tracing():
+        return Pending.done(
+            functional_collectives().reduce_scatter_tensor(blocks, "sum", 0, group)[0]
+        )
     shape = blocks.shape[1:]
     if not _pairwise(group):
         out = torch.empty(shape, dtype=blocks.dtype, device=blocks.device)
@@ -291,6 +367,8 @@ def start_all_to_all_blocks(
     blocks = blocks.contiguous()
     if world_size == 1:
         return Pending.done(blocks)
+    if tracing():
+        return Pending.done(functional_collectives().all_to_all_single(blocks, None, None, group))
     received = torch.empty_like(blocks)
     if not _pairwise(group):
         works = [_work(dist.all_to_all_single(received, blocks, group=group, async_op=True))]
@@ -302,4 +380,6 @@ def start_all_reduce(x: torch.Tensor, group: dist.ProcessGroup, world_size: int)
     """Post a sum of ``x`` over the group, in place; ``wait()`` returns ``x``."""
     if world_size == 1:
         return Pending.done(x)
+    if tracing():  # in place, as the eager path: callers may read x itself
+        return Pending.done(x.copy_(functional_collectives().all_reduce(x, "sum", group)))
     return Pending([_work(dist.all_reduce(x, group=group, async_op=True))], lambda: x)

@@ -31,6 +31,7 @@ from .collectives import (
     reduce_scatter_along,
     split_along,
 )
+from .inflight import functional_collectives, tracing
 
 __all__ = [
     "all_to_all",
@@ -53,6 +54,9 @@ def _rank(group: dist.ProcessGroup) -> int:
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    if tracing():
+        reduced: torch.Tensor = functional_collectives().all_reduce(x.contiguous(), "sum", group)
+        return reduced
     out = x.contiguous().clone()
     dist.all_reduce(out, group=group)
     return out
@@ -173,6 +177,11 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.src, ctx.group = src, group
+        if _size(group) > 1 and tracing():
+            sent: torch.Tensor = functional_collectives().broadcast(
+                x.contiguous(), dist.get_global_rank(group, src), group
+            )
+            return sent
         out = x.contiguous().clone()
         if _size(group) > 1:
             dist.broadcast(out, src=dist.get_global_rank(group, src), group=group)
@@ -182,6 +191,9 @@ class _Broadcast(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         if _size(ctx.group) == 1:
             return grad, None, None
+        if tracing():  # no traced reduce: the sum everywhere, kept by src alone
+            summed = _all_reduce(grad, ctx.group)
+            return (summed if _rank(ctx.group) == ctx.src else torch.zeros_like(grad)), None, None
         out = grad.contiguous().clone()
         dist.reduce(out, dst=dist.get_global_rank(ctx.group, ctx.src), group=ctx.group)
         if _rank(ctx.group) != ctx.src:

@@ -34,10 +34,9 @@ from ..comm.collectives import check_divisible
 from ..comm.ops import gather_along_dim, split_along_dim
 from ..cube.embedding import Embedding3D
 from ..cube.layout import LAYOUT_ATTR, cube_of, mark_layout
-from ..cube.loss import CrossEntropyLoss3D
 from ..dispatch.activations import gather_activation, split_activation, split_batch
+from ..grid.loss import grid_cross_entropy
 from ..mesh.layout import mesh_of
-from ..mesh.loss import CrossEntropyLoss2D, CrossEntropyLoss2p5D
 from ..sequence.replicated import split_sequence_activation
 from ..shared.context_access import current_or_none, tensor_mode
 from ..shared.cross_entropy import vocab_parallel_cross_entropy
@@ -667,12 +666,17 @@ def _cross_entropy(
         )
     if mode == "sequence":
         return _sequence_token_loss(logits, local, ignore_index, ctx)
-    losses = {"2d": CrossEntropyLoss2D, "2.5d": CrossEntropyLoss2p5D, "3d": CrossEntropyLoss3D}
-    if mode in losses:
-        criterion = losses[mode](reduction, ignore_index=ignore_index, context=ctx)
-        loss: torch.Tensor = criterion(logits, local)
-        return loss
-    raise ModeNotImplementedError("token_loss", mode, ("1d", *losses, "sequence"))
+    if mode in ("2d", "2.5d", "3d"):  # a function of the grid: no module built per call
+        grid = cube_of(ctx) if mode == "3d" else mesh_of(ctx, mode)
+        return grid_cross_entropy(
+            logits,
+            local,
+            grid,
+            vocab_parallel=False,
+            ignore_index=ignore_index,
+            reduction=reduction,
+        )
+    raise ModeNotImplementedError("token_loss", mode, ("1d", "2d", "2.5d", "3d", "sequence"))
 
 
 def _sequence_token_loss(

@@ -36,6 +36,7 @@ from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode, derive_seed
 
+from ..comm.inflight import tracing
 from .plan import COLUMN_ROLES
 
 __all__ = ["RANK_FORK_ATTR", "RankFork", "fork_each_layer", "install_dropout_streams"]
@@ -51,11 +52,17 @@ ALL_SPLIT = ("2d", "2.5d", "3d", "sequence")
 class RankFork:
     """Forks torch's generators into a tensor-rank-distinct, replayable state, and back.
 
+    A generator's state cannot be traced: under ``torch.compile`` each fork breaks the graph.
+    A model that draws nothing at random (no dropout: :func:`may_draw_random`) is not forked
+    while traced, so its compiled forward stays whole; eager runs fork whatever the model.
+
     Args:
         context: Gives the tensor rank and the device whose generator dropout uses.
+        may_draw: Whether the model may draw random numbers in a forked region.
     """
 
-    def __init__(self, context: ParallelContext) -> None:
+    def __init__(self, context: ParallelContext, may_draw: bool = True) -> None:
+        self.may_draw = may_draw
         self._rank = context.get_local_rank(ParallelMode.TENSOR)
         self._cuda = context.device if context.device.type == "cuda" else None
         self._saved: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -67,7 +74,7 @@ class RankFork:
 
     def enter(self, *_: Any) -> None:
         """Fork (no-op when forked already): same draw on every rank, then a rank's seed."""
-        if self._saved is not None:
+        if self._saved is not None or (tracing() and not self.may_draw):
             return
         draw = int(torch.randint(0, 2**62, (1,)))  # the global generator: alike on every rank
         cuda_state = torch.cuda.get_rng_state(self._cuda) if self._cuda is not None else None
@@ -89,6 +96,22 @@ class RankFork:
         torch.default_generator.set_state(cpu_state)
         if self._cuda is not None and cuda_state is not None:
             torch.cuda.set_rng_state(cuda_state, self._cuda)
+
+
+def may_draw_random(model: nn.Module) -> bool:
+    """Whether ``model`` may draw random numbers when training: any dropout probability > 0.
+
+    Read from its dropout modules and any float attribute of a module named for dropout (an
+    attention's ``attention_dropout``, which it passes to its attention function), as they
+    are when it is parallelized.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        for name, value in vars(module).items():
+            if "dropout" in name.lower() and isinstance(value, float) and value > 0:
+                return True
+    return False
 
 
 def install_dropout_streams(
@@ -113,7 +136,7 @@ def install_dropout_streams(
     Returns:
         The fork, for tests and for a caller that needs to know whether it is active.
     """
-    fork = RankFork(context)
+    fork = RankFork(context, may_draw=may_draw_random(model))
     # A forward that raised inside a region must not leave the next one forked.
     model.register_forward_pre_hook(fork.leave)
     if mode in ALL_SPLIT or (sequence_parallel and span is None):

@@ -40,18 +40,25 @@ class HeadShareConfig:
         object.__setattr__(self, "_shared", shared)
         object.__setattr__(self, "_counts", counts)
 
+    _shared: object
+    _counts: dict[str, int]
+
     def __getattr__(self, name: str) -> object:
         """This rank's head count, or the shared config's attribute."""
         if name.startswith("__") and name.endswith("__"):  # copy and pickle: this object's own
             raise AttributeError(name)
-        counts: dict[str, int] = object.__getattribute__(self, "_counts")
+        if name in ("_counts", "_shared"):  # not set yet (a copy being restored)
+            raise AttributeError(name)
+        # ``_counts`` and ``_shared`` are found by the ordinary lookup (the instance's
+        # ``__dict__``), which ``torch.compile`` traces; ``object.__getattribute__`` it cannot
+        counts: dict[str, int] = self._counts
         if name in counts:
             return counts[name]
-        return getattr(object.__getattribute__(self, "_shared"), name)
+        return getattr(self._shared, name)
 
     def __setattr__(self, name: str, value: object) -> None:
         """Writes reach the shared config (the model's, which every layer reads)."""
-        setattr(object.__getattribute__(self, "_shared"), name, value)
+        setattr(self._shared, name, value)
 
     def __repr__(self) -> str:
         counts = object.__getattribute__(self, "_counts")

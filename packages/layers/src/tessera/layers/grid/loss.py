@@ -23,13 +23,14 @@ import torch.nn.functional as F
 
 from tessera.context import ParallelContext
 
+from ..comm.inflight import start_all_reduce
 from ..comm.ops import reduce_from_group
 from ..shared.accuracy import vocab_parallel_argmax
 from ..shared.context_access import GroupInfo
 from ..shared.cross_entropy import vocab_parallel_cross_entropy
-from .base import GridModule
+from .base import Grid, GridModule
 
-__all__ = ["GridAccuracy", "GridCrossEntropyLoss", "reduce_batch_loss"]
+__all__ = ["GridAccuracy", "GridCrossEntropyLoss", "grid_cross_entropy", "reduce_batch_loss"]
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -56,8 +57,7 @@ def reduce_batch_loss(
     if reduction == "sum":
         return total
     count = (target != ignore_index).sum().to(total.dtype)
-    if batch.world_size > 1:
-        dist.all_reduce(count, group=batch.group)
+    count = start_all_reduce(count, batch.group, batch.world_size).wait()
     return total / count
 
 
@@ -96,25 +96,41 @@ class GridCrossEntropyLoss(GridModule):
                 f"{self.owner}: logits {list(logits.shape)} and target {list(target.shape)} "
                 "differ in the leading dims (split both with split_batch)"
             )
-        grid = self.grid
-        if self.VOCAB_PARALLEL:
-            per_sample = vocab_parallel_cross_entropy(
-                logits,
-                target,
-                grid.hidden_axis.group,
-                ignore_index=self.ignore_index,
-                reduction="none",
-            )
-        else:
-            per_sample = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]),
-                target.reshape(-1),
-                ignore_index=self.ignore_index,
-                reduction="none",
-            ).view(target.shape)
-        return reduce_batch_loss(
-            per_sample, target, self.ignore_index, self.reduction, grid.batch_axis
+        return grid_cross_entropy(
+            logits,
+            target,
+            self.grid,
+            vocab_parallel=self.VOCAB_PARALLEL,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
         )
+
+
+def grid_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grid: Grid,
+    *,
+    vocab_parallel: bool,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """:class:`GridCrossEntropyLoss` as a function of the grid (no module built per call).
+
+    Logits ``[b/B, ..., C]``, or ``[.., C/q]`` with ``vocab_parallel``; targets ``[b/B, ...]``.
+    """
+    if vocab_parallel:
+        per_sample = vocab_parallel_cross_entropy(
+            logits, target, grid.hidden_axis.group, ignore_index=ignore_index, reduction="none"
+        )
+    else:
+        per_sample = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            target.reshape(-1),
+            ignore_index=ignore_index,
+            reduction="none",
+        ).view(target.shape)
+    return reduce_batch_loss(per_sample, target, ignore_index, reduction, grid.batch_axis)
 
 
 class GridAccuracy(GridModule):

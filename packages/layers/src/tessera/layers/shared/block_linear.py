@@ -17,7 +17,7 @@ import torch
 
 from .autocast import cast_operands, computing_in
 
-__all__ = ["BlockLinearFunction", "gradients_needed"]
+__all__ = ["BlockLinearFunction", "block_linear_forward", "gradients_needed"]
 
 
 class BlockLinearFunction(torch.autograd.Function):
@@ -32,32 +32,58 @@ class BlockLinearFunction(torch.autograd.Function):
     #: or ``([n, out_local], kept)``: tensors saved for the backward after ``x`` and ``weight``.
     product: ClassVar[Callable[..., torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]]]
 
-    @classmethod
-    def forward(
-        cls,
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        *grid: Any,
-    ) -> torch.Tensor:
-        """``x [.., k]`` -> ``[n, out_local]`` through ``product``, plus the bias.
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Give each variant a static ``forward`` around its ``product``.
 
-        ``n`` is the rows of ``x`` (every dim but the last); the caller views the result back
-        to ``x``'s leading dims.
+        A classmethod ``forward`` (``cls.product`` looked up at the call) is what autograd
+        accepts, but ``torch.compile`` binds ``forward`` as a staticmethod and passes ``ctx``
+        where ``cls`` goes: each variant gets its own static one instead.
         """
-        dtype, x, weight, bias = cast_operands(x, weight, bias)
-        ctx.grid, ctx.has_bias = grid, bias is not None
-        with computing_in(dtype, x.device):
-            out = cls.product(x.detach().reshape(-1, x.shape[-1]), weight.detach(), *grid)
-            kept: tuple[torch.Tensor, ...] = ()
-            if isinstance(out, tuple):  # the variant keeps what it gathered for its backward
-                out, kept = out
-            out = out if bias is None else out.add_(bias)
-        ctx.save_for_backward(x, weight, *kept)
-        # A view made here would be one autograd forbids changing in place (Falcon adds its
-        # attention output into its MLP output with +=): callers restore ``lead`` outside.
-        return out if not out._is_view() else out.clone()  # [n, out_local]
+        super().__init_subclass__(**kwargs)
+        product = cls.__dict__.get("product")
+        if product is None:
+            return
+        compute = product.__func__ if isinstance(product, staticmethod) else product
+
+        def forward(
+            ctx: Any,
+            x: torch.Tensor,
+            weight: torch.Tensor,
+            bias: torch.Tensor | None,
+            *grid: Any,
+        ) -> torch.Tensor:
+            return block_linear_forward(compute, ctx, x, weight, bias, grid)
+
+        forward.__doc__ = block_linear_forward.__doc__
+        cls.forward = staticmethod(forward)  # type: ignore[method-assign]
+
+
+def block_linear_forward(
+    product: Callable[..., Any],
+    ctx: Any,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    grid: tuple[Any, ...],
+) -> torch.Tensor:
+    """``x [.., k]`` -> ``[n, out_local]`` through ``product``, plus the bias.
+
+    ``n`` is the rows of ``x`` (every dim but the last); the caller views the result back
+    to ``x``'s leading dims.
+    """
+    dtype, x, weight, bias = cast_operands(x, weight, bias)
+    ctx.grid, ctx.has_bias = grid, bias is not None
+    with computing_in(dtype, x.device):
+        out = product(x.detach().reshape(-1, x.shape[-1]), weight.detach(), *grid)
+        kept: tuple[torch.Tensor, ...] = ()
+        if isinstance(out, tuple):  # the variant keeps what it gathered for its backward
+            out, kept = out
+        out = out if bias is None else out.add_(bias)
+    ctx.save_for_backward(x, weight, *kept)
+    assert isinstance(out, torch.Tensor)
+    # A view made here would be one autograd forbids changing in place (Falcon adds its
+    # attention output into its MLP output with +=): callers restore ``lead`` outside.
+    return out if out._base is None else out.clone()  # [n, out_local]
 
 
 def gradients_needed(ctx: Any) -> tuple[bool, bool, bool]:

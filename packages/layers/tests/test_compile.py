@@ -1,0 +1,73 @@
+"""``torch.compile`` of a parallelized model: one graph, no break, and eager's numbers.
+
+A training step's forward and loss (transformers' GPT-2, parallelized) is compiled with
+``fullgraph=True``, so any graph break, tessera's or transformers', fails the test; the
+backward runs through the compiled graph's own backward (AOTAutograd). Its loss and every
+gradient must equal the eager parallel step's, which the layout tests hold equal to one
+process. The ``aot_eager`` backend traces forward and backward as Inductor would, without
+generating code (seconds, not minutes, on CPU); ``benchmarks/bench_compile.py`` runs Inductor.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+#: name -> the ``tensor`` block of the parallel config (the modes the issue names).
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "1d": dict(size=2, mode="1d"),
+    "2d": dict(size=4, mode="2d"),
+    "3d": dict(size=8, mode="3d"),
+}
+
+
+def _compiled_step_equals_eager(tensor: dict[str, Any]) -> float:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tessera.context import create_context
+    from tessera.layers import causal_lm_loss, parallelize
+
+    ctx = create_context(dict(parallel=dict(tensor=tensor)), timeout=60.0)
+    try:
+        torch.manual_seed(0)
+        config = GPT2Config(
+            vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        plain = GPT2LMHeadModel(config)
+        eager = parallelize(copy.deepcopy(plain), context=ctx)
+        compiled_model = parallelize(plain, context=ctx)
+        ids = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(1))
+
+        expected = causal_lm_loss(eager(ids).logits, ids, context=ctx)
+        expected.backward()
+
+        def step(batch: torch.Tensor) -> torch.Tensor:
+            return causal_lm_loss(compiled_model(batch).logits, batch, context=ctx)
+
+        compiled_model(ids)  # the first call's one-time input checks run eagerly
+        torch._dynamo.reset()
+        loss = torch.compile(step, backend="aot_eager", fullgraph=True)(ids)
+        loss.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+        grads = dict(eager.named_parameters())
+        for name, p in compiled_model.named_parameters():
+            reference = grads[name].grad
+            assert p.grad is not None and reference is not None, name
+            torch.testing.assert_close(p.grad, reference, rtol=1e-5, atol=1e-6, msg=name)
+        return float(loss)
+    finally:
+        torch._dynamo.reset()
+        ctx.destroy()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_compiled_step_is_one_graph_and_equals_eager(dist: Any, layout: str) -> None:
+    tensor = LAYOUTS[layout]
+    losses = dist.run(
+        _compiled_step_equals_eager, world_size=tensor["size"], args=(tensor,), timeout=300.0
+    )
+    assert all(loss == losses[0] for loss in losses)  # the whole batch's loss on every rank
