@@ -121,3 +121,11 @@ def torch_encoder_lm(seed: int = 0) -> TorchEncoderLM:
     """:class:`TorchEncoderLM` with weights drawn from ``seed``."""
     torch.manual_seed(seed)
     return TorchEncoderLM()
+
+
+def torch_decoder(seed: int = 0) -> nn.TransformerDecoder:
+    """torch's own ``nn.TransformerDecoder``: 2 pre-norm layers of 4 heads (self- and
+    cross-attention) and a final norm, no dropout, hidden 16."""
+    torch.manual_seed(seed)
+    layer = nn.TransformerDecoderLayer(16, 4, 32, dropout=0.0, batch_first=True, norm_first=True)
+    return nn.TransformerDecoder(layer, 2, norm=nn.LayerNorm(16))

@@ -497,10 +497,15 @@ def _torch_encoders_match_reference(ctx: ParallelContext) -> list[float]:
     (the plan read from its blocks, ``attention_mask`` padded). ``nn.MultiheadAttention``'s
     fused ``in_proj_weight`` is split by heads and saved in its own form. Under '1d' (and
     its sequence parallelism) also ``batch_first=False``, which the other modes refuse."""
-    from plain_models import torch_encoder, torch_encoder_lm
+    from plain_models import torch_decoder, torch_encoder, torch_encoder_lm
 
     losses = [_torch_encoder_loss(torch_encoder(), ctx)]
     mode = ctx.config.tensor_mode
+    if mode == "sequence":
+        with pytest.raises(ValueError, match=r"'layers.0.multihead_attn' is the cross-attention"):
+            parallelize(torch_decoder(), context=ctx)
+    else:
+        losses.append(_torch_decoder_loss(torch_decoder(), ctx))
     if mode == "1d":
         losses.append(_torch_encoder_loss(torch_encoder(batch_first=False), ctx))
     else:
@@ -525,6 +530,39 @@ def _torch_encoders_match_reference(ctx: ParallelContext) -> list[float]:
         assert p.grad is not None
         torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
     return [*losses, round(float(loss.detach()), 5)]
+
+
+def _torch_decoder_loss(ref: nn.Module, ctx: ParallelContext) -> float:
+    """A bare ``nn.TransformerDecoder``: a padded target under a causal mask attending to a
+    padded memory of another length; outputs, both inputs' and every parameter's gradient."""
+    model = parallelize(copy.deepcopy(ref), context=ctx)
+    original = ref.state_dict()
+    _assert_same_state(gather_full_state_dict(model, context=ctx), original)
+    g = torch.Generator().manual_seed(6)
+    tgt, memory = torch.randn(4, 8, 16, generator=g), torch.randn(4, 6, 16, generator=g)
+    w = torch.randn(4, 8, 16, generator=g)
+    keep = _padded_text()["attention_mask"].bool()  # [b, s]
+    memory_padding = torch.zeros(4, 6, dtype=torch.bool)
+    memory_padding[1, -2:] = True
+    masks = dict(
+        tgt_mask=nn.Transformer.generate_square_subsequent_mask(8),
+        tgt_key_padding_mask=~keep,
+        memory_key_padding_mask=memory_padding,
+    )
+    inputs_ref = [t.clone().requires_grad_() for t in (tgt, memory)]
+    inputs = [t.clone().requires_grad_() for t in (tgt, memory)]
+    y_ref, y = ref(*inputs_ref, **masks), model(*inputs, **masks)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    (y_ref * w * keep[..., None]).sum().backward()
+    (y * w * keep[..., None]).sum().backward()
+    for got, want in zip(inputs, inputs_ref, strict=True):
+        assert got.grad is not None and want.grad is not None
+        torch.testing.assert_close(got.grad, want.grad, **TOL)
+    grads = _full_grads(model, ctx)
+    for name, p in ref.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    return round(float((y * w * keep[..., None]).sum().detach()), 4)
 
 
 def _torch_encoder_loss(ref: nn.Module, ctx: ParallelContext) -> float:

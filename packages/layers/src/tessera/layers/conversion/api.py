@@ -214,9 +214,10 @@ def parallelize(
         )
     check_meta_buffers(model)
     check_same_weights(model, ctx)
-    from .multihead import install_heads_attention  # torch's nn.MultiheadAttention, by heads
+    from .multihead import install_heads_attention, install_memory_split  # torch's attention
 
     install_heads_attention(model, [n for n, r in roles.items() if r == "attention"], mode)
+    install_memory_split(model, ctx, mode)
     sequence_parallel = mode == "1d" and sequence_parallel_default(ctx)
     bare = chosen.boundary == "tokens" and not chosen.causal_lm  # its hidden states whole
     splits_tokens = sequence_parallel or (

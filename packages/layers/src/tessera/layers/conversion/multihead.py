@@ -34,7 +34,7 @@ from tessera.context import ParallelContext, ParallelMode
 from ..comm.ops import gather_along_dim
 from ..sequence.attention import additive_mask, attend_over_sequence
 
-__all__ = ["HeadsAttention", "install_heads_attention"]
+__all__ = ["HeadsAttention", "install_heads_attention", "install_memory_split"]
 
 #: An attribute telling the boundary that a module gathers its own sequence under 1D
 #: sequence parallelism (its key and value are not its first argument).
@@ -82,6 +82,9 @@ class HeadsAttention(nn.Module):
         self._sequence_parallel = False
         self._heads = (0, 1)  # this rank's block of the heads: (index, count of blocks)
         self._sequence: Any = None  # the SequenceAttention under tensor mode 'sequence'
+        # 1D keeps torch's generator alike on every rank outside column-to-row regions: the
+        # attention dropout of this rank's heads draws from a fork of its own (dropout.py)
+        self._fork: list[Any] = []
         self.train(module.training)
 
     def split(
@@ -105,6 +108,10 @@ class HeadsAttention(nn.Module):
         self._context, self._mode = context, mode
         self._sequence_parallel = sequence_parallel
         self._heads = (head_block, share)
+        if mode == "1d" and not sequence_parallel:  # its probabilities are split by heads
+            from .dropout import RankFork
+
+            self._fork = [RankFork(context)]
 
     def take_sequence(self, spec: Any) -> None:
         """Tensor mode ``'sequence'``: attend over every rank's tokens.
@@ -241,9 +248,16 @@ class HeadsAttention(nn.Module):
             elif is_causal and attn_mask is None:
                 attn_mask = _causal(length, k.shape[2], q.dtype, q.device)
             mask = self._mask(attn_mask, key_padding_mask, batch, q.dtype)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal
-            )  # [b, heads', L, d]
+            fork = self._fork[0] if self._fork and dropout > 0 else None
+            if fork is not None:
+                fork.enter()
+            try:
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal
+                )  # [b, heads', L, d]
+            finally:
+                if fork is not None:
+                    fork.leave()
         out = out.transpose(1, 2).reshape(batch, length, heads * self.head_dim)
         if not self.batch_first:
             out = out.transpose(0, 1)  # the layout it came in: the row layer splits dim 1 back
@@ -366,6 +380,15 @@ def install_heads_attention(model: nn.Module, names: list[str], mode: str) -> li
             )
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        cross = isinstance(parent, nn.TransformerDecoderLayer) and child == "multihead_attn"
+        if mode == "sequence" and cross:
+            raise ValueError(
+                f"parallelize under tensor mode 'sequence': {name!r} is the "
+                "cross-attention of an nn.TransformerDecoderLayer, which reads every token "
+                "of the memory (a sequence of its own length) that the ring and all-to-all "
+                "attention do not split; use tensor mode '1d' (with sequence_parallel for "
+                "long sequences), '2d', '2.5d' or '3d'"
+            )
         setattr(parent, child, HeadsAttention(module))
         replaced.append(name)
     if replaced:
@@ -373,3 +396,29 @@ def install_heads_attention(model: nn.Module, names: list[str], mode: str) -> li
             if isinstance(module, nn.TransformerEncoder):
                 module.use_nested_tensor = False
     return replaced
+
+
+def install_memory_split(model: nn.Module, context: ParallelContext, mode: str) -> None:
+    """A bare ``nn.TransformerDecoder`` (or ``DecoderLayer``) takes its memory in the mode's layout.
+
+    Its features plan's boundary splits the first argument (``tgt``); the memory, the second
+    (``[b, S, h]``, another length), is what cross-attention's keys and values are projected
+    from, by the mode's column layer: under 2D, 2.5D and 3D it is split likewise here. 1D keeps
+    it whole (also under sequence parallelism: cross-attention reads every memory token).
+    """
+    if mode not in ("2d", "2.5d", "3d"):
+        return
+    if not isinstance(model, nn.TransformerDecoder | nn.TransformerDecoderLayer):
+        return
+    from ..dispatch.activations import split_activation
+
+    def split_memory(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if len(args) > 1 and isinstance(args[1], torch.Tensor):
+            args = (args[0], split_activation(args[1], context), *args[2:])
+        elif isinstance(kwargs.get("memory"), torch.Tensor):
+            kwargs = {**kwargs, "memory": split_activation(kwargs["memory"], context)}
+        return args, kwargs
+
+    model.register_forward_pre_hook(split_memory, with_kwargs=True)
