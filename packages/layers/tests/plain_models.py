@@ -129,3 +129,10 @@ def torch_decoder(seed: int = 0) -> nn.TransformerDecoder:
     torch.manual_seed(seed)
     layer = nn.TransformerDecoderLayer(16, 4, 32, dropout=0.0, batch_first=True, norm_first=True)
     return nn.TransformerDecoder(layer, 2, norm=nn.LayerNorm(16))
+
+
+def torch_transformer(seed: int = 0) -> nn.Transformer:
+    """torch's own ``nn.Transformer``: one encoder and one decoder layer of 4 heads (and their
+    final norms), no dropout, hidden 16."""
+    torch.manual_seed(seed)
+    return nn.Transformer(16, 4, 1, 1, 32, dropout=0.0, batch_first=True)

@@ -497,7 +497,7 @@ def _torch_encoders_match_reference(ctx: ParallelContext) -> list[float]:
     (the plan read from its blocks, ``attention_mask`` padded). ``nn.MultiheadAttention``'s
     fused ``in_proj_weight`` is split by heads and saved in its own form. Under '1d' (and
     its sequence parallelism) also ``batch_first=False``, which the other modes refuse."""
-    from plain_models import torch_decoder, torch_encoder, torch_encoder_lm
+    from plain_models import torch_decoder, torch_encoder, torch_encoder_lm, torch_transformer
 
     losses = [_torch_encoder_loss(torch_encoder(), ctx)]
     mode = ctx.config.tensor_mode
@@ -506,6 +506,12 @@ def _torch_encoders_match_reference(ctx: ParallelContext) -> list[float]:
             parallelize(torch_decoder(), context=ctx)
     else:
         losses.append(_torch_decoder_loss(torch_decoder(), ctx))
+    if mode == "sequence" or ctx.config.tensor_args.get("sequence_parallel", False):
+        refused = r"multihead_attn' is the cross-attention|decoder reads its encoder's output"
+        with pytest.raises(ValueError, match=refused):
+            parallelize(torch_transformer(), context=ctx)
+    else:  # src and tgt: the decoder's memory is the encoder's output
+        losses.append(_torch_decoder_loss(torch_transformer(), ctx))
     if mode == "1d":
         losses.append(_torch_encoder_loss(torch_encoder(batch_first=False), ctx))
     else:
@@ -533,8 +539,9 @@ def _torch_encoders_match_reference(ctx: ParallelContext) -> list[float]:
 
 
 def _torch_decoder_loss(ref: nn.Module, ctx: ParallelContext) -> float:
-    """A bare ``nn.TransformerDecoder``: a padded target under a causal mask attending to a
-    padded memory of another length; outputs, both inputs' and every parameter's gradient."""
+    """A bare ``nn.TransformerDecoder`` (or ``nn.Transformer``, its memory the encoder's
+    output of src): a padded target under a causal mask attending to a padded memory of
+    another length; outputs, both inputs' and every parameter's gradient."""
     model = parallelize(copy.deepcopy(ref), context=ctx)
     original = ref.state_dict()
     _assert_same_state(gather_full_state_dict(model, context=ctx), original)
@@ -551,7 +558,13 @@ def _torch_decoder_loss(ref: nn.Module, ctx: ParallelContext) -> float:
     )
     inputs_ref = [t.clone().requires_grad_() for t in (tgt, memory)]
     inputs = [t.clone().requires_grad_() for t in (tgt, memory)]
-    y_ref, y = ref(*inputs_ref, **masks), model(*inputs, **masks)
+
+    def call(m: nn.Module, tgt: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        if isinstance(ref, nn.Transformer):  # the memory is its encoder's output of src
+            return m(memory, tgt, src_key_padding_mask=memory_padding, **masks)
+        return m(tgt, memory, **masks)
+
+    y_ref, y = call(ref, *inputs_ref), call(model, *inputs)
     torch.testing.assert_close(y, y_ref, **TOL)
     (y_ref * w * keep[..., None]).sum().backward()
     (y * w * keep[..., None]).sum().backward()

@@ -401,16 +401,49 @@ def install_heads_attention(model: nn.Module, names: list[str], mode: str) -> li
 def install_memory_split(model: nn.Module, context: ParallelContext, mode: str) -> None:
     """A bare ``nn.TransformerDecoder`` (or ``DecoderLayer``) takes its memory in the mode's layout.
 
+    ``nn.Transformer`` takes ``tgt`` (its second argument) in it; its decoder reads the
+    encoder's output as the memory, in the mode's layout already. Under 1D sequence
+    parallelism that output is split along the sequence, which cross-attention cannot read:
+    refused.
+
     Its features plan's boundary splits the first argument (``tgt``); the memory, the second
     (``[b, S, h]``, another length), is what cross-attention's keys and values are projected
     from, by the mode's column layer: under 2D, 2.5D and 3D it is split likewise here. 1D keeps
     it whole (also under sequence parallelism: cross-attention reads every memory token).
     """
+    from ..shared.context_access import sequence_parallel_default
+
+    whole = isinstance(model, nn.Transformer)
+    if whole and mode == "1d" and sequence_parallel_default(context):
+        raise ValueError(
+            "parallelize under tensor mode '1d' with sequence_parallel: nn.Transformer's "
+            "decoder reads its encoder's output (split along the sequence there) as the keys "
+            "of cross-attention, which needs them whole; use sequence_parallel=False, or "
+            "tensor mode '2d', '2.5d' or '3d'"
+        )
     if mode not in ("2d", "2.5d", "3d"):
         return
-    if not isinstance(model, nn.TransformerDecoder | nn.TransformerDecoderLayer):
+    if not isinstance(model, nn.TransformerDecoder | nn.TransformerDecoderLayer | nn.Transformer):
         return
     from ..dispatch.activations import split_activation
+
+    if whole:  # its forward checks tgt's features against d_model: this rank's share of them
+        from ..cube.layout import cube_of
+        from ..mesh.layout import mesh_of
+
+        model.d_model //= cube_of(context).q if mode == "3d" else mesh_of(context, mode).q
+
+        def split_tgt(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            if len(args) > 1 and isinstance(args[1], torch.Tensor):
+                args = (args[0], split_activation(args[1], context), *args[2:])
+            elif isinstance(kwargs.get("tgt"), torch.Tensor):
+                kwargs = {**kwargs, "tgt": split_activation(kwargs["tgt"], context)}
+            return args, kwargs
+
+        model.register_forward_pre_hook(split_tgt, with_kwargs=True)
+        return
 
     def split_memory(
         module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -584,6 +584,18 @@ def _torch_transformer_plan(model: nn.Module) -> Plan | None:
             name="nn.TransformerDecoder plan",
             optional=("norm",),
         )
+    if type(model) is nn.Transformer:
+        encoder, decoder = "encoder.layers.*.", "decoder.layers.*."
+        return Plan(
+            {
+                **_torch_layer_rules(encoder),
+                **_torch_layer_rules(decoder, cross_attention=True),
+                "encoder.norm": "norm",
+                "decoder.norm": "norm",
+            },
+            name="nn.Transformer plan",
+            optional=("encoder.norm", "decoder.norm"),
+        )
     return None
 
 
