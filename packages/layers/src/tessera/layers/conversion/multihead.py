@@ -427,11 +427,12 @@ def install_memory_split(model: nn.Module, context: ParallelContext, mode: str) 
         return
     from ..dispatch.activations import split_activation
 
-    if whole:  # its forward checks tgt's features against d_model: this rank's share of them
+    if isinstance(model, nn.Transformer):  # its forward checks the features against d_model
         from ..cube.layout import cube_of
         from ..mesh.layout import mesh_of
 
-        model.d_model //= cube_of(context).q if mode == "3d" else mesh_of(context, mode).q
+        share = cube_of(context).q if mode == "3d" else mesh_of(context, mode).q
+        model.d_model = int(model.d_model) // share  # this rank's share of the features
 
         def split_tgt(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
