@@ -555,6 +555,7 @@ def _torch_decoder_loss(ref: nn.Module, ctx: ParallelContext) -> float:
         tgt_mask=nn.Transformer.generate_square_subsequent_mask(8),
         tgt_key_padding_mask=~keep,
         memory_key_padding_mask=memory_padding,
+        memory_mask=torch.randn(4 * 4, 8, 6, generator=g),  # [b * heads, L, S]: rows and heads
     )
     inputs_ref = [t.clone().requires_grad_() for t in (tgt, memory)]
     inputs = [t.clone().requires_grad_() for t in (tgt, memory)]
@@ -2249,3 +2250,31 @@ def test_a_position_table_computes_its_rows_in_a_forward_of_its_own() -> None:
     learned.table = nn.Parameter(torch.zeros(8, 16))
     learned.register_buffer("rows", torch.zeros(8, 16))
     assert not is_position_table(learned, 16)
+
+
+def test_multihead_attention_it_cannot_split_is_refused_by_name() -> None:
+    """What ``HeadsAttention`` does not compute is refused before anything changes: keys of
+    other sizes, ``add_bias_kv``, ``add_zero_attn``; a direct call asking for the weights
+    averaged over heads (``need_weights=True``, ``nn.MultiheadAttention``'s default)."""
+    from tessera.layers.conversion.multihead import HeadsAttention, install_heads_attention
+
+    for kwargs, why in (
+        (dict(kdim=8, vdim=8), "kdim / vdim"),
+        (dict(add_bias_kv=True), "add_bias_kv=True"),
+        (dict(add_zero_attn=True), "add_zero_attn=True"),
+    ):
+        model = nn.Sequential(nn.MultiheadAttention(16, 4, batch_first=True, **kwargs))
+        with pytest.raises(ValueError, match=rf"'0' \(nn.MultiheadAttention\) has .*{why}"):
+            install_heads_attention(model, ["0"], "2d")
+        assert isinstance(model[0], nn.MultiheadAttention)
+    attention = HeadsAttention(nn.MultiheadAttention(16, 4, batch_first=True))
+    x = torch.randn(2, 3, 16)
+    with pytest.raises(ValueError, match="call it with need_weights=False"):
+        attention(x, x, x)
+    ref = nn.MultiheadAttention(16, 4, batch_first=True)
+    whole = HeadsAttention(copy.deepcopy(ref))  # the same computation on one process
+    mask = torch.randn(2 * 4, 3, 3)
+    padding = torch.tensor([[0.0, 0.0, float("-inf")], [0.0, 0.0, 0.0]])  # additive
+    want = ref(x, x, x, attn_mask=mask, key_padding_mask=padding, need_weights=False)[0]
+    got = whole(x, x, x, attn_mask=mask, key_padding_mask=padding, need_weights=False)[0]
+    torch.testing.assert_close(got, want, **TOL)
