@@ -584,3 +584,42 @@ def decoder_labels(seed: int = 11) -> torch.Tensor:
     labels = torch.randint(3, GPT2_CONFIG["vocab_size"], (BATCH, DECODER_SEQ), generator=g)
     labels[1, -2:] = -100
     return labels
+
+
+#: One T5 for every mode: an encoder and a decoder of 2 pre-LN blocks each, d_model 32, 4
+#: heads of 8 (divisible by the 1D size 2 and by q = 2), vocabulary 64 (divisible by 8), one
+#: token table for both stacks and the head (the decoder's output scaled by d_model ** -0.5
+#: before it), a relative position bias of 8 buckets in each stack's first layer.
+T5_CONFIG: dict[str, Any] = dict(
+    vocab_size=64,
+    d_model=32,
+    d_kv=8,
+    d_ff=64,
+    num_layers=2,
+    num_decoder_layers=2,
+    num_heads=4,
+    relative_attention_num_buckets=8,
+    relative_attention_max_distance=16,
+    dropout_rate=0.0,
+    pad_token_id=0,
+    eos_token_id=1,
+    decoder_start_token_id=0,
+    tie_word_embeddings=True,
+)
+
+
+def t5_lm(seed: int = 0, **overrides: Any) -> nn.Module:
+    """``T5ForConditionalGeneration`` from :data:`T5_CONFIG`."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = T5ForConditionalGeneration(T5Config(**{**T5_CONFIG, **overrides}))
+    return _distinct(model, seed)
+
+
+def t5_encoder(seed: int = 0, **overrides: Any) -> nn.Module:
+    """``T5EncoderModel`` from :data:`T5_CONFIG`."""
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    return _distinct(T5EncoderModel(T5Config(**{**T5_CONFIG, **overrides})), seed)

@@ -59,6 +59,8 @@ from hf_models import (
     qwen3_moe_lm,
     roberta_encoder,
     stablelm_lm,
+    t5_encoder,
+    t5_lm,
     token_ids,
     token_types,
     vit_classifier,
@@ -252,6 +254,9 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "encoder-decoders (bart: two token streams, cross-attention, final_logits_bias)": lambda ctx: (
         _encoder_decoders(ctx)
     ),
+    "encoder-decoders (t5 and its bare encoder: relative position bias per head, rescaled head)": (
+        lambda ctx: _t5_models(ctx)
+    ),
     "per-sample positions": _per_sample_positions,
     "dropout": lambda ctx: _dropout_streams(ctx),
     "blocks": lambda ctx: _mlp_matches_reference(ctx),
@@ -307,6 +312,14 @@ ONLY_UNDER = {
     "nemotron (plan read from its blocks, LayerNorms scaling by 1 + weight)": ("1d-sp",),
     "per-sample positions": ("2d", "3d"),
     "encoder-decoders (bart: two token streams, cross-attention, final_logits_bias)": (
+        "1d",
+        "1d-sp",
+        "2d",
+        "2.5d",
+        "3d",
+        "sequence-ring",
+    ),
+    "encoder-decoders (t5 and its bare encoder: relative position bias per head, rescaled head)": (
         "1d",
         "1d-sp",
         "2d",
@@ -721,12 +734,17 @@ def _classifier_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float
     return round(float(got.loss.detach()), 5)
 
 
-def _encoder_decoders(ctx: ParallelContext) -> list[float]:
+def _encoder_decoders(
+    ctx: ParallelContext, builds: list[Callable[[], nn.Module]] | None = None
+) -> list[float]:
     """Encoder-decoders with the plans shipped for their classes: BART (learned positions
     read two rows on, one token table for both stacks and the head, ``final_logits_bias``
-    added to the logits). Refused by name under 'sequence' (cross-attention reads the whole
+    added to the logits) by default; T5 (a relative position bias [1, heads, q, k] looked up
+    in the first layer's table and added to every layer's scores, each rank its heads' columns;
+    scores not scaled; RMS norms without bias; the decoder's output scaled by d_model ** -0.5
+    before the tied head). Refused by name under 'sequence' (cross-attention reads the whole
     encoder output) and 1D sequence parallelism (two stacks, no single span)."""
-    builds = [bart_lm]
+    builds = builds or [bart_lm]
     mode = ctx.config.tensor_mode
     if mode == "sequence":
         for build in builds:
@@ -739,6 +757,23 @@ def _encoder_decoders(ctx: ParallelContext) -> list[float]:
                 parallelize(build(), context=ctx)
         return []
     return [_seq2seq_matches_reference(build(), ctx) for build in builds]
+
+
+def _t5_models(ctx: ParallelContext) -> list[float]:
+    """T5ForConditionalGeneration as the other encoder-decoders (:func:`_encoder_decoders`),
+    and T5EncoderModel as the bare encoders (:func:`_encoder_matches_reference`), on a padded
+    batch: its relative position bias, looked up for the whole sequence, refused by name under
+    'sequence', and under 1D sequence parallelism (no span)."""
+    losses = _encoder_decoders(ctx, [t5_lm])
+    if ctx.config.tensor_mode == "sequence":
+        with pytest.raises(ValueError, match=r"under tensor mode 'sequence': its relative posit"):
+            parallelize(t5_encoder(), context=ctx)
+    elif ctx.config.tensor_args.get("sequence_parallel", False):
+        with pytest.raises(ValueError, match=r"sequence_parallel is on, but the .* names no"):
+            parallelize(t5_encoder(), context=ctx)
+    else:
+        losses.append(_encoder_matches_reference(t5_encoder(), _padded_text(), ctx))
+    return losses
 
 
 def _seq2seq_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float:

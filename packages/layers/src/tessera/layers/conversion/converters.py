@@ -49,6 +49,7 @@ from ..state.state_dict import load_full_state_dict
 from .alibi import AlibiHeads, takes_alibi
 from .embedding_scale import ScaledRows, embedding_scale
 from .experts import Experts1D, TokenRouter, expert_sizes
+from .head_bias import HeadColumns
 from .head_share import HEAD_COUNTS, HeadShareConfig
 from .norms import NormSpec, computes_as, computes_formula, computes_own_forward, norm_spec
 from .own_positions import OwnPositionIds, reads_own_ids
@@ -368,6 +369,8 @@ class Converter:
             return self.norm(name, module)
         if role == "head_norm":
             return self.head_norm(name, module)
+        if role == "head_bias":
+            return self.head_bias(name, module)
         if role == "patch_embedding":
             return self.patch_embedding(name, module)
         if role in ("experts", "router"):
@@ -902,6 +905,34 @@ class Converter:
             )
         first, count = rank_heads(spec.heads, self.share, self._head_block())
         return PerHeadNorm(module, spec, first, count, context=self.context)
+
+    def head_bias(self, name: str, module: nn.Module) -> nn.Module:
+        """``head_bias``: a table with a column per head, read at this rank's heads' columns.
+
+        T5's ``relative_attention_bias`` ``[buckets, heads]``; see
+        :class:`~tessera.layers.conversion.head_bias.HeadColumns`.
+
+        Raises:
+            TypeError: it is not an ``nn.Embedding`` (nor computes as one).
+            ValueError: its columns are not the attention module's query heads.
+        """
+        owner = self._attention_around(name)
+        assert owner is not None, f"{name}: match_plan lets no head_bias outside attention"
+        if not isinstance(module, nn.Embedding) or not computes_as(module, nn.Embedding):
+            raise _overrides(name, module, nn.Embedding, "head_bias")
+        if module.max_norm is not None or module.sparse:
+            raise ValueError(
+                f"parallelize: {name!r} has role 'head_bias' with max_norm or sparse gradients, "
+                "which the table read at this rank's heads does not reproduce"
+            )
+        heads = self.heads[owner].query
+        if module.embedding_dim != heads:
+            raise ValueError(
+                f"parallelize: {name!r} has role 'head_bias', a column per head, but holds "
+                f"{module.embedding_dim} columns for the {heads} heads of {owner!r}"
+            )
+        first, count = rank_heads(heads, self.share, self._head_block())
+        return HeadColumns(module, first, count, context=self.context)
 
     def _head_block(self) -> int:
         """This rank's block of the heads: its index among the ranks splitting a column output.

@@ -41,6 +41,11 @@ papers need to know of a transformer; every activation layout follows from them:
     A LayerNorm (or RMSNorm) inside an ``"attention"`` module over one head's features, one
     weight for every head (Qwen3's ``q_norm`` and ``k_norm``, "QK normalization"): each rank
     normalizes its heads on its own, and the weight's gradient is summed over the tensor ranks.
+``"head_bias"``
+    An ``nn.Embedding`` inside an ``"attention"`` module with a column per head (T5's
+    ``relative_attention_bias`` ``[buckets, heads]``): whole on every rank, each rank reading
+    its heads' columns, the gradient summed over the tensor ranks
+    (:mod:`~tessera.layers.conversion.head_bias`).
 ``"patch_embedding"``
     A ViT's embedding: patches, class token and position table (transformers'
     ``ViTEmbeddings``).
@@ -106,6 +111,7 @@ Role = Literal[
     "position_table",
     "norm",
     "head_norm",
+    "head_bias",
     "head",
     "attention",
     "patch_embedding",
@@ -124,6 +130,7 @@ ROLES: tuple[str, ...] = (
     "position_table",
     "norm",
     "head_norm",
+    "head_bias",
     "head",
     "attention",
     "patch_embedding",
@@ -719,6 +726,73 @@ def _bart() -> Plan:
     )
 
 
+def _t5(*, decoder: bool) -> Plan:
+    """``T5ForConditionalGeneration`` (``decoder``) or ``T5EncoderModel``: pre-LN blocks.
+
+    Both stacks and the head read one token table (``shared``, the ``embed_tokens`` of each
+    stack; the head is tied to it where ``tie_word_embeddings``, the decoder's output scaled
+    by ``d_model ** -0.5`` before it in T5's forward). Positions are a relative bias ``[1,
+    heads, q, k]`` the first layer's self-attention of each stack looks up in its
+    ``relative_attention_bias`` ``[buckets, heads]`` and hands on to every later layer: role
+    ``head_bias``, each rank reading its heads' columns. Attention does not scale its scores;
+    the norms are T5LayerNorm (an RMSNorm without bias, recognized by what it computes).
+    """
+    rules: dict[str, str] = {"shared": "embedding"}
+    stacks = ("encoder", "decoder") if decoder else ("encoder",)
+    for stack in stacks:
+        block = f"{stack}.block.*"
+        rules |= {
+            f"{stack}.embed_tokens": "embedding",
+            f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias": "head_bias",
+            f"{stack}.final_layer_norm": "norm",
+        }
+        attentions = (
+            ("SelfAttention", "EncDecAttention") if stack == "decoder" else ("SelfAttention",)
+        )
+        for i, attention in enumerate(attentions):
+            rules |= {
+                f"{block}.layer.{i}.{attention}": "attention",
+                f"{block}.layer.{i}.{attention}.q": "col",
+                f"{block}.layer.{i}.{attention}.k": "col",
+                f"{block}.layer.{i}.{attention}.v": "col",
+                f"{block}.layer.{i}.{attention}.o": "row",
+                f"{block}.layer.{i}.layer_norm": "norm",
+            }
+        ff = f"{block}.layer.{len(attentions)}"
+        rules |= {
+            f"{ff}.DenseReluDense.wi": "col",
+            f"{ff}.DenseReluDense.wi_0": "col",
+            f"{ff}.DenseReluDense.wi_1": "col",
+            f"{ff}.DenseReluDense.wo": "row",
+            f"{ff}.layer_norm": "norm",
+        }
+    gated = tuple(k for k in rules if k.endswith(("wi", "wi_0", "wi_1")))
+    if not decoder:
+        return Plan(
+            rules,
+            boundary="tokens",
+            name="T5 encoder",
+            optional=gated,
+            whole_sequence=_T5_ENCODER_SEQUENCE,
+        )
+    return Plan(
+        {**rules, "lm_head": "head"},
+        boundary="tokens",
+        causal_lm=True,
+        name="T5 sequence-to-sequence LM",
+        optional=gated,
+        whole_sequence=_ENCODER_DECODER_SEQUENCE,
+        encoder="encoder",
+    )
+
+
+#: Why T5's encoder cannot run under tensor mode ``'sequence'``.
+_T5_ENCODER_SEQUENCE = (
+    "its relative position bias [1, heads, q, k] is looked up for the whole sequence's pairs "
+    "of positions, which a rank's chunk of the tokens does not read"
+)
+
+
 #: Plans shipped with tessera, by model class name (transformers' classes).
 BUILTIN_PLANS: dict[str, Plan] = {
     "GPT2LMHeadModel": _gpt2("transformer.", causal_lm=True),
@@ -741,6 +815,8 @@ BUILTIN_PLANS: dict[str, Plan] = {
     "ViTForImageClassification": _vit("vit.", classifier=True),
     "ViTModel": _vit("", classifier=False),
     "BartForConditionalGeneration": _bart(),
+    "T5ForConditionalGeneration": _t5(decoder=True),
+    "T5EncoderModel": _t5(decoder=False),
 }
 
 
@@ -1056,7 +1132,8 @@ def _check_attention_covered(
                     f"{attention!r}, whose heads are split, but no rule of the {plan.name} "
                     "names it; as a plain module it would see this rank's heads only. Name "
                     "it: 'col' / 'qkv' / 'row' for a projection, 'head_norm' for a norm of "
-                    "each head, 'norm' for a norm over all the features of a projection"
+                    "each head, 'head_bias' for a table with a column per head, 'norm' for a "
+                    "norm over all the features of a projection"
                 )
 
 
@@ -1079,18 +1156,19 @@ def _check_experts_mode(roles: Mapping[str, str], plan: Plan, mode: str) -> None
 
 
 def _check_norms_in_attention(roles: Mapping[str, str], plan: Plan, mode: str) -> None:
-    """A ``head_norm`` sits inside an attention module, which says how wide a head is.
+    """A ``head_norm`` or ``head_bias`` sits inside an attention module, which says its heads.
 
     Raises:
-        ValueError: a ``head_norm`` has no ``attention`` module around it.
+        ValueError: a ``head_norm`` or ``head_bias`` has no ``attention`` module around it.
     """
     attention = [name for name, role in roles.items() if role == "attention"]
     for name, role in roles.items():
-        if role == "head_norm" and not any(name.startswith(f"{a}.") for a in attention):
+        inside = any(name.startswith(f"{a}.") for a in attention)
+        if role in ("head_norm", "head_bias") and not inside:
             raise ValueError(
-                f"parallelize under tensor mode {mode!r}: {name!r} has role 'head_norm', but no "
-                f"module around it has role 'attention' in the {plan.name}; a head norm "
-                "normalizes the heads of the attention it sits in (name that module too)"
+                f"parallelize under tensor mode {mode!r}: {name!r} has role {role!r}, but no "
+                f"module around it has role 'attention' in the {plan.name}; it serves the heads "
+                "of the attention it sits in (name that module too)"
             )
 
 
