@@ -32,7 +32,14 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from ..comm.inflight import Pending, start_all_reduce, start_transfers
+from ..comm.inflight import (
+    Pending,
+    start_all_reduce,
+    start_gather_blocks,
+    start_scatter_blocks,
+    start_transfers,
+    tracing,
+)
 from ..comm.ops import apply_function
 from ..shared.block_linear import BlockLinearFunction, gradients_needed
 from ..shared.context_access import GroupInfo
@@ -149,6 +156,9 @@ def _panels(block: torch.Tensor, group: GroupInfo) -> Iterator[torch.Tensor]:
     owning the panel, posted a step ahead so it travels while the previous panel multiplies;
     at most two panels are held (the one in use and the next).
     """
+    if tracing():  # traced: every panel in one all-gather, the compiler schedules it
+        yield from start_gather_blocks(block, group.group, group.world_size).wait()
+        return
 
     def post(step: int) -> Pending:
         panel = block if group.rank == step else torch.empty_like(block)
@@ -171,6 +181,9 @@ def _reduce_into(
 
     At most two reduces are in flight: step ``l``'s is waited for before step ``l + 2`` posts.
     """
+    if tracing():  # traced: the partials in one reduce-scatter
+        stacked = torch.stack(list(parts))  # [q, *keep]
+        return keep.copy_(start_scatter_blocks(stacked, group.group, group.world_size).wait())
     in_flight: list[Pending] = []
     for step, part in enumerate(parts):
         target = keep if group.rank == step else part

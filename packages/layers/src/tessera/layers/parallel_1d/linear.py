@@ -324,15 +324,11 @@ class Linear1DRow(DenseModule, Module1D):
         Each chunk's all-reduce is posted before the next chunk is multiplied, so the two
         overlap; a chunk's buffer is ``[.., out/k]``.
         """
-        partials, works = [], []
-        for w in self.chunk_weight():
-            partial = F.linear(x, w)  # [.., out/k], this rank's partial sums
-            partials.append(partial)
-            works.append(dist.all_reduce(partial, group=self.tp.group, async_op=True))
-        for work in works:
-            assert work is not None
-            work.wait()
-        return torch.cat(partials, dim=-1)  # [.., out]
+        size = self.tp.world_size
+        posted = [  # [.., out/k] each, this rank's partial sums, summed in place
+            start_all_reduce(F.linear(x, w), self.tp.group, size) for w in self.chunk_weight()
+        ]
+        return torch.cat([sums.wait() for sums in posted], dim=-1)  # [.., out]
 
     def forward(self, x: torch.Tensor) -> LinearOutput:
         """See the class docstring for shapes."""

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..comm.inflight import start_transfers, tracing
 from ..comm.ops import apply_function
 from ..shared.context_access import GroupInfo
 
@@ -68,6 +69,10 @@ def ring_of(info: GroupInfo) -> Ring:
 def _shift(tensor: torch.Tensor, ring: Ring) -> tuple[torch.Tensor, list[dist.Work]]:
     """Post: send ``tensor`` to the next rank, receive the previous rank's into a new buffer."""
     recv = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    if tracing():  # one traced all-to-all over the ring (comm/inflight.py): done on return
+        return recv, start_transfers(
+            [(ring.next_rank, tensor.contiguous())], [(ring.prev_rank, recv)], ring.group
+        )
     ops = [
         dist.P2POp(dist.isend, tensor, ring.next_rank, ring.group),
         dist.P2POp(dist.irecv, recv, ring.prev_rank, ring.group),
@@ -123,9 +128,10 @@ class _RingQK(torch.autograd.Function):
         ctx.ring = ring
         # A contiguous k (the copy the ring sends anyway) lets the fused qkv buffer it may
         # view be freed once q and v are done with it.
-        k = k.contiguous()
-        ctx.save_for_backward(q, k)
-        q, k = q.detach(), k.detach()
+        # (Traced, the input itself is saved: a saved tensor may not alias it there.)
+        saved = k if tracing() else k.contiguous()
+        ctx.save_for_backward(q, saved)
+        q, k = q.detach(), saved.detach().contiguous()
         c = k.shape[-2]
         out = q.new_empty(*q.shape[:-1], c * ring.world_size)
 
@@ -140,6 +146,7 @@ class _RingQK(torch.autograd.Function):
         ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         q, k = ctx.saved_tensors
+        k = k.contiguous()  # already, but where traced
         ring: Ring = ctx.ring
         c = k.shape[-2]
         grad = grad.contiguous()  # [.., c, N c]
@@ -166,9 +173,9 @@ class _RingAV(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, p: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
         ctx.ring = ring
-        v = v.contiguous()  # as k in _RingQK: do not keep the fused qkv buffer alive
-        ctx.save_for_backward(p, v)
-        p, v = p.detach(), v.detach()
+        saved = v if tracing() else v.contiguous()  # as k in _RingQK
+        ctx.save_for_backward(p, saved)
+        p, v = p.detach(), saved.detach().contiguous()
         c = v.shape[-2]
         out = p.new_zeros(*p.shape[:-1], v.shape[-1])
 
@@ -183,6 +190,7 @@ class _RingAV(torch.autograd.Function):
         ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         p, v = ctx.saved_tensors
+        v = v.contiguous()  # already, but where traced
         ring: Ring = ctx.ring
         c = v.shape[-2]
         grad = grad.contiguous()  # [.., c, d]
