@@ -763,8 +763,12 @@ def _t5_models(ctx: ParallelContext) -> list[float]:
     """T5ForConditionalGeneration as the other encoder-decoders (:func:`_encoder_decoders`),
     and T5EncoderModel as the bare encoders (:func:`_encoder_matches_reference`), on a padded
     batch: its relative position bias, looked up for the whole sequence, refused by name under
-    'sequence', and under 1D sequence parallelism (no span)."""
-    losses = _encoder_decoders(ctx, [t5_lm])
+    'sequence', and under 1D sequence parallelism (no span). Under 2D also T5 v1.1's gated MLP
+    (``wi_0``, ``wi_1``)."""
+    builds: list[Callable[[], nn.Module]] = [t5_lm]
+    if ctx.config.tensor_mode == "2d":  # T5 v1.1's gated MLP: wi_0 and wi_1 split alike
+        builds.append(lambda: t5_lm(feed_forward_proj="gated-gelu"))
+    losses = _encoder_decoders(ctx, builds)
     if ctx.config.tensor_mode == "sequence":
         with pytest.raises(ValueError, match=r"under tensor mode 'sequence': its relative posit"):
             parallelize(t5_encoder(), context=ctx)
