@@ -133,7 +133,7 @@ ERRORS: list[tuple[str, Any, int, list[str]]] = [
         "depth without 2.5d",
         {"tensor": {"size": 4, "mode": "2d", "depth": 1}},
         4,
-        ["parallel.tensor.depth is only for mode '2.5d'", "'2d'"],
+        ["parallel.tensor.depth is read only by mode(s) ['2.5d'], but mode is '2d'"],
     ),
     # 3d not a perfect cube
     (

@@ -51,15 +51,16 @@ def test_a_registered_mode_is_read_and_builds_its_groups() -> None:
     assert dict(c.tensor_args) == {"average": False}
     groups = rank_groups(c)
     assert [tuple(g) for g in groups["rows"]] == [(0, 1), (2, 3)]
-    assert isinstance(find_tensor_mode("rows"), Rows) and find_tensor_mode("1d") is None
+    assert isinstance(find_tensor_mode("rows"), Rows) and find_tensor_mode("4d") is None
 
 
 @pytest.mark.parametrize(
     ("tensor", "fragment"),
     [
         ({"size": 3, "mode": "rows"}, "'rows' needs an even count"),
-        ({"size": 2, "mode": "rows", "avrage": 1}, "parallel.tensor.avrage is not read by"),
-        ({"size": 2, "mode": "rows", "depth": 2}, "depth is only for mode '2.5d'"),
+        ({"size": 2, "mode": "rows", "avrage": 1}, "did you mean 'parallel.tensor.average'"),
+        ({"size": 2, "mode": "rows", "zzz": 1}, r"parallel.tensor.zzz is not read by .*'rows'"),
+        ({"size": 2, "mode": "rows", "depth": 2}, r"depth is read only by mode\(s\) \['2.5d'\]"),
         ({"size": 2, "mode": "row"}, r"unknown mode 'row'; known modes: .*'rows'"),
     ],
 )

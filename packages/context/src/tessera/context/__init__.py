@@ -90,7 +90,17 @@ from tessera.context.seeds import (
     set_seed,
 )
 from tessera.context.shard import ShardInfo, get_shard_info, set_shard_info
-from tessera.context.tensor_modes import TENSOR_MODE_PLUGINS, TensorMode, find_tensor_mode
+from tessera.context.tensor_modes import (
+    TENSOR_MODE_PLUGINS,
+    TensorMode,
+    find_tensor_mode,
+    tensor_mode_names,
+)
+from tessera.context.tensor_modes.one_d import Mode1D
+from tessera.context.tensor_modes.sequence import ModeSequence
+from tessera.context.tensor_modes.three_d import Mode3D
+from tessera.context.tensor_modes.two_d import Mode2D
+from tessera.context.tensor_modes.two_p5_d import Mode2p5D
 from tessera.context.tied import PIPELINE_SHARED_ATTR, mark_pipeline_shared, pipeline_shared_key
 from tessera.registry import ConfigError
 
@@ -115,6 +125,12 @@ __all__ = [
     "TENSOR_MODE_PLUGINS",
     "TensorMode",
     "find_tensor_mode",
+    "tensor_mode_names",
+    "Mode1D",
+    "Mode2D",
+    "Mode2p5D",
+    "Mode3D",
+    "ModeSequence",
     "ProcessGroupInitializer",
     "GlobalInitializer",
     "Tensor1DInitializer",

@@ -8,24 +8,24 @@ collective that the others never reach.
 from __future__ import annotations
 
 import difflib
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tessera.registry import ConfigError
 
-__all__ = ["TENSOR_MODES", "ExtraInitializer", "ParallelConfig"]
+from .tensor_modes import (
+    TENSOR_MODES,
+    TensorMode,
+    find_tensor_mode,
+    tensor_mode_names,
+)
 
-#: The tensor modes a ``parallel.tensor.mode`` may name (``None`` means no tensor parallelism).
-TENSOR_MODES: tuple[str, ...] = ("1d", "2d", "2.5d", "3d", "sequence")
+__all__ = ["TENSOR_MODES", "ExtraInitializer", "ParallelConfig"]
 
 _PARALLEL_KEYS = ("data", "pipeline", "tensor", "extra")
 _SIZE_KEYS = ("size",)
-_TENSOR_KEYS = ("size", "mode", "depth")
-
-#: Arguments a built-in tensor mode reads from the extra keys of ``parallel.tensor``.
-MODE_ARGUMENTS: dict[str, tuple[str, ...]] = {"1d": ("sequence_parallel",)}
+_TENSOR_KEYS = ("size", "mode")
 
 
 #: The largest world size a config may describe (about a million ranks).
@@ -59,8 +59,8 @@ class ParallelConfig:
         tensor_mode: ``None``, ``'1d'``, ``'2d'``, ``'2.5d'``, ``'3d'``, ``'sequence'`` or the
             name of a registered ``TensorMode`` (tensor_modes.py).
         tensor_depth: The depth of 2.5D (``tensor_size == q * q * depth``); 1 otherwise.
-        tensor_args: Extra keys of ``parallel.tensor`` (e.g. ``sequence_parallel=True``),
-            kept for the layers of that mode.
+        tensor_args: The mode's own keys of ``parallel.tensor`` (``sequence_parallel=True``,
+            ``depth=2``), each checked by the mode and kept for its layers.
         extra: User initializers named in ``parallel.extra``.
     """
 
@@ -75,10 +75,29 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for key in ("data_size", "pipeline_size", "tensor_size", "tensor_depth"):
             _check_size(f"ParallelConfig.{key}", getattr(self, key))
-        _check_mode(self.tensor_mode, self.tensor_size, self.tensor_depth, "ParallelConfig")
         # A private copy, so mutating the caller's dict later cannot change this config.
-        object.__setattr__(self, "tensor_args", dict(self.tensor_args))
+        args = dict(self.tensor_args)
+        # ``depth`` is a mode's argument like any other; ``tensor_depth`` is its reading.
+        if self.tensor_depth != 1:
+            given = args.setdefault("depth", self.tensor_depth)
+            if given != self.tensor_depth:
+                raise ConfigError(
+                    f"ParallelConfig.tensor_depth={self.tensor_depth} disagrees with "
+                    f"tensor_args['depth']={given!r}; give one of them"
+                )
+        _check_mode(self.tensor_mode, self.tensor_size, args)
+        object.__setattr__(self, "tensor_args", args)
+        object.__setattr__(self, "tensor_depth", args.get("depth", 1))
         object.__setattr__(self, "extra", tuple(self.extra))
+
+    @property
+    def mode(self) -> TensorMode | None:
+        """The :class:`TensorMode` named by ``tensor_mode`` (``None`` without tensor parallelism).
+
+        What the rest of tessera asks about the mode (its mesh, its groups, its replicas),
+        instead of comparing its name.
+        """
+        return find_tensor_mode(self.tensor_mode)
 
     @property
     def world_size(self) -> int:
@@ -91,13 +110,8 @@ class ParallelConfig:
 
         For 1d, sequence and no mode it is the tensor size itself.
         """
-        if self.tensor_mode == "2d":
-            return math.isqrt(self.tensor_size)
-        if self.tensor_mode == "2.5d":
-            return math.isqrt(self.tensor_size // self.tensor_depth)
-        if self.tensor_mode == "3d":
-            return _icbrt(self.tensor_size)
-        return self.tensor_size
+        mode = self.mode
+        return self.tensor_size if mode is None else mode.side(self.tensor_size, self.tensor_args)
 
     @classmethod
     def from_dict(cls, parallel: Mapping[str, Any] | None, world_size: int) -> ParallelConfig:
@@ -137,7 +151,7 @@ class ParallelConfig:
         _check_keys("parallel", parallel, _PARALLEL_KEYS)
 
         pipeline = _read_size("parallel.pipeline", parallel.get("pipeline", 1))
-        tensor_size, mode, depth, args = _read_tensor(parallel.get("tensor", 1))
+        tensor_size, mode, args = _read_tensor(parallel.get("tensor", 1))
         extra = _read_extra(parallel.get("extra", ()))
 
         model = pipeline * tensor_size
@@ -163,7 +177,6 @@ class ParallelConfig:
             pipeline_size=pipeline,
             tensor_size=tensor_size,
             tensor_mode=mode,
-            tensor_depth=depth,
             tensor_args=args,
             extra=extra,
         )
@@ -174,16 +187,6 @@ class ParallelConfig:
 
 def _show(value: object) -> str:
     return f"{value!r} ({type(value).__name__})"
-
-
-def _icbrt(n: int) -> int:
-    """Integer cube root, rounded down."""
-    root = round(math.pow(n, 1 / 3))
-    while root**3 > n:
-        root -= 1
-    while (root + 1) ** 3 <= n:
-        root += 1
-    return root
 
 
 def _check_size(key: str, value: object) -> int:
@@ -216,144 +219,101 @@ def _read_size(key: str, value: object) -> int:
     return _check_size(key, value)
 
 
-def _read_tensor(value: object) -> tuple[int, str | None, int, dict[str, Any]]:
-    """Read ``tensor=1`` or ``tensor=dict(size, mode, depth, **args)``."""
+def _read_tensor(value: object) -> tuple[int, str | None, dict[str, Any]]:
+    """Read ``tensor=1`` or ``tensor=dict(size, mode, **args)``; the mode checks the rest."""
     if not isinstance(value, Mapping):
         size = _check_size("parallel.tensor", value)
         if size != 1:
             raise ConfigError(
                 f"parallel.tensor={size} has no mode; tensor size {size} > 1 needs one of "
-                f"{_known_modes()}: write tensor=dict(size={size}, mode='1d')"
+                f"{_known_modes()}: write tensor=dict(size={size}, mode='{TENSOR_MODES[0]}')"
             )
-        return 1, None, 1, {}
-    _check_mode_arguments(value)
+        return 1, None, {}
+    mode = value.get("mode")
+    if mode is not None:
+        _find_mode(mode, "parallel.tensor")
+    args = {k: v for k, v in value.items() if k not in _TENSOR_KEYS}
+    _check_mode_arguments(mode, args)
     if "size" not in value:
         raise ConfigError(
             "parallel.tensor.size is missing (write tensor=dict(size=N, mode=...) or tensor=1)"
         )
-    size = _check_size("parallel.tensor.size", value["size"])
-    mode = value.get("mode")
-    plugin = _plugin(mode)
-    if (
-        mode is not None
-        and plugin is None
-        and (not isinstance(mode, str) or mode not in TENSOR_MODES)
-    ):
+    return _check_size("parallel.tensor.size", value["size"]), mode, args
+
+
+def _find_mode(mode: object, where: str) -> TensorMode:
+    found = find_tensor_mode(mode)
+    if found is None:
         raise ConfigError(
-            f"parallel.tensor.mode: unknown mode {mode!r}; known modes: {_known_modes()} (a "
+            f"{where}.mode: unknown mode {mode!r}; known modes: {_known_modes()} (a "
             "mode of your own: register a TensorMode in tessera.context.TENSOR_MODE_PLUGINS)"
         )
-    if plugin is not None:
-        args = {k: v for k, v in value.items() if k not in _TENSOR_KEYS}
-        plugin.check(size, args)
-        return size, plugin.name, 1, args
-    if "depth" in value:
-        if mode != "2.5d":
-            raise ConfigError(
-                f"parallel.tensor.depth is only for mode '2.5d', but mode is {mode!r}; remove depth"
-            )
-        depth = _check_size("parallel.tensor.depth", value["depth"])
-    elif mode == "2.5d":
-        raise ConfigError(
-            f"parallel.tensor.depth is missing; mode '2.5d' splits tensor size {size} into "
-            "q * q * depth ranks, e.g. tensor=dict(size=8, mode='2.5d', depth=2)"
-        )
-    else:
-        depth = 1
-    _check_mode(mode, size, depth, "parallel.tensor")
-    args = {k: v for k, v in value.items() if k not in _TENSOR_KEYS}
-    return size, mode, depth, args
+    return found
 
 
-def _check_mode_arguments(tensor: Mapping[str, Any]) -> None:
-    """Check the extra keys of ``parallel.tensor``, which are the mode's arguments.
+def _readers() -> dict[str, tuple[str, ...]]:
+    """The arguments of every registered mode that loads (a broken plug-in is skipped here)."""
+    readers: dict[str, tuple[str, ...]] = {}
+    for name in tensor_mode_names():
+        try:
+            mode = find_tensor_mode(name)
+        except (ImportError, TypeError):
+            continue
+        if mode is not None:
+            readers[name] = mode.arguments
+    return readers
+
+
+def _check_mode_arguments(mode: str | None, args: Mapping[str, Any]) -> None:
+    """Check the extra keys of ``parallel.tensor``: the mode reads exactly its ``arguments``.
 
     A near miss of a real key, or an argument the chosen mode does not read, would be ignored
     silently, so both are errors.
     """
-    mode = tensor.get("mode")
-    plugin = _plugin(mode)
-    if plugin is not None:  # a mode of your own reads exactly its declared keys
-        for key in tensor:
-            if key not in _TENSOR_KEYS and key not in plugin.arguments:
-                raise ConfigError(
-                    f"parallel.tensor.{key} is not read by tensor mode {mode!r} (its keys: "
-                    f"{list(plugin.arguments)}): it would be ignored; remove it"
-                )
-        if "depth" in tensor:
-            raise ConfigError(f"parallel.tensor.depth is only for mode '2.5d', not {mode!r}")
+    if not args:
         return
-    every_argument = sorted({a for args in MODE_ARGUMENTS.values() for a in args})
-    for key in tensor:
-        if key in _TENSOR_KEYS:
+    readers = _readers()
+    own = readers.get(mode, ()) if mode is not None else ()
+    found = find_tensor_mode(mode)
+    kept = found is not None and found.open_arguments
+    every_argument = sorted({a for arguments in readers.values() for a in arguments})
+    for key in args:
+        if key in own:
             continue
-        if key in every_argument:
-            readers = [m for m, args in MODE_ARGUMENTS.items() if key in args]
-            if mode not in readers:
-                raise ConfigError(
-                    f"parallel.tensor.{key} is read only by mode(s) {readers}, but mode is "
-                    f"{mode!r}: it would be ignored; remove it or change the mode"
-                )
-            continue
+        reading = [m for m, arguments in readers.items() if key in arguments]
+        if reading:
+            raise ConfigError(
+                f"parallel.tensor.{key} is read only by mode(s) {reading}, but mode is "
+                f"{mode!r}: it would be ignored; remove it or change the mode"
+            )
         known = (*_TENSOR_KEYS, *every_argument)
         close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.75)
         if close:
             raise ConfigError(_unknown_key_message("parallel.tensor", key, known))
+        if kept:
+            continue
+        raise ConfigError(
+            f"parallel.tensor.{key} is not read by tensor mode {mode!r} (its keys: "
+            f"{list(own)}): it would be ignored; remove it"
+        )
 
 
 def _known_modes() -> str:
-    from .tensor_modes import TENSOR_MODE_PLUGINS as PLUGINS
-
-    return "None, " + ", ".join(repr(m) for m in (*TENSOR_MODES, *PLUGINS.names()))
+    return "None, " + ", ".join(repr(m) for m in tensor_mode_names())
 
 
-def _plugin(mode: object) -> Any:
-    """The registered ``TensorMode`` called ``mode`` (tensor_modes.py), or ``None``."""
-    if mode in TENSOR_MODES:
-        return None
-    from .tensor_modes import find_tensor_mode
-
-    return find_tensor_mode(mode)
-
-
-def _check_mode(mode: str | None, size: int, depth: int, where: str) -> None:
-    """Check that ``size`` fits the shape of ``mode`` and say which sizes would."""
+def _check_mode(mode: str | None, size: int, args: Mapping[str, Any]) -> None:
+    """Check that ``size`` and ``args`` fit ``mode``; the mode says which sizes would."""
     if mode is None:
         if size != 1:
             raise ConfigError(
-                f"{where}: tensor size {size} > 1 needs a mode, one of {_known_modes()}"
+                f"parallel.tensor: tensor size {size} > 1 needs a mode, one of {_known_modes()}"
             )
+        _check_mode_arguments(None, args)
         return
-    if _plugin(mode) is not None:
-        return
-    if mode not in TENSOR_MODES:
-        raise ConfigError(f"{where}.mode: unknown mode {mode!r}; known modes: {_known_modes()}")
-    if mode != "2.5d" and depth != 1:
-        raise ConfigError(f"{where}.depth={depth} is only for mode '2.5d', not {mode!r}")
-    if mode == "2d":
-        q = math.isqrt(size)
-        if q * q != size:
-            valid = ", ".join(str(i * i) for i in range(1, 6))
-            raise ConfigError(
-                f"{where}.size: tensor size {size} is not a perfect square; 2d needs q*q ranks "
-                f"({valid}, ...); {q}*{q} = {q * q} and {q + 1}*{q + 1} = {(q + 1) ** 2}"
-            )
-    elif mode == "2.5d":
-        if size % depth != 0 or math.isqrt(size // depth) ** 2 != size // depth:
-            valid = ", ".join(str(i * i * depth) for i in range(1, 5))
-            raise ConfigError(
-                f"{where}.size: tensor size {size} is not q*q*depth with depth {depth} "
-                f"({size} / {depth} = {size / depth:g} is not a perfect square); "
-                f"2.5d with depth {depth} needs {valid}, ... ranks"
-            )
-    elif mode == "3d":
-        q = _icbrt(size)
-        if q**3 != size:
-            valid = ", ".join(str(i**3) for i in range(1, 5))
-            raise ConfigError(
-                f"{where}.size: tensor size {size} is not a perfect cube; 3d needs q*q*q ranks "
-                f"({valid}, ...); {q}^3 = {q**3} and {q + 1}^3 = {(q + 1) ** 3}"
-            )
+    found = _find_mode(mode, "parallel.tensor")
+    _check_mode_arguments(mode, args)
+    found.check(size, args)
 
 
 def _read_extra(value: object) -> tuple[ExtraInitializer, ...]:

@@ -16,9 +16,17 @@ from typing import ClassVar
 from tessera.registry import ConfigError, Registry
 
 from .config import ExtraInitializer, ParallelConfig
-from .layouts import TENSOR_LAYOUTS, Groups, global_groups, lift, sequence_groups
+from .layouts import (
+    Groups,
+    global_groups,
+    groups_1d,
+    groups_2d,
+    groups_2p5d,
+    groups_3d,
+    lift,
+    sequence_groups,
+)
 from .modes import ParallelMode, mode_key
-from .tensor_modes import find_tensor_mode
 
 __all__ = [
     "PROCESS_GROUP_INITIALIZERS",
@@ -93,12 +101,20 @@ class _TensorModeInitializer(ProcessGroupInitializer):
 
     def rank_groups(self, config: ParallelConfig) -> dict[str, Groups]:
         """Lift the mode's tensor-rank layout into every tensor block."""
+        self.require_mode(config)
+        return lift(config, self.tensor_groups(config))
+
+    def require_mode(self, config: ParallelConfig) -> None:
+        """Refuse a config of another tensor mode than the one these groups are for."""
         if config.tensor_mode != self.tensor_mode:
             raise ConfigError(
                 f"{type(self).__name__} builds the groups of tensor mode {self.tensor_mode!r}, "
                 f"but parallel.tensor.mode is {config.tensor_mode!r}"
             )
-        return lift(config, TENSOR_LAYOUTS[self.tensor_mode](config))
+
+    @abstractmethod
+    def tensor_groups(self, config: ParallelConfig) -> dict[str, Groups]:
+        """The groups among the tensor ranks ``0 .. tensor_size - 1`` of one block."""
 
 
 class Tensor1DInitializer(_TensorModeInitializer):
@@ -107,12 +123,20 @@ class Tensor1DInitializer(_TensorModeInitializer):
     tensor_mode = "1d"
     modes = (ParallelMode.PARALLEL_1D,)
 
+    def tensor_groups(self, config: ParallelConfig) -> dict[str, Groups]:
+        """One line of every tensor rank."""
+        return groups_1d(config.tensor_size)
+
 
 class Tensor2DInitializer(_TensorModeInitializer):
     """PARALLEL_2D_ROW and PARALLEL_2D_COL (see ``layouts.groups_2d``)."""
 
     tensor_mode = "2d"
     modes = (ParallelMode.PARALLEL_2D_ROW, ParallelMode.PARALLEL_2D_COL)
+
+    def tensor_groups(self, config: ParallelConfig) -> dict[str, Groups]:
+        """The rows and columns of the q x q mesh."""
+        return groups_2d(config.tensor_dim)
 
 
 class Tensor2p5DInitializer(_TensorModeInitializer):
@@ -125,6 +149,10 @@ class Tensor2p5DInitializer(_TensorModeInitializer):
         ParallelMode.PARALLEL_2P5D_DEP,
         ParallelMode.PARALLEL_2P5D_XZ,
     )
+
+    def tensor_groups(self, config: ParallelConfig) -> dict[str, Groups]:
+        """The rows, columns and depth lines of ``depth`` stacked q x q meshes."""
+        return groups_2p5d(config.tensor_dim, config.tensor_depth)
 
 
 class Tensor3DInitializer(_TensorModeInitializer):
@@ -139,30 +167,25 @@ class Tensor3DInitializer(_TensorModeInitializer):
         ParallelMode.PARALLEL_3D_OUTPUT_X_WEIGHT,
     )
 
+    def tensor_groups(self, config: ParallelConfig) -> dict[str, Groups]:
+        """The three axes and two planes of the q x q x q cube."""
+        return groups_3d(config.tensor_dim)
 
-class SequenceInitializer(ProcessGroupInitializer):
+
+class SequenceInitializer(_TensorModeInitializer):
     """SEQUENCE and SEQUENCE_DP (see ``layouts.sequence_groups``)."""
 
+    tensor_mode = "sequence"
     modes = (ParallelMode.SEQUENCE, ParallelMode.SEQUENCE_DP)
 
     def rank_groups(self, config: ParallelConfig) -> dict[str, Groups]:
-        """See ``layouts.sequence_groups``."""
-        if config.tensor_mode != "sequence":
-            raise ConfigError(
-                "SequenceInitializer builds the groups of tensor mode 'sequence', but "
-                f"parallel.tensor.mode is {config.tensor_mode!r}"
-            )
+        """See ``layouts.sequence_groups``: SEQUENCE_DP spans the data replicas too."""
+        self.require_mode(config)
         return sequence_groups(config)
 
-
-_BUILTIN: dict[str | None, type[ProcessGroupInitializer] | None] = {
-    None: None,
-    "1d": Tensor1DInitializer,
-    "2d": Tensor2DInitializer,
-    "2.5d": Tensor2p5DInitializer,
-    "3d": Tensor3DInitializer,
-    "sequence": SequenceInitializer,
-}
+    def tensor_groups(self, config: ParallelConfig) -> dict[str, Groups]:
+        """The sequence ranks of one block (the TENSOR group)."""
+        return {ParallelMode.SEQUENCE: [tuple(range(config.tensor_size))]}
 
 
 def _resolve(entry: ExtraInitializer, where: str) -> ProcessGroupInitializer:
@@ -234,12 +257,9 @@ def rank_groups(config: ParallelConfig) -> dict[str, Groups]:
     initializers: list[tuple[str, ProcessGroupInitializer]] = [
         ("GlobalInitializer", GlobalInitializer())
     ]
-    builtin = _BUILTIN.get(config.tensor_mode)
-    if config.tensor_mode not in _BUILTIN:  # a mode of your own (tensor_modes.py)
-        plugin = find_tensor_mode(config.tensor_mode)
-        builtin = None if plugin is None else plugin.initializer
-    if builtin is not None:
-        initializers.append((builtin.__name__, builtin()))
+    tensor_mode = config.mode
+    if tensor_mode is not None and tensor_mode.initializer is not None:
+        initializers.append((tensor_mode.initializer.__name__, tensor_mode.initializer()))
     for i, entry in enumerate(config.extra):
         where = f"parallel.extra[{i}]"
         initializers.append((where, _resolve(entry, where)))

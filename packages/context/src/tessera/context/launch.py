@@ -54,8 +54,6 @@ DEFAULT_RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
 def layout_summary(parallel: ParallelConfig) -> str:
     """The layout as ``parallel=dict(...)``, equal on two ranks exactly when their layouts are."""
     tensor = f"size={parallel.tensor_size}, mode={parallel.tensor_mode!r}"
-    if parallel.tensor_mode == "2.5d":
-        tensor += f", depth={parallel.tensor_depth}"
     for key, value in sorted(parallel.tensor_args.items()):
         tensor += f", {key}={value!r}"
     extra = ""

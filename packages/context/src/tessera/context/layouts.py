@@ -17,8 +17,6 @@ A group is a tuple of global ranks ordered by local rank (the rank inside the gr
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from .config import ParallelConfig
 from .modes import ParallelMode
 
@@ -209,12 +207,3 @@ def sequence_groups(config: ParallelConfig) -> dict[str, Groups]:
             for j in range(p)
         ],
     }
-
-
-#: The tensor-space layout of each tensor mode that lives inside one tensor group.
-TENSOR_LAYOUTS: dict[str, Callable[[ParallelConfig], dict[str, Groups]]] = {
-    "1d": lambda c: groups_1d(c.tensor_size),
-    "2d": lambda c: groups_2d(c.tensor_dim),
-    "2.5d": lambda c: groups_2p5d(c.tensor_dim, c.tensor_depth),
-    "3d": lambda c: groups_3d(c.tensor_dim),
-}

@@ -40,7 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.context import ParallelContext, ParallelMode, get_shard_info
+from tessera.context import ModeLike, ParallelContext, ParallelMode, get_shard_info
+
+from .context_lookup import replica_mode
 
 __all__ = [
     "DEBUG_ENV",
@@ -91,7 +93,7 @@ def _gather(value: Any, group: dist.ProcessGroup) -> list[Any]:
     return gathered
 
 
-def _cpu_group(ctx: ParallelContext, mode: ParallelMode) -> dist.ProcessGroup | None:
+def _cpu_group(ctx: ParallelContext, mode: ModeLike) -> dist.ProcessGroup | None:
     if not ctx.is_initialized(mode) or ctx.get_world_size(mode) < 2:
         return None
     return ctx.get_cpu_group(mode)
@@ -100,7 +102,7 @@ def _cpu_group(ctx: ParallelContext, mode: ParallelMode) -> dist.ProcessGroup | 
 def _agree(
     entries: Sequence[tuple[str, Any]],
     ctx: ParallelContext,
-    mode: ParallelMode,
+    mode: ModeLike,
     what: str,
     hint: str,
 ) -> None:
@@ -132,7 +134,7 @@ def _agree(
         if len(diffs) > _MAX_SHOWN:
             lines.append(f"  ... and {len(diffs) - _MAX_SHOWN} more differences on rank {rank}")
     raise ValueError(
-        f"the {mode.value} ranks {ranks} disagree on the {what}; {hint}:\n" + "\n".join(lines)
+        f"the {mode} ranks {ranks} disagree on the {what}; {hint}:\n" + "\n".join(lines)
     )
 
 
@@ -169,12 +171,6 @@ def _named_tensors(modules: Sequence[nn.Module]) -> Iterator[tuple[str, torch.Te
             yield prefix + name, buffer, False
 
 
-def _replica_mode(ctx: ParallelContext) -> ParallelMode:
-    if ctx.config.tensor_mode == "sequence" and ctx.is_initialized(ParallelMode.SEQUENCE_DP):
-        return ParallelMode.SEQUENCE_DP
-    return ParallelMode.DATA
-
-
 def check_model_agreement(modules: Sequence[nn.Module], ctx: ParallelContext) -> None:
     """Data replicas hold the same tensors; tensor ranks the same tensors up to sharding.
 
@@ -191,7 +187,7 @@ def check_model_agreement(modules: Sequence[nn.Module], ctx: ParallelContext) ->
         shape = list(info.global_shape) if info is not None else list(tensor.shape)
         full.append((name, f"{kind} of full shape {shape} {dtype}"))
     hint = "build the same model on every rank"
-    _agree(local, ctx, _replica_mode(ctx), "model", f"{hint} (same layers, sizes and dtypes)")
+    _agree(local, ctx, replica_mode(ctx), "model", f"{hint} (same layers, sizes and dtypes)")
     _agree(full, ctx, ParallelMode.TENSOR, "model", f"{hint} (same full shapes and dtypes)")
 
 
@@ -227,7 +223,7 @@ def check_parameter_checksums(modules: Sequence[nn.Module], ctx: ParallelContext
     sums = {name: _checksum(t) for name, t, _ in tensors}
     entries = [(name, sums[name]) for name, _, _ in tensors]
     hint = "replicated tensors must be equal (synchronize them, or seed them alike)"
-    _agree(entries, ctx, _replica_mode(ctx), "parameter values", hint)
+    _agree(entries, ctx, replica_mode(ctx), "parameter values", hint)
     by_mode: dict[str, list[tuple[str, Any]]] = {}
     for name, tensor, is_param in tensors:
         if not is_param:
@@ -265,7 +261,7 @@ def check_replicas_in_step(
     """
     tensors = [(name, t) for name, t, is_param in _named_tensors(modules) if is_param]
     sums = {name: _checksum(t) for name, t in tensors}
-    groups: dict[str, list[str]] = {_replica_mode(ctx).value: [name for name, _ in tensors]}
+    groups: dict[str, list[str]] = {replica_mode(ctx): [name for name, _ in tensors]}
     for name, tensor in tensors:
         for mode in _replicated_modes(ctx, tensor):
             groups.setdefault(mode, []).append(name)

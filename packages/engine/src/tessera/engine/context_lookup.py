@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from tessera.context import ModeLike, ParallelContext, get_context, has_context
+from tessera.context import ModeLike, ParallelContext, ParallelMode, get_context, has_context
 
-__all__ = ["group_if_parallel", "resolve_context"]
+__all__ = ["group_if_parallel", "replica_mode", "resolve_context"]
 
 
 def resolve_context(context: ParallelContext | None) -> ParallelContext | None:
@@ -34,3 +34,16 @@ def group_if_parallel(context: ParallelContext | None, mode: ModeLike) -> dist.P
     if context.get_world_size(mode) <= 1:
         return None
     return context.get_group(mode)
+
+
+def replica_mode(context: ParallelContext) -> str:
+    """The group over which a whole parameter is replicated.
+
+    DATA, or the tensor mode's wider group where it names one and the context holds it
+    (sequence parallelism: data x sequence ranks).
+    """
+    mode = context.config.mode
+    wider = None if mode is None else mode.replica_group
+    if wider is not None and context.is_initialized(wider):
+        return wider
+    return ParallelMode.DATA.value

@@ -219,9 +219,10 @@ class Engine:
         self._tokens: TokenCounter | None = None
         if per_token_loss:
             ctx = self._context
-            if ctx is not None and ctx.config.tensor_mode == "sequence":
+            mode = None if ctx is None else ctx.config.mode
+            if mode is not None and mode.token_loss_spans_ranks:
                 raise ValueError(
-                    "per_token_loss is not supported under tensor mode 'sequence': its token "
+                    f"per_token_loss is not supported under tensor mode {mode.name!r}: its token "
                     "loss (tessera.layers.token_loss) already averages over every token of "
                     "the sequence ranks; leave per_token_loss off there"
                 )

@@ -23,13 +23,17 @@ __all__ = ["align_replicated_generator"]
 
 
 def align_replicated_generator(ctx: ParallelContext) -> None:
-    """Give every tensor rank of a 1D job the first tensor rank's global generator state.
+    """Give every tensor rank the first tensor rank's global generator state, where needed.
+
+    Needed where the tensor ranks hold the same whole activations between split layers
+    (1D's replicated regions), so dropout there draws one mask.
 
     The CPU generator's, and the CUDA one of the context's device on a GPU job. One broadcast
     over the tensor group; nothing under the other modes, whose dropout draws from the
     per-rank TENSOR stream (their activations are split everywhere).
     """
-    if ctx.config.tensor_mode != "1d":
+    mode = ctx.config.mode
+    if mode is None or not mode.replicated_activations:
         return
     group = group_if_parallel(ctx, ParallelMode.TENSOR)
     if group is None:

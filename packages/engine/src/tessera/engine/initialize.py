@@ -87,7 +87,7 @@ from .consistency import (
     check_parameter_checksums,
     debug_enabled,
 )
-from .context_lookup import group_if_parallel, resolve_context
+from .context_lookup import group_if_parallel, replica_mode, resolve_context
 from .engine import Engine
 from .generators import align_replicated_generator
 from .gradient_handlers import (
@@ -96,7 +96,6 @@ from .gradient_handlers import (
     DataParallelGradientHandler,
     DeferredSumGradientHandler,
     PipelineSharedModuleGradientHandler,
-    SequenceParallelGradientHandler,
 )
 from .loss_scaler import DynamicLossScaler
 from .master_weights import MasterWeights
@@ -113,17 +112,6 @@ def _modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     return [model] if isinstance(model, nn.Module) else list(model)
 
 
-def _is_sequence_parallel(ctx: ParallelContext) -> bool:
-    return ctx.config.tensor_mode == "sequence"
-
-
-def _replica_mode(ctx: ParallelContext) -> ParallelMode:
-    """The ranks over which a whole parameter is replicated: DATA, or data x sequence."""
-    if _is_sequence_parallel(ctx) and ctx.is_initialized(ParallelMode.SEQUENCE_DP):
-        return ParallelMode.SEQUENCE_DP
-    return ParallelMode.DATA
-
-
 def sync_replicated_parameters(
     model: nn.Module | Sequence[nn.Module], context: ParallelContext | None = None
 ) -> None:
@@ -135,7 +123,7 @@ def sync_replicated_parameters(
     ctx = resolve_context(context)
     if ctx is None:
         return
-    mode = _replica_mode(ctx)
+    mode = replica_mode(ctx)
     group = group_if_parallel(ctx, mode)
     if group is None:
         return
@@ -342,9 +330,14 @@ def _gradient_sync(
         deferred = DeferredSumGradientHandler(forward_model, optimizer, ctx)
         if deferred.sums:
             handlers.append(deferred)
-        if _is_sequence_parallel(ctx) and group_if_parallel(ctx, ParallelMode.SEQUENCE_DP):
+        mode = ctx.config.mode
+        replicas = replica_mode(ctx)
+        if mode is not None and mode.gradient_handler and group_if_parallel(ctx, replicas):
+            # the tensor mode's own handler sums over its replica group (sequence: data x
+            # sequence ranks), with DDP's buffer broadcast
+            handler: Any = GRADIENT_HANDLERS.get(mode.gradient_handler)  # takes DDP's option
             handlers.append(
-                SequenceParallelGradientHandler(
+                handler(
                     forward_model, optimizer, ctx, broadcast_buffers=_broadcast_buffers(settings)
                 )
             )

@@ -24,7 +24,6 @@ holds at least one block), and ZeRO stages 2 and 3 (FSDP2) run only without a pi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 from tessera.registry import ConfigError
 
 from ..config import ParallelConfig
+from ..tensor_modes import TENSOR_MODES, TensorMode, find_tensor_mode
 from .shapes import ModelShape
 
 __all__ = [
@@ -45,8 +45,16 @@ __all__ = [
     "tensor_shapes",
 ]
 
-#: The tensor modes the planner considers; ``"none"`` is no tensor parallelism.
-MODES: tuple[str, ...] = ("none", "1d", "2d", "2.5d", "3d")
+
+def _planned(name: str) -> bool:
+    found = find_tensor_mode(name)
+    return found is not None and found.planned
+
+
+#: The planner's name for no tensor parallelism.
+NONE = "none"
+#: The tensor modes the planner considers (those it has a cost model for), and ``"none"``.
+MODES: tuple[str, ...] = (NONE, *(m for m in TENSOR_MODES if _planned(m)))
 
 
 @dataclass(frozen=True)
@@ -80,47 +88,63 @@ class Layout:
         return self.data * self.pipeline * self.tensor
 
     @property
+    def tensor_mode(self) -> TensorMode | None:
+        """The :class:`TensorMode` called ``mode`` (``None`` for ``"none"``)."""
+        return find_tensor_mode(self.mode)
+
+    @property
+    def tensor_args(self) -> dict[str, Any]:
+        """The mode's keys of ``parallel.tensor`` this layout sets (2.5d's ``depth``)."""
+        mode = self.tensor_mode
+        return {"depth": self.depth} if mode is not None and "depth" in mode.arguments else {}
+
+    @property
     def side(self) -> int:
         """The side ``q`` of the mode's mesh (2d ``q^2``, 2.5d ``q^2 d``, 3d ``q^3`` ranks).
 
         For 1d it is the tensor size, for no tensor parallelism 1.
         """
-        if self.mode == "2d":
-            return math.isqrt(self.tensor)
-        if self.mode == "2.5d":
-            return math.isqrt(self.tensor // self.depth)
-        if self.mode == "3d":
-            return next(c for c in range(1, self.tensor + 1) if c**3 >= self.tensor)
-        return self.tensor
+        mode = self.tensor_mode
+        return self.tensor if mode is None else mode.side(self.tensor, self.tensor_args)
 
     @property
     def row_split(self) -> int:
         """Blocks a replica's batch is cut into by the tensor mode (its activations' rows)."""
-        q = self.side
-        return {"2d": q, "2.5d": self.depth * q, "3d": q * q}.get(self.mode, 1)
+        mode = self.tensor_mode
+        return 1 if mode is None else mode.row_blocks(self.tensor, self.tensor_args)
 
     @property
     def weight_split(self) -> int:
         """Ranks one weight matrix is cut over (2.5d keeps ``d`` copies of a ``q^2`` cut)."""
-        q = self.side
-        return {"1d": q, "2d": q * q, "2.5d": q * q, "3d": q**3}.get(self.mode, 1)
+        mode = self.tensor_mode
+        return 1 if mode is None else mode.weight_blocks(self.tensor, self.tensor_args)
+
+    @property
+    def hidden_split(self) -> int:
+        """Ranks the hidden dim of a weight or the embedding is cut over (3d: ``q^2``)."""
+        mode = self.tensor_mode
+        return 1 if mode is None else mode.hidden_blocks(self.tensor, self.tensor_args)
 
     @property
     def activation_split(self) -> int:
         """Ranks a block's activations are cut over: 1 for 1d (replicated between blocks)."""
-        if self.mode in ("2d", "2.5d", "3d"):
-            return self.tensor
-        return 1
+        mode = self.tensor_mode
+        return self.tensor if mode is not None and mode.splits_activations else 1
+
+    @property
+    def keeps_gathered(self) -> bool:
+        """Every linear keeps what its forward gathered (``keep_gathered`` where it can)."""
+        mode = self.tensor_mode
+        return self.keep_gathered and mode is not None and mode.keeps_gathered
 
     @property
     def tensor_name(self) -> str:
         """``none``, ``1d(4)``, ``2d(4)``, ``2.5d(8,d=2)``, ``3d(8)``, ``3d(8)+kept``."""
-        if self.mode == "none":
-            return "none"
-        if self.mode == "2.5d":
-            return f"2.5d({self.tensor},d={self.depth})"
-        kept = "+kept" if self.keep_gathered and self.mode == "3d" else ""
-        return f"{self.mode}({self.tensor}){kept}"
+        mode = self.tensor_mode
+        if mode is None:
+            return NONE
+        kept = "+kept" if self.keeps_gathered else ""
+        return mode.label(self.tensor, self.tensor_args) + kept
 
     @property
     def name(self) -> str:
@@ -134,12 +158,10 @@ class Layout:
         ``keep_gathered`` is no part of it: call ``tessera.layers.keep_gathered_operands(model)``.
         """
         block: dict[str, Any] = {"data": self.data, "pipeline": self.pipeline}
-        if self.mode == "none":
+        if self.tensor_mode is None:
             block["tensor"] = 1
-        elif self.mode == "2.5d":
-            block["tensor"] = {"size": self.tensor, "mode": "2.5d", "depth": self.depth}
         else:
-            block["tensor"] = {"size": self.tensor, "mode": self.mode}
+            block["tensor"] = {"size": self.tensor, "mode": self.mode, **self.tensor_args}
         return block
 
 
@@ -155,10 +177,12 @@ def tensor_shapes(size: int, mode: str | None = None) -> list[tuple[str, int]]:
         mode: Only this mode (default: every mode of ``MODES``).
     """
     if size == 1:
-        return [("none", 1)] if mode in (None, "none") else []
+        return [(NONE, 1)] if mode in (None, NONE) else []
     found: list[tuple[str, int]] = []
-    for kind in ("1d", "2d", "2.5d", "3d") if mode is None else (mode,):
-        depths = [d for d in range(2, size // 4 + 1) if size % d == 0] if kind == "2.5d" else [1]
+    for kind in MODES[1:] if mode is None else (mode,):
+        tensor_mode = find_tensor_mode(kind)
+        takes_depth = tensor_mode is not None and "depth" in tensor_mode.arguments
+        depths = [d for d in range(2, size // 4 + 1) if size % d == 0] if takes_depth else [1]
         for depth in depths:
             try:
                 ParallelConfig(tensor_size=size, tensor_mode=kind, tensor_depth=depth)
@@ -205,21 +229,22 @@ def layout_problems(shape: ModelShape, layout: Layout) -> list[str]:
             f"pipeline {layout.pipeline} > layers {shape.layers}: every stage needs a block"
         )
     q = layout.side
-    if layout.mode != "none":
-        problems += _key_value_problems(shape, q, name, cube=layout.mode == "3d")
-    if layout.mode == "1d":
+    mode = layout.tensor_mode
+    if mode is not None:
+        problems += _key_value_problems(shape, q, name, cube=layout.hidden_split > q)
+    if mode is not None and not mode.splits_activations:
         for what, value in (("hidden", shape.hidden), ("heads", shape.heads)):
             need(what, value, q, f"{name} splits {what} over {q} ranks")
         if shape.vocab:
             need("vocab", shape.vocab, q, f"{name}'s vocab-parallel embedding splits it by {q}")
-    elif layout.mode in ("2d", "2.5d", "3d"):
-        hidden_divisor = q * q if layout.mode == "3d" else q
+    elif mode is not None:
+        hidden_divisor = layout.hidden_split
         need(
             "hidden",
             shape.hidden,
             hidden_divisor,
             f"{name} splits hidden over {hidden_divisor} ranks"
-            + (" (weights [out/q^2, in/q])" if layout.mode == "3d" else ""),
+            + (" (weights [out/q^2, in/q])" if hidden_divisor > q else ""),
         )
         need("heads", shape.heads, q, f"{name} gives each of {q} hidden blocks whole heads")
         if shape.vocab:
@@ -233,7 +258,7 @@ def layout_problems(shape: ModelShape, layout: Layout) -> list[str]:
                 layout.row_split,
                 f"{name} splits each replica's batch into {layout.row_split} blocks",
             )
-    if layout.keep_gathered and layout.mode != "3d":
+    if layout.keep_gathered and not layout.keeps_gathered:
         problems.append(
             f"keep_gathered with {name}: only 3d's Linear3D keeps its gathered operands"
         )
@@ -316,7 +341,8 @@ def enumerate_layouts(
             for kind, depth in tensor_shapes(size, mode):
                 for zero in (0, 1, 2, 3) if data > 1 else (0,):
                     for checkpoint in (False, True):
-                        for keep in (False, True) if kind == "3d" else (False,):
+                        kept = (False, True) if _keeps_gathered(kind) else (False,)
+                        for keep in kept:
                             yield Layout(data, stages, size, kind, depth, zero, checkpoint, keep)
 
 
@@ -357,13 +383,13 @@ def check_world(
 
 def _mode_sizes(mode: str) -> str:
     """The tensor sizes a mode accepts, in words."""
-    return {
-        "none": "no tensor parallelism needs tensor 1",
-        "1d": "1d needs 2 or more ranks",
-        "2d": "2d needs q*q ranks (4, 9, 16, ...)",
-        "2.5d": "2.5d needs q*q*d ranks with q, d >= 2 (8, 12, 16, 18, ...)",
-        "3d": "3d needs q*q*q ranks (8, 27, 64, ...)",
-    }[mode]
+    found = find_tensor_mode(mode)
+    return "no tensor parallelism needs tensor 1" if found is None else found.sizes_in_words
+
+
+def _keeps_gathered(mode: str) -> bool:
+    found = find_tensor_mode(mode)
+    return found is not None and found.keeps_gathered
 
 
 def _divisors(n: int) -> list[int]:
