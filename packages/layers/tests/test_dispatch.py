@@ -232,3 +232,68 @@ def test_modes_without_layers_raise_and_sizes_are_checked(dist) -> None:
     message = dist.run(_all, world_size=4, timeout=120.0)[0]
     assert "no PatchEmbedding for tensor mode 'sequence'" in message
     assert "'1d', '2.5d', '2d', '3d'" in message
+
+
+def _register_line_mode() -> None:
+    """A user's tensor mode 'line': 1D's groups, layers and loss under a name of its own.
+
+    Registered the way a package outside tessera would (nothing edited in tessera): its
+    ``TensorMode`` and initializer, its ``ModeLayers`` and its dispatching layers' builders.
+    """
+    from dataclasses import replace
+
+    from tessera.context import TENSOR_MODE_PLUGINS, Mode1D, Tensor1DInitializer
+    from tessera.layers import MODE_LAYERS, register_mode_layers
+
+    if "line" in TENSOR_MODE_PLUGINS:
+        return
+
+    class LineInitializer(Tensor1DInitializer):
+        tensor_mode = "line"
+
+    class Line(Mode1D):
+        name = "line"
+        initializer = LineInitializer
+
+    TENSOR_MODE_PLUGINS.register(Line, name="line")
+    register_mode_layers(replace(MODE_LAYERS["1d"], name="line"))
+    for layer, row in IMPLEMENTATIONS.items():
+        register_implementation(layer, "line", row["1d"])
+
+
+def _user_mode_parallelizes_like_1d() -> list[float]:
+    """``parallelize``, the boundary, ``token_loss`` and dropout's forks under 'line' and '1d'.
+
+    Same plain model, same batch: the loss and every gradient equal bitwise (the same kernels
+    on the same groups), and the loss equals one process's.
+    """
+    from plain_models import plain_lm
+
+    from tessera.layers import parallelize, token_loss
+
+    _register_line_mode()
+    ids = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(3))
+    plain = plain_lm()
+    logits = plain(ids)
+    whole = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 32), ids[:, 1:].reshape(-1))
+    results = []
+    for mode in ("line", "1d"):
+        ctx = create_context(dict(parallel=dict(tensor=dict(size=2, mode=mode))), timeout=60.0)
+        try:
+            model = parallelize(plain_lm(), context=ctx)
+            loss = token_loss(model(ids)[:, :-1], ids[:, 1:], context=ctx)
+            loss.backward()
+            results.append((loss.detach(), [p.grad for p in model.parameters()]))
+        finally:
+            ctx.destroy()
+    (line_loss, line_grads), (one_d_loss, one_d_grads) = results
+    assert torch.equal(line_loss, one_d_loss)
+    for got, want in zip(line_grads, one_d_grads, strict=True):
+        assert got is not None and want is not None and torch.equal(got, want)
+    torch.testing.assert_close(line_loss, whole.detach(), rtol=1e-5, atol=1e-6)
+    return [float(line_loss)]
+
+
+def test_a_users_mode_takes_every_path_a_builtin_one_does(dist) -> None:
+    losses = dist.run(_user_mode_parallelizes_like_1d, world_size=2, timeout=120.0)
+    assert losses[0] == losses[1]

@@ -123,6 +123,12 @@ from tessera.layers.shared.initializers import (
     xavier_uniform,
     zeros,
 )
+from tessera.layers.shared.mode_layers import (
+    MODE_LAYERS,
+    ModeLayers,
+    find_mode_layers,
+    register_mode_layers,
+)
 from tessera.layers.shared.norm_over_group import layer_norm_over_group
 from tessera.layers.shared.serial import (
     SerialAccuracy,
@@ -165,6 +171,10 @@ __all__ = [
     "CrossEntropyLoss",
     "Accuracy",
     "IMPLEMENTATIONS",
+    "MODE_LAYERS",
+    "ModeLayers",
+    "find_mode_layers",
+    "register_mode_layers",
     "register_implementation",
     "unregister_implementation",
     "ModeNotImplementedError",

@@ -16,11 +16,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.context import ParallelContext, ParallelMode, get_shard_info
+from tessera.context import (
+    TENSOR_MODES,
+    ParallelContext,
+    ParallelMode,
+    find_tensor_mode,
+    get_shard_info,
+    tensor_mode_names,
+)
 
 from ..sequence.attention import AttentionImpl
 from ..shared.context_access import current_or_none, sequence_parallel_default, tensor_mode
 from ..shared.errors import ModeNotImplementedError
+from ..shared.mode_layers import MODE_LAYERS, find_mode_layers
 from .boundary import install_boundary
 from .converters import Converter
 from .dropout import install_dropout_streams
@@ -29,7 +37,6 @@ from .generation import install_generation
 from .meta import check_meta_buffers, materialize_whole_modules
 from .model_loss import install_model_loss
 from .plan import Plan, inner_norms, match_plan, plan_for, resolve_span, span_members
-from .position_table import TABLE_MODES
 from .sequence import check_attention_covered, install_sequence_attention
 from .sequence_positions import forward_takes_positions, install_chunk_positions
 
@@ -41,8 +48,9 @@ __all__ = [
     "parallelize",
 ]
 
-#: The tensor modes ``parallelize`` converts models to.
-SUPPORTED_MODES = ("1d", "2d", "2.5d", "3d", "sequence")
+#: tessera's own tensor modes, which ``parallelize`` converts models to; a mode of your own
+#: is converted to when its ``ModeLayers`` say how (``roles``).
+SUPPORTED_MODES = TENSOR_MODES
 #: Set on a parallelized model: the tensor mode it was converted to.
 PARALLELIZED_ATTR = "_tessera_parallelized"
 #: Set on a parallelized model: the ParallelContext it was converted for.
@@ -86,7 +94,21 @@ def _retie(model: nn.Module, replaced: dict[int, nn.Parameter]) -> None:
             module._parameters[pname] = new
 
 
-def _check_no_plain_parameters(model: nn.Module, span: set[str], plan: Plan, mode: str) -> None:
+def _has_roles(mode: str) -> bool:
+    """Whether ``mode``'s registered ``ModeLayers`` say how ``parallelize`` builds each role."""
+    layers = find_mode_layers(mode)
+    return layers is not None and layers.roles is not None
+
+
+def _modes_with_whole_activations() -> list[str]:
+    """The registered modes whose activations are whole between blocks (1D's)."""
+    found = (find_tensor_mode(name) for name in tensor_mode_names())
+    return [m.name for m in found if m is not None and m.replicated_activations]
+
+
+def _check_no_plain_parameters(
+    model: nn.Module, span: set[str], plan: Plan, mode: str, *, sequence_parallel: bool
+) -> None:
     """Where activations are split, no module the plan left out may hold parameters.
 
     Under 1D sequence parallelism (inside the span) a module left out computes on
@@ -108,7 +130,7 @@ def _check_no_plain_parameters(model: nn.Module, span: set[str], plan: Plan, mod
     if not plain:
         return
     more = f" and {len(plain) - 4} more" if len(plain) > 4 else ""
-    if mode == "1d":
+    if sequence_parallel:
         raise ValueError(
             f"parallelize with 1d sequence parallelism: {plain[:4]}{more} hold parameters but "
             f"are not in the {plan.name}; inside the sequence span each rank sees only its "
@@ -191,7 +213,8 @@ def parallelize(
         context: The ParallelContext (default the current one).
 
     Raises:
-        ModeNotImplementedError: the tensor mode is not one of :data:`SUPPORTED_MODES`.
+        ModeNotImplementedError: the tensor mode is not one of :data:`SUPPORTED_MODES`, nor
+            one whose registered ``ModeLayers`` have ``roles``.
         ValueError: a pattern matches nothing, a size does not divide, the plan leaves every
             parameter whole, the model was parallelized already, or the tensor ranks hold
             different weights (each would cut its shard from another model).
@@ -204,11 +227,14 @@ def parallelize(
     done = getattr(model, PARALLELIZED_ATTR, None)
     if done is not None:
         raise ValueError(f"parallelize: {type(model).__name__} is already parallelized ({done})")
-    if mode not in SUPPORTED_MODES:
-        raise ModeNotImplementedError("parallelize", mode, SUPPORTED_MODES)
+    if mode not in SUPPORTED_MODES and not _has_roles(mode):
+        converts = [*SUPPORTED_MODES, *(m for m in MODE_LAYERS if _has_roles(m))]
+        raise ModeNotImplementedError("parallelize", mode, sorted(set(converts)))
+    kind = ctx.config.mode
+    assert kind is not None  # a registered mode: the context was built from it
     chosen = plan_for(model, plan)
     roles = match_plan(model, chosen, mode)
-    if mode == "sequence":  # before any collective: attention left out would see its chunk
+    if kind.splits_sequence:  # before any collective: attention left out would see its chunk
         check_attention_covered(
             model, [n for n, r in roles.items() if r == "attention"], chosen.name
         )
@@ -218,10 +244,10 @@ def parallelize(
 
     install_heads_attention(model, [n for n, r in roles.items() if r == "attention"], mode)
     install_memory_split(model, ctx, mode)
-    sequence_parallel = mode == "1d" and sequence_parallel_default(ctx)
+    sequence_parallel = "sequence_parallel" in kind.arguments and sequence_parallel_default(ctx)
     bare = chosen.boundary == "tokens" and not chosen.causal_lm  # its hidden states whole
     splits_tokens = sequence_parallel or (
-        mode == "sequence" and (chosen.boundary == "images" or bare)
+        kind.splits_sequence and (chosen.boundary == "images" or bare)
     )
     if splits_tokens and chosen.sequence_span is not None:  # the only modes that read it
         chosen = replace(chosen, sequence_span=resolve_span(model, chosen.sequence_span))
@@ -232,16 +258,16 @@ def parallelize(
         )
     attention = tuple(name for name, role in roles.items() if role == "attention")
     tables = sorted(name for name, role in roles.items() if role == "position_table")
-    if tables and mode not in TABLE_MODES:
+    if tables and not kind.replicated_activations:
         raise ValueError(
             f"parallelize: {tables} compute positions in a forward of their own (role "
             f"'position_table'), which tensor mode {mode!r} cannot split: the ids, mask and "
             "position ids they read reach them as this rank's rows or sequence chunk, so "
             "positions shared by the batch could not be told from one sample's (and a "
             "learned table would get this rank's part of its gradient); use tensor mode "
-            f"{' or '.join(repr(m) for m in TABLE_MODES)}"
+            f"{' or '.join(repr(m) for m in _modes_with_whole_activations())}"
         )
-    if mode == "sequence":  # token-wise modules stay; attention goes around the ring
+    if kind.splits_sequence:  # token-wise modules stay; attention goes around the ring
         materialize_whole_modules(model, ctx.device, seed=ctx.base_seed)
         install_sequence_attention(model, attention, ctx, sequence_attention)
         if chosen.boundary == "tokens" and not forward_takes_positions(model):
@@ -285,9 +311,10 @@ def parallelize(
     _retie(model, replaced)
     materialize_whole_modules(model, ctx.device, seed=ctx.base_seed)
     if sequence_parallel:
-        _check_no_plain_parameters(model, span, chosen, mode)
-    elif mode != "1d":
-        _check_no_plain_parameters(model, {n for n, _ in model.named_modules()}, chosen, mode)
+        _check_no_plain_parameters(model, span, chosen, mode, sequence_parallel=True)
+    elif kind.splits_activations:
+        everything = {n for n, _ in model.named_modules()}
+        _check_no_plain_parameters(model, everything, chosen, mode, sequence_parallel=False)
     if not any(
         (info := get_shard_info(p)) is not None and info.is_sharded for p in model.parameters()
     ):
@@ -297,9 +324,9 @@ def parallelize(
         )
     install_dropout_streams(model, ctx, mode, roles, sequence_parallel, chosen.sequence_span)
     install_boundary(model, chosen, ctx, mode, sequence_parallel, attention)
-    if chosen.logits_bias and mode == "1d":  # the logits are split by vocabulary
+    if chosen.logits_bias and kind.replicated_activations:  # logits split by vocabulary only
         split_logits_bias(model, chosen, ctx)
-    if chosen.encoder is not None and mode != "1d":  # generate() calls it on its own
+    if chosen.encoder is not None and kind.splits_activations:  # generate() calls it alone
         install_encoder_rows(model, chosen, ctx)
     if chosen.causal_lm:
         install_generation(model, ctx, mode, sequence_parallel)

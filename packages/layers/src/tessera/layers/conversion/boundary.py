@@ -24,23 +24,20 @@ from __future__ import annotations
 from typing import Any, Literal, overload
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.context import ParallelContext, ParallelMode
+from tessera.context import ParallelContext, ParallelMode, TensorMode
 
 from ..comm.collectives import check_divisible
 from ..comm.ops import gather_along_dim, split_along_dim
 from ..cube.embedding import Embedding3D
-from ..cube.layout import LAYOUT_ATTR, cube_of, mark_layout
+from ..cube.layout import LAYOUT_ATTR, mark_layout
 from ..dispatch.activations import gather_activation, split_activation, split_batch
-from ..grid.loss import grid_cross_entropy
-from ..mesh.layout import mesh_of
 from ..sequence.replicated import split_sequence_activation
 from ..shared.context_access import current_or_none, tensor_mode
-from ..shared.cross_entropy import vocab_parallel_cross_entropy
 from ..shared.errors import ModeNotImplementedError
+from ..shared.mode_layers import MODE_LAYERS, check_targets, find_mode_layers
 from .model_loss import MODEL_LOSS_ATTR
 from .plan import Plan
 from .sequence import KEY_PADDING_ATTRIBUTE, KeyPadding
@@ -75,27 +72,32 @@ def rank_rows(name: str, value: Any, context: ParallelContext) -> Any:
         return value
     if name == "position_ids" and value.shape[0] == 1:
         return value  # one row of positions, broadcast over the batch
-    if context.config.tensor_mode == "3d" and name in (*ATTENTION_MASKS, "position_ids"):
-        # Attention runs on a column layer's output, in layout "z", whose rows are not the
-        # rows of layout "y" that split_batch keeps: both take layout "z"'s rows.
+    layers = find_mode_layers(context.config.tensor_mode)
+    two_layouts = layers is not None and layers.two_layouts and layers.attention_rows is not None
+    if two_layouts and name in (*ATTENTION_MASKS, "position_ids"):
+        # 3D: attention runs on a column layer's output, in layout "z", whose rows are not
+        # the rows of layout "y" that split_batch keeps: both take layout "z"'s rows.
+        assert layers is not None and layers.attention_rows is not None
         if name in ATTENTION_MASKS and bool(value.all()):
             return None  # nothing masked: the causal mask alone
-        rows = cube_of(context).batch("z")
-        check_divisible(value.shape[0], rows.world_size, f"{name} {list(value.shape)}")
-        mine = value.chunk(rows.world_size, 0)[rows.rank]
+        mine = layers.attention_rows(value, context)
         return mark_layout(mine, "z") if name == "position_ids" else mine
     return split_batch(value, context)
 
 
 def _image_inputs(
-    args: tuple[Any, ...], kwargs: dict[str, Any], context: ParallelContext, mode: str, owner: str
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    context: ParallelContext,
+    kind: TensorMode,
+    owner: str,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Images: this rank's rows where the mode splits the batch, else the whole batch.
 
     Under ``'sequence'`` every rank embeds the whole images; the tokens are split after the
     embedding (:func:`_install_token_span`).
     """
-    if mode in ("1d", "sequence"):
+    if not kind.splits_activations:  # 1D and 'sequence' embed the whole batch of images
         return args, kwargs
     if args:
         args = (split_batch(args[0], context), *args[1:])
@@ -170,12 +172,14 @@ def install_boundary(
     ``attention``: under 1D sequence parallelism these modules get their input gathered
     whole (see :func:`_install_sequence_span`).
     """
-    splits_batch = mode != "1d"
+    kind = context.config.mode
+    assert kind is not None  # parallelize converts under a registered mode only
+    splits_batch = not kind.replicated_activations
     position_tables = [
         m for m in model.modules() if isinstance(m, Embedding3D) and m.reads_positions
     ]
 
-    splits_tokens = sequence_parallel or mode == "sequence"
+    splits_tokens = sequence_parallel or kind.splits_sequence
     takes_positions = forward_takes_positions(model)
 
     def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -213,8 +217,8 @@ def install_boundary(
                     "pipeline layers (pipeline_layers), whose stages now split its tokens; "
                     "call the layers, not the model"
                 )
-            return _image_inputs(args, kwargs, context, mode, type(module).__name__)
-        if mode == "sequence":
+            return _image_inputs(args, kwargs, context, kind, type(module).__name__)
+        if kind.splits_sequence:
             padding = getattr(module, KEY_PADDING_ATTRIBUTE, None)
             return _sequence_inputs(
                 args, kwargs, context, type(module).__name__, padding, takes_positions
@@ -240,7 +244,7 @@ def install_boundary(
         return args, kwargs
 
     model.register_forward_pre_hook(before, with_kwargs=True)
-    if plan.boundary == "images" and mode == "sequence":
+    if plan.boundary == "images" and kind.splits_sequence:
         if plan.sequence_span is None:
             raise ValueError(
                 f"parallelize: the {plan.name} names no sequence_span (the blocks whose tokens "
@@ -258,9 +262,10 @@ def install_boundary(
     if sequence_parallel:
         _install_sequence_span(model, plan.sequence_span, attention, context)
     # A bare model (BertModel, ViTModel); under 'sequence' an image model's span gathers already
-    images = plan.boundary == "images" and mode != "sequence"
-    if (plan.boundary == "tokens" or images) and not plan.causal_lm and mode != "1d":
-        _install_whole_hidden_states(model, plan, context, mode)
+    images = plan.boundary == "images" and not kind.splits_sequence
+    whole_already = kind.replicated_activations  # 1D (its span gathers the sequence)
+    if (plan.boundary == "tokens" or images) and not plan.causal_lm and not whole_already:
+        _install_whole_hidden_states(model, plan, context, kind)
 
 
 #: The outputs of a bare model (an encoder or a decoder without its head) gathered whole.
@@ -268,7 +273,7 @@ HIDDEN_OUTPUTS = ("last_hidden_state", "pooler_output")
 
 
 def _install_whole_hidden_states(
-    model: nn.Module, plan: Plan, context: ParallelContext, mode: str
+    model: nn.Module, plan: Plan, context: ParallelContext, kind: TensorMode
 ) -> None:
     """A bare model (BertModel, GPT2Model, ...) returns its hidden states whole, every mode.
 
@@ -291,7 +296,7 @@ def _install_whole_hidden_states(
                 setattr(output, name, gather_activation(value, context))
         return output
 
-    if mode != "sequence":
+    if not kind.splits_sequence:
         model.register_forward_hook(gathered)
         return
     group = context.get_group(ParallelMode.SEQUENCE)
@@ -616,10 +621,11 @@ def token_loss(
             f"token_loss: reduction must be 'mean' or 'sum_and_count', got {reduction!r}"
         )
     if reduction == "sum_and_count":
-        if mode == "sequence":
+        kind = None if ctx is None else ctx.config.mode
+        if kind is not None and kind.token_loss_spans_ranks:
             raise ValueError(
                 "token_loss: reduction='sum_and_count' is not supported under tensor mode "
-                "'sequence' (its mean already spans every token of the sequence ranks)"
+                f"{mode!r} (its mean already spans every token of the sequence ranks)"
             )
         count = (targets != ignore_index).sum()  # the whole batch's: alike on every tensor rank
         total = _cross_entropy(logits, targets, ignore_index, "sum", ctx, mode, vocab_size)
@@ -637,69 +643,23 @@ def _cross_entropy(
     vocab_size: int | None = None,
 ) -> torch.Tensor:
     """The whole batch's ``"mean"`` or ``"sum"`` cross-entropy, from this rank's logits."""
-    local = targets
-    whole = mode == "sequence" and logits.dim() == 2  # one class per sample: every token read
-    if ctx is not None and mode == "sequence" and not whole:
-        local = split_sequence_activation(targets, ctx)
-    elif ctx is not None and mode in ("2d", "2.5d", "3d"):
-        local = split_batch(targets, ctx)
-    if tuple(logits.shape[:-1]) != tuple(local.shape):
-        raise ValueError(
-            f"token loss under tensor mode {mode!r}: logits {list(logits.shape)} do not match "
-            f"this rank's targets {list(local.shape)} (pass the whole batch's targets)"
-        )
-    if ctx is None or mode is None or whole:
+    if ctx is None or mode is None:
+        check_targets(logits, targets, mode)
         return F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
-            local.reshape(-1),
+            targets.reshape(-1),
             ignore_index=ignore_index,
             reduction=reduction,
         )
-    if mode == "1d":
-        return vocab_parallel_cross_entropy(
-            logits,
-            local,
-            ctx.get_group(ParallelMode.PARALLEL_1D),
-            ignore_index=ignore_index,
-            reduction=reduction,
-            vocab_size=vocab_size,
-        )
-    if mode == "sequence":
-        return _sequence_token_loss(logits, local, ignore_index, ctx)
-    if mode in ("2d", "2.5d", "3d"):  # a function of the grid: no module built per call
-        grid = cube_of(ctx) if mode == "3d" else mesh_of(ctx, mode)
-        return grid_cross_entropy(
-            logits,
-            local,
-            grid,
-            vocab_parallel=False,
-            ignore_index=ignore_index,
-            reduction=reduction,
-        )
-    raise ModeNotImplementedError("token_loss", mode, ("1d", "2d", "2.5d", "3d", "sequence"))
+    layers = find_mode_layers(mode)
+    if layers is None or layers.token_loss is None:
+        raise ModeNotImplementedError("token_loss", mode, _modes_with("token_loss"))
+    return layers.token_loss(logits, targets, ignore_index, reduction, ctx, vocab_size)
 
 
-def _sequence_token_loss(
-    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, context: ParallelContext
-) -> torch.Tensor:
-    """The whole batch's mean token loss, from this rank's chunk of the sequence.
-
-    The value returned is the global mean on every rank; its gradient is ``N`` times this
-    rank's share of it, the convention of the engine's sequence-parallel handler
-    (``average="sequence_dp"`` divides the summed gradients by N).
-    """
-    group = context.get_group(ParallelMode.SEQUENCE)
-    world = context.get_world_size(ParallelMode.SEQUENCE)
-    local_sum = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]),
-        targets.reshape(-1),
-        ignore_index=ignore_index,
-        reduction="sum",
-    )
-    totals = torch.stack([local_sum.detach(), (targets != ignore_index).sum().to(local_sum)])
-    dist.all_reduce(totals, group=group)
-    share = local_sum * world / totals[1]  # gradient: N x this rank's part of the mean
-    return share + (totals[0] / totals[1] - share).detach()  # value: the global mean
+def _modes_with(facet: str) -> list[str]:
+    """The modes whose ``ModeLayers`` have ``facet`` (for a message)."""
+    return [name for name, layers in MODE_LAYERS.items() if getattr(layers, facet) is not None]
 
 
 def gather_logits(logits: torch.Tensor, *, context: ParallelContext | None = None) -> torch.Tensor:
@@ -718,11 +678,7 @@ def gather_logits(logits: torch.Tensor, *, context: ParallelContext | None = Non
     with torch.no_grad():
         if ctx is None or mode is None:
             return logits.detach()
-        if mode == "1d":
-            return gather_along_dim(logits, -1, ctx.get_group(ParallelMode.PARALLEL_1D))
-        if mode == "sequence" and logits.dim() == 2:
-            return logits.detach()  # [b, C]: an image classifier's, whole on every rank
-        if mode == "sequence":
-            return gather_along_dim(logits, 1, ctx.get_group(ParallelMode.SEQUENCE))
-        grid = cube_of(ctx) if mode == "3d" else mesh_of(ctx, mode)
-        return gather_along_dim(logits, 0, grid.batch_axis.group)
+        layers = find_mode_layers(mode)
+        if layers is None or layers.gather_logits is None:
+            raise ModeNotImplementedError("gather_logits", mode, _modes_with("gather_logits"))
+        return layers.gather_logits(logits.detach(), ctx)

@@ -16,33 +16,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import TypedDict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.context import FullForm, ParallelContext, ParallelMode, set_full_form
+from tessera.context import FullForm, ParallelContext, set_full_form
 
-from ..cube.classifier import Classifier3D
 from ..cube.embedding import Embedding3D
-from ..cube.layout import Layout3D, cube_of
-from ..cube.linear import Linear3D
-from ..cube.norm import LayerNorm3D, RMSNorm3D
-from ..cube.patch_embedding import PatchEmbedding3D
-from ..mesh.classifier import Classifier2D, Classifier2p5D
-from ..mesh.embedding import Embedding2D, Embedding2p5D
-from ..mesh.layout import mesh_of
-from ..mesh.linear import Linear2D, Linear2p5D
-from ..mesh.norm import LayerNorm2D, LayerNorm2p5D, RMSNorm2D, RMSNorm2p5D
-from ..mesh.patch_embedding import PatchEmbedding2D, PatchEmbedding2p5D
-from ..parallel_1d.classifier import VocabParallelClassifier1D
-from ..parallel_1d.embedding import VocabParallelEmbedding1D
-from ..parallel_1d.linear import Linear1DCol, Linear1DRow
-from ..parallel_1d.norm import LayerNorm1D, RMSNorm1D
-from ..parallel_1d.patch_embedding import PatchEmbedding1D
 from ..shared.head_norm import HeadLayerNorm, HeadRMSNorm
 from ..shared.initializers import Initializer
+from ..shared.mode_layers import find_mode_layers
 from ..shared.norm_over_group import ParallelNorm
 from ..state.sections import SectionOrder
 from ..state.state_dict import load_full_state_dict
@@ -77,16 +62,8 @@ HEAD_ATTRIBUTES = (
 )
 
 
-#: ``kind -> mode -> class`` of the norms ``parallelize`` builds.
-NORMS: dict[str, dict[str, Any]] = {
-    "layer": {
-        "1d": LayerNorm1D,
-        "2d": LayerNorm2D,
-        "2.5d": LayerNorm2p5D,
-        "3d": LayerNorm3D,
-    },
-    "rms": {"1d": RMSNorm1D, "2d": RMSNorm2D, "2.5d": RMSNorm2p5D, "3d": RMSNorm3D},
-}
+#: ``NormSpec.kind`` -> the key of the mode's class (``ModeLayers.classes``).
+NORM_CLASSES = {"layer": "LayerNorm", "rms": "RMSNorm"}
 
 
 class _Made(TypedDict):
@@ -335,6 +312,12 @@ class Converter:
         roles: Mapping[str, str] | None = None,
     ) -> None:
         self.context, self.mode, self.sequence_parallel = context, mode, sequence_parallel
+        layers = find_mode_layers(mode)
+        kind = context.config.mode
+        if layers is None or layers.roles is None or kind is None:
+            raise ValueError(f"parallelize: tensor mode {mode!r} has no layers to convert to")
+        #: The mode's layer classes and role builders (its folder's ``mode.py``).
+        self.layers, self.builders, self.kind = layers, layers.roles, kind
         self.roles: Mapping[str, str] = roles or {}
         self.sequence_span = sequence_span or set()
         self.inner_norms = inner_norms or set()
@@ -347,11 +330,13 @@ class Converter:
     @property
     def share(self) -> int:
         """How many ranks split a hidden dim (and so the heads): p in 1D, q on the mesh."""
-        if self.mode == "1d":
-            return self.context.get_world_size(ParallelMode.PARALLEL_1D)
-        if self.mode == "3d":
-            return cube_of(self.context).q
-        return mesh_of(self.context, self.mode).q
+        return self.context.config.tensor_dim
+
+    @property
+    def feature_split(self) -> int:
+        """How many ranks split again the features of one rank's heads (3D's cube: q)."""
+        config = self.context.config
+        return self.kind.hidden_blocks(config.tensor_size, config.tensor_args) // self.share
 
     def convert(self, name: str, module: nn.Module, role: str) -> nn.Module:
         """The module to put in place of ``module`` (``module`` itself if it stays)."""
@@ -444,18 +429,11 @@ class Converter:
     ) -> nn.Module:
         """The mode's linear layer of ``role`` for the plain layer ``name``."""
         in_span = self.sequence_parallel and name in self.sequence_span
-        if self.mode == "1d" and role == "row":
-            return Linear1DRow(*dims, sequence_parallel=in_span, **made)
-        if self.mode == "1d":
-            in_attention = any(name.startswith(f"{a}.") for a in self.attention_modules)
-            return Linear1DCol(
-                *dims, sequence_parallel=in_span and not in_attention, fused=fused, **made
-            )
-        if self.mode == "3d":
-            layout: Layout3D = "z" if role == "row" else "y"
-            return Linear3D(*dims, input_layout=layout, fused=fused, **made)
-        cls = Linear2D if self.mode == "2d" else Linear2p5D
-        return cls(*dims, fused=fused, **made)
+        row = role == "row"
+        in_attention = any(name.startswith(f"{a}.") for a in self.attention_modules)
+        # a column layer inside attention takes the whole sequence (the boundary gathered it)
+        split = in_span if row else in_span and not in_attention
+        return self.builders.linear(dims, row=row, fused=fused, sequence_parallel=split, **made)
 
     def _repeats(self, owner: str, width: int) -> bool:
         """Whether ``width`` features are all key (or value) heads of ``owner``, repeated.
@@ -531,7 +509,7 @@ class Converter:
         made = self._made_like(weight)
         dim, share = repeats.head_dim, self.share
         segment = repeats.segment
-        if self.mode == "3d" and segment % share != 0:  # the cube splits a segment's rows
+        if segment % self.feature_split != 0:  # the cube splits a segment's rows again
             raise ValueError(
                 f"parallelize: {name!r} holds {repeats.key_value} key/value heads of {dim} "
                 f"features, repeated over the {share} ranks that split heads under tensor "
@@ -602,17 +580,13 @@ class Converter:
         Under 3D the product switches to layout ``"z"`` and the output is swapped back to
         ``"y"`` with the mirror rank (``Linear3D(output_layout="y")``).
         """
-        if self.mode == "1d":
-            linear_shape(name, module, "dense")
+        shape = linear_shape(name, module, "dense")
+        weight = _tensor(module, "weight")
+        dims = (shape.in_features, shape.out_features, shape.bias)
+        new = self.builders.dense(dims, **self._made_like(weight))
+        if new is None:
             return module  # replicated activations in, replicated out
-        if self.mode == "3d":
-            shape = linear_shape(name, module, "dense")
-            weight = _tensor(module, "weight")
-            dims = (shape.in_features, shape.out_features, shape.bias)
-            new = Linear3D(*dims, input_layout="y", output_layout="y", **self._made_like(weight))
-            forms = {"weight": FullForm(tuple(weight.shape), transposed=True)}
-            return _adopt(new, module, forms if shape.transposed else {})
-        return self.linear(name, module, "dense")
+        return _adopt(new, module, self._forms(shape, weight, 1, ()))
 
     def attention(self, name: str, module: nn.Module) -> nn.Module:
         """``attention``: head counts and widths become this rank's share (in place).
@@ -743,15 +717,9 @@ class Converter:
                 f"parallelize: {name!r} uses max_norm or sparse gradients, which tessera's "
                 "embeddings do not support"
             )
-        if self.mode == "1d" and role == "position_embedding":
+        if self.kind.replicated_activations and role == "position_embedding":
             return module  # small; replicated like the activations it adds to
-        classes: dict[str, type[nn.Module]] = {
-            "1d": VocabParallelEmbedding1D,
-            "2d": Embedding2D,
-            "2.5d": Embedding2p5D,
-            "3d": Embedding3D,
-        }
-        new = classes[self.mode](
+        new = self.layers.classes["TokenEmbedding"](
             module.num_embeddings,
             module.embedding_dim,
             module.padding_idx,
@@ -822,26 +790,14 @@ class Converter:
             )
         inner = name in self.inner_norms
         in_span = self.sequence_parallel and name in self.sequence_span
-        if self.mode == "1d" and not in_span and not inner:
-            return module  # replicated activations: the plain norm is already right
         weight = _tensor(module, "weight") if spec.affine else torch.empty(0)
         args = (spec.shape, spec.eps, spec.affine, spec.bias, weight.dtype)
-        family = NORMS[spec.kind]
-        new: ParallelNorm
-        if self.mode == "1d":  # an inner norm sees the whole sequence (the column gathered it)
-            new = family["1d"](
-                *args,
-                sequence_parallel=in_span and not inner,
-                device=self._device(weight),
-                context=self.context,
-            )
-        elif self.mode == "3d":
-            layout: Layout3D = "z" if inner else "y"
-            new = family["3d"](
-                *args, layout=layout, device=self._device(weight), context=self.context
-            )
-        else:
-            new = family[self.mode](*args, device=self._device(weight), context=self.context)
+        cls = self.layers.classes[NORM_CLASSES[spec.kind]]
+        where = {"device": self._device(weight), "context": self.context}
+        new = self.builders.norm(cls, args, inner=inner, sequence_parallel=in_span, **where)
+        if new is None:
+            return module  # replicated activations: the plain norm is already right
+        assert isinstance(new, ParallelNorm)
         return _adopt(_offset(new, spec, weight), module, {})
 
     def head_norm(self, name: str, module: nn.Module) -> nn.Module:
@@ -941,11 +897,7 @@ class Converter:
         cube: its rank on the axis splitting layout ``"z"``, a column layer's output (Bian et
         al. 2021).
         """
-        if self.mode == "1d":
-            return self.context.get_local_rank(ParallelMode.PARALLEL_1D)
-        if self.mode == "3d":
-            return cube_of(self.context).hidden("z").rank
-        return mesh_of(self.context, self.mode).hidden_axis.rank
+        return self.builders.head_block(self.context)
 
     def mixture_of_experts(self, name: str, module: nn.Module, role: str) -> nn.Module:
         """``experts`` / ``router``: a mixture-of-experts block's parts, under 1D.
@@ -960,7 +912,7 @@ class Converter:
             TypeError: the router holds no parameters, or the experts are not transformers'
                 gated experts (:func:`~tessera.layers.conversion.experts.expert_sizes`).
         """
-        assert self.mode == "1d", f"{name}: match_plan lets no {role} into {self.mode}"
+        assert not self.kind.splits_activations, f"{name}: match_plan lets no {role} in here"
         in_span = self.sequence_parallel and name in self.sequence_span
         if role == "router":
             if not any(True for _ in module.parameters(recurse=False)):
@@ -1002,15 +954,7 @@ class Converter:
         init = None if weight.is_meta else _no_init
         args = (image, patch, channels, embed, weight.dtype, init, init, init)
         where = {"device": self._device(weight), "context": self.context}
-        classes: dict[str, type[nn.Module]] = {
-            "2d": PatchEmbedding2D,
-            "2.5d": PatchEmbedding2p5D,
-            "3d": PatchEmbedding3D,
-        }
-        if self.mode == "1d":
-            inner: nn.Module = PatchEmbedding1D(*args, **where)  # type: ignore[arg-type]
-        else:
-            inner = classes[self.mode](*args, **where)
+        inner = self.layers.classes["PatchEmbedding"](*args, **where)
         state = module.state_dict()
         if not any(p.is_meta for p in module.parameters()):
             load_full_state_dict(
@@ -1041,13 +985,7 @@ class Converter:
         init = None if weight.is_meta else _no_init
         args = (*sizes, weight.dtype, init, init, init)
         where = {"device": self._device(weight), "context": self.context}
-        classes: dict[str, type[nn.Module]] = {
-            "1d": PatchEmbedding1D,
-            "2d": PatchEmbedding2D,
-            "2.5d": PatchEmbedding2p5D,
-            "3d": PatchEmbedding3D,
-        }
-        inner = classes[self.mode](*args, **where)
+        inner = self.layers.classes["PatchEmbedding"](*args, **where)
         bias = getattr(conv, "bias", None) is not None
         embed, positions = sizes[3], (sizes[0] // sizes[1]) ** 2 + 1
         set_full_form(_tensor(inner, "cls_token"), FullForm((embed,)))
@@ -1085,10 +1023,5 @@ class Converter:
         tied = self.replaced.get(id(module.weight))
         dims = (module.in_features, module.out_features, tied, module.bias is not None)
         made = self._made_like(module.weight)
-        heads: dict[str, type[VocabParallelClassifier1D | Classifier2D | Classifier2p5D]] = {
-            "1d": VocabParallelClassifier1D,
-            "2d": Classifier2D,
-            "2.5d": Classifier2p5D,
-        }
-        new = Classifier3D(*dims, **made) if self.mode == "3d" else heads[self.mode](*dims, **made)
+        new = self.layers.classes["Head"](*dims, **made)
         return _adopt(new, module, {})

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.context import ParallelContext, ParallelMode, derive_seed
+from tessera.context import ParallelContext, ParallelMode, derive_seed, find_tensor_mode
 
 from ..comm.inflight import tracing
 from .plan import COLUMN_ROLES
@@ -45,8 +45,14 @@ __all__ = ["RANK_FORK_ATTR", "RankFork", "fork_each_layer", "install_dropout_str
 #: whole forward (the mesh, cube and sequence modes): pipeline stages then fork per layer.
 RANK_FORK_ATTR = "_tessera_rank_fork"
 
-#: Tensor modes in which every activation is split across the tensor ranks.
-ALL_SPLIT = ("2d", "2.5d", "3d", "sequence")
+
+def _all_split(mode: str) -> bool:
+    """Whether every activation is split across the tensor ranks (features, or tokens).
+
+    Not 1D's, whole between its column-to-row pairs.
+    """
+    kind = find_tensor_mode(mode)
+    return kind is not None and (kind.splits_activations or kind.splits_sequence)
 
 
 class RankFork:
@@ -139,7 +145,7 @@ def install_dropout_streams(
     fork = RankFork(context, may_draw=may_draw_random(model))
     # A forward that raised inside a region must not leave the next one forked.
     model.register_forward_pre_hook(fork.leave)
-    if mode in ALL_SPLIT or (sequence_parallel and span is None):
+    if _all_split(mode) or (sequence_parallel and span is None):
         model.register_forward_pre_hook(fork.enter)
         model.register_forward_hook(fork.leave)
         setattr(model, RANK_FORK_ATTR, fork)

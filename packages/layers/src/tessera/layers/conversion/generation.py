@@ -21,16 +21,21 @@ from typing import Any
 
 from torch import nn
 
-from tessera.context import ParallelContext
+from tessera.context import ParallelContext, find_tensor_mode, tensor_mode_names
 
 __all__ = ["GENERATING_ATTR", "install_generation"]
 
 #: The attribute of a parallelized model set while its ``generate`` runs.
 GENERATING_ATTR = "_tessera_generating"
 
-#: Tensor modes whose generation equals one process's (``'sequence'`` cannot split the one
-#: new token of a cached step over its ranks).
-GENERATION_MODES = ("1d", "2d", "2.5d", "3d")
+
+def _generating_modes() -> list[str]:
+    """The modes whose generation equals one process's: those that keep whole sequences.
+
+    ``'sequence'`` cannot split the one new token of a cached step over its ranks.
+    """
+    found = (find_tensor_mode(name) for name in tensor_mode_names())
+    return [m.name for m in found if m is not None and not m.splits_sequence]
 
 
 def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -48,7 +53,7 @@ def _refuse_generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     raise ValueError(
         f"{type(self).__name__}.generate under {layout}: each step after the prompt feeds one "
         "new token, which cannot be split over the ranks that split the sequence; generate "
-        f"with the model under tensor mode {' or '.join(repr(m) for m in GENERATION_MODES)} "
+        f"with the model under tensor mode {' or '.join(repr(m) for m in _generating_modes())} "
         "without sequence_parallel, or on one process from its gathered state dict"
     )
 
@@ -71,7 +76,8 @@ def install_generation(
     generate = getattr(type(model), "generate", None)
     if not callable(generate):
         return
-    if mode not in GENERATION_MODES or sequence_parallel:
+    kind = context.config.mode
+    if kind is None or kind.splits_sequence or sequence_parallel:
         layout = f"tensor mode {mode!r}" + (" with sequence_parallel" if sequence_parallel else "")
         setattr(model, _LAYOUT_ATTR, layout)
         setattr(model, "generate", types.MethodType(_refuse_generate, model))  # noqa: B010

@@ -29,10 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.context import ParallelContext, ParallelMode
+from tessera.context import ParallelContext, ParallelMode, find_tensor_mode
 
 from ..comm.ops import gather_along_dim
 from ..sequence.attention import additive_mask, attend_over_sequence
+from ..shared.mode_layers import find_mode_layers
 
 __all__ = ["HeadsAttention", "install_heads_attention", "install_memory_split"]
 
@@ -108,7 +109,9 @@ class HeadsAttention(nn.Module):
         self._context, self._mode = context, mode
         self._sequence_parallel = sequence_parallel
         self._heads = (head_block, share)
-        if mode == "1d" and not sequence_parallel:  # its probabilities are split by heads
+        kind = context.config.mode
+        if kind is not None and kind.replicated_activations and not sequence_parallel:
+            # its probabilities are split by heads: each rank draws its own heads' masks
             from .dropout import RankFork
 
             self._fork = [RankFork(context)]
@@ -118,7 +121,8 @@ class HeadsAttention(nn.Module):
 
         ``spec``: its ``SequenceAttention``; the SDPA call is not taken over.
         """
-        self._sequence, self._mode = spec, "sequence"
+        self._sequence = spec
+        self._mode = str(spec.context.config.tensor_mode)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[b, s, h']`` -> this rank's q, k and v ``[b, s, E']`` each."""
@@ -142,19 +146,10 @@ class HeadsAttention(nn.Module):
         if mask.shape[0] == batch:
             return mask
         ctx = self._context
-        if ctx is not None and self._mode in ("2d", "2.5d"):
-            from ..dispatch.activations import split_batch
-
-            mine = split_batch(mask, ctx)
-        elif ctx is not None and self._mode == "3d":
-            from ..cube.layout import cube_of
-
-            rows = cube_of(ctx).batch("z")  # attention runs on a column layer's layout "z"
-            mine = mask
-            if mask.shape[0] % rows.world_size == 0:
-                mine = mask.chunk(rows.world_size, 0)[rows.rank]
-        else:
-            mine = mask
+        layers = None if ctx is None else find_mode_layers(ctx.config.tensor_mode)
+        mine = mask
+        if ctx is not None and layers is not None and layers.attention_rows is not None:
+            mine = layers.attention_rows(mask, ctx)
         if mine.shape[0] != batch:
             raise ValueError(
                 f"nn.MultiheadAttention (parallelized, tensor mode {self._mode!r}): {what} of "
@@ -361,6 +356,9 @@ def install_heads_attention(model: nn.Module, names: list[str], mode: str) -> li
             under a mode that splits dim 0 of activations or their sequence.
     """
     replaced: list[str] = []
+    kind = find_tensor_mode(mode)
+    if kind is None:
+        raise ValueError(f"parallelize: tensor mode {mode!r} is not registered")
     for name in names:
         module = model.get_submodule(name)
         if not isinstance(module, nn.MultiheadAttention):
@@ -371,7 +369,7 @@ def install_heads_attention(model: nn.Module, names: list[str], mode: str) -> li
                 f"parallelize: {name!r} (nn.MultiheadAttention) has {why}, which tessera does "
                 "not split by heads; leave it out of the plan (tensor mode '1d' keeps it whole)"
             )
-        if not module.batch_first and mode in ("2d", "2.5d", "3d", "sequence"):
+        if not module.batch_first and (kind.splits_activations or kind.splits_sequence):
             raise ValueError(
                 f"parallelize under tensor mode {mode!r}: {name!r} (nn.MultiheadAttention) "
                 "takes [s, b, h] (batch_first=False), but the mode splits dim 0 of every "
@@ -381,7 +379,7 @@ def install_heads_attention(model: nn.Module, names: list[str], mode: str) -> li
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         cross = isinstance(parent, nn.TransformerDecoderLayer) and child == "multihead_attn"
-        if mode == "sequence" and cross:
+        if kind.splits_sequence and cross:
             raise ValueError(
                 f"parallelize under tensor mode 'sequence': {name!r} is the "
                 "cross-attention of an nn.TransformerDecoderLayer, which reads every token "
@@ -414,24 +412,22 @@ def install_memory_split(model: nn.Module, context: ParallelContext, mode: str) 
     from ..shared.context_access import sequence_parallel_default
 
     whole = isinstance(model, nn.Transformer)
-    if whole and mode == "1d" and sequence_parallel_default(context):
+    kind = context.config.mode
+    if whole and sequence_parallel_default(context):
         raise ValueError(
             "parallelize under tensor mode '1d' with sequence_parallel: nn.Transformer's "
             "decoder reads its encoder's output (split along the sequence there) as the keys "
             "of cross-attention, which needs them whole; use sequence_parallel=False, or "
             "tensor mode '2d', '2.5d' or '3d'"
         )
-    if mode not in ("2d", "2.5d", "3d"):
+    if kind is None or not kind.splits_activations:
         return
     if not isinstance(model, nn.TransformerDecoder | nn.TransformerDecoderLayer | nn.Transformer):
         return
     from ..dispatch.activations import split_activation
 
     if isinstance(model, nn.Transformer):  # its forward checks the features against d_model
-        from ..cube.layout import cube_of
-        from ..mesh.layout import mesh_of
-
-        share = cube_of(context).q if mode == "3d" else mesh_of(context, mode).q
+        share = context.config.tensor_dim  # the hidden blocks of an activation: the mesh's q
         model.d_model = int(model.d_model) // share  # this rank's share of the features
 
         def split_tgt(

@@ -81,6 +81,8 @@ from typing import Literal
 
 from torch import nn
 
+from tessera.context import TensorMode, find_tensor_mode
+
 from .converters import COLUMN_PARTS, is_conv1d, linear_shape
 from .structure import infer_structure
 
@@ -1025,6 +1027,13 @@ def matches(name: str, pattern: str) -> bool:
     )
 
 
+def _mode(name: str) -> TensorMode:
+    found = find_tensor_mode(name)
+    if found is None:
+        raise ValueError(f"parallelize: tensor mode {name!r} is not registered")
+    return found
+
+
 def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
     """``{module name: role}`` for every module a rule matches.
 
@@ -1032,7 +1041,7 @@ def match_plan(model: nn.Module, plan: Plan, mode: str) -> dict[str, str]:
         ValueError: a pattern matches no module, a module matches two patterns, or the mode
             is ``'sequence'`` and the plan needs whole sequences (``Plan.whole_sequence``).
     """
-    if mode == "sequence" and plan.whole_sequence:
+    if _mode(mode).splits_sequence and plan.whole_sequence:
         raise ValueError(
             f"parallelize: {type(model).__name__} ({plan.name}) cannot run under tensor mode "
             f"'sequence': {plan.whole_sequence}, which each rank's chunk of the tokens does "
@@ -1081,7 +1090,7 @@ def _check_no_hand_sliced_weights(model: nn.Module, mode: str) -> None:
     Raises:
         ValueError: naming the first such module.
     """
-    if mode == "sequence":  # whole weights on every rank
+    if not _mode(mode).splits_weights:  # whole weights on every rank
         return
     for name, module in model.named_modules():
         tp = getattr(module, "pretraining_tp", 1)
@@ -1109,7 +1118,7 @@ def _check_attention_covered(
     Raises:
         ValueError: naming the first such module and the roles that take it.
     """
-    if mode == "sequence":  # whole heads on every rank
+    if not _mode(mode).splits_weights:  # whole heads on every rank
         return
     for attention in (name for name, role in roles.items() if role == "attention"):
         if isinstance(model.get_submodule(attention), nn.MultiheadAttention):
@@ -1147,7 +1156,7 @@ def _check_experts_mode(roles: Mapping[str, str], plan: Plan, mode: str) -> None
         ValueError: naming the first expert module or router and the modes that take them.
     """
     moe = [name for name, role in roles.items() if role in ("experts", "router")]
-    if moe and mode not in ("1d", "sequence"):
+    if moe and _mode(mode).splits_activations:  # an expert takes a token's whole vector
         raise ValueError(
             f"parallelize: {moe[0]!r} has role {roles[moe[0]]!r} in the {plan.name}, which "
             f"tensor mode {mode!r} does not split: mixtures of experts run under '1d' (with or "
@@ -1187,7 +1196,7 @@ def _check_mlp_widths(model: nn.Module, roles: Mapping[str, str], plan: Plan, mo
         ValueError: a column layer outside attention is wider than that, or a ``gate_up``
             layer is not twice its row layer's width.
     """
-    if mode == "sequence":
+    if not _mode(mode).splits_weights:
         return
     attention = [name for name, role in roles.items() if role == "attention"]
     columns: list[str] = []

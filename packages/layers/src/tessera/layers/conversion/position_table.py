@@ -29,10 +29,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["TABLE_MODES", "is_position_table", "table_width"]
-
-#: The tensor modes that take a ``position_table``.
-TABLE_MODES = ("1d",)
+__all__ = ["is_position_table", "table_width"]
 
 
 def is_position_table(module: nn.Module, hidden: int) -> bool:

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.context import (
+    TENSOR_MODES,
     ParallelContext,
     ParallelMode,
     mark_pipeline_shared,
@@ -70,8 +71,9 @@ from .sequence import key_mask_for_attention
 
 __all__ = ["original_names", "pipeline_layers"]
 
-#: The modes whose activations between stages keep the same layout and length everywhere.
-STAGE_MODES = (None, "1d", "2d", "2.5d", "3d", "sequence")
+#: The modes whose activations between stages keep the same layout and length everywhere:
+#: tessera's own (a mode of your own carries its stages with its own layers).
+STAGE_MODES = (None, *TENSOR_MODES)
 
 #: What flows between stages: the hidden states, with the padding mask when one was given.
 Carried = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -228,11 +230,13 @@ class EmbedStage(nn.Module):
     def forward(self, inputs: torch.Tensor | Mapping[str, torch.Tensor]) -> Carried:
         """See the class docstring."""
         context = self._context[0]
-        mode = None if context is None else context.config.tensor_mode
-        splitting = context if mode not in (None, "1d") else None  # the mesh and cube modes
+        mode = None if context is None else context.config.mode
+        tokens_split = mode is not None and mode.splits_sequence
+        # the mesh and cube modes split the batch's rows
+        splitting = context if mode is not None and mode.splits_activations else None
         if self.family.inputs == "images":
             pixels = inputs if isinstance(inputs, torch.Tensor) else inputs["pixel_values"]
-            if mode == "sequence":  # every rank embeds the whole images, keeps its tokens
+            if tokens_split:  # every rank embeds the whole images, keeps its tokens
                 assert context is not None
                 return self._token_chunk(self.get_submodule("embeddings")(pixels), context)
             if splitting is not None:
@@ -247,7 +251,7 @@ class EmbedStage(nn.Module):
                 "a dict of input_ids, attention_mask and token_type_ids; got keys "
                 f"{sorted(given)}"
             )
-        if mode == "sequence":
+        if tokens_split:
             assert context is not None
             return self._sequence_chunk(given, context)
         local = (
@@ -604,7 +608,8 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
     blocks = family.blocks_of(inner)
     assert isinstance(blocks, nn.ModuleList)  # family.fits
     split = _sequence_split(model, family, blocks, ctx)
-    ring = ctx if ctx is not None and ctx.config.tensor_mode == "sequence" else None
+    mode = None if ctx is None else ctx.config.mode
+    ring = ctx if mode is not None and mode.splits_sequence else None
     reads = frozenset(_mask_reads(inner))
     layers: list[tuple[str, nn.Module]] = [("embed", EmbedStage(family, inner, ctx))]
     layers += [

@@ -2,111 +2,54 @@
 
 The local block is what a tensor mode's layers take and return between each other.
 
-Each mode registers one pair in ``SPLITTERS`` / ``GATHERERS``. 1D keeps activations between
-blocks replicated, so both are the identity, unless 1D sequence parallelism is on
-(``tensor=dict(mode="1d", sequence_parallel=True)``), where they split / gather dim 1
-(``[batch, seq, hidden]``). 2D and 2.5D split the batch (dim 0) over the mesh's batch group
-(``depth * q`` blocks) and the hidden dim (last) over the mesh row (``q`` blocks), see
-``mesh/layout.py``. ``split_batch`` splits only the batch (token ids, targets, images): the identity
-in 1D. Sizes are checked before any collective.
+Each mode's folder registers its maps in a ``ModeLayers`` (shared/mode_layers.py;
+``parallel_1d/mode.py``, ``mesh/mode.py``, ``cube/mode.py``, ``sequence/mode.py``), and a
+mode of your own registers its own the same way. 1D keeps activations between blocks
+replicated, so both are the identity, unless 1D sequence parallelism is on, where they split /
+gather dim 1 (``[batch, seq, hidden]``). 2D and 2.5D split the batch (dim 0) over the mesh's
+batch group (``depth * q`` blocks) and the hidden dim (last) over the mesh row (``q``
+blocks). ``split_batch`` splits only the batch (token ids, targets, images): the identity in
+1D. Sizes are checked before any collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from tessera.context import ParallelContext, ParallelMode
+from tessera.context import ParallelContext
 
-from ..comm.collectives import check_divisible
-from ..comm.ops import gather_along_dim, split_along_dim
-from ..cube.layout import (
-    cube_of,
-    gather_cube_activation,
-    split_cube_activation,
-    split_cube_batch,
-)
-from ..mesh.layout import gather_mesh_activation, mesh_of, split_mesh_activation, split_mesh_batch
-from ..sequence.replicated import gather_sequence_activation, split_sequence_activation
-from ..shared.context_access import current_or_none, sequence_parallel_default, tensor_mode
+from ..cube.mode import LAYERS_3D
+from ..mesh.mode import LAYERS_2D, LAYERS_2P5D
+from ..parallel_1d.mode import LAYERS_1D
+from ..sequence.mode import LAYERS_SEQUENCE
+from ..shared.context_access import current_or_none, tensor_mode
 from ..shared.errors import ModeNotImplementedError
+from ..shared.mode_layers import MODE_LAYERS, ModeLayers, find_mode_layers
 
-__all__ = [
-    "BATCH_SPLITTERS",
-    "GATHERERS",
-    "SPLITTERS",
-    "gather_activation",
-    "split_activation",
-    "split_batch",
-]
+__all__ = ["BUILTIN_MODE_LAYERS", "gather_activation", "split_activation", "split_batch"]
 
-ActivationMap = Callable[[torch.Tensor, ParallelContext], torch.Tensor]
-
-
-def _sequence_dim(x: torch.Tensor, what: str) -> None:
-    if x.dim() < 2:
-        raise ValueError(
-            f"{what}: 1D sequence parallelism splits dim 1 of [batch, seq, ...], but the "
-            f"activation has shape {list(x.shape)}"
-        )
+#: tessera's own modes' layers, each registered by its folder's ``mode.py``.
+BUILTIN_MODE_LAYERS: tuple[ModeLayers, ...] = (
+    LAYERS_1D,
+    LAYERS_2D,
+    LAYERS_2P5D,
+    LAYERS_3D,
+    LAYERS_SEQUENCE,
+)
 
 
-def _split_1d(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
-    if not sequence_parallel_default(context):
-        return x
-    _sequence_dim(x, "split_activation")
-    world = context.get_world_size(ParallelMode.PARALLEL_1D)
-    check_divisible(
-        x.shape[1], world, f"split_activation: dim 1 (sequence) of activation {list(x.shape)}"
-    )
-    return split_along_dim(x, 1, context.get_group(ParallelMode.PARALLEL_1D))
-
-
-def _gather_1d(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
-    if not sequence_parallel_default(context):
-        return x
-    _sequence_dim(x, "gather_activation")
-    return gather_along_dim(x, 1, context.get_group(ParallelMode.PARALLEL_1D))
-
-
-def _split_mesh(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
-    return split_mesh_activation(x, mesh_of(context, str(context.config.tensor_mode)))
-
-
-def _gather_mesh(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
-    return gather_mesh_activation(x, mesh_of(context, str(context.config.tensor_mode)))
-
-
-def _split_batch_mesh(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
-    return split_mesh_batch(x, mesh_of(context, str(context.config.tensor_mode)))
-
-
-#: tensor mode -> full activation to local block.
-SPLITTERS: dict[str, ActivationMap] = {"1d": _split_1d, "2d": _split_mesh, "2.5d": _split_mesh}
-#: tensor mode -> local block to full activation (every rank gets it).
-GATHERERS: dict[str, ActivationMap] = {
-    "1d": _gather_1d,
-    "2d": _gather_mesh,
-    "2.5d": _gather_mesh,
-}
-#: tensor mode -> full batch ``[b, ...]`` (ids, targets, images) to this rank's rows.
-BATCH_SPLITTERS: dict[str, ActivationMap] = {
-    "1d": lambda x, context: x,
-    "2d": _split_batch_mesh,
-    "2.5d": _split_batch_mesh,
-}
-
-# 3D (cube/layout.py): layout "y": batch block z*q + x over PARALLEL_3D_OUTPUT_X_WEIGHT,
-# hidden block y over PARALLEL_3D_INPUT (rank (x, y, z) holds [b/q^2, ..., h/q]); the batch
-# alone for ids. Sequence (sequence/replicated.py): dim 1 split over SEQUENCE ([b, s/N, ...],
-# chunk r on rank r), also for token ids and targets.
-SPLITTERS["3d"] = lambda x, context: split_cube_activation(x, cube_of(context))
-GATHERERS["3d"] = lambda x, context: gather_cube_activation(x, cube_of(context))
-BATCH_SPLITTERS["3d"] = lambda x, context: split_cube_batch(x, cube_of(context))
-SPLITTERS["sequence"] = split_sequence_activation
-GATHERERS["sequence"] = gather_sequence_activation
-BATCH_SPLITTERS["sequence"] = split_sequence_activation
+def _mode_layers(
+    what: str, context: ParallelContext | None
+) -> tuple[ParallelContext, ModeLayers] | None:
+    """The context and its mode's layers, ``None`` without tensor parallelism."""
+    ctx = current_or_none(context)
+    mode = tensor_mode(ctx)
+    if ctx is None or mode is None:
+        return None
+    layers = find_mode_layers(mode)
+    if layers is None:
+        raise ModeNotImplementedError(what, mode, MODE_LAYERS)
+    return ctx, layers
 
 
 def split_activation(x: torch.Tensor, context: ParallelContext | None = None) -> torch.Tensor:
@@ -119,13 +62,8 @@ def split_activation(x: torch.Tensor, context: ParallelContext | None = None) ->
             collective).
         ModeNotImplementedError: the mode has no layers yet.
     """
-    ctx = current_or_none(context)
-    mode = tensor_mode(ctx)
-    if ctx is None or mode is None:
-        return x
-    if mode not in SPLITTERS:
-        raise ModeNotImplementedError("split_activation", mode, SPLITTERS)
-    return SPLITTERS[mode](x, ctx)
+    found = _mode_layers("split_activation", context)
+    return x if found is None else found[1].split(x, found[0])
 
 
 def gather_activation(
@@ -136,13 +74,8 @@ def gather_activation(
     Raises:
         ModeNotImplementedError: the mode has no layers yet.
     """
-    ctx = current_or_none(context)
-    mode = tensor_mode(ctx)
-    if ctx is None or mode is None:
-        return x_local
-    if mode not in GATHERERS:
-        raise ModeNotImplementedError("gather_activation", mode, GATHERERS)
-    return GATHERERS[mode](x_local, ctx)
+    found = _mode_layers("gather_activation", context)
+    return x_local if found is None else found[1].gather(x_local, found[0])
 
 
 def split_batch(x: torch.Tensor, context: ParallelContext | None = None) -> torch.Tensor:
@@ -156,10 +89,5 @@ def split_batch(x: torch.Tensor, context: ParallelContext | None = None) -> torc
             collective).
         ModeNotImplementedError: the mode has no layers yet.
     """
-    ctx = current_or_none(context)
-    mode = tensor_mode(ctx)
-    if ctx is None or mode is None:
-        return x
-    if mode not in BATCH_SPLITTERS:
-        raise ModeNotImplementedError("split_batch", mode, BATCH_SPLITTERS)
-    return BATCH_SPLITTERS[mode](x, ctx)
+    found = _mode_layers("split_batch", context)
+    return x if found is None else found[1].split_batch(x, found[0])

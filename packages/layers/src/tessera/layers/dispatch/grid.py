@@ -1,8 +1,9 @@
 """Builders of the dispatching layers for the grid modes ``'2d'``, ``'2.5d'`` and ``'3d'``.
 
 One builder per dispatching layer serves every grid mode: it picks the ``...2D``, ``...2p5D``
-or ``...3D`` class from the context's tensor mode (``Linear`` serves the mesh modes only: 3D's
-needs a layout, see ``dispatch/cube_sequence.py``). The 1D-only options of the dispatching layers
+or ``...3D`` class from the context's mode's ``ModeLayers.classes`` (mesh/mode.py,
+cube/mode.py). ``Linear`` serves the mesh modes only: 3D's needs a layout, see
+``dispatch/cube_sequence.py``. The 1D-only options of the dispatching layers
 (``gather_output``, ``parallel_input=False``, ``sequence_parallel``) have no meaning on a mesh
 and raise instead of being silently dropped; ``parallel="col"/"row"`` is accepted and ignored
 (2D splits both dims of every weight), so one model definition serves 1D, 2D and 2.5D.
@@ -17,89 +18,22 @@ from torch import nn
 
 from tessera.context import ParallelContext
 
-from ..cube.classifier import Classifier3D, VocabParallelClassifier3D
-from ..cube.dropout import Dropout3D
-from ..cube.embedding import Embedding3D, VocabParallelEmbedding3D
-from ..cube.loss import (
-    Accuracy3D,
-    CrossEntropyLoss3D,
-    VocabParallelAccuracy3D,
-    VocabParallelCrossEntropyLoss3D,
-)
-from ..cube.norm import LayerNorm3D
-from ..cube.patch_embedding import PatchEmbedding3D
-from ..mesh.classifier import (
-    Classifier2D,
-    Classifier2p5D,
-    VocabParallelClassifier2D,
-    VocabParallelClassifier2p5D,
-)
-from ..mesh.dropout import Dropout2D, Dropout2p5D
-from ..mesh.embedding import (
-    Embedding2D,
-    Embedding2p5D,
-    VocabParallelEmbedding2D,
-    VocabParallelEmbedding2p5D,
-)
-from ..mesh.linear import Linear2D, Linear2p5D
-from ..mesh.loss import (
-    Accuracy2D,
-    Accuracy2p5D,
-    CrossEntropyLoss2D,
-    CrossEntropyLoss2p5D,
-    VocabParallelAccuracy2D,
-    VocabParallelAccuracy2p5D,
-    VocabParallelCrossEntropyLoss2D,
-    VocabParallelCrossEntropyLoss2p5D,
-)
-from ..mesh.norm import LayerNorm2D, LayerNorm2p5D
-from ..mesh.patch_embedding import PatchEmbedding2D, PatchEmbedding2p5D
+from ..shared.mode_layers import find_mode_layers
 
-__all__ = ["GRID_BUILDERS", "GRID_CLASSES", "MESH_BUILDERS"]
-
-#: class key -> tensor mode -> class.
-GRID_CLASSES: dict[str, dict[str, type[nn.Module]]] = {
-    "Linear": {"2d": Linear2D, "2.5d": Linear2p5D},
-    "LayerNorm": {"2d": LayerNorm2D, "2.5d": LayerNorm2p5D, "3d": LayerNorm3D},
-    "Embedding": {"2d": Embedding2D, "2.5d": Embedding2p5D, "3d": Embedding3D},
-    "VocabParallelEmbedding": {
-        "2d": VocabParallelEmbedding2D,
-        "2.5d": VocabParallelEmbedding2p5D,
-        "3d": VocabParallelEmbedding3D,
-    },
-    "PatchEmbedding": {"2d": PatchEmbedding2D, "2.5d": PatchEmbedding2p5D, "3d": PatchEmbedding3D},
-    "Classifier": {"2d": Classifier2D, "2.5d": Classifier2p5D, "3d": Classifier3D},
-    "VocabParallelClassifier": {
-        "2d": VocabParallelClassifier2D,
-        "2.5d": VocabParallelClassifier2p5D,
-        "3d": VocabParallelClassifier3D,
-    },
-    "Dropout": {"2d": Dropout2D, "2.5d": Dropout2p5D, "3d": Dropout3D},
-    "CrossEntropyLoss": {
-        "2d": CrossEntropyLoss2D,
-        "2.5d": CrossEntropyLoss2p5D,
-        "3d": CrossEntropyLoss3D,
-    },
-    "VocabParallelCrossEntropyLoss": {
-        "2d": VocabParallelCrossEntropyLoss2D,
-        "2.5d": VocabParallelCrossEntropyLoss2p5D,
-        "3d": VocabParallelCrossEntropyLoss3D,
-    },
-    "Accuracy": {"2d": Accuracy2D, "2.5d": Accuracy2p5D, "3d": Accuracy3D},
-    "VocabParallelAccuracy": {
-        "2d": VocabParallelAccuracy2D,
-        "2.5d": VocabParallelAccuracy2p5D,
-        "3d": VocabParallelAccuracy3D,
-    },
-}
+__all__ = ["GRID_BUILDERS", "MESH_BUILDERS"]
 
 
 def _cls(key: str, ctx: ParallelContext) -> Callable[..., nn.Module]:
+    """The class ``key`` of the context's mode (its folder's ``ModeLayers.classes``)."""
     mode = ctx.config.tensor_mode
-    classes = GRID_CLASSES[key]
-    if mode not in classes:  # only reachable by calling a builder directly
-        raise ValueError(f"{key}: the grid builders serve {tuple(classes)}, not {mode!r}")
-    return classes[mode]
+    layers = find_mode_layers(mode)
+    classes = {} if layers is None else layers.classes
+    if key not in classes:  # only reachable by calling a builder directly
+        raise ValueError(
+            f"{key}: tensor mode {mode!r} has no class for the grid builders (its ModeLayers "
+            f"classes: {sorted(classes)})"
+        )
+    return classes[key]
 
 
 def _vocab(key: str, vocab_parallel: bool) -> str:
@@ -142,7 +76,8 @@ def _layer_norm(
     ctx: ParallelContext, *, sequence_parallel: bool | None, parallel_input: bool, **kwargs: Any
 ) -> nn.Module:
     _no_sequence_parallel("LayerNorm", ctx, sequence_parallel)
-    if ctx.config.tensor_mode == "3d":  # the column layer's output is in layout "z"
+    layers = find_mode_layers(ctx.config.tensor_mode)
+    if layers is not None and layers.two_layouts:  # 3D: a column layer's output is in "z"
         kwargs["layout"] = "z" if parallel_input else "y"
     return _cls("LayerNorm", ctx)(context=ctx, **kwargs)
 

@@ -6,8 +6,8 @@ class otherwise, looked up in ``IMPLEMENTATIONS[layer][mode]`` (a read-only view
 your own, or your own class for a mode, goes in with :func:`register_implementation`). A mode
 without an entry raises :class:`ModeNotImplementedError`: never a silent fallback to an
 unparallel layer. The 2D and
-2.5D builders live in ``dispatch/grid.py`` (one builder per layer serves both), the '3d' and
-'sequence' ones in ``dispatch/cube_sequence.py``. Every layer has an implementation in every mode.
+2.5D builders live in ``dispatch/grid.py`` (one builder per layer serves both), the 3D and
+sequence ones in ``dispatch/cube_sequence.py``. Every layer has an implementation in every mode.
 
 They are factories (functions with class-like names): the object returned *is* the torch or
 tessera module, so parameter names are exactly those of the plain torch model.
@@ -28,13 +28,16 @@ from torch import nn
 
 from tessera.context import ParallelContext
 
-from ..mesh.layout import MESH_MODES
+from ..cube.mode import LAYERS_3D
+from ..mesh.mode import LAYERS_2D, LAYERS_2P5D
 from ..parallel_1d.classifier import Classifier1D, VocabParallelClassifier1D
 from ..parallel_1d.dropout import Dropout1D
 from ..parallel_1d.embedding import Embedding1D, VocabParallelEmbedding1D, zero_row
 from ..parallel_1d.linear import Linear1DCol, Linear1DRow
+from ..parallel_1d.mode import LAYERS_1D
 from ..parallel_1d.norm import LayerNorm1D
 from ..parallel_1d.patch_embedding import PatchEmbedding1D
+from ..sequence.mode import LAYERS_SEQUENCE
 from ..shared.accuracy import VocabParallelAccuracy1D
 from ..shared.context_access import current_or_none, sequence_parallel_default, tensor_mode
 from ..shared.cross_entropy import VocabParallelCrossEntropyLoss1D
@@ -527,26 +530,30 @@ def Accuracy(*, vocab_parallel: bool = False, context: ParallelContext | None = 
     return module if module is not None else SerialAccuracy()
 
 
-def _modes(layer: str, one_d: Builder) -> dict[str, Builder]:
-    """``layer``'s row of the table: the 1D builder, and one builder for both mesh modes."""
-    return {"1d": one_d, **{mode: MESH_BUILDERS[layer] for mode in MESH_MODES}}
-
+#: 1D's builder of each dispatching layer.
+BUILDERS_1D: dict[str, Builder] = {
+    "Linear": _linear_1d,
+    "LayerNorm": _layer_norm_1d,
+    "Embedding": _embedding_1d,
+    "PatchEmbedding": _patch_embedding_1d,
+    "Classifier": _classifier_1d,
+    "Dropout": _dropout_1d,
+    "CrossEntropyLoss": _cross_entropy_1d,
+    "Accuracy": _accuracy_1d,
+}
 
 #: layer -> tensor mode -> builder, the table itself: changed only through
 #: :func:`register_implementation` and :func:`unregister_implementation`.
-_TABLE: dict[str, dict[str, Builder]] = {
-    "Linear": _modes("Linear", _linear_1d),
-    "LayerNorm": _modes("LayerNorm", _layer_norm_1d),
-    "Embedding": _modes("Embedding", _embedding_1d),
-    "PatchEmbedding": _modes("PatchEmbedding", _patch_embedding_1d),
-    "Classifier": _modes("Classifier", _classifier_1d),
-    "Dropout": _modes("Dropout", _dropout_1d),
-    "CrossEntropyLoss": _modes("CrossEntropyLoss", _cross_entropy_1d),
-    "Accuracy": _modes("Accuracy", _accuracy_1d),
-}
-for _mode, _builders in (("3d", BUILDERS_3D), ("sequence", SEQUENCE_BUILDERS)):
-    for _layer, _builder in _builders.items():  # part 3: see cube_sequence.py
-        _TABLE[_layer][_mode] = _builder
+_TABLE: dict[str, dict[str, Builder]] = {layer: {} for layer in BUILDERS_1D}
+for _layers, _builders in (
+    (LAYERS_1D, BUILDERS_1D),
+    (LAYERS_2D, MESH_BUILDERS),
+    (LAYERS_2P5D, MESH_BUILDERS),
+    (LAYERS_3D, BUILDERS_3D),
+    (LAYERS_SEQUENCE, SEQUENCE_BUILDERS),
+):
+    for _layer, _builder in _builders.items():  # each mode's row, as register_implementation
+        _TABLE[_layer][_layers.name] = _builder
 
 #: layer -> tensor mode -> builder, read-only (a live view of the table).
 IMPLEMENTATIONS: Mapping[str, Mapping[str, Builder]] = MappingProxyType(

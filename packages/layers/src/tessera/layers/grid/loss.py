@@ -24,13 +24,21 @@ import torch.nn.functional as F
 from tessera.context import ParallelContext
 
 from ..comm.inflight import start_all_reduce
-from ..comm.ops import reduce_from_group
+from ..comm.ops import gather_along_dim, reduce_from_group
 from ..shared.accuracy import vocab_parallel_argmax
 from ..shared.context_access import GroupInfo
 from ..shared.cross_entropy import vocab_parallel_cross_entropy
+from ..shared.mode_layers import check_targets
 from .base import Grid, GridModule
 
-__all__ = ["GridAccuracy", "GridCrossEntropyLoss", "grid_cross_entropy", "reduce_batch_loss"]
+__all__ = [
+    "GridAccuracy",
+    "GridCrossEntropyLoss",
+    "gather_grid_logits",
+    "grid_cross_entropy",
+    "grid_token_loss",
+    "reduce_batch_loss",
+]
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -157,3 +165,28 @@ class GridAccuracy(GridModule):
             if grid.batch_axis.world_size > 1:
                 dist.all_reduce(count, group=grid.batch_axis.group)
             return count
+
+
+def grid_token_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    grid: Grid,
+    mode: str,
+    *,
+    ignore_index: int,
+    reduction: str,
+) -> torch.Tensor:
+    """``tessera.layers.token_loss`` under a grid mode: logits ``[b/B, s, V]``, rows split.
+
+    ``targets``: this rank's rows of them (the mode's ``split_batch``). A function of the
+    grid, so no module is built per call (and ``torch.compile`` traces it whole).
+    """
+    check_targets(logits, targets, mode)
+    return grid_cross_entropy(
+        logits, targets, grid, vocab_parallel=False, ignore_index=ignore_index, reduction=reduction
+    )
+
+
+def gather_grid_logits(logits: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """Logits ``[b/B, s, V]`` to the whole batch's on every rank (over the batch axis)."""
+    return gather_along_dim(logits, 0, grid.batch_axis.group)
