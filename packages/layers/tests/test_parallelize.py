@@ -2073,7 +2073,8 @@ def test_pipeline_layers_compute_what_the_model_computes_or_are_refused(
 
 
 def test_a_subclass_keeps_its_base_class_plan_only_while_that_plan_covers_it() -> None:
-    from tessera.layers.conversion.plan import BUILTIN_PLANS, plan_for
+    from tessera.layers.conversion.families import BUILTIN_PLANS
+    from tessera.layers.conversion.plan import plan_for
 
     model = llama_lm(distinct=False)
     model.__class__ = type("ExtendedLlama", (type(model),), {})

@@ -2,8 +2,9 @@
 
 from .api import SUPPORTED_MODES, parallelize
 from .boundary import causal_lm_loss, gather_logits, token_loss
+from .families import BUILTIN_PLANS
 from .meta import meta_parameters
-from .plan import BUILTIN_PLANS, ROLES, Plan
+from .plan import ROLES, Plan
 from .stages import original_names, pipeline_layers
 
 __all__ = [

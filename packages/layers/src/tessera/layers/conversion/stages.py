@@ -45,8 +45,7 @@ from __future__ import annotations
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,6 +66,7 @@ from ..state.pretrained import mark_pretrained_source
 from .api import CONTEXT_ATTR, SEQUENCE_SPAN_ATTR
 from .boundary import TOKEN_SPAN_ATTRIBUTE, TokenSpan, rank_rows, split_tokens
 from .dropout import fork_each_layer
+from .families import STAGE_FAMILIES, StageLayout
 from .sequence import key_mask_for_attention
 
 __all__ = ["original_names", "pipeline_layers"]
@@ -77,125 +77,6 @@ STAGE_MODES = (None, *TENSOR_MODES)
 
 #: What flows between stages: the hidden states, with the padding mask when one was given.
 Carried = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Family:
-    """Where a transformers model class keeps what its stages need.
-
-    Attributes:
-        name: For messages.
-        inner: The base model's attribute on the task model (``"model"``, ``"transformer"``).
-        embeds: The base model's modules that make the first hidden states, in call order.
-        blocks: Where the ``nn.ModuleList`` of repeated blocks sits under the base model, the
-            first path that exists (transformers releases moved some).
-        final: Base-model modules applied after the last block (a final norm), or none.
-        head: The task model's head module.
-        inputs: ``"tokens"`` or ``"images"``.
-        mask: The attention mask each block takes: ``"causal"``, ``"bidirectional"``, none.
-        rotary: The base model's rotary embedding module, or none.
-        alibi: What each block takes as ``alibi``: ``"built"``, the ALiBi bias of every head,
-            which the base model builds from the padding mask (BLOOM; ``build_alibi_tensor``);
-            ``"none"``, ``None`` (Falcon with rotary positions); ``None``: no such argument.
-    """
-
-    name: str
-    inner: str
-    embeds: tuple[str, ...]
-    blocks: tuple[str, ...]
-    final: tuple[str, ...]
-    head: str
-    inputs: Literal["tokens", "images"]
-    mask: Literal["causal", "bidirectional"] | None
-    rotary: str | None = None
-    alibi: Literal["built", "none"] | None = None
-
-    def fits(self, model: nn.Module) -> bool:
-        """Whether ``model`` holds every module this family names."""
-        inner = getattr(model, self.inner, None)
-        if not isinstance(inner, nn.Module) or not isinstance(
-            getattr(model, self.head, None), nn.Module
-        ):
-            return False
-        rotary = (self.rotary,) if self.rotary else ()
-        found = dict(inner.named_modules(remove_duplicate=False))
-        return isinstance(self.blocks_of(inner), nn.ModuleList) and all(
-            n in found for n in (*self.embeds, *self.final, *rotary)
-        )
-
-    def blocks_of(self, inner: nn.Module) -> nn.Module | None:
-        """The base model's list of repeated blocks (``None``: not found)."""
-        found = dict(inner.named_modules(remove_duplicate=False))
-        return next((found[path] for path in self.blocks if path in found), None)
-
-
-#: The families pipeline_layers knows, tried in order.
-FAMILIES = (
-    Family(
-        name="Llama-style causal LM",
-        inner="model",
-        embeds=("embed_tokens",),
-        blocks=("layers",),
-        final=("norm",),
-        head="lm_head",
-        inputs="tokens",
-        mask="causal",
-        rotary="rotary_emb",
-    ),
-    Family(
-        name="GPT-2",
-        inner="transformer",
-        embeds=("wte", "wpe", "drop"),
-        blocks=("h",),
-        final=("ln_f",),
-        head="lm_head",
-        inputs="tokens",
-        mask="causal",
-    ),
-    Family(
-        name="BLOOM",
-        inner="transformer",
-        embeds=("word_embeddings", "word_embeddings_layernorm"),
-        blocks=("h",),
-        final=("ln_f",),
-        head="lm_head",
-        inputs="tokens",
-        mask="causal",
-        alibi="built",
-    ),
-    Family(
-        name="Falcon",
-        inner="transformer",
-        embeds=("word_embeddings",),
-        blocks=("h",),
-        final=("ln_f",),
-        head="lm_head",
-        inputs="tokens",
-        mask="causal",
-        rotary="rotary_emb",
-        alibi="none",
-    ),
-    Family(
-        name="BERT masked LM",
-        inner="bert",
-        embeds=("embeddings",),
-        blocks=("encoder.layer",),
-        final=(),
-        head="cls",
-        inputs="tokens",
-        mask="bidirectional",
-    ),
-    Family(
-        name="ViT classifier",
-        inner="vit",
-        embeds=("embeddings",),
-        blocks=("layers", "encoder.layer"),
-        final=("layernorm",),
-        head="classifier",
-        inputs="images",
-        mask=None,
-    ),
-)
 
 
 def _adopt(stage: nn.Module, root: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
@@ -218,7 +99,9 @@ class EmbedStage(nn.Module):
     padding mask was given (always for BERT), ``([b', s, h'], [b', s])``.
     """
 
-    def __init__(self, family: Family, inner: nn.Module, context: ParallelContext | None) -> None:
+    def __init__(
+        self, family: StageLayout, inner: nn.Module, context: ParallelContext | None
+    ) -> None:
         super().__init__()
         self.family = family
         _adopt(self, inner, family.embeds)
@@ -363,7 +246,7 @@ def _mask_reads(inner: nn.Module) -> set[str]:
     return {name for name in ("layer_types", "sliding_window") if name in source}
 
 
-def _attends_in_window(config: object, index: int, family: Family, reads: set[str]) -> bool:
+def _attends_in_window(config: object, index: int, family: StageLayout, reads: set[str]) -> bool:
     """Whether block ``index`` attends within a sliding window, as the base model decides.
 
     ``reads`` is what the base model's forward reads (:func:`_mask_reads`): ``layer_types``,
@@ -400,7 +283,7 @@ class BlockStage(nn.Module):
 
     def __init__(
         self,
-        family: Family,
+        family: StageLayout,
         layer: nn.Module,
         inner: nn.Module,
         sequence_split: int = 1,
@@ -522,7 +405,7 @@ class HeadStage(nn.Module):
 
     def __init__(
         self,
-        family: Family,
+        family: StageLayout,
         inner: nn.Module,
         head: nn.Module,
         ring: ParallelContext | None = None,
@@ -594,9 +477,9 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
             another span than the blocks, or a weight shared between other layers than the
             embedding and the head.
     """
-    family = next((f for f in FAMILIES if f.fits(model)), None)
+    family = next((f for f in STAGE_FAMILIES if f.fits(model)), None)
     if family is None:
-        known = ", ".join(f.name for f in FAMILIES)
+        known = ", ".join(f.name for f in STAGE_FAMILIES)
         raise TypeError(
             f"pipeline_layers knows these model families: {known}; {type(model).__name__} has "
             "the modules of none of them (e.g. model.embed_tokens, model.layers, model.norm, "
@@ -640,7 +523,9 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
 PROBE_WINDOWS_UP_TO = 256
 
 
-def _probe_inputs(model: nn.Module, family: Family, ctx: ParallelContext | None) -> torch.Tensor:
+def _probe_inputs(
+    model: nn.Module, family: StageLayout, ctx: ParallelContext | None
+) -> torch.Tensor:
     """A small whole batch every tensor mode splits: ``P`` rows of ``2P`` tokens, ``P`` images.
 
     ``P`` is the number of tensor ranks; the same values on every rank (a fixed seed). A
@@ -685,7 +570,7 @@ def _quietly(model: nn.Module, run: Callable[[], torch.Tensor]) -> torch.Tensor:
 def _check_like_the_model(
     layers: nn.Sequential,
     model: nn.Module,
-    family: Family,
+    family: StageLayout,
     ctx: ParallelContext | None,
     probe: torch.Tensor,
     want: torch.Tensor,
@@ -740,7 +625,7 @@ def _check_like_the_model(
         )
 
 
-def _check_mode(ctx: ParallelContext | None, family: Family) -> None:
+def _check_mode(ctx: ParallelContext | None, family: StageLayout) -> None:
     mode = None if ctx is None else ctx.config.tensor_mode
     if mode not in STAGE_MODES:
         raise ValueError(
@@ -750,7 +635,7 @@ def _check_mode(ctx: ParallelContext | None, family: Family) -> None:
 
 
 def _sequence_split(
-    model: nn.Module, family: Family, blocks: nn.ModuleList, ctx: ParallelContext | None
+    model: nn.Module, family: StageLayout, blocks: nn.ModuleList, ctx: ParallelContext | None
 ) -> int:
     """How many ranks split the sequence between blocks (1D sequence parallelism), else 1.
 
