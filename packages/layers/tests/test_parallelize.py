@@ -7,6 +7,7 @@ the same weights and batch. One worker pool per world size runs every check of t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -2318,3 +2319,33 @@ def test_multihead_attention_it_cannot_split_is_refused_by_name() -> None:
     want = ref(x, x, x, attn_mask=mask, key_padding_mask=padding, need_weights=False)[0]
     got = whole(x, x, x, attn_mask=mask, key_padding_mask=padding, need_weights=False)[0]
     torch.testing.assert_close(got, want, **TOL)
+
+
+def test_a_subclass_of_a_torch_transformer_class_keeps_its_plan_while_it_covers_it() -> None:
+    """A researcher's subclass of ``nn.TransformerEncoderLayer`` (or the others) gets torch's
+    plan; one that adds a module with parameters the plan does not name gets none of it."""
+    from tessera.layers.conversion.plan import plan_for
+
+    class MyLayer(nn.TransformerEncoderLayer):
+        pass
+
+    class MyEncoder(nn.TransformerEncoder):
+        pass
+
+    layer = MyLayer(16, 4, 32, batch_first=True)
+    assert plan_for(layer, None).name == "nn.TransformerEncoderLayer plan"
+    encoder = MyEncoder(nn.TransformerEncoderLayer(16, 4, 32), 2, enable_nested_tensor=False)
+    assert (
+        plan_for(encoder, None).rules
+        == plan_for(nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32), 2), None).rules
+    )
+
+    class Gated(nn.TransformerEncoderLayer):
+        def __init__(self) -> None:
+            super().__init__(16, 4, 32, batch_first=True)
+            self.gate = nn.Linear(16, 16)  # no rule names it
+
+    found = None
+    with contextlib.suppress(ValueError):
+        found = plan_for(Gated(), None)
+    assert found is None or found.name != "nn.TransformerEncoderLayer plan"

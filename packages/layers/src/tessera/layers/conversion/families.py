@@ -482,44 +482,54 @@ def _torch_layer_rules(prefix: str, cross_attention: bool = False) -> dict[str, 
     return rules
 
 
-def torch_transformer_plan(model: nn.Module) -> Plan | None:
+def _torch_encoder_decoder() -> Plan:
+    encoder, decoder = "encoder.layers.*.", "decoder.layers.*."
+    return Plan(
+        {
+            **_torch_layer_rules(encoder),
+            **_torch_layer_rules(decoder, cross_attention=True),
+            "encoder.norm": "norm",
+            "decoder.norm": "norm",
+        },
+        name="nn.Transformer plan",
+        optional=("encoder.norm", "decoder.norm"),
+    )
+
+
+#: torch's own transformer classes and their plans.
+TORCH_PLANS: dict[type[nn.Module], Plan] = {
+    nn.TransformerEncoderLayer: Plan(
+        _torch_layer_rules(""), name="nn.TransformerEncoderLayer plan"
+    ),
+    nn.TransformerEncoder: Plan(
+        {**_torch_layer_rules("layers.*."), "norm": "norm"},
+        name="nn.TransformerEncoder plan",
+        optional=("norm",),
+    ),
+    nn.TransformerDecoderLayer: Plan(
+        _torch_layer_rules("", cross_attention=True), name="nn.TransformerDecoderLayer plan"
+    ),
+    nn.TransformerDecoder: Plan(
+        {**_torch_layer_rules("layers.*.", cross_attention=True), "norm": "norm"},
+        name="nn.TransformerDecoder plan",
+        optional=("norm",),
+    ),
+    nn.Transformer: _torch_encoder_decoder(),
+}
+
+
+def torch_transformer_plan(model: nn.Module) -> tuple[type[nn.Module], Plan] | None:
     """The plan of torch's own ``nn.TransformerEncoder`` / ``Decoder`` (or one layer of them).
 
     They take and return activations ``[b, s, h]`` (``batch_first=True``; ``[s, b, h]``
     under ``'1d'`` only): a ``"features"`` plan; a decoder's memory is split like ``tgt``
-    (:func:`~.multihead.install_memory_split`). ``None`` for any other class (a subclass
-    may compute otherwise).
+    (:func:`~.multihead.install_memory_split`). For a subclass, the plan of the torch class
+    it derives from, with that class (the caller checks the plan still covers it); ``None``
+    for any other model.
     """
-    if type(model) is nn.TransformerEncoderLayer:
-        return Plan(_torch_layer_rules(""), name="nn.TransformerEncoderLayer plan")
-    if type(model) is nn.TransformerEncoder:
-        return Plan(
-            {**_torch_layer_rules("layers.*."), "norm": "norm"},
-            name="nn.TransformerEncoder plan",
-            optional=("norm",),
-        )
-    if type(model) is nn.TransformerDecoderLayer:
-        return Plan(
-            _torch_layer_rules("", cross_attention=True), name="nn.TransformerDecoderLayer plan"
-        )
-    if type(model) is nn.TransformerDecoder:
-        return Plan(
-            {**_torch_layer_rules("layers.*.", cross_attention=True), "norm": "norm"},
-            name="nn.TransformerDecoder plan",
-            optional=("norm",),
-        )
-    if type(model) is nn.Transformer:
-        encoder, decoder = "encoder.layers.*.", "decoder.layers.*."
-        return Plan(
-            {
-                **_torch_layer_rules(encoder),
-                **_torch_layer_rules(decoder, cross_attention=True),
-                "encoder.norm": "norm",
-                "decoder.norm": "norm",
-            },
-            name="nn.Transformer plan",
-            optional=("encoder.norm", "decoder.norm"),
-        )
+    for cls in type(model).__mro__:
+        if cls in TORCH_PLANS:
+            return cls, TORCH_PLANS[cls]
     return None
 
 

@@ -219,9 +219,13 @@ def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
         return _user_plan(model, dict(plan))
     from .families import BUILTIN_PLANS, FAMILIES, torch_transformer_plan  # they build Plans
 
-    torch_plan = torch_transformer_plan(model)
-    if torch_plan is not None:
-        return torch_plan
+    torch_base = torch_transformer_plan(model)
+    if torch_base is not None:
+        base, torch_plan = torch_base
+        # a subclass keeps its torch base's plan while that plan names every module with
+        # parameters (one it added would stay whole and read split activations)
+        if base is type(model) or _covers(model, torch_plan):
+            return torch_plan
     for cls in type(model).__mro__:
         if cls.__name__ in BUILTIN_PLANS:
             shipped = BUILTIN_PLANS[cls.__name__]
@@ -330,15 +334,23 @@ def _covers(model: nn.Module, plan: Plan) -> bool:
     A module inside a named one counts as covered, except inside an ``attention`` module:
     its heads are split, so a parameter there that no rule names (a per-head norm of q and
     k, Qwen3's) would get a share of its gradient on each rank, and the replicas would drift.
+    torch's ``nn.MultiheadAttention`` is the exception: its fused projection and
+    ``out_proj`` are split with it (multihead.py). Optional rules need not match.
     """
     names = [name for name, _ in model.named_modules() if name]
     named = {n: role for n in names for pattern, role in plan.rules.items() if matches(n, pattern)}
-    if any(not any(matches(n, pattern) for n in names) for pattern in plan.rules):
+    required = [pattern for pattern in plan.rules if pattern not in plan.optional]
+    if any(not any(matches(n, pattern) for n in names) for pattern in required):
         return False
+    modules = dict(model.named_modules())
+    split_whole = {n for n, role in named.items() if role == "attention"}
+    split_whole = {n for n in split_whole if isinstance(modules[n], nn.MultiheadAttention)}
     for name, module in model.named_modules():
         if not any(True for _ in module.parameters(recurse=False)):
             continue
         if name in named and named[name] != "attention":
+            continue
+        if name in split_whole or any(name.startswith(n + ".") for n in split_whole):
             continue
         if not any(name.startswith(n + ".") and role != "attention" for n, role in named.items()):
             return False
