@@ -2334,11 +2334,10 @@ def test_a_subclass_of_a_torch_transformer_class_keeps_its_plan_while_it_covers_
 
     layer = MyLayer(16, 4, 32, batch_first=True)
     assert plan_for(layer, None).name == "nn.TransformerEncoderLayer plan"
-    encoder = MyEncoder(nn.TransformerEncoderLayer(16, 4, 32), 2, enable_nested_tensor=False)
-    assert (
-        plan_for(encoder, None).rules
-        == plan_for(nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32), 2), None).rules
-    )
+    block = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True)
+    encoder = MyEncoder(block, 2, enable_nested_tensor=False)
+    whole = nn.TransformerEncoder(block, 2, enable_nested_tensor=False)
+    assert plan_for(encoder, None).rules == plan_for(whole, None).rules
 
     class Gated(nn.TransformerEncoderLayer):
         def __init__(self) -> None:
