@@ -797,10 +797,15 @@ def _seq2seq_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float:
         decoder_input_ids=ref.prepare_decoder_input_ids_from_labels(labels),
         decoder_attention_mask=(labels != -100).long(),
     )
-    ref_logits = ref(**inputs, **decoder).logits  # [b, t, V]
+    ref_out = ref(**inputs, **decoder)
+    ref_logits = ref_out.logits  # [b, t, V]
     vocab = ref_logits.shape[-1]
     ref_loss = F.cross_entropy(ref_logits.reshape(-1, vocab), labels.reshape(-1))
-    logits = model(**inputs, **decoder).logits
+    out = model(**inputs, **decoder)
+    logits = out.logits
+    # the encoder's output comes back whole, as one process returns it: [b, s, h]
+    want_encoded = ref_out.encoder_last_hidden_state.detach()
+    torch.testing.assert_close(out.encoder_last_hidden_state.detach(), want_encoded, **TOL)
     loss = token_loss(logits, labels, context=ctx)
     ref_loss.backward()
     loss.backward()
@@ -815,10 +820,13 @@ def _seq2seq_matches_reference(ref: nn.Module, ctx: ParallelContext) -> float:
         got = model(**inputs, labels=labels)
         torch.testing.assert_close(got.loss, want, **TOL)
         torch.testing.assert_close(model(**inputs, **decoder, labels=labels).loss, ref_loss, **TOL)
-    # greedy, with the cache: the encoder runs once on its own, each step feeds one token
-    kwargs = dict(max_new_tokens=4, do_sample=False, num_beams=1, use_cache=True)
-    want_tokens, got_tokens = ref.generate(**inputs, **kwargs), model.generate(**inputs, **kwargs)
-    assert torch.equal(got_tokens, want_tokens), f"{got_tokens.tolist()} != {want_tokens.tolist()}"
+    # greedy, with the cache: the encoder runs once on its own, each step feeds one token;
+    # and without it: every step runs the whole decoder again (the encoder once)
+    for cache in (True, False):
+        kwargs = dict(max_new_tokens=4, do_sample=False, num_beams=1, use_cache=cache)
+        want_tokens = ref.generate(**inputs, **kwargs)
+        got_tokens = model.generate(**inputs, **kwargs)
+        assert torch.equal(got_tokens, want_tokens), f"{cache}: {got_tokens} != {want_tokens}"
     return round(float(loss.detach()), 5)
 
 

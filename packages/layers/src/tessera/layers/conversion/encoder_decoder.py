@@ -105,3 +105,24 @@ def install_encoder_rows(model: nn.Module, plan: Plan, context: ParallelContext)
     model.register_forward_pre_hook(inside, with_kwargs=True)
     model.register_forward_hook(outside, always_call=True)
     model.get_submodule(plan.encoder).register_forward_pre_hook(rows, with_kwargs=True)
+    model.register_forward_hook(_whole_encoder_output(context))
+
+
+def _whole_encoder_output(context: ParallelContext) -> Any:
+    """A hook giving the model's output its ``encoder_last_hidden_state`` whole.
+
+    The encoder's output is in the mode's blocks (``[b/B, s, h/q]``) for the decoder's
+    cross-attention; what the model returns is for its caller (a pooled sentence embedding,
+    an auxiliary loss), who reads ``[b, s, h]`` as on one process. Not while ``generate()``
+    runs: it reads none of it, and each step would gather it again.
+    """
+    from ..dispatch.activations import gather_activation
+    from .generation import GENERATING_ATTR
+
+    def whole(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        value = getattr(output, "encoder_last_hidden_state", None)
+        if isinstance(value, torch.Tensor) and not getattr(module, GENERATING_ATTR, False):
+            output.encoder_last_hidden_state = gather_activation(value, context)  # [b, s, h]
+        return output
+
+    return whole
