@@ -65,6 +65,15 @@ from tessera.context.original_names import (
     original_names_of,
     set_original_names,
 )
+from tessera.context.placements import (
+    PlacementError,
+    as_dtensor,
+    grad_placements_of,
+    mesh_axes_of,
+    placements_of,
+    shard_info_of_placements,
+    tensor_mesh_of,
+)
 from tessera.context.planner import LayoutEstimate, Machine, ModelShape, plan_layouts
 from tessera.context.pretrained_folder import (
     INDEX_FILE,
@@ -126,6 +135,14 @@ __all__ = [
     "TensorMode",
     "find_tensor_mode",
     "tensor_mode_names",
+    # a split tensor's layout as DTensor placements
+    "PlacementError",
+    "as_dtensor",
+    "grad_placements_of",
+    "mesh_axes_of",
+    "placements_of",
+    "shard_info_of_placements",
+    "tensor_mesh_of",
     "Mode1D",
     "Mode2D",
     "Mode2p5D",

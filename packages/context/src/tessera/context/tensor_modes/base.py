@@ -68,6 +68,8 @@ class TensorMode:
         planned: The planner (``tessera.context.planner``) has a cost model for the mode.
         sizes_in_words: The tensor sizes the mode accepts, for messages
             (``"2d needs q*q ranks (4, 9, 16, ...)"``).
+        combined_axes: Groups spanning two axes of the mode's mesh (``mesh_axes``), by name:
+            the axes they vary, outermost first (3D's ``parallel_3d_input_x_weight``).
     """
 
     name: ClassVar[str]
@@ -84,6 +86,7 @@ class TensorMode:
     keeps_gathered: ClassVar[bool] = False
     planned: ClassVar[bool] = False
     sizes_in_words: ClassVar[str] = "any number of ranks"
+    combined_axes: ClassVar[Mapping[str, tuple[str, ...]]] = {}
 
     def check(self, size: int, args: Mapping[str, Any]) -> None:
         """Raise ``ConfigError`` where ``size`` tensor ranks or ``args`` do not fit the mode.
@@ -96,6 +99,15 @@ class TensorMode:
     def side(self, size: int, args: Mapping[str, Any]) -> int:
         """The side ``q`` of the mode's mesh of ``size`` ranks (a line: ``size`` itself)."""
         return size
+
+    def mesh_axes(self, size: int, args: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+        """The axes of the mode's mesh of one block of tensor ranks, outermost first.
+
+        Each is the group whose ranks vary along it and its size; the tensor rank is the
+        mixed-radix number of a rank's coordinates. ``()``: the mode names none (the
+        placements of its tensors cannot be told, see ``tessera.context.placements``).
+        """
+        return ()
 
     def row_blocks(self, size: int, args: Mapping[str, Any]) -> int:
         """The blocks a replica's batch is cut into (the rows of its activations): 1 here."""

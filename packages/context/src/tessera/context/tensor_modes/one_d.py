@@ -6,9 +6,11 @@ all-reduce per pair; between the pairs every tensor rank holds the whole activat
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from ..initializers import Tensor1DInitializer
+from ..modes import ParallelMode
 from .base import TensorMode
 
 __all__ = ["Mode1D"]
@@ -25,3 +27,7 @@ class Mode1D(TensorMode):
     replicated_activations = True
     planned = True
     sizes_in_words = "1d needs 2 or more ranks"
+
+    def mesh_axes(self, size: int, args: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+        """One line: PARALLEL_1D."""
+        return ((ParallelMode.PARALLEL_1D.value, size),)

@@ -7,7 +7,8 @@ parameter is therefore replicated over data x sequence ranks, and its gradient s
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from ..initializers import SequenceInitializer
 from ..modes import ParallelMode
@@ -26,3 +27,7 @@ class ModeSequence(TensorMode):
     replica_group = ParallelMode.SEQUENCE_DP.value
     gradient_handler = "SequenceParallelGradientHandler"
     token_loss_spans_ranks = True
+
+    def mesh_axes(self, size: int, args: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+        """One line: SEQUENCE (chunks of the tokens)."""
+        return ((ParallelMode.SEQUENCE.value, size),)

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from tessera.registry import ConfigError
 
 from ..initializers import Tensor3DInitializer
+from ..modes import ParallelMode
 from .base import TensorMode
 
 __all__ = ["Mode3D", "cube_root"]
@@ -40,6 +41,16 @@ class Mode3D(TensorMode):
     keeps_gathered = True
     planned = True
     sizes_in_words = "3d needs q*q*q ranks (8, 27, 64, ...)"
+    combined_axes: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        ParallelMode.PARALLEL_3D_INPUT_X_WEIGHT.value: (
+            ParallelMode.PARALLEL_3D_INPUT.value,
+            ParallelMode.PARALLEL_3D_WEIGHT.value,
+        ),
+        ParallelMode.PARALLEL_3D_OUTPUT_X_WEIGHT.value: (
+            ParallelMode.PARALLEL_3D_OUTPUT.value,
+            ParallelMode.PARALLEL_3D_WEIGHT.value,
+        ),
+    }
 
     def check(self, size: int, args: Mapping[str, Any]) -> None:
         """Refuse a size that is not a perfect cube, listing those that are."""
@@ -62,3 +73,12 @@ class Mode3D(TensorMode):
     def hidden_blocks(self, size: int, args: Mapping[str, Any]) -> int:
         """``q * q``: a weight is ``[out/q^2, in/q]``."""
         return self.side(size, args) ** 2
+
+    def mesh_axes(self, size: int, args: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+        """``tensor_rank = z * q * q + y * q + x``: the output, input and weight axes."""
+        q = self.side(size, args)
+        return (
+            (ParallelMode.PARALLEL_3D_OUTPUT.value, q),
+            (ParallelMode.PARALLEL_3D_INPUT.value, q),
+            (ParallelMode.PARALLEL_3D_WEIGHT.value, q),
+        )

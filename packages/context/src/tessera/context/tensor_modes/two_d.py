@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from tessera.registry import ConfigError
 
 from ..initializers import Tensor2DInitializer
+from ..modes import ParallelMode
 from .base import TensorMode
 
 __all__ = ["Mode2D", "square_side"]
@@ -60,3 +61,11 @@ class Mode2D(TensorMode):
     def weight_blocks(self, size: int, args: Mapping[str, Any]) -> int:
         """``q * q``: a weight is cut over the whole mesh."""
         return self.side(size, args) ** 2
+
+    def mesh_axes(self, size: int, args: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+        """``tensor_rank = row * q + col``: the row (along a COL group), then the column."""
+        q = self.side(size, args)
+        return (
+            (ParallelMode.PARALLEL_2D_COL.value, q),
+            (ParallelMode.PARALLEL_2D_ROW.value, q),
+        )

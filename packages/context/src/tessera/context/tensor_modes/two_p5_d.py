@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from tessera.registry import ConfigError
 
 from ..initializers import Tensor2p5DInitializer
+from ..modes import ParallelMode
 from .base import TensorMode, check_positive
 from .two_d import square_side
 
@@ -30,6 +31,12 @@ class Mode2p5D(TensorMode):
     splits_activations = True
     planned = True
     sizes_in_words = "2.5d needs q*q*d ranks with q, d >= 2 (8, 12, 16, 18, ...)"
+    combined_axes: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        ParallelMode.PARALLEL_2P5D_XZ.value: (
+            ParallelMode.PARALLEL_2P5D_DEP.value,
+            ParallelMode.PARALLEL_2P5D_COL.value,
+        )
+    }
 
     def check(self, size: int, args: Mapping[str, Any]) -> None:
         """Require ``depth`` and refuse a size that is not ``q * q * depth``."""
@@ -58,6 +65,15 @@ class Mode2p5D(TensorMode):
     def weight_blocks(self, size: int, args: Mapping[str, Any]) -> int:
         """``q * q``: a weight is cut over one layer, and kept by each of the ``depth``."""
         return self.side(size, args) ** 2
+
+    def mesh_axes(self, size: int, args: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+        """``tensor_rank = dep * q * q + row * q + col``: the layer, its row, its column."""
+        q = self.side(size, args)
+        return (
+            (ParallelMode.PARALLEL_2P5D_DEP.value, int(args.get("depth", 1))),
+            (ParallelMode.PARALLEL_2P5D_COL.value, q),
+            (ParallelMode.PARALLEL_2P5D_ROW.value, q),
+        )
 
     def label(self, size: int, args: Mapping[str, Any]) -> str:
         """``2.5d(8,d=2)``."""
