@@ -3,7 +3,9 @@
 For transformers' GPT-2 parallelized under each tensor mode: each parameter's ShardInfo reads
 as placements (``tessera.context.placements_of``), the placements read back as the same
 ShardInfo, and the parameter as a ``DTensor`` (``as_dtensor``) gathers to the very tensor the
-single-process model holds (in its original form: ``FullForm``).
+single-process model holds (in its original form: ``FullForm``). An activation split for the
+mode's layers reads as a DTensor too, and torch's operators on it compute one process's
+numbers.
 """
 
 from __future__ import annotations
@@ -55,9 +57,25 @@ def _placements_describe_every_parameter(tensor: dict[str, Any]) -> int:
             full = form.to_original(full) if form is not None else full
             torch.testing.assert_close(full, whole[name].detach(), rtol=0, atol=0, msg=name)
             count += 1
+        _activations_read_as_dtensors(ctx)
         return count
     finally:
         ctx.destroy()
+
+
+def _activations_read_as_dtensors(ctx: Any) -> None:
+    """An activation split as the mode's layers take it is a DTensor of the whole one; a
+    function no plan converts (a layer norm over its split features) computes under
+    DTensor's propagation to one process's result instead of normalizing a block."""
+    import torch.nn.functional as F
+
+    from tessera.layers import activation_as_dtensor, split_activation
+
+    x = torch.randn(8, 4, 16, generator=torch.Generator().manual_seed(5))  # [b, s, h]
+    dt = activation_as_dtensor(split_activation(x, ctx), ctx)
+    torch.testing.assert_close(dt.full_tensor(), x, rtol=0, atol=0)
+    normed = F.layer_norm(dt, (16,))
+    torch.testing.assert_close(normed.full_tensor(), F.layer_norm(x, (16,)))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -68,6 +68,7 @@ from tessera.context.original_names import (
 from tessera.context.placements import (
     PlacementError,
     as_dtensor,
+    cut_placements,
     grad_placements_of,
     mesh_axes_of,
     placements_of,
@@ -138,6 +139,7 @@ __all__ = [
     # a split tensor's layout as DTensor placements
     "PlacementError",
     "as_dtensor",
+    "cut_placements",
     "grad_placements_of",
     "mesh_axes_of",
     "placements_of",

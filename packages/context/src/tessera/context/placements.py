@@ -25,7 +25,7 @@ gradient ``Partial()``, which :func:`grad_placements_of` gives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PlacementError",
     "as_dtensor",
+    "cut_placements",
     "grad_placements_of",
     "mesh_axes_of",
     "placements_of",
@@ -88,6 +89,25 @@ def _axes_of_group(context: ParallelContext, group: str) -> tuple[str, ...]:
     )
 
 
+def cut_placements(
+    cuts: Mapping[int, Sequence[str]], ndim: int, context: ParallelContext
+) -> tuple[Any, ...]:
+    """The placements of an ``ndim``-dim tensor whose dim ``d`` is cut over ``cuts[d]``.
+
+    The groups of a dim outermost first, as ``ShardInfo.split_modes``; every axis that cuts
+    nothing holds the tensor whole (``Replicate()``). For activations, whose layout a mode's
+    layers state this way (``ModeLayers.activation_cuts``).
+    """
+    from torch.distributed.tensor import Replicate
+
+    split = tuple(tuple(cuts.get(d, ())) for d in range(ndim))
+    shape = (1,) * ndim  # placements_of reads no sizes
+    info = ShardInfo(shape, (0,) * ndim, shape, split_modes=(), replicated_modes=())
+    axes = [name for name, _ in mesh_axes_of(context)]
+    found = _cut_axes(split, info, context)
+    return tuple(found.get(axis, Replicate()) for axis in axes)
+
+
 def placements_of(info: ShardInfo, context: ParallelContext) -> tuple[Any, ...]:
     """The placements, one per mesh axis, of a tensor laid out as ``info``.
 
@@ -95,12 +115,32 @@ def placements_of(info: ShardInfo, context: ParallelContext) -> tuple[Any, ...]:
         PlacementError: ``info`` cuts a dim over axes in another order than the mesh's, over a
             group that is no axis, or leaves an axis neither cutting nor holding it whole.
     """
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate
+
+    axes = [name for name, _ in mesh_axes_of(context)]
+    found = _cut_axes(info.split_modes, info, context)
+    for group in info.replicated_modes:
+        for axis in _axes_of_group(context, group) if _is_axis(context, group) else ():
+            found.setdefault(axis, Replicate())
+    missing = [axis for axis in axes if axis not in found]
+    if missing:
+        raise PlacementError(
+            f"a {list(info.global_shape)} tensor (split {info.split_modes}, replicated "
+            f"{info.replicated_modes}) says nothing of mesh axes {missing}"
+        )
+    return tuple(found[axis] for axis in axes)
+
+
+def _cut_axes(
+    split_modes: Sequence[Sequence[str]], info: ShardInfo, context: ParallelContext
+) -> dict[str, Any]:
+    """The placement of each mesh axis that cuts a dim (``split_modes`` as a ShardInfo's)."""
+    from torch.distributed.tensor import Shard
 
     axes = [name for name, _ in mesh_axes_of(context)]
     sizes = dict(mesh_axes_of(context))
     found: dict[str, Any] = {}
-    for dim, groups in enumerate(info.split_modes):
+    for dim, groups in enumerate(split_modes):
         order = [axis for group in groups for axis in _axes_of_group(context, group)]
         if order == sorted(order, key=axes.index):
             for axis in order:  # nested in the mesh's order: DTensor's own nesting
@@ -117,16 +157,7 @@ def placements_of(info: ShardInfo, context: ParallelContext) -> tuple[Any, ...]:
                 f"whose axes {order} run against the mesh's {axes}: no placements express "
                 "that block order"
             )
-    for group in info.replicated_modes:
-        for axis in _axes_of_group(context, group) if _is_axis(context, group) else ():
-            found.setdefault(axis, Replicate())
-    missing = [axis for axis in axes if axis not in found]
-    if missing:
-        raise PlacementError(
-            f"a {list(info.global_shape)} tensor (split {info.split_modes}, replicated "
-            f"{info.replicated_modes}) says nothing of mesh axes {missing}"
-        )
-    return tuple(found[axis] for axis in axes)
+    return found
 
 
 def _strided_shard(dim: int, split_factor: int, info: ShardInfo) -> Any:

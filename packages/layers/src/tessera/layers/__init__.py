@@ -44,7 +44,13 @@ from tessera.layers.cube.loss import (
 from tessera.layers.cube.matmul import choose_cube_algorithm, cube_linear
 from tessera.layers.cube.norm import LayerNorm3D, RMSNorm3D
 from tessera.layers.cube.patch_embedding import PatchEmbedding3D
-from tessera.layers.dispatch.activations import gather_activation, split_activation, split_batch
+from tessera.layers.dispatch.activations import (
+    activation_as_dtensor,
+    activation_placements,
+    gather_activation,
+    split_activation,
+    split_batch,
+)
 from tessera.layers.dispatch.layers import (
     IMPLEMENTATIONS,
     Accuracy,
@@ -172,6 +178,8 @@ __all__ = [
     "Accuracy",
     "IMPLEMENTATIONS",
     "MODE_LAYERS",
+    "activation_as_dtensor",
+    "activation_placements",
     "ModeLayers",
     "find_mode_layers",
     "register_mode_layers",

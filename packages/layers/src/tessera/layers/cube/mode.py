@@ -44,6 +44,12 @@ def _split_batch(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
     return split_cube_batch(x, cube_of(context))
 
 
+def _activation_cuts(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
+    """Layout "y": rows over OUTPUT x WEIGHT (block ``z * q + x``), features over INPUT."""
+    cube = cube_of(context)
+    return {0: (cube.batch_axis.mode,), ndim - 1: (cube.hidden_axis.mode,)}
+
+
 def _token_loss(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -98,5 +104,6 @@ LAYERS_3D = ModeLayers(
     token_loss=_token_loss,
     gather_logits=_gather_logits,
     roles=Roles3D(),
+    activation_cuts=_activation_cuts,
 )
 register_mode_layers(LAYERS_3D)

@@ -14,6 +14,8 @@ blocks). ``split_batch`` splits only the batch (token ids, targets, images): the
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tessera.context import ParallelContext
@@ -26,7 +28,14 @@ from ..shared.context_access import current_or_none, tensor_mode
 from ..shared.errors import ModeNotImplementedError
 from ..shared.mode_layers import MODE_LAYERS, ModeLayers, find_mode_layers
 
-__all__ = ["BUILTIN_MODE_LAYERS", "gather_activation", "split_activation", "split_batch"]
+__all__ = [
+    "BUILTIN_MODE_LAYERS",
+    "activation_as_dtensor",
+    "activation_placements",
+    "gather_activation",
+    "split_activation",
+    "split_batch",
+]
 
 #: tessera's own modes' layers, each registered by its folder's ``mode.py``.
 BUILTIN_MODE_LAYERS: tuple[ModeLayers, ...] = (
@@ -91,3 +100,45 @@ def split_batch(x: torch.Tensor, context: ParallelContext | None = None) -> torc
     """
     found = _mode_layers("split_batch", context)
     return x if found is None else found[1].split_batch(x, found[0])
+
+
+def activation_placements(ndim: int, context: ParallelContext | None = None) -> tuple[Any, ...]:
+    """The DTensor placements of an ``ndim``-dim activation between blocks, on the mode's mesh.
+
+    The layout :func:`split_activation` makes (``ModeLayers.activation_cuts``), one placement
+    per axis of ``tessera.context.tensor_mesh_of``: 1D ``Replicate()`` (``Shard(1)`` with
+    sequence parallelism), 2D ``Shard(0)`` on the row axis and ``Shard(ndim - 1)`` on the
+    column axis, 3D layout "y" rows on the output and weight axes, features on the input axis,
+    ``'sequence'`` ``Shard(1)``.
+
+    Raises:
+        ModeNotImplementedError: the mode's layers state no layout of their activations.
+    """
+    from tessera.context import cut_placements
+
+    found = _mode_layers("activation_placements", context)
+    if found is None:
+        raise ValueError("activation_placements: no tensor mode, so no mesh to place on")
+    ctx, layers = found
+    if layers.activation_cuts is None:
+        raise ModeNotImplementedError("activation_placements", layers.name, MODE_LAYERS)
+    return cut_placements(layers.activation_cuts(ctx, ndim), ndim, ctx)
+
+
+def activation_as_dtensor(x_local: torch.Tensor, context: ParallelContext | None = None) -> Any:
+    """This rank's block of an activation (as :func:`split_activation` gives it) as a ``DTensor``.
+
+    Code a plan leaves out can then compute on it under DTensor's own propagation, which
+    redistributes where an operator needs another layout (a norm over the split features, a
+    reshape of the heads) instead of reading a block as the whole; ``full_tensor()`` is
+    :func:`gather_activation`'s result. The blocks must be equal in size (tessera's are).
+    """
+    from torch.distributed.tensor import DTensor
+
+    from tessera.context import tensor_mesh_of
+
+    ctx = current_or_none(context)
+    if ctx is None:
+        raise ValueError("activation_as_dtensor: no tensor mode, so no mesh to place on")
+    placements = activation_placements(x_local.dim(), ctx)
+    return DTensor.from_local(x_local, tensor_mesh_of(ctx), placements, run_check=False)

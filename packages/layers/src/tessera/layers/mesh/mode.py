@@ -70,6 +70,12 @@ def _split_batch(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
     return split_mesh_batch(x, _mesh(context))
 
 
+def _activation_cuts(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
+    """Rows over the batch group (COL; 2.5D's XZ), features over the ROW group."""
+    mesh = _mesh(context)
+    return {0: (mesh.batch_axis.mode,), ndim - 1: (mesh.hidden_axis.mode,)}
+
+
 def _token_loss(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -106,6 +112,7 @@ def _mesh_layers(name: str, classes: Mapping[str, type[nn.Module]]) -> ModeLayer
         token_loss=_token_loss,
         gather_logits=_gather_logits,
         roles=MeshRoles(classes["Linear"]),
+        activation_cuts=_activation_cuts,
     )
 
 

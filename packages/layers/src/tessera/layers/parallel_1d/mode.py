@@ -56,6 +56,13 @@ def _whole(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
     return x
 
 
+def _activation_cuts(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
+    """Whole; with sequence parallelism, the sequence (dim 1) cut over the 1D group."""
+    if not sequence_parallel_default(context):
+        return {}
+    return {1: (ParallelMode.PARALLEL_1D.value,)}
+
+
 def _token_loss(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -89,6 +96,7 @@ LAYERS_1D = ModeLayers(
     token_loss=_token_loss,
     gather_logits=_gather_logits,
     roles=Roles1D(),
+    activation_cuts=_activation_cuts,
     classes={  # what parallelize builds (the dispatching layers' are dispatch/layers.py's)
         "TokenEmbedding": VocabParallelEmbedding1D,
         "Head": VocabParallelClassifier1D,

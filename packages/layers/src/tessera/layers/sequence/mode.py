@@ -68,5 +68,6 @@ LAYERS_SEQUENCE = ModeLayers(
     split_batch=split_sequence_activation,
     token_loss=_token_loss,
     gather_logits=_gather_logits,
+    activation_cuts=lambda context, ndim: {1: (ParallelMode.SEQUENCE.value,)},
 )
 register_mode_layers(LAYERS_SEQUENCE)

@@ -108,6 +108,10 @@ class ModeLayers:
             mode (``tessera.layers.token_loss``), or ``None`` where it has none.
         gather_logits: Those logits to the whole batch's ``[b, ..., V]`` on every rank
             (``tessera.layers.gather_logits``), or ``None``.
+        activation_cuts: ``cuts(context, ndim)``: which groups cut each dim of an activation
+            between blocks (``{0: batch groups, ndim - 1: hidden groups}`` on a grid), the
+            layout ``split_activation`` makes, as DTensor placements read it
+            (``tessera.context.cut_placements``); ``None``: not stated.
         roles: How ``parallelize`` builds its roles under the mode, or ``None`` where it
             converts nothing (sequence parallelism keeps every layer whole). With it,
             ``classes`` name ``"TokenEmbedding"``, ``"Head"``, ``"PatchEmbedding"``,
@@ -124,6 +128,7 @@ class ModeLayers:
     token_loss: TokenLoss | None = None
     gather_logits: ActivationMap | None = None
     roles: RoleBuilders | None = None
+    activation_cuts: Callable[[ParallelContext, int], Mapping[int, tuple[str, ...]]] | None = None
 
 
 def check_targets(logits: torch.Tensor, targets: torch.Tensor, mode: str | None) -> None:
