@@ -106,6 +106,12 @@ class EmbedStage(nn.Module):
         self.family = family
         _adopt(self, inner, family.embeds)
         self._context = [context]  # not a module attribute torch would traverse
+        mode = None if context is None else context.config.mode  # looked up once, not per call
+        #: Whether the mode splits the sequence's tokens, or the batch's rows (mesh and cube).
+        self._splits = (
+            mode is not None and mode.splits_sequence,
+            mode is not None and mode.splits_activations,
+        )
         config = getattr(inner, "config", None)
         # Granite multiplies the token rows in its model's forward, not in a module
         self.embedding_multiplier = getattr(config, "embedding_multiplier", None)
@@ -113,10 +119,8 @@ class EmbedStage(nn.Module):
     def forward(self, inputs: torch.Tensor | Mapping[str, torch.Tensor]) -> Carried:
         """See the class docstring."""
         context = self._context[0]
-        mode = None if context is None else context.config.mode
-        tokens_split = mode is not None and mode.splits_sequence
-        # the mesh and cube modes split the batch's rows
-        splitting = context if mode is not None and mode.splits_activations else None
+        tokens_split, rows_split = self._splits
+        splitting = context if rows_split else None
         if self.family.inputs == "images":
             pixels = inputs if isinstance(inputs, torch.Tensor) else inputs["pixel_values"]
             if tokens_split:  # every rank embeds the whole images, keeps its tokens
