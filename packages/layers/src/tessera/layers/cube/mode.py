@@ -13,8 +13,8 @@ import torch
 from tessera.context import Mode3D, ParallelContext
 
 from ..comm.collectives import check_divisible
-from ..grid.loss import gather_grid_logits, grid_token_loss
-from ..shared.mode_layers import ModeLayers, register_mode_layers
+from ..grid.mode_layers import grid_mode_layers
+from ..shared.mode_layers import register_mode_layers
 from .classifier import Classifier3D, VocabParallelClassifier3D
 from .dropout import Dropout3D
 from .embedding import Embedding3D, VocabParallelEmbedding3D
@@ -32,44 +32,6 @@ from .roles import Roles3D
 __all__ = ["LAYERS_3D"]
 
 
-def _split(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
-    return split_cube_activation(x, cube_of(context))
-
-
-def _gather(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
-    return gather_cube_activation(x, cube_of(context))
-
-
-def _split_batch(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
-    return split_cube_batch(x, cube_of(context))
-
-
-def _activation_cuts(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
-    """Layout "y": rows over OUTPUT x WEIGHT (block ``z * q + x``), features over INPUT."""
-    cube = cube_of(context)
-    return {0: (cube.batch_axis.mode,), ndim - 1: (cube.hidden_axis.mode,)}
-
-
-def _token_loss(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    context: ParallelContext,
-    vocab_size: int | None,
-) -> torch.Tensor:
-    """Logits ``[b/q^2, s, V]`` in layout "y": rows split, every class whole (the grid's)."""
-    cube = cube_of(context)
-    rows = split_cube_batch(targets, cube)
-    return grid_token_loss(
-        logits, rows, cube, Mode3D.name, ignore_index=ignore_index, reduction=reduction
-    )
-
-
-def _gather_logits(logits: torch.Tensor, context: ParallelContext) -> torch.Tensor:
-    return gather_grid_logits(logits, cube_of(context))
-
-
 def _attention_rows(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
     """Layout "z"'s rows: attention runs on a column layer's output, not on layout "y"'s."""
     rows = cube_of(context).batch("z")
@@ -78,16 +40,13 @@ def _attention_rows(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
 
 
 #: 3D's activation maps and classes (its ``Linear`` needs a layout: dispatch/cube_sequence.py).
-LAYERS_3D = ModeLayers(
-    name=Mode3D.name,
-    split=_split,
-    gather=_gather,
-    split_batch=_split_batch,
+LAYERS_3D = grid_mode_layers(
+    Mode3D.name,
+    cube_of,
+    (split_cube_activation, gather_cube_activation, split_cube_batch),
     classes={
         "LayerNorm": LayerNorm3D,
         "RMSNorm": RMSNorm3D,
-        "TokenEmbedding": Embedding3D,
-        "Head": Classifier3D,
         "Embedding": Embedding3D,
         "VocabParallelEmbedding": VocabParallelEmbedding3D,
         "PatchEmbedding": PatchEmbedding3D,
@@ -99,11 +58,8 @@ LAYERS_3D = ModeLayers(
         "Accuracy": Accuracy3D,
         "VocabParallelAccuracy": VocabParallelAccuracy3D,
     },
-    two_layouts=True,
-    attention_rows=_attention_rows,
-    token_loss=_token_loss,
-    gather_logits=_gather_logits,
     roles=Roles3D(),
-    activation_cuts=_activation_cuts,
+    attention_rows=_attention_rows,
+    two_layouts=True,
 )
 register_mode_layers(LAYERS_3D)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
 from torch import nn
 
 from tessera.context import Mode2D, Mode2p5D, ParallelContext
 
-from ..grid.loss import gather_grid_logits, grid_token_loss
+from ..grid.mode_layers import grid_mode_layers
 from ..shared.mode_layers import ModeLayers, register_mode_layers
 from .classifier import (
     Classifier2D,
@@ -58,62 +57,9 @@ def _mesh(context: ParallelContext) -> Mesh:
     return mesh_of(context, str(context.config.tensor_mode))
 
 
-def _split(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
-    return split_mesh_activation(x, _mesh(context))
-
-
-def _gather(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
-    return gather_mesh_activation(x, _mesh(context))
-
-
-def _split_batch(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
-    return split_mesh_batch(x, _mesh(context))
-
-
-def _activation_cuts(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
-    """Rows over the batch group (COL; 2.5D's XZ), features over the ROW group."""
-    mesh = _mesh(context)
-    return {0: (mesh.batch_axis.mode,), ndim - 1: (mesh.hidden_axis.mode,)}
-
-
-def _token_loss(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    context: ParallelContext,
-    vocab_size: int | None,
-) -> torch.Tensor:
-    """Logits ``[b/(depth q), s, V]``: rows split, every class whole (the grid's loss)."""
-    mesh = _mesh(context)
-    rows = split_mesh_batch(targets, mesh)
-    return grid_token_loss(
-        logits, rows, mesh, mesh.kind, ignore_index=ignore_index, reduction=reduction
-    )
-
-
-def _gather_logits(logits: torch.Tensor, context: ParallelContext) -> torch.Tensor:
-    return gather_grid_logits(logits, _mesh(context))
-
-
 def _mesh_layers(name: str, classes: Mapping[str, type[nn.Module]]) -> ModeLayers:
-    classes = {
-        **classes,
-        "TokenEmbedding": classes["Embedding"],  # parallelize's names of them
-        "Head": classes["Classifier"],
-    }
-    return ModeLayers(
-        name=name,
-        split=_split,
-        gather=_gather,
-        split_batch=_split_batch,
-        classes=classes,
-        attention_rows=_split_batch,  # attention runs on the rows of every activation
-        token_loss=_token_loss,
-        gather_logits=_gather_logits,
-        roles=MeshRoles(classes["Linear"]),
-        activation_cuts=_activation_cuts,
-    )
+    cut = (split_mesh_activation, gather_mesh_activation, split_mesh_batch)
+    return grid_mode_layers(name, _mesh, cut, classes=classes, roles=MeshRoles(classes["Linear"]))
 
 
 LAYERS_2D = _mesh_layers(
