@@ -101,7 +101,7 @@ def cut_placements(
     from torch.distributed.tensor import Replicate
 
     split = tuple(tuple(cuts.get(d, ())) for d in range(ndim))
-    shape = (1,) * ndim  # placements_of reads no sizes
+    shape = (1,) * ndim  # the cuts read no sizes; this only names the tensor in a message
     info = ShardInfo(shape, (0,) * ndim, shape, split_modes=(), replicated_modes=())
     axes = [name for name, _ in mesh_axes_of(context)]
     found = _cut_axes(split, info, context)
@@ -177,7 +177,7 @@ def _strided_shard(dim: int, split_factor: int, info: ShardInfo) -> Any:
 
 
 def _is_axis(context: ParallelContext, group: str) -> bool:
-    """Whether ``group`` is an axis or combined axes of the mesh (TENSOR and others are not)."""
+    """Whether ``group`` is an axis, combined axes or TENSOR (every axis) of the mesh."""
     try:
         _axes_of_group(context, group)
     except PlacementError:
