@@ -13,14 +13,16 @@ planner's guess and steps up while a size fits, down until one does: real runs d
 
 Printed per layout: the largest size that fits and its parameter count, the measured peak per
 rank of its training steps there (largest rank), the planner's prediction for it and the ratio
-(the planner is validated to 10%), and the parameters as a multiple of 1D(4)'s. Building the
-model counts against the budget too: every rank builds the whole model before ZeRO-3 shards
-it, which is then the limit (printed where it is). Then, at one size where
+(the planner is validated to 10%), the runtime's own memory measured there (resident bytes no
+tensor holds, :func:`memory_trial.untensored`), and the parameters as a multiple of 1D(4)'s.
+Building the model counts against the budget too: every rank builds the whole model before
+ZeRO-3 shards it, which is then the limit (printed where it is). Then, at one size where
 activations dominate, each layout's peak against one process's / P (the paper's claim: 2D,
 2.5D and 3D hold ``1/P`` of everything).
 
     python benchmarks/bench_largest_model.py                  # the short version (nox -s bench)
     python benchmarks/bench_largest_model.py --search         # the full search (~30 min)
+    python benchmarks/bench_largest_model.py --search --below 3   # and 3 steps smaller each
     python benchmarks/bench_largest_model.py --search --budget 512MiB --layouts "2D(4)" "1D(4)"
 """
 
@@ -35,6 +37,7 @@ from pathlib import Path
 from memory_trial import (
     MIB,
     RANKS_LOG,
+    RUNTIME,
     Size,
     Trial,
     pin_allocator,
@@ -146,7 +149,8 @@ def search(
     print(f"budget per rank: {budget / MIB:.0f} MiB above the baseline", flush=True)
     print(f"(the ranks' own stderr: {RANKS_LOG})", flush=True)
     header = f"{'layout':<16}{'size':>5}{'params':>10}{'peak MiB':>10}{'planned':>9}"
-    print(header + f"{'planned/peak':>14}{'x 1D(4)':>9}{'tried':>20}", flush=True)
+    header += f"{'planned/peak':>14}{'runtime':>9}{'x 1D(4)':>9}{'tried':>20}"
+    print(header, flush=True)
     for name, layout in layouts.items():
         start = time.perf_counter()
         result = largest(layout, budget, trials)
@@ -155,17 +159,46 @@ def search(
         ratio = parameters(result.k) / parameters(base.k) if base and base.k else float("nan")
         peak = max(result.trial.peaks) if result.trial else 0
         built = max(result.trial.built) if result.trial else 0
+        runtime = max(result.trial.runtime) if result.trial else 0
         planned = planned_peak(layout, ladder(result.k)) if result.k else 0
         tried = " ".join(f"{k}{'+' if ok else '-'}" for k, ok in sorted(result.tried.items()))
         print(
             f"{name:<16}{result.k:>5}{fmt_params(parameters(result.k)) if result.k else '-':>10}"
             f"{peak / MIB:>10.1f}{planned / MIB:>9.1f}"
-            f"{planned / peak if peak else float('nan'):>14.2f}{ratio:>9.2f}{tried:>20}"
+            f"{planned / peak if peak else float('nan'):>14.2f}{runtime / MIB:>9.1f}"
+            f"{ratio:>9.2f}{tried:>20}"
             f"   ({time.perf_counter() - start:.0f} s)"
             + (f"  building the model: {built / MIB:.1f} MiB" if built > peak else ""),
             flush=True,
         )
     return found
+
+
+def below(found: dict[str, tuple[Layout, Largest]], steps: int, budget: int) -> None:
+    """Also run each layout ``steps`` ladder steps below its largest size, for the planner.
+
+    At a smaller size the runtime's own memory and the buffers weigh more: the planner is
+    validated there too. The runs join each layout's ``runs`` (and the JSON).
+    """
+    print(f"\n{steps} ladder steps below the largest: the planner against the measured peak")
+    print(
+        f"{'layout':<16}{'size':>5}{'peak MiB':>10}{'planned':>9}{'planned/peak':>14}{'runtime':>9}"
+    )
+    for name, (layout, result) in found.items():
+        k = result.k - steps
+        if k < 1 or k in result.runs or not runnable(layout, k):
+            continue
+        trial = run_trial(layout, ladder(k), budget)
+        result.runs[k], result.tried[k] = trial, trial.fits
+        if not trial.fits:
+            print(f"{name:<16}{k:>5}  did not fit", flush=True)
+            continue
+        peak, planned = max(trial.peaks), planned_peak(layout, ladder(k))
+        print(
+            f"{name:<16}{k:>5}{peak / MIB:>10.1f}{planned / MIB:>9.1f}{planned / peak:>14.2f}"
+            f"{max(trial.runtime) / MIB:>9.1f}",
+            flush=True,
+        )
 
 
 def against_single(names: list[str], size: Size) -> dict[str, dict[str, float]]:
@@ -189,6 +222,7 @@ def against_single(names: list[str], size: Size) -> dict[str, dict[str, float]]:
         planned = planned_peak(layout, size)
         rows[name] = {
             "peak": peak,
+            "runtime": max(trial.runtime),
             "x_single_over_p": peak / (single / layout.world),
             "spread": peak / low - 1,
             "planned_over_peak": planned / peak,
@@ -216,6 +250,7 @@ def record(layout: Layout, found: Largest) -> dict[str, object]:
                 "peak": max(run.peaks),
                 "peaks": run.peaks,
                 "built": max(run.built),
+                "runtime": max(run.runtime),
                 "planned": planned_peak(layout, ladder(k)),
                 "parameters": parameters(k),
             }
@@ -234,12 +269,21 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--below",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run each layout N ladder steps below its largest size (the planner's check)",
+    )
     args = parser.parse_args()
     budget = parse_bytes(args.budget)
     base = ladder(1)
     results: dict[str, object] = {
         "budget": budget,
         "backend": "gloo",
+        # the runtime's own memory per rank the planner's figures count (memory_trial.RUNTIME)
+        "runtime": RUNTIME,
         # size k of the ladder: hidden ``hidden * k``, depth ``depth * k`` (docs/make_figures.py)
         "ladder": {
             "hidden": base.hidden,
@@ -253,6 +297,8 @@ def main() -> None:
     # the short version: two sizes per layout (the planner's guess and the next one up)
     trials = TOP if args.search else 2
     found = search(args.layouts, budget, args.search and not args.no_checkpointing, trials)
+    if args.below:
+        below(found, args.below, budget)
     results["layouts"] = {name: record(*found[name]) for name in found}
     results["at_size"] = against_single(args.layouts, ACTIVATIONS_DOMINATE)
     if args.json:

@@ -34,6 +34,7 @@ import resource
 import sys
 import tempfile
 import traceback
+import warnings
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -46,7 +47,16 @@ from tessera.context.planner import DEFAULT_MACHINE, Layout, ModelShape, estimat
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 
-__all__ = ["Size", "Trial", "pin_allocator", "planned_peak", "run_trial", "shape_of"]
+__all__ = [
+    "RUNTIME",
+    "Size",
+    "Trial",
+    "pin_allocator",
+    "planned_peak",
+    "run_trial",
+    "shape_of",
+    "untensored",
+]
 
 TIMEOUT = timedelta(seconds=300)
 ALLOCATOR = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -78,12 +88,15 @@ class Trial:
         built: Each rank's peak while the model was built and handed to ``initialize``
             (every rank builds the whole model before ZeRO-3 shards it).
         errors: Each failing rank's error (``""`` where it finished).
+        runtime: Each rank's resident bytes over its baseline after the steps that no tensor
+            holds (:func:`untensored`): the runtime's own memory.
     """
 
     fits: bool
     peaks: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     built: list[int] = field(default_factory=list)
+    runtime: list[int] = field(default_factory=list)
 
 
 def pin_allocator() -> None:
@@ -109,10 +122,22 @@ def shape_of(size: Size) -> ModelShape:
 #: The planner's machine here: gloo, whose pairwise exchanges hold more blocks than NCCL's.
 GLOO = replace(DEFAULT_MACHINE, backend="gloo")
 
+#: The runtime's own memory per rank on this machine: what a rank holds beyond its tensors
+#: once it has trained a step, over its baseline (:attr:`Trial.runtime`): MKL's cached GEMM
+#: buffers, glibc's heap of small blocks, torch's and Python's objects of each tensor. The
+#: median of bench_largest_model.py's whole steps at depth 4 (1.4-2.6 MiB); over all its runs
+#: 0.7-6.0 MiB, about 0.4 MiB more per block, which one figure does not follow
+#: (docs/choosing-a-layout.md).
+RUNTIME = 2 * MIB
+
 
 def planned_peak(layout: Layout, size: Size) -> int:
-    """The planner's peak bytes per rank for ``size`` under ``layout`` (fp32, Adam, gloo)."""
-    return estimate_layout(shape_of(size), layout, memory_budget=0, machine=GLOO).memory.total
+    """The planner's peak bytes per rank for ``size`` under ``layout`` (fp32, Adam, gloo).
+
+    With this machine's :data:`RUNTIME` (``MemoryBreakdown.runtime``).
+    """
+    memory = estimate_layout(shape_of(size), layout, memory_budget=0, machine=GLOO).memory
+    return replace(memory, runtime=RUNTIME).total
 
 
 def _status(key: str) -> int:
@@ -121,6 +146,28 @@ def _status(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
+
+
+def untensored() -> int:
+    """Resident bytes of this process that no tensor's storage holds.
+
+    The resident size less every distinct storage of the tensors the garbage collector
+    finds: what the runtime keeps for itself (the math library's cached buffers, the
+    allocator's heap, the framework's objects). Read it after the peak: walking the objects
+    allocates.
+    """
+    storages: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance() on torch's deprecated module attributes
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for o in tensors:
+        try:
+            storage = o.untyped_storage()
+            if storage.device.type == "cpu":
+                storages[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # none of its own (meta, DTensor, freed)
+            continue
+    return _status("VmRSS") - sum(storages.values())
 
 
 def _parallel(layout: Layout) -> dict[str, Any]:
@@ -147,11 +194,13 @@ class _Checkpointed(torch.nn.Module):
         return out
 
 
-def _train(layout: Layout, size: Size, steps: int) -> int:
+def _train(layout: Layout, size: Size, steps: int) -> tuple[int, int, int]:
     """Build the model in this rank's layout and take ``steps`` Adam steps.
 
     Returns:
-        The peak resident bytes while building (the steps' peak is measured from there on).
+        The peak resident bytes while building, the steps' peak resident bytes (measured
+        from there on), and the resident bytes no tensor holds after the steps
+        (:func:`untensored`).
     """
     from model import GPTLoss, build_gpt
 
@@ -183,7 +232,10 @@ def _train(layout: Layout, size: Size, steps: int) -> int:
         loss = engine.criterion(engine(ids[:, :-1]), ids[:, 1:])
         engine.backward(loss)
         engine.step()
-    return built
+    peak = _status("VmHWM")
+    # walking the objects allocates: not against the budget, and after the peak was read
+    resource.setrlimit(resource.RLIMIT_DATA, (resource.RLIM_INFINITY,) * 2)
+    return built, peak, untensored()
 
 
 def _rank(
@@ -197,12 +249,16 @@ def _rank(
         os.dup2(log.fileno(), 2)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    peak, built, error = 0, 0, ""
+    peak, built, runtime, error = 0, 0, 0, ""
     try:
         dist.init_process_group("gloo", rank=rank, world_size=layout.world, timeout=TIMEOUT)
         from tessera.context import create_context, set_context
 
-        ctx = create_context({"parallel": _parallel(layout)}, timeout=TIMEOUT)
+        # no heartbeats: on a busy machine a starved heartbeat thread gets a live rank
+        # declared dead, and a rank past its budget is ended by the parent anyway
+        ctx = create_context(
+            {"parallel": _parallel(layout)}, timeout=TIMEOUT, heartbeat_interval=None
+        )
         set_context(ctx)
         # The framework's fixed cost, outside the budget: a warm-up step of one short block
         # imports the modules and faults in the kernels' code (torch's libraries are large).
@@ -210,12 +266,13 @@ def _rank(
         gc.collect()
         dist.barrier()
         baseline = _status("VmRSS")
+        runtime_before = untensored()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the resident size now
         limit = _status("VmData") + budget
         resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.RLIM_INFINITY))
-        built = _train(layout, size, steps) - baseline
-        peak = _status("VmHWM") - baseline
+        built, peak, runtime = _train(layout, size, steps)
+        built, peak, runtime = built - baseline, peak - baseline, runtime - runtime_before
         resource.setrlimit(resource.RLIMIT_DATA, (resource.RLIM_INFINITY,) * 2)
         dist.barrier()
     except BaseException as e:  # reported, the parent ends the others
@@ -224,7 +281,7 @@ def _rank(
             error += "\n" + traceback.format_exc()
     # the queue's writer is a thread, whose stack counts against RLIMIT_DATA: lift it first
     resource.setrlimit(resource.RLIMIT_DATA, (resource.RLIM_INFINITY,) * 2)
-    out.put((rank, peak, built, error))
+    out.put((rank, peak, built, runtime, error))
     out.close()
     out.join_thread()  # the queue writes from a thread: flush it before leaving
     os._exit(0)  # skip teardown: the others may be gone
@@ -252,16 +309,18 @@ def run_trial(layout: Layout, size: Size, budget: int, steps: int = 2) -> Trial:
     for p in ranks:
         p.start()
     peaks, built, errors = [0] * layout.world, [0] * layout.world, [""] * layout.world
+    runtime = [0] * layout.world
     seen = 0
     try:
         while seen < layout.world:
             try:
-                rank, peak, building, error = out.get(timeout=TIMEOUT.total_seconds())
+                rank, peak, building, held, error = out.get(timeout=TIMEOUT.total_seconds())
             except Exception:  # a rank died without reporting (killed past its budget)
                 errors = [e or "no report (killed?)" for e in errors]
                 break
             seen += 1
             peaks[rank], built[rank], errors[rank] = peak, building, error
+            runtime[rank] = held
             if error:
                 break
     finally:
@@ -272,4 +331,4 @@ def run_trial(layout: Layout, size: Size, budget: int, steps: int = 2) -> Trial:
     failures = [e for e in errors if e and "\n" in e]
     if failures:
         raise RuntimeError(f"a rank failed for another reason than memory:\n{failures[0]}")
-    return Trial(fits=not any(errors), peaks=peaks, errors=errors, built=built)
+    return Trial(fits=not any(errors), peaks=peaks, errors=errors, built=built, runtime=runtime)

@@ -26,7 +26,11 @@ from .comm import cube_algorithm
 from .layouts import Layout, microbatch_samples, microbatches
 from .precision import FP32, Precision
 from .shapes import ModelShape
-from .workspace import block_workspace_bytes, head_workspace_bytes
+from .workspace import (
+    attention_workspace_bytes,
+    head_workspace_bytes,
+    linear_workspace_bytes,
+)
 
 __all__ = [
     "MemoryBreakdown",
@@ -34,6 +38,7 @@ __all__ = [
     "block_parameters",
     "checkpointed_block_bytes",
     "embedding_parameters",
+    "freed_before_attention",
     "head_activation_bytes",
     "late_bytes",
     "rank_memory",
@@ -51,8 +56,9 @@ class MemoryBreakdown:
         gradients: Their gradients.
         optimizer: Adam's state (and fp32 masters under mixed precision).
         activations: Tensors saved for the backward, at the peak of a step.
-        workspace: What the layer running at the start of the backward holds beyond them
-            (:mod:`~tessera.context.planner.workspace`).
+        workspace: What the layer running at that moment holds beyond them
+            (:mod:`~tessera.context.planner.workspace`), and in a block the gradients
+            flowing into and out of it.
         update: What the optimizer step holds beyond the optimizer state: torch's Adam
             computes the denominator ``sqrt(v) + eps`` of every tensor it updates at once
             (its ``foreach`` implementation), one fp32 copy of this rank's optimized elements.
@@ -60,6 +66,8 @@ class MemoryBreakdown:
             parameters and optimizer state: the gradients of every layer after it, its
             activations (recomputed, under checkpointing) and working memory, and under
             ZeRO-2/3 FSDP2's buffers for its gradients (:func:`late_bytes`).
+        runtime: What the rank's runtime holds beyond its tensors, the same at every
+            moment (:func:`rank_memory`'s ``runtime``: 0 unless the machine's is known).
     """
 
     parameters: int
@@ -69,21 +77,24 @@ class MemoryBreakdown:
     workspace: int = 0
     update: int = 0
     late: int = 0
+    runtime: int = 0
 
     @property
     def total(self) -> int:
-        """The step's peak: parameters and optimizer state, and the largest of three moments.
+        """The step's peak: parameters, optimizer state, runtime, and the largest of three moments.
 
         At the start of the backward every activation is saved and no gradient exists yet
-        (the engine's ``zero_grad`` frees them); at the optimizer step every gradient exists,
-        with the update's temporaries, and no activation; in between, the first block's
-        backward meets nearly every gradient with one block's activations (``late``), the
-        peak of a checkpointed step, whose recomputed block is as large as everything it
-        kept. Measured on every layout (``benchmarks/bench_largest_model.py``), the peak is
-        one of the three, never a sum of two.
+        (the engine's ``zero_grad`` frees them): the head's backward, then the last block's,
+        whose widest linear layer runs first and whose attention runs once its MLP's
+        activations are gone; at the optimizer step every gradient exists, with the update's
+        temporaries, and no activation; in between, the first block's backward meets nearly
+        every gradient with one block's activations (``late``), the peak of a checkpointed
+        step, whose recomputed block is as large as everything it kept. Measured on every
+        layout (``benchmarks/bench_largest_model.py``), the peak is one of the three, never a
+        sum of two.
         """
         peak = max(self.gradients + self.update, self.activations + self.workspace, self.late)
-        return self.parameters + self.optimizer + peak
+        return self.parameters + self.optimizer + self.runtime + peak
 
 
 def _ceil(a: int, b: int) -> int:
@@ -236,6 +247,27 @@ def _kept_operands(shape: ModelShape, layout: Layout, rows: int) -> int:
 _QKV = ("qkv", "q", "k", "v")
 
 
+def freed_before_attention(
+    shape: ModelShape, layout: Layout, samples: int, precision: Precision
+) -> int:
+    """Bytes of a block's saved activations its backward frees before attention's backward.
+
+    A block's backward runs its MLP first, then the attention's output projection: by the
+    time attention's working memory exists (:func:`.workspace.attention_workspace_bytes`) the
+    second LayerNorm's and the first MLP layer's inputs ``2Th``, the MLP's inner tensors and
+    the projection's input ``Th`` are gone, split as :func:`block_activation_bytes` splits
+    them (1d keeps the first two whole). Their statistics and dropout masks are left in.
+    """
+    tokens = samples * shape.seq
+    h, e = shape.hidden, precision.activation
+    mlp = (4 if shape.gated_mlp else 2) * shape.ffn
+    if layout.tensor_mode is None:
+        return e * tokens * (3 * h + mlp)
+    if layout.activation_split == 1:  # 1d: the norm's and the MLP's inputs whole on every rank
+        return e * (2 * tokens * h + _ceil(tokens * (h + mlp), layout.tensor))
+    return e * _ceil(tokens * (3 * h + mlp), layout.activation_split)
+
+
 def checkpointed_block_bytes(
     shape: ModelShape, layout: Layout, samples: int, precision: Precision
 ) -> int:
@@ -275,7 +307,11 @@ def stage_blocks(shape: ModelShape, layout: Layout) -> tuple[int, int]:
 
 
 def rank_memory(
-    shape: ModelShape, layout: Layout, precision: Precision, backend: str = "nccl"
+    shape: ModelShape,
+    layout: Layout,
+    precision: Precision,
+    backend: str = "nccl",
+    runtime: int = 0,
 ) -> MemoryBreakdown:
     """The peak bytes of the fullest rank: the first or the last pipeline stage.
 
@@ -283,6 +319,12 @@ def rank_memory(
     activations; the last holds the head (a copy of the tied token table when ``p > 1``) and
     one microbatch, plus the logits. Without a pipeline one rank holds everything.
     ``backend`` decides how many blocks a gather holds (:mod:`.workspace`).
+
+    ``runtime``: bytes the rank's runtime holds beyond its tensors once it has trained a step,
+    a property of the machine and its libraries, not of the layout: on a CPU the math
+    library's cached product buffers (MKL's), the allocator's heap of small blocks, the
+    framework's per-tensor objects; on a GPU its BLAS workspace. ``benchmarks/memory_trial.py``
+    measures it (resident bytes no tensor holds).
     """
     m = microbatches(shape, layout)
     samples = microbatch_samples(shape, layout)
@@ -298,26 +340,39 @@ def rank_memory(
             shape, layout, tables=tables, head=has_head
         )
         block = block_activation_bytes(shape, layout, samples, precision)
-        block_work = block_workspace_bytes(shape, layout, samples, precision, backend)
+        # the block's input and the incoming gradient: the gradient of each, [T, h] per rank
+        flowing = 2 * checkpointed_block_bytes(shape, layout, samples, precision)
+        # a block's backward: the widest linear's first, every activation of the block still
+        # saved; attention's once the MLP and the projection have freed theirs
+        in_block = [
+            (block, linear_workspace_bytes(shape, layout, samples, precision, backend) + flowing),
+            (
+                block - freed_before_attention(shape, layout, samples, precision),
+                attention_workspace_bytes(shape, layout, samples, precision) + flowing,
+            ),
+        ]
         head, head_work = 0, 0
         if has_head:
             head = head_activation_bytes(shape, layout, samples, precision)
             head_work = head_workspace_bytes(shape, layout, samples, backend)
         if layout.checkpoint:
-            # the blocks' inputs, and either the head's backward or one block recomputed
+            # the blocks' inputs, and either the head's backward or the last block recomputed
             kept = blocks * in_flight * checkpointed_block_bytes(shape, layout, samples, precision)
-            activations, workspace = max(
-                (kept + head, head_work), (kept + block, block_work), key=sum
-            )
-        else:
-            activations = blocks * in_flight * block + head
-            workspace = max(block_work, head_work)
+            others = kept
+        else:  # every activation saved; the head's are freed before the last block's backward
+            kept = blocks * in_flight * block
+            others = kept - block
+        activations, workspace = max(
+            [(kept + head, head_work)] + [(others + saved, work) for saved, work in in_block],
+            key=sum,
+        )
         # the stem's tables get their gradients after the first block's backward
         stem = embedding_parameters(shape, layout, tables=2, head=False) if tables == 2 else 0
-        # the block's input and the incoming gradient: the gradient of each, [T, h] per rank
-        flowing = 2 * checkpointed_block_bytes(shape, layout, samples, precision)
-        late = late_bytes(shape, layout, precision, params - stem, block + block_work + flowing)
-        breakdown = _sharded(shape, layout, precision, params, activations, workspace, late)
+        late_block = max(saved + work for saved, work in in_block)
+        late = late_bytes(shape, layout, precision, params - stem, late_block)
+        breakdown = _sharded(
+            shape, layout, precision, params, activations, workspace, late, runtime
+        )
         if worst is None or breakdown.total > worst.total:
             worst = breakdown
     assert worst is not None
@@ -359,6 +414,7 @@ def _sharded(
     activations: int,
     workspace: int,
     late: int = 0,
+    runtime: int = 0,
 ) -> MemoryBreakdown:
     """Apply ZeRO's sharding over the ``data`` ranks to a stage's ``params`` elements."""
     n, zero = layout.data, layout.zero
@@ -374,4 +430,5 @@ def _sharded(
         workspace=workspace,
         update=FP32 * updated,
         late=late,
+        runtime=runtime,
     )

@@ -25,11 +25,17 @@ comes from one of three places, and the planner counts the largest:
 ``g`` counts the gathered blocks a collective holds: ``q`` with NCCL, ``2 q`` on gloo with
 ``q > 2``, whose pairwise exchanges send each peer its block from a ``[q, *block]`` copy
 (``tessera.layers.comm.inflight``; two ranks exchange without one). 1D and a single process
-gather nothing: their linear layers' working memory is their output.
+gather nothing: their widest linear layer's working memory is its input's gradient, ``[T, F]``
+cut as the mode cuts that input.
 
-Under activation checkpointing the head's working memory and a recomputed block's do not meet:
-the head's backward is done before the last block is recomputed
-(:func:`~tessera.context.planner.memory.rank_memory` takes the larger moment).
+The three do not meet, nor meet every activation: the head's backward is done (its logits
+freed) before the last block's starts, with or without checkpointing; a block's backward runs
+its widest linear layer with every activation of the block still saved, and its attention
+once the MLP and the projection have freed theirs
+(:func:`~tessera.context.planner.memory.freed_before_attention`). Where activations dominate
+(the benchmark's whole step at sequence 256) a step peaks in the last block's attention
+backward, up to 7 % below every activation plus the largest working memory.
+:func:`~tessera.context.planner.memory.rank_memory` takes the largest moment.
 """
 
 from __future__ import annotations
@@ -39,7 +45,13 @@ from .layouts import Layout
 from .precision import FP32, Precision
 from .shapes import ModelShape
 
-__all__ = ["block_workspace_bytes", "gathered_blocks", "head_workspace_bytes"]
+__all__ = [
+    "attention_workspace_bytes",
+    "block_workspace_bytes",
+    "gathered_blocks",
+    "head_workspace_bytes",
+    "linear_workspace_bytes",
+]
 
 
 def _ceil(a: int, b: int) -> int:
@@ -68,27 +80,55 @@ def block_workspace_bytes(
         precision: Bytes per element.
         backend: ``"nccl"`` or ``"gloo"``.
     """
-    e = precision.activation
+    return max(
+        attention_workspace_bytes(shape, layout, samples, precision),
+        linear_workspace_bytes(shape, layout, samples, precision, backend),
+    )
+
+
+def attention_workspace_bytes(
+    shape: ModelShape, layout: Layout, samples: int, precision: Precision
+) -> int:
+    """Attention's working memory on one rank: two blocks of scores.
+
+    The raw scores beside the masked ones and the probabilities in the forward; in the
+    backward, the probabilities' gradient beside the scores'. In the backward it comes after
+    the block's MLP and projection are done (:func:`~.memory.freed_before_attention`).
+    """
     # heads over the tensor ranks (1D), batch and heads over the mesh or cube: 1/t either way
-    scores = e * _ceil(samples * shape.heads * shape.seq * shape.seq, layout.tensor)
-    found = 2 * scores
-    if layout.mode in ("2d", "2.5d", "3d"):
-        q, k = layout.side, _ceil(shape.ffn, layout.side)
-        rows = _ceil(samples * shape.seq, layout.row_split)
-        widest = e * rows * k  # the input block of the MLP's second layer
-        plane = 1  # a 3D layer whose weights stay gathers its whole input plane
-        if layout.mode == "3d":
-            o = _ceil(shape.hidden, q * q)
-            if cube_algorithm(rows, k, o, q, layout.keep_gathered) == "stationary":
-                plane = q
-        g = gathered_blocks(layout, backend)
-        # the weight's gathered panels, and dW's partials with the block receiving their sum
-        weight = _ceil(shape.hidden * shape.ffn, layout.weight_split)
-        others = (2 * g + 1) * precision.gradient * weight
-        if layout.mode == "3d":  # and the output gradient's q gathered row blocks
-            others += g * e * rows * _ceil(shape.hidden, q)
-        found = max(found, (g * plane + 1) * widest + others)
-    return found
+    scores = _ceil(samples * shape.heads * shape.seq * shape.seq, layout.tensor)
+    return 2 * precision.activation * scores
+
+
+def linear_workspace_bytes(
+    shape: ModelShape, layout: Layout, samples: int, precision: Precision, backend: str = "nccl"
+) -> int:
+    """The widest linear layer's working memory on one rank.
+
+    The MLP's second layer, the first a block's backward runs: the gradient of its input
+    (``[T, F]``, cut as the mode cuts that input), and where the mode gathers, its gathered
+    input panels and partial input gradients, its weight's panels and ``dW``'s partials
+    (module docstring).
+    """
+    e = precision.activation
+    if layout.mode not in ("2d", "2.5d", "3d"):
+        # 1D splits F, a sequence mode the tokens, a single process or data ranks nothing
+        return e * _ceil(samples * shape.seq * shape.ffn, layout.tensor)
+    q, k = layout.side, _ceil(shape.ffn, layout.side)
+    rows = _ceil(samples * shape.seq, layout.row_split)
+    widest = e * rows * k  # the input block of the MLP's second layer
+    plane = 1  # a 3D layer whose weights stay gathers its whole input plane
+    if layout.mode == "3d":
+        o = _ceil(shape.hidden, q * q)
+        if cube_algorithm(rows, k, o, q, layout.keep_gathered) == "stationary":
+            plane = q
+    g = gathered_blocks(layout, backend)
+    # the weight's gathered panels, and dW's partials with the block receiving their sum
+    weight = _ceil(shape.hidden * shape.ffn, layout.weight_split)
+    others = (2 * g + 1) * precision.gradient * weight
+    if layout.mode == "3d":  # and the output gradient's q gathered row blocks
+        others += g * e * rows * _ceil(shape.hidden, q)
+    return (g * plane + 1) * widest + others
 
 
 def head_workspace_bytes(
