@@ -669,6 +669,13 @@ def test_the_runtimes_own_memory_counts_once_at_every_moment() -> None:
         with_runtime = rank_memory(_ladder(11), layout, FP32, "gloo", runtime=BENCH_RUNTIME)
         assert with_runtime == replace(without, runtime=BENCH_RUNTIME)
         assert with_runtime.total == without.total + BENCH_RUNTIME
+    # a machine that states it: every layout the planner estimates on it counts it
+    machine = replace(GLOO, runtime=BENCH_RUNTIME)
+    layout = Layout(1, 1, 4, "2d")
+    bare = estimate_layout(_ladder(11), layout, GIB, GLOO).memory.total
+    assert estimate_layout(_ladder(11), layout, GIB, machine).memory.total == bare + BENCH_RUNTIME
+    with pytest.raises(ConfigError, match=r"^runtime must be a number of bytes >= 0"):
+        replace(GLOO, runtime=-1)
 
 
 def test_over_budget_layouts_come_last_with_the_reason() -> None:

@@ -42,6 +42,9 @@ class Machine:
         backend: ``"nccl"`` or ``"gloo"``: how tessera moves a group's blocks there
             (all-gathers and reduce-scatters, or pairwise sends; ``comm.py``), which sets the
             kinds of call and the bytes contributed, not the bytes on the wire.
+        runtime: Bytes each rank's runtime holds beyond its tensors once it has trained a
+            step (the math library's cached buffers, the allocator's heap; 2-6 MiB per CPU
+            rank in ``benchmarks/memory_trial.py``), added to every rank's peak; 0 counts none.
 
     Raises:
         ConfigError: a number is not finite and positive (latency may be 0), or the backend
@@ -52,10 +55,13 @@ class Machine:
     bandwidth: float
     latency: float
     backend: str = "nccl"
+    runtime: int = 0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if isinstance(self.runtime, bool) or not isinstance(self.runtime, int) or self.runtime < 0:
+            raise ConfigError(f"runtime must be a number of bytes >= 0, got {self.runtime!r}")
         for name in ("flops", "bandwidth", "latency"):
             value = getattr(self, name)
             low_ok = value >= 0 if name == "latency" else value > 0

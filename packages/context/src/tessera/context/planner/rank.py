@@ -173,7 +173,7 @@ def estimate_layout(
     run without the engine, what ``benchmarks/bench_layers_memory_comm.py`` measures).
     """
     precision = precision_for(dtype, layout.zero)
-    memory = rank_memory(shape, layout, precision, machine.backend)
+    memory = rank_memory(shape, layout, precision, machine.backend, runtime=machine.runtime)
     m = microbatches(shape, layout)
     steps = stage_steps(shape, layout, precision, machine.backend, engine_sums=engine_sums)
 
