@@ -1,11 +1,10 @@
 """No tensor mode's name is compared outside its own folder (issue 38, point 2).
 
-A mode is an object (``tessera.context.TensorMode``): code asks it what it needs instead of
-comparing ``tensor_mode == '2d'``, so a user's mode takes every path a built-in one does. This
-test reads the source of every package and finds each comparison, table key, index or match
-case that spells a built-in mode's name. It is a ratchet: the files listed in ``NOT_YET`` still
-hold such comparisons (the planner's cost model);
-a file leaves the list when it is converted, and no other file may gain one.
+A mode is an object (``tessera.context.TensorMode``, and tessera-layers' ``ModeLayers``):
+code asks it what it needs instead of comparing ``tensor_mode == '2d'``, so a user's mode
+takes every path a built-in one does. This test reads the source of every package and finds
+each comparison, table key, index, match case or listed element that spells a built-in mode's
+name outside the folders that own that mode.
 """
 
 from __future__ import annotations
@@ -26,13 +25,6 @@ OWN_FOLDERS: dict[str, frozenset[str]] = {
     "layers/src/tessera/layers/mesh/": frozenset({"2d", "2.5d"}),
     "layers/src/tessera/layers/cube/": frozenset({"3d"}),
     "layers/src/tessera/layers/sequence/": frozenset({"sequence"}),
-}
-
-#: Files not yet converted, with how many comparisons each holds; the count may only fall.
-NOT_YET: dict[str, int] = {
-    "context/src/tessera/context/planner/comm.py": 3,
-    "context/src/tessera/context/planner/memory.py": 5,
-    "context/src/tessera/context/planner/workspace.py": 7,
 }
 
 
@@ -94,11 +86,6 @@ def test_the_scan_finds_a_comparison() -> None:
 def test_no_mode_name_is_compared_outside_its_folder() -> None:
     assert (PACKAGES / "context" / "src").is_dir(), f"no package sources under {PACKAGES}"
     found = _violations()
-    new = {f: lines for f, lines in found.items() if f not in NOT_YET}
-    assert not new, (
-        f"a mode's name is compared outside its folder; ask the TensorMode object instead: {new}"
+    assert not found, (
+        f"a mode's name is compared outside its folder; ask the TensorMode object instead: {found}"
     )
-    grown = {f: len(found[f]) for f in found if f in NOT_YET and len(found[f]) > NOT_YET[f]}
-    assert not grown, f"files not yet converted gained mode-name comparisons: {grown}"
-    done = sorted(f for f in NOT_YET if len(found.get(f, ())) < NOT_YET[f])
-    assert not done, f"fewer comparisons left in {done}: lower or remove them in NOT_YET"

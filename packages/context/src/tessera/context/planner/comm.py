@@ -236,7 +236,7 @@ def linear_collectives(
     gradient rides along.
     """
     q, e = layout.side, precision.activation
-    if layout.mode == "3d":
+    if layout.on_cube:
         keep = layout.keep_gathered
         return _cube_linear_collectives(q, rows, n_in, n_out, e, backend, bias, keep)
     x, y = _ceil(rows * n_in, q), _ceil(rows * n_out, q)
@@ -359,7 +359,7 @@ def block_collectives(
         for x in shape.block_linears(layout.side)
         if x.repeated
     ]
-    if layout.mode == "1d":
+    if layout.whole_between_blocks:
         size = precision.activation * tokens * shape.hidden
         return [
             Collective("all_reduce", layout.tensor, size, 2),
@@ -396,7 +396,7 @@ def head_collectives(
     if shape.vocab == 0 or layout.mode == "none":
         return []
     tokens = samples * shape.seq
-    if layout.mode == "1d":
+    if layout.whole_between_blocks:
         p, size = layout.tensor, precision.activation * tokens * shape.hidden
         return [
             Collective("all_reduce", p, size),

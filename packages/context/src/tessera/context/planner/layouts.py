@@ -132,6 +132,23 @@ class Layout:
         return self.tensor if mode is not None and mode.splits_activations else 1
 
     @property
+    def whole_between_blocks(self) -> bool:
+        """Activations are whole between blocks, split inside column-to-row pairs (1d)."""
+        mode = self.tensor_mode
+        return mode is not None and mode.replicated_activations
+
+    @property
+    def on_grid(self) -> bool:
+        """Every activation is a block of rows and features (2d, 2.5d, 3d)."""
+        mode = self.tensor_mode
+        return mode is not None and mode.splits_activations
+
+    @property
+    def on_cube(self) -> bool:
+        """A weight's output features are cut over ``q^2`` ranks, ``[out/q^2, in/q]`` (3d)."""
+        return self.on_grid and self.hidden_split > self.side
+
+    @property
     def keeps_gathered(self) -> bool:
         """Every linear keeps what its forward gathered (``keep_gathered`` where it can)."""
         mode = self.tensor_mode

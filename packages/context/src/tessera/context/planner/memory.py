@@ -129,7 +129,7 @@ def block_parameters(shape: ModelShape, layout: Layout) -> int:
     biases = [linear for linear in cut if linear.bias]
     # repeated key/value heads: the weight and bias whole on every rank
     whole = sum(x.held + (x.held // x.n_in if x.bias else 0) for x in linears if x.repeated)
-    if layout.mode == "1d":
+    if layout.whole_between_blocks:
         p = layout.tensor
         split = sum(linear.n_out for linear in biases if linear.column)
         whole += sum(linear.n_out for linear in biases if not linear.column)
@@ -160,12 +160,12 @@ def embedding_parameters(
     if shape.vocab == 0:
         return 0
     h = shape.hidden
-    split = layout.side**2 if layout.mode == "3d" else layout.weight_split
+    split = layout.side**2 if layout.on_cube else layout.weight_split  # a table's blocks
     token = _ceil(shape.vocab * h, split)
     position = 0
     if tables == 2:
         rows = shape.position_rows
-        position = rows * h if layout.mode == "1d" else _ceil(rows * h, split)
+        position = rows * h if layout.whole_between_blocks else _ceil(rows * h, split)
     untied = token if tables == 2 and head and not shape.tied_head else 0
     norm = shape.norm_vectors
     norm = _ceil(norm, layout.side) if layout.activation_split > 1 else norm
@@ -210,10 +210,10 @@ def block_activation_bytes(
     # per token: q, k, v, the proj input and the MLP's inner tensors, which 1d splits
     inner = qkv + h + mlp
     statistics = FP32 * (2 if shape.norm == "layernorm" else 1) * 2 * tokens
-    if layout.mode == "none":
+    if layout.tensor_mode is None:
         elements = tokens * (4 * h + inner) + scores + dropped
         return e * elements + masks + statistics
-    if layout.mode == "1d":
+    if layout.whole_between_blocks:
         p = layout.tensor
         split = _ceil(tokens * inner + scores + dropped, p)
         mask_bytes = _ceil(scores, p) + 2 * tokens * h if shape.dropout else 0
@@ -221,7 +221,7 @@ def block_activation_bytes(
     p = layout.activation_split
     elements = _ceil(tokens * (4 * h + inner) + scores + dropped, p)
     rows = _ceil(tokens, layout.row_split)
-    if layout.keep_gathered and layout.mode == "3d":
+    if layout.keeps_gathered:
         elements += _kept_operands(shape, layout, rows)
     return e * elements + _ceil(masks, p) + FP32 * 2 * rows
 

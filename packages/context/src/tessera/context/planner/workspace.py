@@ -111,14 +111,14 @@ def linear_workspace_bytes(
     (module docstring).
     """
     e = precision.activation
-    if layout.mode not in ("2d", "2.5d", "3d"):
+    if not layout.on_grid:
         # 1D splits F, a sequence mode the tokens, a single process or data ranks nothing
         return e * _ceil(samples * shape.seq * shape.ffn, layout.tensor)
     q, k = layout.side, _ceil(shape.ffn, layout.side)
     rows = _ceil(samples * shape.seq, layout.row_split)
     widest = e * rows * k  # the input block of the MLP's second layer
     plane = 1  # a 3D layer whose weights stay gathers its whole input plane
-    if layout.mode == "3d":
+    if layout.on_cube:
         o = _ceil(shape.hidden, q * q)
         if cube_algorithm(rows, k, o, q, layout.keep_gathered) == "stationary":
             plane = q
@@ -126,7 +126,7 @@ def linear_workspace_bytes(
     # the weight's gathered panels, and dW's partials with the block receiving their sum
     weight = _ceil(shape.hidden * shape.ffn, layout.weight_split)
     others = (2 * g + 1) * precision.gradient * weight
-    if layout.mode == "3d":  # and the output gradient's q gathered row blocks
+    if layout.on_cube:  # and the output gradient's q gathered row blocks
         others += g * e * rows * _ceil(shape.hidden, q)
     return (g * plane + 1) * widest + others
 
@@ -146,5 +146,6 @@ def head_workspace_bytes(
         return 0
     # [T/r, V/c] in fp32: T V / t elements in every mode
     logits = FP32 * _ceil(samples * shape.seq * shape.vocab, layout.tensor)
-    copies = 1 + gathered_blocks(layout, backend) if layout.mode in ("2d", "2.5d") else 2
+    on_mesh = layout.on_grid and not layout.on_cube  # the head's SUMMA panels
+    copies = 1 + gathered_blocks(layout, backend) if on_mesh else 2
     return copies * logits
