@@ -76,3 +76,25 @@ def test_a_mode_registered_under_another_name_is_refused() -> None:
     TENSOR_MODE_PLUGINS.register(Misnamed, name="misnamed")
     with pytest.raises(TypeError, match="register it under its own name"):
         ParallelConfig.from_dict({"tensor": {"size": 2, "mode": "misnamed"}}, 2)
+
+
+def test_the_builtin_modes_come_from_the_entry_points_and_the_fallback_alike() -> None:
+    """tessera-context announces its five modes as entry points (as a user's package would);
+    the registry's fallback names the same classes for a source tree that is not installed."""
+    from importlib import metadata
+
+    from tessera.context import TENSOR_MODES
+    from tessera.context.tensor_modes import builtin_tensor_modes
+
+    announced = {ep.name: ep.load() for ep in metadata.entry_points(group="tessera.tensor_modes")}
+    fallback = builtin_tensor_modes()
+    assert sorted(fallback) == sorted(TENSOR_MODES)
+    for name, cls in fallback.items():
+        assert announced[name] is cls and TENSOR_MODE_PLUGINS.get(name) is cls
+        mode = find_tensor_mode(name)
+        assert mode is not None and mode.name == name
+    # without entry points (no package metadata) the fallback alone names them
+    from tessera.registry import Registry
+
+    bare = Registry("tensor_modes", group=None, fallback=builtin_tensor_modes)
+    assert sorted(bare.names()) == sorted(TENSOR_MODES) and bare.get("2.5d") is fallback["2.5d"]

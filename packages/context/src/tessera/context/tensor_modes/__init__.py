@@ -22,15 +22,38 @@ from tessera.registry import Registry
 
 from .base import TensorMode
 
-__all__ = ["TENSOR_MODES", "TENSOR_MODE_PLUGINS", "TensorMode", "find_tensor_mode"]
+__all__ = [
+    "TENSOR_MODES",
+    "TENSOR_MODE_PLUGINS",
+    "TensorMode",
+    "builtin_tensor_modes",
+    "find_tensor_mode",
+    "tensor_mode_names",
+]
 
 #: The names of tessera's own tensor modes, in the order the docs list them.
 TENSOR_MODES: tuple[str, ...] = ("1d", "2d", "2.5d", "3d", "sequence")
 
+
+def builtin_tensor_modes() -> dict[str, type[TensorMode]]:
+    """Tessera's own modes by name, as its entry points announce them.
+
+    The registry's last resort: a source tree run without installing tessera-context (no
+    entry points in its metadata) still knows them.
+    """
+    from .one_d import Mode1D
+    from .sequence import ModeSequence
+    from .three_d import Mode3D
+    from .two_d import Mode2D
+    from .two_p5_d import Mode2p5D
+
+    return {cls.name: cls for cls in (Mode1D, Mode2D, Mode2p5D, Mode3D, ModeSequence)}
+
+
 #: Every tensor mode by name: tessera's five and a user's own (entry-point group
 #: ``tessera.tensor_modes``, or ``@TENSOR_MODE_PLUGINS.register(name=...)``).
 TENSOR_MODE_PLUGINS: Registry[type[TensorMode]] = Registry(
-    "tensor_modes", group="tessera.tensor_modes"
+    "tensor_modes", group="tessera.tensor_modes", fallback=builtin_tensor_modes
 )
 
 
