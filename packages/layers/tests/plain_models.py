@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.layers import Plan
+
 
 class SelfAttention(nn.Module):
     def __init__(self, hidden: int, n_head: int) -> None:
@@ -78,6 +80,64 @@ PLAIN_PLAN = {
     "ln_f": "norm",
     "head": "head",
 }
+
+
+class ScaleNorm(nn.Module):
+    """A norm without parameters, as a researcher writes it: mixes every feature of a token."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+
+class Centered(nn.Module):
+    """Subtracts each token's mean feature: mixes the features of an MLP's hidden layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(-1, keepdim=True)
+
+
+class OwnModulesBlock(Block):
+    """:class:`Block` normalized by modules without parameters (a :class:`ScaleNorm`, a
+    ``nn.LayerNorm`` without affine), its MLP's hidden layer centered."""
+
+    def __init__(self, hidden: int, n_head: int) -> None:
+        super().__init__(hidden, n_head)
+        self.ln1, self.ln2 = ScaleNorm(), nn.LayerNorm(hidden, elementwise_affine=False)
+        self.mid = Centered()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(self.mid(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class OwnModulesLM(PlainLM):
+    """:class:`PlainLM` of :class:`OwnModulesBlock` returning log-probabilities (a
+    ``nn.LogSoftmax`` over the vocabulary): modules no plan names, each mixing what a tensor
+    mode splits (features, the MLP's hidden layer, the vocabulary)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(OwnModulesBlock(16, 4) for _ in range(2))
+        self.log_probs = nn.LogSoftmax(-1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.log_probs(super().forward(ids))
+        return out
+
+
+def own_modules_lm(seed: int = 0) -> OwnModulesLM:
+    """:class:`OwnModulesLM` with weights drawn from ``seed``."""
+    torch.manual_seed(seed)
+    return OwnModulesLM()
+
+
+#: :data:`PLAIN_PLAN` for :class:`OwnModulesLM`: its blocks' norms are left out.
+OWN_MODULES_PLAN = Plan(
+    {k: v for k, v in PLAIN_PLAN.items() if k != "blocks.*.ln*"},
+    boundary="tokens",
+    sequence_span=("blocks.0", "blocks.-1"),
+    causal_lm=True,
+)
 
 
 def torch_encoder(seed: int = 0, batch_first: bool = True) -> nn.TransformerEncoder:

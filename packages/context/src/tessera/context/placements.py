@@ -244,7 +244,8 @@ def tensor_mesh_of(context: ParallelContext) -> Any:
     """A ``DeviceMesh`` over this rank's block of tensor ranks, one dim per mesh axis.
 
     Built from the context's own groups (``DeviceMesh.from_group``), so it creates no
-    communicator; its dim names are the groups' names. Cached on the context.
+    communicator; dim ``i`` is named ``"{mode's axis}_{process group's name}"``. Cached on
+    the context.
     """
     cached = getattr(context, "_tessera_tensor_mesh", None)
     if cached is not None:
@@ -255,11 +256,16 @@ def tensor_mesh_of(context: ParallelContext) -> Any:
     first = context.global_rank - context.get_local_rank("tensor")
     sizes = [size for _, size in axes]
     ranks = torch.arange(first, first + context.config.tensor_size, dtype=torch.int)
+    groups = [context.get_group(axis) for axis, _ in axes]
     mesh = DeviceMesh.from_group(
-        [context.get_group(axis) for axis, _ in axes],
+        groups,
         context.device.type,
         mesh=ranks.reshape(sizes),
-        mesh_dim_names=tuple(axis for axis, _ in axes),
+        # the groups' own names in each dim's: meshes over the same ranks compare equal by
+        # their names, and DTensor's caches would hand a later context's tensors this one's
+        mesh_dim_names=tuple(
+            f"{axis}_{g.group_name}" for (axis, _), g in zip(axes, groups, strict=True)
+        ),
     )
     context._tessera_tensor_mesh = mesh  # type: ignore[attr-defined]
     return mesh

@@ -34,6 +34,7 @@ from .converters import Converter
 from .dropout import install_dropout_streams
 from .encoder_decoder import install_encoder_rows, split_logits_bias
 from .generation import install_generation
+from .left_out import install_left_out
 from .meta import check_meta_buffers, materialize_whole_modules
 from .model_loss import install_model_loss
 from .plan import Plan, inner_norms, match_plan, plan_for, resolve_span, span_members
@@ -274,6 +275,7 @@ def parallelize(
             tables = [name for name, role in roles.items() if role == "position_embedding"]
             install_chunk_positions(model, tables, ctx)
         install_dropout_streams(model, ctx, mode, roles)
+        install_left_out(model, roles, ctx, mode)
         install_boundary(model, chosen, ctx, mode, sequence_parallel=False)
         if chosen.causal_lm:
             install_generation(model, ctx, mode, sequence_parallel=False)
@@ -323,6 +325,7 @@ def parallelize(
             f"{type(model).__name__}; name its linear layers ('col'/'row') or embeddings"
         )
     install_dropout_streams(model, ctx, mode, roles, sequence_parallel, chosen.sequence_span)
+    install_left_out(model, roles, ctx, mode, span if sequence_parallel else None)
     install_boundary(model, chosen, ctx, mode, sequence_parallel, attention)
     if chosen.logits_bias and kind.replicated_activations:  # logits split by vocabulary only
         split_logits_bias(model, chosen, ctx)

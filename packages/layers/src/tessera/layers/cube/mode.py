@@ -39,6 +39,12 @@ def _attention_rows(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
     return x.chunk(rows.world_size, 0)[rows.rank]
 
 
+def _layout_z_cuts(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
+    """A column layer's output, in layout "z": rows over its batch group, features over z."""
+    cube = cube_of(context)
+    return {0: (cube.batch("z").mode,), ndim - 1: (cube.hidden("z").mode,)}
+
+
 #: 3D's activation maps and classes (its ``Linear`` needs a layout: dispatch/cube_sequence.py).
 LAYERS_3D = grid_mode_layers(
     Mode3D.name,
@@ -61,5 +67,6 @@ LAYERS_3D = grid_mode_layers(
     roles=Roles3D(),
     attention_rows=_attention_rows,
     two_layouts=True,
+    column_cuts=_layout_z_cuts,
 )
 register_mode_layers(LAYERS_3D)

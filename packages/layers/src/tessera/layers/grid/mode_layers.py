@@ -17,7 +17,7 @@ from torch import nn
 
 from tessera.context import ParallelContext
 
-from ..shared.mode_layers import ActivationMap, ModeLayers, RoleBuilders
+from ..shared.mode_layers import ActivationMap, Cuts, ModeLayers, RoleBuilders
 from .base import Grid
 from .loss import gather_grid_logits, grid_token_loss
 
@@ -35,6 +35,7 @@ def grid_mode_layers(
     roles: RoleBuilders,
     attention_rows: ActivationMap | None = None,
     two_layouts: bool = False,
+    column_cuts: Cuts | None = None,
 ) -> ModeLayers:
     """A grid mode's ``ModeLayers``.
 
@@ -47,6 +48,8 @@ def grid_mode_layers(
         roles: How ``parallelize`` builds the mode's roles.
         attention_rows: The rows a mask takes where attention runs (default: the batch's).
         two_layouts: Activations alternate between two layouts (3D).
+        column_cuts: The layout of a column layer's output where it is not the one between
+            blocks (3D's ``"z"``); ``None``: the same.
     """
     split, gather, split_batch = cut
 
@@ -56,6 +59,9 @@ def grid_mode_layers(
     def activation_cuts(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
         grid = grid_of(context)  # rows over the batch axis, features over the hidden axis
         return {0: (grid.batch_axis.mode,), ndim - 1: (grid.hidden_axis.mode,)}
+
+    def logits_cuts(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
+        return {0: (grid_of(context).batch_axis.mode,)}  # [b/B, s, V]: every class whole
 
     def token_loss(
         logits: torch.Tensor,
@@ -87,4 +93,6 @@ def grid_mode_layers(
         gather_logits=gather_logits,
         roles=roles,
         activation_cuts=activation_cuts,
+        column_cuts=column_cuts,
+        logits_cuts=logits_cuts,
     )

@@ -63,6 +63,11 @@ def _activation_cuts(context: ParallelContext, ndim: int) -> dict[int, tuple[str
     return {1: (ParallelMode.PARALLEL_1D.value,)}
 
 
+def _features_cut(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
+    """A column layer's output ``[b, s, F/p]`` and the head's logits ``[b, s, V/p]``."""
+    return {ndim - 1: (ParallelMode.PARALLEL_1D.value,)}
+
+
 def _token_loss(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -97,6 +102,8 @@ LAYERS_1D = ModeLayers(
     gather_logits=_gather_logits,
     roles=Roles1D(),
     activation_cuts=_activation_cuts,
+    column_cuts=_features_cut,
+    logits_cuts=_features_cut,
     classes={  # what parallelize builds (the dispatching layers' are dispatch/layers.py's)
         "TokenEmbedding": VocabParallelEmbedding1D,
         "Head": VocabParallelClassifier1D,

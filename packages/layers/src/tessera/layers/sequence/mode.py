@@ -69,5 +69,6 @@ LAYERS_SEQUENCE = ModeLayers(
     token_loss=_token_loss,
     gather_logits=_gather_logits,
     activation_cuts=lambda context, ndim: {1: (ParallelMode.SEQUENCE.value,)},
+    logits_cuts=lambda context, ndim: {1: (ParallelMode.SEQUENCE.value,)} if ndim > 2 else {},
 )
 register_mode_layers(LAYERS_SEQUENCE)

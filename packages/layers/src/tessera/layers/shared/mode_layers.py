@@ -25,6 +25,7 @@ from tessera.context import ParallelContext
 __all__ = [
     "MODE_LAYERS",
     "ActivationMap",
+    "Cuts",
     "ModeLayers",
     "RoleBuilders",
     "TokenLoss",
@@ -41,6 +42,10 @@ TokenLoss = Callable[
     [torch.Tensor, torch.Tensor, int, str, ParallelContext, "int | None"], torch.Tensor
 ]
 
+
+#: ``cuts(context, ndim)``: the groups cutting each dim of an ``ndim``-dim tensor (dims not
+#: named are whole), as ``tessera.context.cut_placements`` reads them.
+Cuts = Callable[[ParallelContext, int], Mapping[int, tuple[str, ...]]]
 
 #: ``(in_features, out_features, bias)`` of a linear layer.
 Dims = tuple[int, int, bool]
@@ -112,6 +117,10 @@ class ModeLayers:
             between blocks (``{0: batch groups, ndim - 1: hidden groups}`` on a grid), the
             layout ``split_activation`` makes, as DTensor placements read it
             (``tessera.context.cut_placements``); ``None``: not stated.
+        column_cuts: The same for a column layer's output (features split: 1D's
+            ``[b, s, F/p]``, 3D's layout ``"z"``); ``None``: as ``activation_cuts``.
+        logits_cuts: The same for the logits a head returns (1D's split by vocabulary, the
+            grids' by rows with every class whole); ``None``: as ``activation_cuts``.
         roles: How ``parallelize`` builds its roles under the mode, or ``None`` where it
             converts nothing (sequence parallelism keeps every layer whole). With it,
             ``classes`` name ``"TokenEmbedding"``, ``"Head"``, ``"PatchEmbedding"``,
@@ -128,7 +137,9 @@ class ModeLayers:
     token_loss: TokenLoss | None = None
     gather_logits: ActivationMap | None = None
     roles: RoleBuilders | None = None
-    activation_cuts: Callable[[ParallelContext, int], Mapping[int, tuple[str, ...]]] | None = None
+    activation_cuts: Cuts | None = None
+    column_cuts: Cuts | None = None
+    logits_cuts: Cuts | None = None
 
 
 def check_targets(logits: torch.Tensor, targets: torch.Tensor, mode: str | None) -> None:

@@ -1,0 +1,295 @@
+"""The modules a plan leaves out compute under DTensor: no block is read as the whole tensor.
+
+``parallelize`` converts the modules a plan names: their kernels compute on this rank's block
+and know it. Everything else stays as the model wrote it. Elementwise modules (activations,
+dropout) compute the same numbers on any block; a module of the model's own may not: a norm
+without parameters over ``h/q`` of the features, a softmax over this rank's part of the
+vocabulary, a pooling over a sequence chunk would each return a number, the wrong one, and
+the model would train differently from one process without an error.
+
+So each such module runs under ``torch.distributed.tensor``: its floating tensor inputs enter
+as DTensors with this rank's layout as placements on the mode's mesh, its forward runs under
+DTensor's propagation (a mean over split features becomes a sum across the feature group, an
+operator it cannot place raises, naming itself and the placements), and every DTensor it
+returns leaves as this rank's block of the layout it came in. tessera's own layers keep
+computing on plain local blocks: only the code no plan covers pays DTensor's dispatch.
+
+Which layout a tensor has is read from the converted modules around it. Each records the
+layout it returns (a column layer's output, an activation between blocks, the head's logits:
+the mode's ``ModeLayers`` cuts of each) with its local shape, and marks the tensor. A left-out
+module's input takes its mark, or, made by the model's own code in between (``gelu(fc1(x))``),
+the layout whose latest output had its shape; one no converted module has returned the shape
+of stays a plain tensor, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from tessera.context import ParallelContext, cut_placements, tensor_mesh_of
+
+from ..shared.mode_layers import Cuts, find_mode_layers
+from .plan import COLUMN_ROLES, inner_norms
+
+__all__ = ["LAYOUT_MARK", "install_left_out", "left_out_modules"]
+
+#: Set on a converted module's output tensor: the layout it is in.
+LAYOUT_MARK = "_tessera_layout"
+Layout = Literal["activation", "column", "logits"]
+
+#: Roles whose module returns an activation in the layout between blocks.
+_ACTIVATION_ROLES = (
+    "row",
+    "dense",
+    "embedding",
+    "attention",
+    "patch_embedding",
+    "experts",
+)
+#: How many (layout, local shape) pairs the trail keeps.
+_TRAIL_LENGTH = 64
+#: torch's activation modules that mix the features they are given (the rest are elementwise).
+_MIXING = (nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d, nn.GLU, nn.MultiheadAttention)
+
+
+def _exact_on_any_block(module: nn.Module) -> bool:
+    """Whether ``module`` computes the same numbers on a block as on the whole tensor.
+
+    Dropout, identity and elementwise activations (torch's and transformers'), and tessera's
+    own modules, which know their layout.
+    """
+    where = type(module).__module__
+    if isinstance(module, (nn.Identity, nn.modules.dropout._DropoutNd)):
+        return True
+    if where == "torch.nn.modules.activation":
+        return not isinstance(module, _MIXING)
+    return where.startswith(("transformers.activations", "tessera."))
+
+
+def left_out_modules(model: nn.Module, roles: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """The modules no role is at, above or below: those without and those with parameters.
+
+    The outermost of each. Elementwise ones (:func:`_exact_on_any_block`) are not counted
+    among the first, which :func:`install_left_out` runs under DTensor. Those holding
+    parameters are refused where activations are split (``parallelize``); where they are
+    whole (1D), they are checked to take no split tensor.
+    """
+    free: list[str] = []
+    holding: list[str] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(f"{f}.") for f in (*free, *holding)):
+            continue
+        if any(r == name or r.startswith(f"{name}.") or name.startswith(f"{r}.") for r in roles):
+            continue
+        if next(module.parameters(), None) is not None:
+            holding.append(name)
+        elif not _exact_on_any_block(module):
+            free.append(name)
+    return free, holding
+
+
+def _output_layout(role: str, name: str, inner: set[str]) -> Layout | None:
+    """The layout a converted module of ``role`` returns.
+
+    ``None``: not one a module left out could take (parts of attention, routers, tables, a
+    position embedding's ``[s, h]`` without a batch dim).
+    """
+    if role in COLUMN_ROLES or (role == "norm" and name in inner):
+        return "column"
+    if role == "head":
+        return "logits"
+    if role == "norm" or role in _ACTIVATION_ROLES:
+        return "activation"
+    return None
+
+
+@dataclass
+class _Trail:
+    """When each layout was last returned in each local shape by a converted module."""
+
+    seen: dict[tuple[Layout, torch.Size], int] = field(default_factory=dict)
+    clock: int = 0
+
+    def note(self, layout: Layout, shape: torch.Size) -> None:
+        self.clock += 1
+        if len(self.seen) >= _TRAIL_LENGTH:  # generation's growing lengths: keep the latest
+            oldest = min(self.seen, key=self.seen.__getitem__)
+            del self.seen[oldest]
+        self.seen[(layout, shape)] = self.clock
+
+    def layout_of(self, x: torch.Tensor) -> Layout | None:
+        """``x``'s mark, else the layout last returned in ``x``'s shape."""
+        mark: Layout | None = getattr(x, LAYOUT_MARK, None)
+        if mark is not None:
+            return mark
+        same = [(when, layout) for (layout, shape), when in self.seen.items() if shape == x.shape]
+        return max(same)[1] if same else None
+
+
+def _first_activation(output: Any) -> torch.Tensor | None:
+    flat, _ = tree_flatten(output)
+    return next((t for t in flat if _placeable(t)), None)
+
+
+def _placeable(x: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return (
+        isinstance(x, torch.Tensor)
+        and not isinstance(x, DTensor)
+        and x.is_floating_point()
+        and x.dim() >= 2
+    )
+
+
+def _recorder(trail: _Trail, layout: Layout) -> Any:
+    def record(module: nn.Module, args: Any, output: Any) -> None:
+        x = _first_activation(output)
+        if x is not None:
+            trail.note(layout, x.shape)
+            setattr(x, LAYOUT_MARK, layout)
+
+    return record
+
+
+@dataclass
+class _Placer:
+    """The hooks of one module left out: its inputs in, its outputs out of DTensor."""
+
+    name: str
+    trail: _Trail
+    context: ParallelContext
+    cuts: dict[Layout, Cuts]
+    entered: list[Layout | None] = field(default_factory=list)
+    cache: dict[tuple[Layout, int], tuple[Any, ...]] = field(default_factory=dict)
+
+    def placements(self, layout: Layout, ndim: int) -> tuple[Any, ...]:
+        key = (layout, ndim)
+        if key not in self.cache:
+            cuts = self.cuts[layout](self.context, ndim)
+            self.cache[key] = cut_placements(cuts, ndim, self.context)
+        return self.cache[key]
+
+    def enter(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        flat, spec = tree_flatten((args, kwargs))
+        mesh, first = tensor_mesh_of(self.context), None
+        for i, x in enumerate(flat):
+            layout = self.trail.layout_of(x) if _placeable(x) else None
+            if layout is None:
+                continue
+            placements = self.placements(layout, x.dim())
+            if all(p.is_replicate() for p in placements):
+                continue  # whole on every rank (1D between blocks): exact as it is
+            flat[i] = DTensor.from_local(x, mesh, placements, run_check=False)
+            first = first or layout
+        self.entered.append(first)
+        return None if first is None else tree_unflatten(flat, spec)
+
+    def refuse_split(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """Raise where a module with parameters no plan converts takes a split tensor."""
+        flat, _ = tree_flatten((args, kwargs))
+        for x in flat:
+            layout = self.trail.layout_of(x) if _placeable(x) else None
+            if layout is None:
+                continue
+            placements = self.placements(layout, x.dim())
+            if not all(p.is_replicate() for p in placements):
+                raise ValueError(
+                    f"parallelize: {self.name!r} holds parameters but is not in the plan, and "
+                    f"it takes a {list(x.shape)} block of a {layout} tensor split over the "
+                    f"tensor ranks ({', '.join(map(repr, placements))}), which it would read as "
+                    "the whole one; give it a role ('norm' for a norm between a column and a "
+                    "row layer, 'col' or 'row' for a linear layer)"
+                )
+
+    def leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        layout = self.entered.pop()
+        if layout is None:
+            return None
+
+        def local(x: Any) -> Any:
+            if not isinstance(x, DTensor):
+                return x
+            placements = self.placements(layout, x.dim())
+            self._check_divisible(x, placements, layout)
+            block = x.redistribute(x.device_mesh, placements).to_local()
+            setattr(block, LAYOUT_MARK, layout)
+            return block
+
+        return tree_map(local, output)
+
+    def _check_divisible(self, x: Any, placements: tuple[Any, ...], layout: Layout) -> None:
+        """Raise before any collective where ``x`` cannot be cut into equal blocks."""
+        blocks: dict[int, int] = {}
+        for size, p in zip(x.device_mesh.shape, placements, strict=True):
+            if p.is_shard():
+                blocks[p.dim] = blocks.get(p.dim, 1) * size
+        for dim, n in blocks.items():
+            if x.shape[dim] % n:
+                raise ValueError(
+                    f"parallelize: {self.name!r} (a module the plan leaves out, run under "
+                    f"DTensor) returns a {list(x.shape)} tensor, whose dim {dim} cannot be cut "
+                    f"into the {n} equal blocks of the {layout} layout the next layers take "
+                    f"({x.shape[dim]} % {n} != 0); give the module a role in the plan"
+                )
+
+
+def install_left_out(
+    model: nn.Module,
+    roles: Mapping[str, str],
+    context: ParallelContext,
+    mode: str,
+    span: set[str] | None = None,
+) -> list[str]:
+    """Run every module :func:`left_out_modules` finds under DTensor (see the module doc).
+
+    Args:
+        model: The converted model.
+        roles: The plan's ``{module name: role}``.
+        context: The ParallelContext.
+        mode: Its tensor mode.
+        span: Under 1D sequence parallelism, the modules whose activations are split along
+            the sequence (``None``: every module's are laid out as the mode's).
+
+    Returns:
+        The names of the modules run under DTensor (none where the mode states no layout).
+    """
+    layers = find_mode_layers(mode)
+    free, holding = left_out_modules(model, roles)
+    if layers is None or layers.activation_cuts is None or not (free or holding):
+        return []
+    between = layers.activation_cuts
+    trail = _Trail()
+    inner = inner_norms(roles)
+    for name, role in roles.items():
+        layout = _output_layout(role, name, inner)
+        if layout is not None:
+            model.get_submodule(name).register_forward_hook(_recorder(trail, layout))
+    for name in (*free, *holding):
+        cuts: dict[Layout, Cuts] = {
+            "activation": between if span is None or name in span else _whole,
+            "column": layers.column_cuts or between,
+            "logits": layers.logits_cuts or between,
+        }
+        placer = _Placer(name, trail, context, cuts)
+        module = model.get_submodule(name)
+        if name in holding:
+            module.register_forward_pre_hook(placer.refuse_split, with_kwargs=True)
+            continue
+        module.register_forward_pre_hook(placer.enter, with_kwargs=True)
+        module.register_forward_hook(placer.leave, with_kwargs=True)
+    return free
+
+
+def _whole(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
+    return {}
