@@ -266,6 +266,11 @@ def install_left_out(
     """
     layers = find_mode_layers(mode)
     free, holding = left_out_modules(model, roles)
+    kind = context.config.mode
+    if kind is None or not kind.replicated_activations:
+        # split activations: parallelize refused those it does not keep whole ('sequence'
+        # keeps every weight whole, its modules computing token by token)
+        holding = []
     if layers is None or layers.activation_cuts is None or not (free or holding):
         return []
     between = layers.activation_cuts
