@@ -432,6 +432,60 @@ def clip_vision_encoder(seed: int = 0) -> nn.Module:
     return _distinct(CLIPVisionModel(config), seed)
 
 
+def _clip_configs() -> tuple[Any, Any]:
+    """CLIP's text config (hidden 16, 4 heads, vocabulary 32, 2 layers; its end-of-text token
+    id 2 selects the legacy pooling: each row's largest id) and vision config."""
+    from transformers import CLIPTextConfig, CLIPVisionConfig
+
+    sizes = ("image_size", "patch_size", "num_channels", "hidden_size", "intermediate_size")
+    common = dict(num_hidden_layers=2, num_attention_heads=4, attention_dropout=0.0)
+    text = CLIPTextConfig(
+        vocab_size=GPT2_CONFIG["vocab_size"],
+        hidden_size=16,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        projection_dim=8,
+        **common,
+    )
+    vision = CLIPVisionConfig(**{k: VIT_CONFIG[k] for k in sizes}, projection_dim=8, **common)
+    return text, vision
+
+
+def clip_models(seed: int = 0) -> dict[str, nn.Module]:
+    """CLIP's text tower, each tower under its projection, and the two-tower ``CLIPModel``:
+    models tessera has no plan for but of parts (the towers) it has, by class name."""
+    from transformers import (
+        CLIPConfig,
+        CLIPModel,
+        CLIPTextModel,
+        CLIPTextModelWithProjection,
+        CLIPVisionModelWithProjection,
+    )
+
+    text, vision = _clip_configs()
+    built: dict[str, nn.Module] = {}
+    for cls, config in (
+        (CLIPTextModel, text),
+        (CLIPTextModelWithProjection, text),
+        (CLIPVisionModelWithProjection, vision),
+        (
+            CLIPModel,
+            CLIPConfig(
+                text_config=text.to_dict(),
+                vision_config=vision.to_dict(),
+                projection_dim=8,
+                logit_scale_init_value=0.0,  # a temperature of 1: rounding not scaled by 14
+            ),
+        ),
+    ):
+        torch.manual_seed(seed)
+        built[cls.__name__] = _distinct(cls(config), seed)
+    return built
+
+
 #: Classes of the sequence classifiers: divisible by the 1D sizes 2 and 4, which split the head.
 NUM_CLASSES = 4
 

@@ -245,6 +245,9 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "clip vision encoder (patch conv, class token, pooler of the first token)": lambda ctx: (
         _clip_matches_reference(ctx)
     ),
+    "clip text, towers under projections, CLIPModel (parts parallelized, the rest whole)": (
+        lambda ctx: _clip_parts_match_reference(ctx)
+    ),
     "torch nn.TransformerEncoder (nn.MultiheadAttention split by heads, padded)": lambda ctx: (
         _torch_encoders_match_reference(ctx)
     ),
@@ -293,6 +296,9 @@ ONLY_UNDER = {
     ),
     "norms of each head with a weight per head (stablelm, cohere)": ("1d-sp", "3d"),
     "modules left out of the plan mixing split features, hidden layer and vocabulary": EACH_MODE,
+    "clip text, towers under projections, CLIPModel (parts parallelized, the rest whole)": (
+        EACH_MODE
+    ),
     "bloom (family plan, ALiBi slopes of each rank's heads)": ("1d-sp", "3d"),
     "falcon (family plans, q/k/v fused per head or per key/value group)": ("1d-sp", "2d", "3d"),
     "q, k and v fused, key/value heads repeated (gpt-bigcode multi-query, phi3)": (
@@ -321,7 +327,9 @@ ONLY_UNDER = {
     "nemotron (plan read from its blocks, LayerNorms scaling by 1 + weight)": ("1d-sp",),
     "per-sample positions": ("2d", "3d"),
     "encoder-decoders (bart: two token streams, cross-attention, final_logits_bias)": EACH_MODE,
-    "encoder-decoders (t5 and its bare encoder: relative position bias per head, rescaled head)": EACH_MODE,
+    "encoder-decoders (t5 and its bare encoder: relative position bias per head, rescaled head)": (
+        EACH_MODE
+    ),
     "position tables (xglm's sinusoidal, opt's shifted; plans read from the blocks)": (
         "1d",
         "1d-sp",
@@ -504,6 +512,52 @@ def _clip_matches_reference(ctx: ParallelContext) -> float:
     load_full_state_dict(model, original)
     _assert_same_state(gather_full_state_dict(model, context=ctx), original)
     return loss
+
+
+def _clip_parts_match_reference(ctx: ParallelContext) -> list[float]:
+    """CLIP's text tower (its plan), each tower under its projection and the two-tower
+    ``CLIPModel`` (no plan: each tower parallelized as a part, the projections and the
+    temperature whole): every floating output (the contrastive loss, the similarity logits,
+    the embeddings, the hidden states) and every gradient as one process. The text tower reads
+    each row's end-of-text token: refused by name under 'sequence'."""
+    from hf_models import clip_models
+
+    mode = ctx.config.tensor_mode
+    ids, pixels = token_ids(), images()[0]
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0  # a padded row
+    losses = []
+    for name, ref in clip_models().items():
+        inputs: dict[str, Any] = {}
+        if "Vision" not in name:
+            inputs |= dict(input_ids=ids, attention_mask=mask)
+        if "Text" not in name:
+            inputs |= dict(pixel_values=pixels)
+        if name == "CLIPModel":
+            inputs |= dict(return_loss=True)
+        if mode == "sequence" and "Vision" not in name:
+            with pytest.raises(ValueError, match="end-of-text token, which each rank's chunk"):
+                parallelize(copy.deepcopy(ref), context=ctx)
+            continue
+        model = parallelize(copy.deepcopy(ref), context=ctx)
+        want, got = ref(**inputs), model(**inputs)
+        fields = [
+            k for k, v in want.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
+        ]
+        for field in fields:
+            torch.testing.assert_close(got[field], want[field], **TOL, msg=f"{name}.{field}")
+        ref_loss = sum(want[k].pow(2).mean() for k in fields)
+        loss = sum(got[k].pow(2).mean() for k in fields)
+        ref_loss.backward()
+        loss.backward()
+        grads = _full_grads(model, ctx, mean_loss=True)
+        for pname, p in ref.named_parameters():
+            assert p.grad is not None, pname
+            torch.testing.assert_close(
+                grads[pname], p.grad, **TOL, msg=lambda m, n=f"{name}: {pname}": f"{n}: {m}"
+            )
+        losses.append(round(float(loss.detach()), 5))
+    return losses
 
 
 def _torch_encoders_match_reference(ctx: ParallelContext) -> list[float]:
@@ -1514,6 +1568,15 @@ def _errors() -> list[str]:
             lambda: guarded(torch.ones(4, 16)),
         )
         torch.manual_seed(0)  # the forward stopped inside 1D's forked generator (dropout.py)
+        from hf_models import clip_models
+
+        two_towers = parallelize(clip_models()["CLIPModel"], context=ctx)  # its towers as parts
+        expect(
+            RuntimeError,
+            r"text_model.encoder.layers.0.mlp.fc1 is a split layer of 'text_model' "
+            r"\(CLIPTextModel\), which parallelize converted as a whole",
+            lambda: two_towers.text_model.encoder.layers[0].mlp.fc1(torch.ones(2, 16)),
+        )
         tied = nn.ModuleDict({"embed": nn.Embedding(16, 8), "head": nn.Linear(8, 16, bias=False)})
         tied["head"].weight = tied["embed"].weight
         expect(
@@ -1635,13 +1698,15 @@ def _errors() -> list[str]:
         )
         from transformers import GPT2Config, GPT2DoubleHeadsModel
 
-        # Laid out as GPT-2 but for a head the plan does not know: no plan is inferred.
-        two_heads = GPT2DoubleHeadsModel(GPT2Config(**GPT2_CONFIG))
-        expect(ValueError, "not laid out like one of", lambda: parallelize(two_heads, context=seq))
+        # Laid out as GPT-2 but for a head no plan knows: its GPT-2 is a part with a plan,
+        # converted alone (hidden states whole), both heads whole (conversion/parts.py).
+        two_heads = parallelize(GPT2DoubleHeadsModel(GPT2Config(**GPT2_CONFIG)), context=seq)
+        assert getattr(two_heads.transformer, "_tessera_parallelized", None) == "sequence"
+        nothing_known = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
         expect(
             ValueError,
-            "nor as the usual transformer block stack: transformer.h.0 has 0 attention modules",
-            lambda: parallelize(two_heads, context=seq),
+            "ships no plan for Sequential .* not laid out like one of",
+            lambda: parallelize(nothing_known, context=seq),
         )
         expect(
             ValueError,

@@ -37,7 +37,17 @@ from .generation import install_generation
 from .left_out import install_left_out
 from .meta import check_meta_buffers, materialize_whole_modules
 from .model_loss import install_model_loss
-from .plan import Plan, inner_norms, match_plan, plan_for, resolve_span, span_members
+from .parts import parallelize_parts
+from .plan import (
+    NoPlanError,
+    Plan,
+    inner_norms,
+    match_plan,
+    parts_with_plans,
+    plan_for,
+    resolve_span,
+    span_members,
+)
 from .sequence import check_attention_covered, install_sequence_attention
 from .sequence_positions import forward_takes_positions, install_chunk_positions
 
@@ -208,7 +218,10 @@ def parallelize(
             transformers' ``Conv1D``).
         plan: ``{module-name pattern: role}`` (a ``"features"`` plan: the model takes and
             returns full activations), a :class:`Plan`, or ``None`` for the plan tessera ships
-            for the model's class (transformers' GPT-2).
+            for the model's class (transformers' GPT-2). A model with none, made of models
+            that have one and return whole outputs (``CLIPModel``'s towers, an encoder under
+            a head of your own), has each of those converted and the rest kept whole
+            (:mod:`~tessera.layers.conversion.parts`).
         sequence_attention: Under tensor mode ``'sequence'``: ``"ring"`` (ring self-attention,
             Li et al. 2021) or ``"all_to_all"`` (DeepSpeed-Ulysses, heads divisible by N).
         context: The ParallelContext (default the current one).
@@ -233,7 +246,21 @@ def parallelize(
         raise ModeNotImplementedError("parallelize", mode, sorted(set(converts)))
     kind = ctx.config.mode
     assert kind is not None  # a registered mode: the context was built from it
-    chosen = plan_for(model, plan)
+    try:
+        chosen = plan_for(model, plan)
+    except NoPlanError:
+        parts = parts_with_plans(model)
+        if not parts:
+            raise
+        check_same_weights(model, ctx)  # the whole modules around the parts too
+
+        def convert(part: nn.Module, part_plan: Plan) -> nn.Module:
+            return parallelize(part, part_plan, sequence_attention=sequence_attention, context=ctx)
+
+        parallelize_parts(model, parts, convert)
+        setattr(model, PARALLELIZED_ATTR, mode)
+        setattr(model, CONTEXT_ATTR, ctx)
+        return model
     roles = match_plan(model, chosen, mode)
     if kind.splits_sequence:  # before any collective: attention left out would see its chunk
         check_attention_covered(

@@ -533,6 +533,46 @@ def torch_transformer_plan(model: nn.Module) -> tuple[type[nn.Module], Plan] | N
     return None
 
 
+def _clip_text() -> Plan:
+    """``CLIPTextModel``: CLIP's text tower, causal pre-norm blocks under CLIP's names.
+
+    Learned positions (a position ``nn.Embedding`` read through its ``position_ids``), a
+    final norm; ``pooler_output`` is the final norm's output at each row's end-of-text token,
+    found from the ``input_ids`` it is given (the rows the mode kept: those rows' hidden
+    states). Both outputs come back whole. Under ``'sequence'`` that token may sit on
+    another rank: refused.
+    """
+    layer = "encoder.layers.*"
+    rules = {
+        "embeddings.token_embedding": "embedding",
+        "embeddings.position_embedding": "position_embedding",
+        **_clip_layer_rules(layer),
+        "final_layer_norm": "norm",
+    }
+    return Plan(
+        rules,
+        boundary="tokens",
+        sequence_span=("encoder.layers.0", "encoder.layers.-1"),
+        name="CLIP text encoder",
+        whole_sequence="its pooled output reads each row's end-of-text token",
+    )
+
+
+def _clip_layer_rules(layer: str) -> dict[str, str]:
+    """Roles of CLIP's encoder layer at ``layer`` (either tower's)."""
+    return {
+        f"{layer}.layer_norm1": "norm",
+        f"{layer}.self_attn": "attention",
+        f"{layer}.self_attn.q_proj": "col",
+        f"{layer}.self_attn.k_proj": "col",
+        f"{layer}.self_attn.v_proj": "col",
+        f"{layer}.self_attn.out_proj": "row",
+        f"{layer}.layer_norm2": "norm",
+        f"{layer}.mlp.fc1": "col",
+        f"{layer}.mlp.fc2": "row",
+    }
+
+
 def _clip_vision() -> Plan:
     """``CLIPVisionModel``: a ViT under CLIP's names, pre-norm blocks, a norm before them.
 
@@ -546,15 +586,7 @@ def _clip_vision() -> Plan:
     rules = {
         "embeddings": "patch_embedding",
         "pre_layrnorm": "norm",
-        f"{layer}.layer_norm1": "norm",
-        f"{layer}.self_attn": "attention",
-        f"{layer}.self_attn.q_proj": "col",
-        f"{layer}.self_attn.k_proj": "col",
-        f"{layer}.self_attn.v_proj": "col",
-        f"{layer}.self_attn.out_proj": "row",
-        f"{layer}.layer_norm2": "norm",
-        f"{layer}.mlp.fc1": "col",
-        f"{layer}.mlp.fc2": "row",
+        **_clip_layer_rules(layer),
         "post_layernorm": "norm",
     }
     return Plan(
@@ -906,7 +938,7 @@ MODEL_FAMILIES: tuple[ModelFamily, ...] = (
             mask=None,
         ),
     ),
-    ModelFamily("CLIP vision", plans={"CLIPVisionModel": _clip_vision()}),
+    ModelFamily("CLIP", plans={"CLIPVisionModel": _clip_vision(), "CLIPTextModel": _clip_text()}),
     ModelFamily("BART", plans={"BartForConditionalGeneration": _bart()}),
     ModelFamily(
         "T5",

@@ -89,14 +89,17 @@ from .structure import infer_structure
 __all__ = [
     "COLUMN_ROLES",
     "ROLES",
+    "NoPlanError",
     "Plan",
     "Role",
     "infer_plan",
     "inner_norms",
     "match_plan",
     "matches",
+    "parts_with_plans",
     "plan_for",
     "resolve_span",
+    "returns_whole",
     "span_members",
 ]
 
@@ -246,7 +249,7 @@ def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
             causal_lm=read.head,
             name=f"plan read from the transformer blocks of {type(model).__name__}",
         )
-    raise ValueError(
+    raise NoPlanError(
         f"parallelize: tessera ships no plan for {type(model).__name__} (plans for "
         f"{', '.join(sorted(BUILTIN_PLANS))}; and its modules are not laid out like one of "
         f"their families: {', '.join(FAMILIES)}; nor as the usual transformer block stack: "
@@ -271,7 +274,7 @@ def _base_model_hint(model: nn.Module) -> str:
         found = plan_for(inner, None)
     except ValueError:
         return ""
-    if found.causal_lm or found.boundary == "features":
+    if not returns_whole(found):
         return ""
     return (
         f". Or parallelize only its base model, parallelize(model.{prefix}) "
@@ -279,6 +282,45 @@ def _base_model_hint(model: nn.Module) -> str:
         f"the rest of {type(model).__name__} (its head, its own loss with labels) runs whole "
         "on every rank"
     )
+
+
+class NoPlanError(ValueError):
+    """No plan was given, and tessera ships, infers or reads none for the model's class."""
+
+
+def returns_whole(plan: Plan) -> bool:
+    """Whether a model under ``plan`` takes whole inputs and returns whole outputs.
+
+    A bare model's (``"tokens"`` or ``"images"``, no head whose logits stay split): code
+    around it can compute on its outputs as one process does.
+    """
+    return not plan.causal_lm and plan.boundary != "features"
+
+
+def parts_with_plans(model: nn.Module) -> list[tuple[str, Plan]]:
+    """The outermost submodules of ``model`` whose plan returns whole outputs, by name.
+
+    Their plan is :func:`plan_for`'s, and they return whole outputs under it
+    (:func:`returns_whole`). A model nobody planned is often a wrapper around models that
+    have plans: CLIP's towers under their projections, a researcher's head on a pretrained
+    encoder. Each part can be parallelized alone; the rest computes on its whole outputs,
+    the same on every rank.
+    """
+    found: list[tuple[str, Plan]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            try:
+                plan = plan_for(child, None)
+            except ValueError:  # no plan, or one its modules do not fit
+                plan = None
+            if plan is not None and returns_whole(plan):
+                found.append((f"{prefix}{name}", plan))
+            else:
+                visit(f"{prefix}{name}.", child)
+
+    visit("", model)
+    return found
 
 
 def _user_plan(model: nn.Module, rules: dict[str, str]) -> Plan:
