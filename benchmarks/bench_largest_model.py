@@ -38,6 +38,7 @@ from memory_trial import (
     MIB,
     RANKS_LOG,
     RUNTIME,
+    RUNTIME_PER_BLOCK,
     Size,
     Trial,
     pin_allocator,
@@ -282,8 +283,10 @@ def main() -> None:
     results: dict[str, object] = {
         "budget": budget,
         "backend": "gloo",
-        # the runtime's own memory per rank the planner's figures count (memory_trial.RUNTIME)
+        # the runtime's own memory per rank the planner's figures count: ``runtime`` plus
+        # ``runtime_per_block`` per block (memory_trial.RUNTIME, RUNTIME_PER_BLOCK)
         "runtime": RUNTIME,
+        "runtime_per_block": RUNTIME_PER_BLOCK,
         # size k of the ladder: hidden ``hidden * k``, depth ``depth * k`` (docs/make_figures.py)
         "ladder": {
             "hidden": base.hidden,

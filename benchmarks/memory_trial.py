@@ -48,7 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 
 __all__ = [
+    "MACHINE",
     "RUNTIME",
+    "RUNTIME_PER_BLOCK",
     "Size",
     "Trial",
     "pin_allocator",
@@ -124,20 +126,25 @@ GLOO = replace(DEFAULT_MACHINE, backend="gloo")
 
 #: The runtime's own memory per rank on this machine: what a rank holds beyond its tensors
 #: once it has trained a step, over its baseline (:attr:`Trial.runtime`): MKL's cached GEMM
-#: buffers, glibc's heap of small blocks, torch's and Python's objects of each tensor. The
-#: median of bench_largest_model.py's whole steps at depth 4 (1.4-2.6 MiB); over all its runs
-#: 0.7-6.0 MiB, about 0.4 MiB more per block, which one figure does not follow
-#: (docs/choosing-a-layout.md).
-RUNTIME = 2 * MIB
+#: buffers and glibc's heap, a base, and torch's and Python's objects and the heap's small
+#: blocks of each tensor, which grow with the blocks. :data:`RUNTIME` ``+ depth *``
+#: :data:`RUNTIME_PER_BLOCK` is the least-squares line through 105 runs (every layout of
+#: bench_largest_model.py, with and without checkpointing, depth 1-14, hidden 64-448:
+#: docs/figures/largest_model.json and hidden 128 at depths 1, 2, 4 and 8), 0.57 MiB + 0.34
+#: MiB per block; the runs scatter about it by 0.5 MiB (1D holds the least, ZeRO-3 the most).
+RUNTIME = 588 * 1024
+RUNTIME_PER_BLOCK = 352 * 1024
+
+#: The planner's machine here, the runtime's memory included.
+MACHINE = replace(GLOO, runtime=RUNTIME, runtime_per_block=RUNTIME_PER_BLOCK)
 
 
 def planned_peak(layout: Layout, size: Size) -> int:
     """The planner's peak bytes per rank for ``size`` under ``layout`` (fp32, Adam, gloo).
 
-    With this machine's :data:`RUNTIME` (``MemoryBreakdown.runtime``).
+    With this machine's runtime memory (:data:`MACHINE`: ``MemoryBreakdown.runtime``).
     """
-    memory = estimate_layout(shape_of(size), layout, memory_budget=0, machine=GLOO).memory
-    return replace(memory, runtime=RUNTIME).total
+    return estimate_layout(shape_of(size), layout, memory_budget=0, machine=MACHINE).memory.total
 
 
 def _status(key: str) -> int:

@@ -4,7 +4,8 @@
     python docs/make_figures.py --out DIR  # somewhere else
 
 The largest-model figure plots what ``benchmarks/bench_largest_model.py --search --json
-docs/figures/largest_model.json`` measured, beside the planner's curve for the same ladder.
+docs/figures/largest_model.json`` measured, beside the planner's curve for the same ladder on
+the machine the run recorded (its backend and the runtime's own memory it counted).
 
 Rank layouts are read from ``tessera.context.rank_groups`` (the same pure arithmetic the
 launchers use), so a picture cannot disagree with the code; pipeline timelines come from
@@ -31,6 +32,7 @@ from tessera.context import ParallelConfig, ParallelMode, rank_groups
 from tessera.context.planner import (
     DEFAULT_MACHINE,
     Layout,
+    Machine,
     ModelShape,
     estimate_layout,
     layout_problems,
@@ -280,9 +282,21 @@ PAPER_2D = ((4, 3e9), (16, 12e9))
 PAPER_MEMORY = 16 * 2**30
 
 
-def planner_largest(ladder: dict[str, int], layout: Layout, budget: int, backend: str) -> int:
+def recorded_machine(found: dict[str, object]) -> Machine:
+    """The planner's machine a run of the benchmark used: its backend and runtime memory.
+
+    The runtime's own memory is a base (``runtime``) and a term per block
+    (``runtime_per_block``; a run that recorded only ``runtime`` counted one figure). Without
+    them the planner's curve would not be the one the run's ``planned`` figures follow.
+    """
+    runtime, per_block = found.get("runtime", 0), found.get("runtime_per_block", 0)
+    backend = found["backend"]
+    assert isinstance(runtime, int) and isinstance(per_block, int) and isinstance(backend, str)
+    return replace(DEFAULT_MACHINE, backend=backend, runtime=runtime, runtime_per_block=per_block)
+
+
+def planner_largest(ladder: dict[str, int], layout: Layout, budget: int, machine: Machine) -> int:
     """Parameters of the largest ladder step the planner says fits ``budget`` (0: none)."""
-    machine = replace(DEFAULT_MACHINE, backend=backend)
     best = 0
     for k in range(1, 129):
         shape = ModelShape(
@@ -318,7 +332,7 @@ CURVES: dict[str, tuple[str, Callable[[int], Layout | None]]] = {
 def draw_largest_model(out: pathlib.Path) -> None:
     """The paper's Figure 3, measured: the largest model each layout trains per rank budget."""
     found = json.loads((HERE / "figures" / "largest_model.json").read_text())
-    budget, ladder, backend = found["budget"], found["ladder"], found["backend"]
+    budget, ladder, machine = found["budget"], found["ladder"], recorded_machine(found)
     fig, ax = plt.subplots(figsize=(8, 5))
     worlds = [4, 8, 16, 32, 64]
     markers = "os^Dv"
@@ -328,7 +342,7 @@ def draw_largest_model(out: pathlib.Path) -> None:
             (w, n)
             for w in worlds
             if (layout := layout_of(w)) is not None
-            and (n := planner_largest(ladder, layout, budget, backend))
+            and (n := planner_largest(ladder, layout, budget, machine))
         ]  # a mode's layout exists on these ranks and the ladder divides under it
         ax.plot(*zip(*curve, strict=True), "--", color=color, alpha=0.6, label=f"{name}: planner")
         measured = sorted(

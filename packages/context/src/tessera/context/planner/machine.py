@@ -43,12 +43,20 @@ class Machine:
             (all-gathers and reduce-scatters, or pairwise sends; ``comm.py``), which sets the
             kinds of call and the bytes contributed, not the bytes on the wire.
         runtime: Bytes each rank's runtime holds beyond its tensors once it has trained a
-            step (the math library's cached buffers, the allocator's heap; 2-6 MiB per CPU
-            rank in ``benchmarks/memory_trial.py``), added to every rank's peak; 0 counts none.
+            step, whatever the model (the math library's cached buffers, the allocator's
+            heap), added to every rank's peak; 0 counts none.
+        runtime_per_block: Bytes that runtime memory grows by per block the rank holds: each
+            tensor of a block (its parameters, their gradients and optimizer state, what it
+            saves) brings the framework's objects and the heap's small blocks beside its
+            storage, so a deep model's runtime holds more than a shallow one's (0.34 MiB per
+            block per CPU rank over a base of 0.57 MiB, fitted to ``benchmarks/memory_trial.py``'s
+            runs; one figure overstated a shallow model's and understated a deep one's by
+            half). 0 counts none.
 
     Raises:
-        ConfigError: a number is not finite and positive (latency may be 0), or the backend
-            is unknown; the message starts with its name.
+        ConfigError: a number is not finite and positive (latency may be 0), a runtime is
+            not a whole number of bytes >= 0, or the backend is unknown; the message starts
+            with its name.
     """
 
     flops: float
@@ -56,12 +64,15 @@ class Machine:
     latency: float
     backend: str = "nccl"
     runtime: int = 0
+    runtime_per_block: int = 0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
-        if isinstance(self.runtime, bool) or not isinstance(self.runtime, int) or self.runtime < 0:
-            raise ConfigError(f"runtime must be a number of bytes >= 0, got {self.runtime!r}")
+        for name in ("runtime", "runtime_per_block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be a number of bytes >= 0, got {value!r}")
         for name in ("flops", "bandwidth", "latency"):
             value = getattr(self, name)
             low_ok = value >= 0 if name == "latency" else value > 0

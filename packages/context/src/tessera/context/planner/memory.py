@@ -51,23 +51,30 @@ class MemoryBreakdown:
     """Bytes one rank holds at its peak, by kind.
 
     Attributes:
-        parameters: The model's parameters on this rank (plus, under ZeRO stage 3, the one
-            block gathered for its forward or backward).
+        parameters: The model's parameters on this rank (under ZeRO stage 3 its shard; the
+            blocks FSDP2 gathers are in ``workspace`` and ``late``, the moments they exist).
         gradients: Their gradients.
         optimizer: Adam's state (and fp32 masters under mixed precision).
         activations: Tensors saved for the backward, at the peak of a step.
         workspace: What the layer running at that moment holds beyond them
             (:mod:`~tessera.context.planner.workspace`), and in a block the gradients
-            flowing into and out of it.
+            flowing into and out of it; under ZeRO stage 3 the block FSDP2 gathered for it and
+            the next one, prefetched (not at the head's backward: FSDP2 freed the blocks
+            after their forward and gathers the last one again after the loss's backward,
+            once the logits' copies are gone), and under ZeRO-2/3 the head's gradients, whole
+            until their reduce-scatter.
         update: What the optimizer step holds beyond the optimizer state: torch's Adam
             computes the denominator ``sqrt(v) + eps`` of every tensor it updates at once
             (its ``foreach`` implementation), one fp32 copy of this rank's optimized elements.
         late: What the backward of the first block, the last one the step runs, holds beyond
             parameters and optimizer state: the gradients of every layer after it, its
             activations (recomputed, under checkpointing) and working memory, and under
-            ZeRO-2/3 FSDP2's buffers for its gradients (:func:`late_bytes`).
+            ZeRO-2/3 FSDP2's buffers for the gradients; under ZeRO-3 the parameters FSDP2
+            gathered, and the second block's backward where it holds more
+            (:func:`late_bytes`).
         runtime: What the rank's runtime holds beyond its tensors, the same at every
-            moment (:func:`rank_memory`'s ``runtime``: 0 unless the machine's is known).
+            moment (:func:`rank_memory`'s ``runtime`` and ``runtime_per_block``: 0 unless
+            the machine's is known).
     """
 
     parameters: int
@@ -312,6 +319,7 @@ def rank_memory(
     precision: Precision,
     backend: str = "nccl",
     runtime: int = 0,
+    runtime_per_block: int = 0,
 ) -> MemoryBreakdown:
     """The peak bytes of the fullest rank: the first or the last pipeline stage.
 
@@ -320,11 +328,18 @@ def rank_memory(
     one microbatch, plus the logits. Without a pipeline one rank holds everything.
     ``backend`` decides how many blocks a gather holds (:mod:`.workspace`).
 
-    ``runtime``: bytes the rank's runtime holds beyond its tensors once it has trained a step,
-    a property of the machine and its libraries, not of the layout: on a CPU the math
-    library's cached product buffers (MKL's), the allocator's heap of small blocks, the
-    framework's per-tensor objects; on a GPU its BLAS workspace. ``benchmarks/memory_trial.py``
-    measures it (resident bytes no tensor holds).
+    ``runtime`` and ``runtime_per_block``: bytes the rank's runtime holds beyond its tensors
+    once it has trained a step, ``runtime + runtime_per_block * blocks`` for the ``blocks`` of
+    the stage, a property of the machine and its libraries, not of the layout: on a CPU the
+    math library's cached product buffers (MKL's) and the allocator's heap, a base, and the
+    framework's objects and the heap's small blocks of every tensor, which grow with the
+    blocks; on a GPU its BLAS workspace. ``benchmarks/memory_trial.py`` measures it (resident
+    bytes no tensor holds).
+
+    Under checkpointing the last block's backward recomputes it from the input its
+    checkpoint kept: the block's first activation, counted once. Under ZeRO-3 the blocks
+    FSDP2 holds gathered (the one running and the next, prefetched) meet the blocks'
+    moments, not the head's backward nor the optimizer step.
     """
     m = microbatches(shape, layout)
     samples = microbatch_samples(shape, layout)
@@ -335,44 +350,79 @@ def rank_memory(
         *([] if single else [(last_blocks, 1, 1, True)]),
     ]
     worst: MemoryBreakdown | None = None
+    own = block_parameters(shape, layout)
+    block = block_activation_bytes(shape, layout, samples, precision)
+    block_input = checkpointed_block_bytes(shape, layout, samples, precision)
+    # the block's input and the incoming gradient: the gradient of each, [T, h] per rank
+    flowing = 2 * block_input
+    # a block's backward: the widest linear's first, every activation of the block still
+    # saved; attention's once the MLP and the projection have freed theirs
+    freed = freed_before_attention(shape, layout, samples, precision)
+    linear_work = linear_workspace_bytes(shape, layout, samples, precision, backend) + flowing
+    attention_work = attention_workspace_bytes(shape, layout, samples, precision) + flowing
+    linear, attention = block + linear_work, block - freed + attention_work
+    # what a block holds of its own when its backward begins, before it computes: its
+    # activations, or under checkpointing the input it recomputes them from
+    waiting = block_input if layout.checkpoint else block
     for blocks, tables, in_flight, has_head in stages:
-        params = blocks * block_parameters(shape, layout) + embedding_parameters(
-            shape, layout, tables=tables, head=has_head
-        )
-        block = block_activation_bytes(shape, layout, samples, precision)
-        # the block's input and the incoming gradient: the gradient of each, [T, h] per rank
-        flowing = 2 * checkpointed_block_bytes(shape, layout, samples, precision)
-        # a block's backward: the widest linear's first, every activation of the block still
-        # saved; attention's once the MLP and the projection have freed theirs
-        in_block = [
-            (block, linear_workspace_bytes(shape, layout, samples, precision, backend) + flowing),
-            (
-                block - freed_before_attention(shape, layout, samples, precision),
-                attention_workspace_bytes(shape, layout, samples, precision) + flowing,
-            ),
-        ]
+        params = blocks * own + embedding_parameters(shape, layout, tables=tables, head=has_head)
+        # the stem's tables get their gradients after the first block's backward
+        stem = embedding_parameters(shape, layout, tables=2, head=False) if tables == 2 else 0
+        head_unit = params - blocks * own - stem  # the final norm and the head
         head, head_work = 0, 0
         if has_head:
             head = head_activation_bytes(shape, layout, samples, precision)
             head_work = head_workspace_bytes(shape, layout, samples, backend)
-        if layout.checkpoint:
-            # the blocks' inputs, and either the head's backward or the last block recomputed
-            kept = blocks * in_flight * checkpointed_block_bytes(shape, layout, samples, precision)
-            others = kept
-        else:  # every activation saved; the head's are freed before the last block's backward
-            kept = blocks * in_flight * block
-            others = kept - block
+        # ZeRO-3: the parameters FSDP2 holds gathered while the last block computes, and when
+        # its backward begins (it prefetches the block before it, or the stem)
+        computing, beginning = _fsdp_gathered(
+            layout, precision, own, own if blocks > 1 else stem, backend
+        )
+        # ZeRO-2/3: the head's gradients, whole until their reduce-scatter, which FSDP2 waits
+        # for at the next unit's
+        pending = precision.gradient * head_unit if layout.zero >= 2 else 0
+        # every activation saved, or under checkpointing the blocks' inputs; the head's are
+        # freed before the last block's backward, which recomputes its activations from its
+        # input (among the activations it saves again, counted once)
+        kept = blocks * in_flight * waiting
+        others = kept - waiting
         activations, workspace = max(
-            [(kept + head, head_work)] + [(others + saved, work) for saved, work in in_block],
+            [
+                (kept + head, head_work),
+                (kept, block_input + beginning + pending),
+                (others + block, linear_work + computing + pending),
+                (others + block - freed, attention_work + computing + pending),
+            ],
             key=sum,
         )
-        # the stem's tables get their gradients after the first block's backward
-        stem = embedding_parameters(shape, layout, tables=2, head=False) if tables == 2 else 0
-        late_block = max(saved + work for saved, work in in_block)
-        late = late_bytes(shape, layout, precision, params - stem, late_block)
-        breakdown = _sharded(
-            shape, layout, precision, params, activations, workspace, late, runtime
+        computing, beginning = _fsdp_gathered(layout, precision, own, stem, backend)
+        late = late_bytes(
+            shape,
+            layout,
+            precision,
+            params - stem,
+            linear + computing,
+            attention + computing,
+            waiting + block_input + beginning,
         )
+        if layout.zero >= 3 and blocks > 1:
+            # the second block's backward prefetches a whole block where the first's prefetches
+            # the stem; the first still holds its input (checkpointed) or every activation,
+            # and FSDP2 the next unit's unsharded gradients: a block's, or the head's
+            computing, beginning = _fsdp_gathered(layout, precision, own, own, backend)
+            second = late_bytes(
+                shape,
+                layout,
+                precision,
+                params - stem - own,
+                waiting + linear + computing,
+                waiting + attention + computing,
+                2 * waiting + block_input + beginning,
+                previous=own if blocks > 2 else head_unit,
+            )
+            late = max(late, second)
+        held = runtime + runtime_per_block * blocks
+        breakdown = _sharded(layout, precision, params, activations, workspace, late, held)
         if worst is None or breakdown.total > worst.total:
             worst = breakdown
     assert worst is not None
@@ -380,34 +430,78 @@ def rank_memory(
 
 
 def late_bytes(
-    shape: ModelShape, layout: Layout, precision: Precision, gradients: int, block: int
+    shape: ModelShape,
+    layout: Layout,
+    precision: Precision,
+    gradients: int,
+    linear: int,
+    attention: int,
+    beginning: int = 0,
+    previous: int | None = None,
 ) -> int:
-    """What the first block's backward holds beyond parameters and optimizer state.
+    """What a block's backward at the end of the step holds beyond parameters and optimizer state.
 
-    It runs last: every later layer's gradient exists by then, and the block's activations
-    (recomputed under checkpointing: as large as all the inputs the step kept, or larger), its
-    working memory, the gradient arriving from the next block and the one it passes down the
-    residual stream are held at once (``block`` bytes). Under ZeRO-2/3 the gradients are
-    sharded over the ``data`` ranks, and FSDP2 holds the block's own gradients unsharded and
-    copied into the reduce-scatter's input (two blocks of gradients).
+    The first block's runs last: every later layer's gradient exists by then, and the block's
+    activations (recomputed under checkpointing: as large as all the inputs the step kept, or
+    larger), its working memory, the gradient arriving from the next block and the one it
+    passes down the residual stream are held at once. Its own gradients appear as its backward
+    runs: none at its widest linear layer's (the MLP's second, the first its backward
+    reaches), every one but the attention's input projections' at its attention's. Under
+    ZeRO-2/3 the later gradients are sharded over the ``data`` ranks, and FSDP2 still holds
+    the previous unit's unsharded, the input of the reduce-scatter it waits for at the
+    following unit.
+
+    Traced with torch's profiler of CPU allocations in ``benchmarks/bench_largest_model.py``'s
+    runs: a checkpointed ZeRO-3 step peaks in the first or the second block's backward (the
+    first prefetches the stem, the second a whole block), where counting two blocks of the
+    block's own gradients overstated it by a quarter of a block's parameters.
 
     Args:
         shape: The model.
         layout: The layout.
         precision: Bytes per element.
-        gradients: Elements whose gradients exist when the first block's backward starts (the
-            stage's parameters but the stem's tables).
-        block: The block's activations and working memory, bytes.
+        gradients: Elements whose gradients exist when the block's backward begins (the
+            stage's parameters but the stem's tables, and for the second block the first's).
+        linear: Bytes the step holds beyond gradients at the block's widest linear layer's
+            backward: the block's activations, that layer's working memory, the gradients
+            flowing through the block, what an earlier block keeps, parameters gathered.
+        attention: The same at its attention's backward.
+        beginning: The same when its backward begins, before it computes (ZeRO-3's
+            prefetch in flight); 0 when it is not a moment of its own.
+        previous: Elements of the unit whose unsharded gradients ZeRO-2/3 still holds (the
+            one whose backward ran before); default a block.
     """
     own = block_parameters(shape, layout)
     later = max(gradients - own, 0)
     if layout.zero >= 2:
-        return precision.gradient * (_ceil(later, layout.data) + 2 * own) + block
-    return precision.gradient * later + block
+        later = _ceil(later, layout.data) + (own if previous is None else previous)
+    linears = shape.block_linears(layout.side)
+    projections = sum(x.weights for x in linears if x.name in _QKV)
+    done = own - own * projections // max(sum(x.weights for x in linears), 1)
+    g = precision.gradient
+    return g * later + max(linear, attention + g * done, beginning)
+
+
+def _fsdp_gathered(
+    layout: Layout, precision: Precision, own: int, prefetched: int, backend: str
+) -> tuple[int, int]:
+    """Bytes of parameters ZeRO-3 holds gathered in a block's backward: (computing, beginning).
+
+    FSDP2 gathers the block and prefetches the unit its backward reaches next (``prefetched``
+    elements): both are held while the block computes. When the backward begins the
+    prefetch's all-gather is in flight, and gloo's fills a buffer of its own beside FSDP2's
+    output (``c10d::_allgather_base_`` allocates the whole unit again, traced with torch's
+    profiler): on gloo the prefetched unit is held twice then. 0 and 0 below stage 3.
+    """
+    if layout.zero < 3:
+        return 0, 0
+    copies = 2 if backend == "gloo" else 1
+    return precision.parameter * (own + prefetched), precision.parameter * (
+        own + copies * prefetched
+    )
 
 
 def _sharded(
-    shape: ModelShape,
     layout: Layout,
     precision: Precision,
     params: int,
@@ -419,8 +513,6 @@ def _sharded(
     """Apply ZeRO's sharding over the ``data`` ranks to a stage's ``params`` elements."""
     n, zero = layout.data, layout.zero
     held = _ceil(params, n) if zero >= 3 else params
-    if zero >= 3:  # FSDP2 gathers a block for its backward and prefetches the next one
-        held += 2 * block_parameters(shape, layout)
     updated = _ceil(params, n) if zero >= 1 else params  # the optimizer's elements here
     return MemoryBreakdown(
         parameters=precision.parameter * held,

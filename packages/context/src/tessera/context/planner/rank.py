@@ -173,7 +173,14 @@ def estimate_layout(
     run without the engine, what ``benchmarks/bench_layers_memory_comm.py`` measures).
     """
     precision = precision_for(dtype, layout.zero)
-    memory = rank_memory(shape, layout, precision, machine.backend, runtime=machine.runtime)
+    memory = rank_memory(
+        shape,
+        layout,
+        precision,
+        machine.backend,
+        runtime=machine.runtime,
+        runtime_per_block=machine.runtime_per_block,
+    )
     m = microbatches(shape, layout)
     steps = stage_steps(shape, layout, precision, machine.backend, engine_sums=engine_sums)
 
