@@ -246,12 +246,14 @@ def parallelize(
         raise ModeNotImplementedError("parallelize", mode, sorted(set(converts)))
     kind = ctx.config.mode
     assert kind is not None  # a registered mode: the context was built from it
+    parts: list[tuple[str, Plan]] = []
     try:
         chosen = plan_for(model, plan)
     except NoPlanError:
         parts = parts_with_plans(model)
         if not parts:
             raise
+    if parts:
         check_same_weights(model, ctx)  # the whole modules around the parts too
 
         def convert(part: nn.Module, part_plan: Plan) -> nn.Module:

@@ -45,11 +45,39 @@ def parallelize_parts(
     Returns:
         ``model``, its parts converted in place, the rest whole.
     """
+    _check_no_ties_across(model, parts)
     for name, plan in parts:
         part = model.get_submodule(name)
         convert(part, plan)
         _refuse_calls_from_outside(name, part)
     return model
+
+
+def _check_no_ties_across(model: nn.Module, parts: list[tuple[str, Plan]]) -> None:
+    """Raise where a module outside the parts holds a parameter of one.
+
+    A head tied to the embedding of the encoder it reads: converting the part would cut its
+    copy and leave the outside one whole, the tie silently broken.
+
+    Raises:
+        ValueError: naming the tied parameters and what to do.
+    """
+    owner = {id(p): name for name, _ in parts for p in model.get_submodule(name).parameters()}
+    tied = []
+    for name, module in model.named_modules():
+        if any(name == part or name.startswith(f"{part}.") for part, _ in parts):
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            if param is not None and id(param) in owner:
+                tied.append(f"{name}.{pname} (tied into {owner[id(param)]!r})")
+    if tied:
+        raise ValueError(
+            f"parallelize: tessera ships no plan for {type(model).__name__}, and its parts "
+            f"{[name for name, _ in parts]} that have one cannot be converted alone: "
+            f"{', '.join(tied)} would keep the whole tensor while its part's copy is split. "
+            "Pass a plan naming the model's own modules too (parallelize(model, plan)) "
+            "with both sides of each tie"
+        )
 
 
 def _refuse_calls_from_outside(name: str, part: nn.Module) -> None:

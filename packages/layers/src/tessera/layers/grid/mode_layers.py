@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tessera.context import ParallelContext
@@ -72,6 +73,15 @@ def grid_mode_layers(
         vocab_size: int | None,
     ) -> torch.Tensor:
         grid = grid_of(context)  # logits [b/B, s, V]: rows split, every class whole
+        if grid.batch_axis.world_size > 1 and logits.shape[:-1] == targets.shape:
+            # the whole batch's logits, alike on every rank (a head no plan converted: a
+            # part's model, gather_logits'): one process's loss, computed on every rank
+            return F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]),
+                targets.reshape(-1),
+                ignore_index=ignore_index,
+                reduction=reduction,
+            )
         rows = split_batch(targets, grid)
         return grid_token_loss(
             logits, rows, grid, name, ignore_index=ignore_index, reduction=reduction
