@@ -1709,6 +1709,13 @@ def _errors() -> list[str]:
             r"lm_head.weight \(tied into 'transformer'\) would keep the whole tensor",
             lambda: parallelize(two_heads, context=seq),
         )
+        # a short convolution over the sequence (a hybrid model's) would see this rank's chunk
+        conv = nn.Sequential(nn.Linear(16, 32), nn.Conv1d(32, 32, 3), nn.Linear(32, 16))
+        expect(
+            ValueError,
+            r"\['1 \(Conv1d\)'\] mix the tokens of a sequence, but each rank holds only its chunk",
+            lambda: parallelize(conv, {"0": "col", "2": "row"}, context=seq),
+        )
         nothing_known = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
         expect(
             ValueError,
@@ -1777,7 +1784,7 @@ def _own_attention_block() -> nn.Sequential:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 34
+    assert len(results[0]) == 35
 
 
 def _offset_norms() -> int:

@@ -48,7 +48,11 @@ from .plan import (
     resolve_span,
     span_members,
 )
-from .sequence import check_attention_covered, install_sequence_attention
+from .sequence import (
+    check_attention_covered,
+    check_no_token_mixing,
+    install_sequence_attention,
+)
 from .sequence_positions import forward_takes_positions, install_chunk_positions
 
 __all__ = [
@@ -298,6 +302,10 @@ def parallelize(
             f"{' or '.join(repr(m) for m in _modes_with_whole_activations())}"
         )
     if kind.splits_sequence:  # token-wise modules stay; attention goes around the ring
+        # an images model embeds whole images; its span's blocks hold chunks of the tokens
+        tokens_span = chosen.sequence_span if chosen.boundary == "images" else None
+        split = None if tokens_span is None else span_members(model, tokens_span)
+        check_no_token_mixing(model, split, f"tensor mode {mode!r}")
         materialize_whole_modules(model, ctx.device, seed=ctx.base_seed)
         install_sequence_attention(model, attention, ctx, sequence_attention)
         if chosen.boundary == "tokens" and not forward_takes_positions(model):
@@ -317,6 +325,8 @@ def parallelize(
         if sequence_parallel and chosen.sequence_span is not None
         else {name for name, _ in model.named_modules()}  # a features plan: all of it
     )
+    if sequence_parallel:
+        check_no_token_mixing(model, span, f"tensor mode {mode!r} with sequence_parallel")
     routers = [name for name, role in roles.items() if role == "router"]
     materialize_whole_modules(model, ctx.device, routers, seed=ctx.base_seed)  # kept whole
     converter = Converter(

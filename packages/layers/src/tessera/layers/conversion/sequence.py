@@ -48,8 +48,10 @@ __all__ = [
     "ATTENTION_NAME",
     "KEY_PADDING_ATTRIBUTE",
     "SEQUENCE_ATTRIBUTE",
+    "TOKEN_MIXING",
     "KeyPadding",
     "check_attention_covered",
+    "check_no_token_mixing",
     "install_sequence_attention",
     "key_mask_for_attention",
     "sequence_attention",
@@ -279,6 +281,50 @@ def check_attention_covered(model: nn.Module, attention: Iterable[str], plan_nam
             "a transformers model's attention modules role 'attention', use "
             "tessera.layers.RingSelfAttention in your own model, or use tensor mode '1d' with "
             "sequence_parallel=True"
+        )
+
+
+#: torch's modules that mix the tokens of a sequence beyond attention: on a rank's chunk of
+#: the tokens they would see ``s/N`` of them, the chunk's edges as the sequence's.
+TOKEN_MIXING = (
+    nn.Conv1d,
+    nn.ConvTranspose1d,
+    nn.RNNBase,
+    nn.AvgPool1d,
+    nn.MaxPool1d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveMaxPool1d,
+)
+
+
+def check_no_token_mixing(model: nn.Module, region: set[str] | None, where: str) -> None:
+    """Refuse modules that mix tokens where each rank holds a chunk of the sequence.
+
+    A causal or depthwise convolution over the sequence (a hybrid model's short conv), a
+    recurrent layer or a pooling over tokens would run on this rank's chunk without an
+    error, blind to the tokens on the other ranks: a model that trains differently from one
+    process.
+
+    Args:
+        model: The model.
+        region: The modules whose tokens are split (the sequence span), or ``None``: all.
+        where: The mode, for the message.
+
+    Raises:
+        ValueError: naming the modules and what to do.
+    """
+    mixing = [
+        f"{name} ({type(module).__name__})"
+        for name, module in model.named_modules()
+        if isinstance(module, TOKEN_MIXING) and (region is None or name in region)
+    ]
+    if mixing:
+        more = f" and {len(mixing) - 4} more" if len(mixing) > 4 else ""
+        raise ValueError(
+            f"parallelize under {where}: {mixing[:4]}{more} mix the tokens of a sequence, but "
+            "each rank holds only its chunk of them, so each would read the chunk's edges as "
+            "the sequence's; use tensor mode '1d' (without sequence_parallel), '2d', '2.5d' "
+            "or '3d', which keep every sequence whole"
         )
 
 
