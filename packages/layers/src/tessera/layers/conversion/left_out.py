@@ -188,7 +188,15 @@ class _Placer:
             placements = self.placements(layout, x.dim())
             if all(p.is_replicate() for p in placements):
                 continue  # whole on every rank (1D between blocks): exact as it is
-            flat[i] = DTensor.from_local(x, mesh, placements, run_check=False)
+            shape = list(x.shape)  # the whole tensor's: tessera's blocks are equal
+            for size, p in zip(mesh.shape, placements, strict=True):
+                if p.is_shard():
+                    shape[p.dim] *= size
+            whole = torch.Size(shape)
+            stride = torch.empty(whole, device="meta").stride()  # given, so Dynamo traces it
+            flat[i] = DTensor.from_local(
+                x, mesh, placements, run_check=False, shape=whole, stride=stride
+            )
             first = first or layout
         self.entered.append(first)
         return None if first is None else tree_unflatten(flat, spec)
