@@ -114,3 +114,44 @@ def test_a_compiled_step_is_one_graph_and_equals_eager(dist: Any, layout: str) -
         _compiled_step_equals_eager, world_size=tensor["size"], args=(tensor,), timeout=300.0
     )
     assert all(loss == losses[0] for loss in losses)  # the whole batch's loss on every rank
+
+
+def _left_out_modules_equal_eager() -> float:
+    """A model whose own modules run under DTensor (conversion/left_out.py), compiled.
+
+    Not one graph: torch's DTensor breaks it where the hooks wrap a module's inputs (its
+    dispatch takes a lock Dynamo cannot enter), so ``fullgraph`` is off; the loss and every
+    gradient still equal eager's.
+    """
+    from plain_models import OWN_MODULES_PLAN, own_modules_lm
+
+    from tessera.context import create_context
+    from tessera.layers import causal_lm_loss, parallelize
+
+    ctx = create_context(dict(parallel=dict(tensor=LAYOUTS["2d"])), timeout=60.0)
+    try:
+        plain = own_modules_lm()
+        eager = parallelize(copy.deepcopy(plain), OWN_MODULES_PLAN, context=ctx)
+        compiled_model = parallelize(plain, OWN_MODULES_PLAN, context=ctx)
+        ids = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(1))
+        expected = causal_lm_loss(eager(ids), ids, context=ctx)
+        expected.backward()
+        torch._dynamo.reset()
+        compiled = torch.compile(compiled_model, backend="aot_eager")
+        loss = causal_lm_loss(compiled(ids), ids, context=ctx)
+        loss.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+        grads = dict(eager.named_parameters())
+        for name, p in compiled_model.named_parameters():
+            reference = grads[name].grad
+            assert p.grad is not None and reference is not None, name
+            torch.testing.assert_close(p.grad, reference, rtol=1e-5, atol=1e-6, msg=name)
+        return float(loss)
+    finally:
+        torch._dynamo.reset()
+        ctx.destroy()
+
+
+def test_modules_left_out_of_the_plan_compile_and_equal_eager(dist: Any) -> None:
+    losses = dist.run(_left_out_modules_equal_eager, world_size=4, timeout=300.0)
+    assert all(loss == losses[0] for loss in losses)
