@@ -140,6 +140,35 @@ OWN_MODULES_PLAN = Plan(
 )
 
 
+class FunctionalNormBlock(Block):
+    """:class:`Block` that normalizes its input in its own forward, with no module: code no
+    plan can name, which reads split features as the whole under 2D, 2.5D and 3D."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return super().forward(x)
+
+
+class FunctionalNormLM(PlainLM):
+    """:class:`PlainLM` of :class:`FunctionalNormBlock`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(FunctionalNormBlock(16, 4) for _ in range(2))
+
+
+def functional_norm_lm(seed: int = 0) -> FunctionalNormLM:
+    """:class:`FunctionalNormLM` with weights drawn from ``seed``."""
+    torch.manual_seed(seed)
+    return FunctionalNormLM()
+
+
+#: :data:`PLAIN_PLAN` as a :class:`Plan` spanning the blocks (1D sequence parallelism).
+PLAIN_SPAN_PLAN = Plan(
+    PLAIN_PLAN, boundary="tokens", sequence_span=("blocks.0", "blocks.-1"), causal_lm=True
+)
+
+
 def torch_encoder(seed: int = 0, batch_first: bool = True) -> nn.TransformerEncoder:
     """torch's own ``nn.TransformerEncoder``: 2 post-norm layers of 4 heads and a final norm,
     no dropout, sized as :class:`PlainLM` (hidden 16)."""

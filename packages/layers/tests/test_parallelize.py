@@ -69,7 +69,15 @@ from hf_models import (
     xglm_lm,
 )
 from mesh_reference import sum_deferred
-from plain_models import OWN_MODULES_PLAN, PLAIN_PLAN, SelfAttention, own_modules_lm, plain_lm
+from plain_models import (
+    OWN_MODULES_PLAN,
+    PLAIN_PLAN,
+    PLAIN_SPAN_PLAN,
+    SelfAttention,
+    functional_norm_lm,
+    own_modules_lm,
+    plain_lm,
+)
 from torch import nn
 
 from tessera.context import (
@@ -248,6 +256,7 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "clip text, towers under projections, CLIPModel (parts parallelized, the rest whole)": (
         lambda ctx: _clip_parts_match_reference(ctx)
     ),
+    "verify: outputs and gradients against the model before conversion": lambda ctx: _verified(ctx),
     "torch nn.TransformerEncoder (nn.MultiheadAttention split by heads, padded)": lambda ctx: (
         _torch_encoders_match_reference(ctx)
     ),
@@ -298,6 +307,13 @@ ONLY_UNDER = {
     "modules left out of the plan mixing split features, hidden layer and vocabulary": EACH_MODE,
     "clip text, towers under projections, CLIPModel (parts parallelized, the rest whole)": (
         EACH_MODE
+    ),
+    "verify: outputs and gradients against the model before conversion": (
+        "1d",
+        "1d-sp",
+        "2d",
+        "3d",
+        "sequence-ring",
     ),
     "bloom (family plan, ALiBi slopes of each rank's heads)": ("1d-sp", "3d"),
     "falcon (family plans, q/k/v fused per head or per key/value group)": ("1d-sp", "2d", "3d"),
@@ -515,6 +531,23 @@ def _clip_matches_reference(ctx: ParallelContext) -> float:
     load_full_state_dict(model, original)
     _assert_same_state(gather_full_state_dict(model, context=ctx), original)
     return loss
+
+
+def _verified(ctx: ParallelContext) -> list[str]:
+    """``parallelize(..., verify=ids)``: the plain transformer passes under every layout; one
+    that normalizes in its own forward, with no module a plan could name, is an error where
+    the mode splits the features between blocks (2D, 2.5D, 3D) and passes where they are
+    whole (1D) or split by tokens only (1D sequence parallelism, 'sequence')."""
+    ids = token_ids()
+    parallelize(plain_lm(), PLAIN_SPAN_PLAN, context=ctx, verify=(ids,))
+    kind = ctx.config.mode
+    assert kind is not None
+    if not kind.splits_activations or kind.splits_sequence:
+        parallelize(functional_norm_lm(), PLAIN_SPAN_PLAN, context=ctx, verify=(ids,))
+        return ["passed"]
+    with pytest.raises(ValueError, match=r"verify=...\): output 0 \(gathered\) differs from one"):
+        parallelize(functional_norm_lm(), PLAIN_SPAN_PLAN, context=ctx, verify=(ids,))
+    return ["refused"]
 
 
 def _clip_parts_match_reference(ctx: ParallelContext) -> list[float]:

@@ -54,6 +54,7 @@ from .sequence import (
     install_sequence_attention,
 )
 from .sequence_positions import forward_takes_positions, install_chunk_positions
+from .verify import Inputs, check_verify_inputs, verify_conversion, whole_copy
 
 __all__ = [
     "CONTEXT_ATTR",
@@ -206,6 +207,7 @@ def parallelize(
     *,
     sequence_attention: AttentionImpl = "ring",
     context: ParallelContext | None = None,
+    verify: Inputs | None = None,
 ) -> nn.Module:
     """Convert ``model`` in place to the context's tensor mode; returns it.
 
@@ -229,16 +231,39 @@ def parallelize(
         sequence_attention: Under tensor mode ``'sequence'``: ``"ring"`` (ring self-attention,
             Li et al. 2021) or ``"all_to_all"`` (DeepSpeed-Ulysses, heads divisible by N).
         context: The ParallelContext (default the current one).
+        verify: Example inputs, the whole batch on every rank (``model(*verify)``, or
+            ``model(**verify)`` for a mapping): the converted model's outputs and gradients
+            are compared with the model's own before it returns
+            (:mod:`~tessera.layers.conversion.verify`), so code no plan covers cannot make it
+            compute something else unnoticed. Costs a copy of the whole model per rank while
+            it runs.
 
     Raises:
         ModeNotImplementedError: the tensor mode is not one of :data:`SUPPORTED_MODES`, nor
             one whose registered ``ModeLayers`` have ``roles``.
         ValueError: a pattern matches nothing, a size does not divide, the plan leaves every
-            parameter whole, the model was parallelized already, or the tensor ranks hold
-            different weights (each would cut its shard from another model).
+            parameter whole, the model was parallelized already, the tensor ranks hold
+            different weights (each would cut its shard from another model), or ``verify``
+            found an output or a gradient that differs from the model's own.
         TypeError: a module cannot take the role its pattern gives it.
     """
     ctx = current_or_none(context)
+    if verify is None or ctx is None or tensor_mode(ctx) is None:
+        return _convert(model, plan, sequence_attention, ctx)
+    check_verify_inputs(verify, ctx)
+    whole = whole_copy(model)
+    _convert(model, plan, sequence_attention, ctx)
+    verify_conversion(whole, model, verify, ctx)
+    return model
+
+
+def _convert(
+    model: nn.Module,
+    plan: Plan | Mapping[str, str] | None,
+    sequence_attention: AttentionImpl,
+    ctx: ParallelContext | None,
+) -> nn.Module:
+    """:func:`parallelize` without its verification."""
     mode = tensor_mode(ctx)
     if ctx is None or mode is None:
         return model
