@@ -96,17 +96,26 @@ class Centered(nn.Module):
         return x - x.mean(-1, keepdim=True)
 
 
+class TokenMean(nn.Module):
+    """Each row's mean over its tokens, ``[b, s, h] -> [b, h]``: mixes the sequence."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(1) / x.shape[1]
+
+
 class OwnModulesBlock(Block):
     """:class:`Block` normalized by modules without parameters (a :class:`ScaleNorm`, a
-    ``nn.LayerNorm`` without affine), its MLP's hidden layer centered."""
+    ``nn.LayerNorm`` without affine), each row's mean token added (a pooling that drops a
+    dim), its MLP's hidden layer centered."""
 
     def __init__(self, hidden: int, n_head: int) -> None:
         super().__init__(hidden, n_head)
         self.ln1, self.ln2 = ScaleNorm(), nn.LayerNorm(hidden, elementwise_affine=False)
-        self.mid = Centered()
+        self.pool, self.mid = TokenMean(), Centered()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
+        x = x + 0.5 * self.pool(x)[:, None, :]
         return x + self.fc2(self.mid(F.gelu(self.fc1(self.ln2(x)))))
 
 

@@ -511,7 +511,16 @@ def _plain_lm_loss(
     ref_loss.backward()
     loss.backward()
     torch.testing.assert_close(loss, ref_loss, **TOL)
-    torch.testing.assert_close(gather_logits(logits, context=ctx), ref_logits.detach(), **TOL)
+    whole = gather_logits(logits, context=ctx)
+    torch.testing.assert_close(whole, ref_logits.detach(), **TOL)
+    kind = ctx.config.mode
+    if kind is not None and kind.splits_activations and not kind.splits_sequence:
+        # whole logits are one process's loss on the grids; this rank's rows with this
+        # rank's targets are refused (their mean would be this rank's alone)
+        torch.testing.assert_close(causal_lm_loss(whole, ids, context=ctx), ref_loss, **TOL)
+        rows = split_batch(ids, context=ctx)
+        with pytest.raises(ValueError, match="differ between the ranks that split the batch"):
+            causal_lm_loss(logits.detach(), rows, context=ctx)
     grads = _full_grads(model, ctx, mean_loss=True)
     for name, p in ref.named_parameters():
         assert p.grad is not None

@@ -337,7 +337,12 @@ def _convert(
             tables = [name for name, role in roles.items() if role == "position_embedding"]
             install_chunk_positions(model, tables, ctx)
         install_dropout_streams(model, ctx, mode, roles)
-        install_left_out(model, roles, ctx, mode)
+        # the tokens are split only inside the span where one gathers them (a bare model's, an
+        # images model's), everywhere for a language model's split logits
+        chunked = chosen.sequence_span if splits_tokens else None
+        install_left_out(
+            model, roles, ctx, mode, None if chunked is None else span_members(model, chunked)
+        )
         install_boundary(model, chosen, ctx, mode, sequence_parallel=False)
         if chosen.causal_lm:
             install_generation(model, ctx, mode, sequence_parallel=False)

@@ -166,7 +166,9 @@ class _Placer:
     trail: _Trail
     context: ParallelContext
     cuts: dict[Layout, Cuts]
-    entered: list[Layout | None] = field(default_factory=list)
+    #: per call in flight: the layout of its first placed input and that input's ndim
+    #: (``None``: nothing placed)
+    entered: list[tuple[Layout, int] | None] = field(default_factory=list)
     cache: dict[tuple[Layout, int], tuple[Any, ...]] = field(default_factory=dict)
 
     def placements(self, layout: Layout, ndim: int) -> tuple[Any, ...]:
@@ -180,7 +182,8 @@ class _Placer:
         from torch.distributed.tensor import DTensor
 
         flat, spec = tree_flatten((args, kwargs))
-        mesh, first = tensor_mesh_of(self.context), None
+        mesh = tensor_mesh_of(self.context)
+        first: tuple[Layout, int] | None = None
         for i, x in enumerate(flat):
             layout = self.trail.layout_of(x) if _placeable(x) else None
             if layout is None:
@@ -197,9 +200,12 @@ class _Placer:
             flat[i] = DTensor.from_local(
                 x, mesh, placements, run_check=False, shape=whole, stride=stride
             )
-            first = first or layout
+            first = first or (layout, x.dim())
+        if first is None:
+            self.entered.append(None)
+            return None
         self.entered.append(first)
-        return None if first is None else tree_unflatten(flat, spec)
+        return tree_unflatten(flat, spec)
 
     def refuse_split(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         """Raise where a module with parameters no plan converts takes a split tensor."""
@@ -219,19 +225,40 @@ class _Placer:
                 )
 
     def leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        from torch.distributed.tensor import DTensor
+        """Each DTensor output back to this rank's block (called even if the forward raised).
 
-        layout = self.entered.pop()
-        if layout is None:
+        An output of the placed input's rank takes that input's layout. One of another rank
+        (a pooling over the tokens or features) keeps the layout DTensor's propagation gave
+        it, a pending sum (``Partial``) made whole: the whole pooled vector where the pooled
+        dim was split, this rank's rows where the rows were.
+        """
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        entry = self.entered.pop()
+        if entry is None:
             return None
+        layout, ndim = entry
+
+        split = [not p.is_replicate() for p in self.placements(layout, ndim)]
 
         def local(x: Any) -> Any:
             if not isinstance(x, DTensor):
                 return x
-            placements = self.placements(layout, x.dim())
+            own = self.placements(layout, x.dim())
+            if x.dim() == ndim:
+                placements = own
+            else:
+                placements = tuple(Replicate() if p.is_partial() else p for p in x.placements)
             self._check_divisible(x, placements, layout)
-            block = x.redistribute(x.device_mesh, placements).to_local()
-            setattr(block, LAYOUT_MARK, layout)
+            # made whole over an axis that splits the input: the code after it computes on
+            # this rank's block, so its gradient is this rank's part of the whole one
+            grads = tuple(
+                Partial() if p.is_replicate() and cut else p
+                for p, cut in zip(placements, split, strict=True)
+            )
+            block = x.redistribute(x.device_mesh, placements).to_local(grad_placements=grads)
+            if tuple(placements) == tuple(own):
+                setattr(block, LAYOUT_MARK, layout)
             return block
 
         return tree_map(local, output)
@@ -300,7 +327,7 @@ def install_left_out(
             module.register_forward_pre_hook(placer.refuse_split, with_kwargs=True)
             continue
         module.register_forward_pre_hook(placer.enter, with_kwargs=True)
-        module.register_forward_hook(placer.leave, with_kwargs=True)
+        module.register_forward_hook(placer.leave, with_kwargs=True, always_call=True)
     return free
 
 

@@ -94,7 +94,7 @@ def _refuse_calls_from_outside(name: str, part: nn.Module) -> None:
         depth[0] -= 1
 
     part.register_forward_pre_hook(enter, prepend=True)
-    part.register_forward_hook(leave)
+    part.register_forward_hook(leave, always_call=True)  # a forward that raised left it too
 
     def guard(inner: str) -> Callable[[nn.Module, Any], None]:
         def check(module: nn.Module, args: Any) -> None:

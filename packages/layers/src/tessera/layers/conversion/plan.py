@@ -310,9 +310,11 @@ def parts_with_plans(model: nn.Module) -> list[tuple[str, Plan]]:
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
+            if next(child.parameters(), None) is None:
+                continue  # nothing to split in it
             try:
                 plan = plan_for(child, None)
-            except ValueError:  # no plan, or one its modules do not fit
+            except Exception:  # no plan, or one its modules do not fit: look inside it
                 plan = None
             if plan is not None and returns_whole(plan):
                 found.append((f"{prefix}{name}", plan))

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -23,6 +24,25 @@ from .base import Grid
 from .loss import gather_grid_logits, grid_token_loss
 
 __all__ = ["grid_mode_layers"]
+
+
+def _check_alike(logits: torch.Tensor, batch: Any, mode: str) -> None:
+    """Raise on every rank of the batch group where ``logits`` differ between its ranks.
+
+    Logits as many rows as the targets are whole only if every rank holds the same ones;
+    otherwise they are this rank's rows given with this rank's targets, whose mean would be
+    this rank's alone (one all-gather of a checksum, on this path only).
+    """
+    probe = logits.detach().double().sum().reshape(1)
+    every = [torch.empty_like(probe) for _ in range(batch.world_size)]
+    dist.all_gather(every, probe, group=batch.group)
+    if any(not torch.equal(theirs, every[0]) for theirs in every):
+        raise ValueError(
+            f"token loss under tensor mode {mode!r}: logits {list(logits.shape)} have the "
+            "targets' rows but differ between the ranks that split the batch, so they are "
+            "this rank's rows: pass the whole batch's targets"
+        )
+
 
 G = TypeVar("G", bound=Grid)
 
@@ -76,6 +96,7 @@ def grid_mode_layers(
         if grid.batch_axis.world_size > 1 and logits.shape[:-1] == targets.shape:
             # the whole batch's logits, alike on every rank (a head no plan converted: a
             # part's model, gather_logits'): one process's loss, computed on every rank
+            _check_alike(logits, grid.batch_axis, name)
             return F.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]),
                 targets.reshape(-1),
