@@ -1,7 +1,8 @@
 """Every task of the tessera monorepo.
 
-`nox` with no arguments runs lint, typecheck, tests, docs (every code block of the user guide)
-and integration (torchrun multi-node and elastic-restart jobs). Other sessions: `build` (six
+`nox` with no arguments runs lint, typecheck, tests, tests_newest (every package's tests again
+on the newest torch users get), docs (every code block of the user guide) and integration
+(torchrun multi-node and elastic-restart jobs). Other sessions: `build` (six
 wheels into dist/), `bench` (everything under benchmarks/), `demo` (the README's main command),
 `convergence` (the ViT under every parallel layout, writes docs/convergence.md), `reliability`
 (hostile configs and injected faults, a report).
@@ -19,13 +20,11 @@ import nox
 
 ROOT = pathlib.Path(__file__).parent
 
-# The one place that pins torch. Packages declare the range CI tests in full (torch 2.13.x);
-# `nox -s tests_newest` runs every package's tests on NEWEST_TORCH, the newest release users
-# get, before a range is widened to it. Environments install
-# exactly this version, for which the machine has a local CPU wheel.
+# The one place that pins torch. Packages declare the range CI tests in full: TORCH, the pinned
+# release every environment installs (the machine has a local CPU wheel of it), and
+# NEWEST_TORCH, the newest release users get (a CUDA build that runs on CPU, about 5 GB), on
+# which `tests_newest` runs every package's tests in the default run.
 TORCH = "torch==2.13.0"
-# The newest torch users get (a CUDA build that runs on CPU, about 5 GB: not in the default run,
-# whose time is budgeted; every package's tests passed on it as they are).
 NEWEST_TORCH = "torch==2.14.1"
 
 # Each package's tessera dependencies, as declared in its pyproject.toml (checked below).
@@ -44,7 +43,7 @@ USES_HARNESS = ("context", "layers", "pipeline", "engine")
 
 TEST_TOOLS = ("pytest>=7", "hypothesis>=6", "numpy", "pyyaml")
 
-nox.options.sessions = ["lint", "typecheck", "tests", "docs", "integration"]
+nox.options.sessions = ["lint", "typecheck", "tests", "tests_newest", "docs", "integration"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
@@ -99,22 +98,32 @@ def _install_torch(session: nox.Session, *, bytecode: bool = True, torch: str = 
 @nox.parametrize("package", PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
     """One package's tests, in an environment holding only what that package declares."""
-    _run_package_tests(session, package, TORCH)
+    _run_package_tests(session, package)
 
 
 @nox.session
-@nox.parametrize("package", PACKAGES)
-def tests_newest(session: nox.Session, package: str) -> None:
-    """One package's tests on the newest torch users get (NEWEST_TORCH), outside the range.
+def tests_newest(session: nox.Session) -> None:
+    """Every package's tests on the newest torch users get (NEWEST_TORCH), in one environment.
 
-    The packages declare the range the default run tests (2.13.x); run this before widening
-    it. The packages are installed without their torch requirement checked against it.
+    The per-package environments of ``tests`` prove each package installs alone, on TORCH;
+    this run proves the code on the other end of the declared range. One environment holds
+    every package and its test extras, so the 5 GB build is installed once.
     """
-    _run_package_tests(session, package, NEWEST_TORCH)
+    _install_torch(session, torch=NEWEST_TORCH)
+    session.install(*TEST_TOOLS)
+    session.install(
+        *(_path(p) + (f"[{TEST_EXTRAS[p]}]" if p in TEST_EXTRAS else "") for p in PACKAGES)
+    )
+    for package in PACKAGES:
+        tests_dir = ROOT / "packages" / package / "tests"
+        if any(tests_dir.glob("test_*.py")):
+            session.run(
+                "python", "-m", "pytest", str(tests_dir), "-p", "no:cacheprovider", *session.posargs
+            )
 
 
-def _run_package_tests(session: nox.Session, package: str, torch: str) -> None:
-    _install_torch(session, torch=torch)
+def _run_package_tests(session: nox.Session, package: str) -> None:
+    _install_torch(session)
     wanted = _closure(package)
     if package in USES_HARNESS:
         wanted += [p for p in _closure("testing") if p not in wanted]
@@ -122,14 +131,7 @@ def _run_package_tests(session: nox.Session, package: str, torch: str) -> None:
     # The package under test is installed with its optional extras, so the code behind them
     # (timeline plots, the TensorBoard hook) is tested against the real dependency.
     extra = TEST_EXTRAS.get(package)
-    if torch == TORCH:
-        session.install(
-            *(_path(p) + (f"[{extra}]" if p == package and extra else "") for p in wanted)
-        )
-    else:  # outside the declared range: pip would put the declared torch back
-        session.install("--no-deps", *(_path(p) for p in wanted))
-        if extra:
-            session.install(*_extra_requirements(package, extra))
+    session.install(*(_path(p) + (f"[{extra}]" if p == package and extra else "") for p in wanted))
     tests_dir = ROOT / "packages" / package / "tests"
     if not any(tests_dir.glob("test_*.py")):
         session.skip(f"tessera-{package} has no tests yet")
@@ -142,14 +144,6 @@ def _run_package_tests(session: nox.Session, package: str, torch: str) -> None:
         "no:cacheprovider",
         *session.posargs,
     )
-
-
-def _extra_requirements(package: str, extra: str) -> list[str]:
-    """The requirements of ``package``'s optional extra, from its pyproject.toml."""
-    import tomllib
-
-    meta = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
-    return list(meta["project"]["optional-dependencies"][extra])
 
 
 @nox.session

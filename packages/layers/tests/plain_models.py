@@ -8,6 +8,8 @@ GPT-2 (hidden 16, 4 heads, vocabulary 32) so every layout divides it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -103,17 +105,36 @@ class TokenMean(nn.Module):
         return x.sum(1) / x.shape[1]
 
 
+class SinusoidalPositions(nn.Module):
+    """torch tutorial's fixed position encoding, a buffer table added to the tokens, after a
+    fixed gain per feature (a buffer the backward multiplies by too)."""
+
+    def __init__(self, hidden: int, max_len: int = 16) -> None:
+        super().__init__()
+        angle = torch.arange(max_len)[:, None] * torch.exp(
+            torch.arange(0, hidden, 2) * (-math.log(10000.0) / hidden)
+        )  # [max_len, h/2]
+        self.register_buffer("pe", torch.stack((angle.sin(), angle.cos()), -1).flatten(1))
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, hidden), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x * self.gain + self.pe[: x.shape[1]]
+        return out
+
+
 class OwnModulesBlock(Block):
     """:class:`Block` normalized by modules without parameters (a :class:`ScaleNorm`, a
     ``nn.LayerNorm`` without affine), each row's mean token added (a pooling that drops a
-    dim), its MLP's hidden layer centered."""
+    dim), its MLP's hidden layer centered, fixed positions added from buffers first."""
 
     def __init__(self, hidden: int, n_head: int) -> None:
         super().__init__(hidden, n_head)
         self.ln1, self.ln2 = ScaleNorm(), nn.LayerNorm(hidden, elementwise_affine=False)
         self.pool, self.mid = TokenMean(), Centered()
+        self.positions = SinusoidalPositions(hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.positions(x)
         x = x + self.attn(self.ln1(x))
         x = x + 0.5 * self.pool(x)[:, None, :]
         return x + self.fc2(self.mid(F.gelu(self.fc1(self.ln2(x)))))
@@ -147,6 +168,30 @@ OWN_MODULES_PLAN = Plan(
     sequence_span=("blocks.0", "blocks.-1"),
     causal_lm=True,
 )
+
+
+class MaskedTokenMean(nn.Module):
+    """Each row's mean over its tokens a mask keeps, ``[b, s, V], [b, s] -> [b, V]``."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        kept = keep[..., None].to(x.dtype)  # [b, s, 1]
+        out: torch.Tensor = (x * kept).sum(1) / kept.sum(1)
+        return out
+
+
+class MaskedPoolLM(PlainLM):
+    """:class:`PlainLM` whose logits gain each row's mean over its non-padding tokens: a
+    module left out taking the model's own mask of the ids, which a tensor mode splitting
+    the inputs hands it as this rank's part."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = MaskedTokenMean()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(ids)  # [b, s, V]
+        out: torch.Tensor = logits + self.pool(logits, ids != 0)[:, None]
+        return out
 
 
 class FunctionalNormBlock(Block):

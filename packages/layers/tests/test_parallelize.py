@@ -73,6 +73,7 @@ from plain_models import (
     OWN_MODULES_PLAN,
     PLAIN_PLAN,
     PLAIN_SPAN_PLAN,
+    MaskedPoolLM,
     SelfAttention,
     functional_norm_lm,
     own_modules_lm,
@@ -521,6 +522,10 @@ def _plain_lm_loss(
         rows = split_batch(ids, context=ctx)
         with pytest.raises(ValueError, match="differ between the ranks that split the batch"):
             causal_lm_loss(logits.detach(), rows, context=ctx)
+        if build is own_modules_lm:  # a module left out mixing a mask of this rank's rows
+            masked = parallelize(MaskedPoolLM(), PLAIN_SPAN_PLAN, context=ctx)
+            with pytest.raises(RuntimeError, match=r"'pool' \(a module the plan leaves out"):
+                masked(ids)
     grads = _full_grads(model, ctx, mean_loss=True)
     for name, p in ref.named_parameters():
         assert p.grad is not None

@@ -38,6 +38,7 @@ from ..sequence.replicated import split_sequence_activation
 from ..shared.context_access import current_or_none, tensor_mode
 from ..shared.errors import ModeNotImplementedError
 from ..shared.mode_layers import MODE_LAYERS, check_targets, find_mode_layers
+from .left_out import LAYOUT_MARK
 from .model_loss import MODEL_LOSS_ATTR
 from .plan import Plan
 from .sequence import KEY_PADDING_ATTRIBUTE, KeyPadding
@@ -372,7 +373,9 @@ def _install_sequence_span(
         check_divisible(
             x.shape[1], world, f"sequence parallelism: dim 1 (sequence) of {list(x.shape)}"
         )
-        return replace(split_along_dim(x, 1, group))  # [b, s/p, h]
+        chunk = split_along_dim(x, 1, group)  # [b, s/p, h]
+        setattr(chunk, LAYOUT_MARK, "activation")  # the span's layout, for modules left out
+        return replace(chunk)
 
     def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if isinstance(output, torch.Tensor):
@@ -463,6 +466,7 @@ def _install_token_span(model: nn.Module, span: tuple[str, str], context: Parall
         if padding is not None:  # zero tokens at the end, masked as keys, dropped at the end
             padded = keep.shape[0] > length
             padding.set(keep.expand(batch, -1).chunk(world, 1)[rank] if padded else None)
+        setattr(chunk, LAYOUT_MARK, "activation")  # the span's layout, for modules left out
         return replace(chunk)
 
     def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:

@@ -20,10 +20,19 @@ the mode's ``ModeLayers`` cuts of each) with its local shape, and marks the tens
 module's input takes its mark, or, made by the model's own code in between (``gelu(fc1(x))``),
 the layout whose latest output had its shape; one no converted module has returned the shape
 of stays a plain tensor, as before.
+
+A module's floating buffers (a sinusoidal position table, a fixed gain) are the same on every
+rank: while it computes on a split input they are ``Replicate`` DTensors, so the forward and
+the backward that saved them mix no plain tensor with a DTensor. Not where the module also
+takes a plain tensor of no known layout (position ids, a mask): a rotary embedding computes
+its tables from the ids and its buffer alone, and keeping both plain keeps that exact. A
+plain tensor meeting a split one is torch's error, raised again naming the module: never a
+block read as whole.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -158,6 +167,33 @@ def _recorder(trail: _Trail, layout: Layout) -> Any:
     return record
 
 
+def _add_note(error: BaseException, note: str) -> None:
+    """``note`` under ``error``'s message (a hook cannot raise its own: torch re-raises)."""
+    if hasattr(error, "add_note"):  # Python 3.11
+        error.add_note(note)
+    else:
+        error.args = (f"{error.args[0] if error.args else ''}\n{note}", *error.args[1:])
+
+
+#: A buffer held as a DTensor during a forward: its owner, its name and the plain tensor.
+_Swapped = tuple[nn.Module, str, torch.Tensor]
+
+
+def _replicate_buffers(module: nn.Module, mesh: Any) -> list[_Swapped]:
+    """Hold ``module``'s floating buffers as ``Replicate`` DTensors; what to put back."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    swapped: list[_Swapped] = []
+    for owner in module.modules():
+        for key, buffer in owner._buffers.items():
+            if buffer is None or not buffer.is_floating_point() or isinstance(buffer, DTensor):
+                continue
+            whole = (Replicate(),) * mesh.ndim
+            owner._buffers[key] = DTensor.from_local(buffer, mesh, whole, run_check=False)
+            swapped.append((owner, key, buffer))
+    return swapped
+
+
 @dataclass
 class _Placer:
     """The hooks of one module left out: its inputs in, its outputs out of DTensor."""
@@ -166,9 +202,9 @@ class _Placer:
     trail: _Trail
     context: ParallelContext
     cuts: dict[Layout, Cuts]
-    #: per call in flight: the layout of its first placed input and that input's ndim
-    #: (``None``: nothing placed)
-    entered: list[tuple[Layout, int] | None] = field(default_factory=list)
+    #: per call in flight: the layout of its first placed input, that input's ndim and the
+    #: buffers it holds as DTensors meanwhile (``None``: nothing placed)
+    entered: list[tuple[Layout, int, list[_Swapped]] | None] = field(default_factory=list)
     cache: dict[tuple[Layout, int], tuple[Any, ...]] = field(default_factory=dict)
 
     def placements(self, layout: Layout, ndim: int) -> tuple[Any, ...]:
@@ -184,9 +220,11 @@ class _Placer:
         flat, spec = tree_flatten((args, kwargs))
         mesh = tensor_mesh_of(self.context)
         first: tuple[Layout, int] | None = None
+        unknown = False  # a plain tensor input of no known layout (ids, a mask)
         for i, x in enumerate(flat):
             layout = self.trail.layout_of(x) if _placeable(x) else None
             if layout is None:
+                unknown = unknown or isinstance(x, torch.Tensor)
                 continue
             placements = self.placements(layout, x.dim())
             if all(p.is_replicate() for p in placements):
@@ -204,7 +242,8 @@ class _Placer:
         if first is None:
             self.entered.append(None)
             return None
-        self.entered.append(first)
+        swapped = [] if unknown else _replicate_buffers(module, mesh)
+        self.entered.append((*first, swapped))  # put back in leave(), which always runs
         return tree_unflatten(flat, spec)
 
     def refuse_split(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -237,7 +276,19 @@ class _Placer:
         entry = self.entered.pop()
         if entry is None:
             return None
-        layout, ndim = entry
+        layout, ndim, swapped = entry
+        for owner, key, buffer in swapped:
+            owner._buffers[key] = buffer
+        raised = sys.exc_info()[1]  # the forward's error, re-raised by torch after this hook
+        if isinstance(raised, RuntimeError) and "mixed torch.Tensor and DTensor" in str(raised):
+            _add_note(
+                raised,
+                f"parallelize: {self.name!r} (a module the plan leaves out, run under DTensor "
+                "on its split input) mixes it with a plain tensor it was given whose layout "
+                "tessera does not know (a mask or position ids; where the mode splits the batch "
+                "or the sequence, this rank's part of them); compute what mixes them in a "
+                "module the plan names, or give this module a role",
+            )
 
         split = [not p.is_replicate() for p in self.placements(layout, ndim)]
 
