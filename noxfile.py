@@ -42,6 +42,9 @@ PACKAGES = tuple(TESSERA_DEPS)
 USES_HARNESS = ("context", "layers", "pipeline", "engine")
 
 TEST_TOOLS = ("pytest>=7", "hypothesis>=6", "numpy", "pyyaml")
+# Models tessera-layers' tests build from libraries that import only beside NEWEST_TORCH:
+# timm needs torchvision, whose build on this machine's disk is the one for torch 2.14.1.
+NEWEST_TEST_MODELS = ("torchvision==0.29.1", "timm>=1.0.31,<1.1")
 
 nox.options.sessions = ["lint", "typecheck", "tests", "tests_newest", "docs", "integration"]
 nox.options.reuse_existing_virtualenvs = True
@@ -114,6 +117,7 @@ def tests_newest(session: nox.Session) -> None:
     session.install(
         *(_path(p) + (f"[{TEST_EXTRAS[p]}]" if p in TEST_EXTRAS else "") for p in PACKAGES)
     )
+    session.install(*NEWEST_TEST_MODELS)
     for package in PACKAGES:
         tests_dir = ROOT / "packages" / package / "tests"
         if any(tests_dir.glob("test_*.py")):

@@ -520,6 +520,26 @@ def vit_classifier(seed: int = 0, **overrides: Any) -> nn.Module:
     return _distinct(ViTForImageClassification(config), seed)
 
 
+def timm_vit(seed: int = 0) -> nn.Module:
+    """timm's ``VisionTransformer`` sized as :data:`VIT_CONFIG` (a class token, positions
+    covering it, q/k/v fused in ``attn.qkv``, token pooling), its weights drawn from ``seed``.
+    timm imports torchvision, which only the newest torch's environment holds (noxfile)."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(seed)
+    model = VisionTransformer(
+        img_size=VIT_CONFIG["image_size"],
+        patch_size=VIT_CONFIG["patch_size"],
+        in_chans=VIT_CONFIG["num_channels"],
+        num_classes=VIT_CONFIG["num_labels"],
+        embed_dim=VIT_CONFIG["hidden_size"],
+        depth=VIT_CONFIG["num_hidden_layers"],
+        num_heads=VIT_CONFIG["num_attention_heads"],
+        mlp_ratio=VIT_CONFIG["intermediate_size"] / VIT_CONFIG["hidden_size"],
+    )
+    return _distinct(model, seed)
+
+
 def images(seed: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     """``[BATCH, 3, 6, 6]`` images and their ``[BATCH]`` labels (the whole batch)."""
     g = torch.Generator().manual_seed(seed)

@@ -367,10 +367,45 @@ def _with_plan(model: nn.Module, name: str) -> nn.Module:
     return model
 
 
+def _timm_vit_matches_reference(ctx: ParallelContext) -> float:
+    """timm's ``VisionTransformer``, no plan given: the marker of its fused ``attn.qkv`` gives
+    the timm ViT plan; its class token and positions (the model's own parameters) and its
+    ``patch_embed`` compute as the mode's patch embedding under timm's names. The state dict,
+    the logits, the loss and every gradient are one process's."""
+    from hf_models import timm_vit
+
+    mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
+    impl = "all_to_all" if mode == "sequence" and size == 4 else "ring"
+    ref = timm_vit()
+    model = parallelize(copy.deepcopy(ref), sequence_attention=impl, context=ctx)
+    _assert_same_state(gather_full_state_dict(model, context=ctx), ref.state_dict())
+    pixels, labels = images()
+    ref_logits = ref(pixels)  # [b, C]
+    ref_loss = F.cross_entropy(ref_logits, labels)
+    logits = model(pixels)
+    loss = token_loss(logits, labels, context=ctx)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    torch.testing.assert_close(gather_logits(logits, context=ctx), ref_logits.detach(), **TOL)
+    ref_loss.backward()
+    loss.backward()
+    grads = _full_grads(model, ctx, mean_loss=True)  # 'sequence': every rank's loss is whole
+    for name, p in ref.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    return round(float(loss.detach()), 5)
+
+
+#: Checks of models whose library only the newest torch's environment holds (timm needs
+#: torchvision); run by their own tests, which skip where the library is missing.
+OPTIONAL_CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
+    "timm vit": _timm_vit_matches_reference,
+}
+
+
 def _run_check(tensor: dict[str, Any], check: str) -> Any:
     ctx = _context(tensor)
     try:
-        return CHECKS[check](ctx)
+        return {**CHECKS, **OPTIONAL_CHECKS}[check](ctx)
     finally:
         ctx.destroy()
 
@@ -1542,6 +1577,16 @@ def test_transformers_models_and_plain_blocks_equal_single_process(
     if check in expected:
         assert results[0] == expected[check]
     assert all(r == results[0] for r in results)  # losses agree on every rank
+
+
+@pytest.mark.parametrize("layout", ["1d-sp", "2d", "3d", "sequence-ring"])
+def test_timm_vision_transformer_equals_single_process(dist, layout: str) -> None:
+    pytest.importorskip("timm")  # with torchvision: nox's tests_newest environment
+    tensor = LAYOUTS[layout]
+    results = dist.run(
+        _run_check, world_size=tensor["size"], args=(tensor, "timm vit"), timeout=240.0
+    )
+    assert all(r == results[0] for r in results)
 
 
 class _ScaledEmbedding(nn.Embedding):

@@ -360,7 +360,7 @@ def _convert(
     routers = [name for name, role in roles.items() if role == "router"]
     materialize_whole_modules(model, ctx.device, routers, seed=ctx.base_seed)  # kept whole
     converter = Converter(
-        ctx, mode, sequence_parallel, inner_norms(roles), attention, span, roles=roles
+        ctx, mode, sequence_parallel, inner_norms(roles), attention, span, roles=roles, model=model
     )
     replaced: dict[int, nn.Parameter] = {}
     # The plain parameters stay alive, so no id() in ``replaced`` is reused by a new one (a

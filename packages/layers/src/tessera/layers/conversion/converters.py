@@ -38,7 +38,7 @@ from .head_bias import HeadColumns
 from .head_share import HEAD_COUNTS, HeadShareConfig
 from .norms import NormSpec, computes_as, computes_formula, computes_own_forward, norm_spec
 from .own_positions import OwnPositionIds, reads_own_ids
-from .patch import PatchEmbeddingAdapter, patch_sizes
+from .patch import PatchEmbeddingAdapter, TimmEmbeddingAdapter, patch_sizes, timm_patch_sizes
 from .per_head_norm import PerHeadNorm, holds_weights_per_head, per_head_norm_spec, rank_heads
 from .position_table import table_width
 from .repeated_heads import HeadRepeats, RepeatedHeads
@@ -299,6 +299,8 @@ class Converter:
             along the sequence (see :func:`~tessera.layers.conversion.plan.span_members`).
         roles: Every converted module's role, by name (tells a fused q/k/v projection from a
             layer beside separate ones).
+        model: The model the modules are in (timm's patch embedding reads its parent's class
+            token and positions).
     """
 
     def __init__(
@@ -310,8 +312,10 @@ class Converter:
         attention: tuple[str, ...] = (),
         sequence_span: set[str] | None = None,
         roles: Mapping[str, str] | None = None,
+        model: nn.Module | None = None,
     ) -> None:
         self.context, self.mode, self.sequence_parallel = context, mode, sequence_parallel
+        self.model = model
         layers = find_mode_layers(mode)
         kind = context.config.mode
         if layers is None or layers.roles is None or kind is None:
@@ -949,6 +953,10 @@ class Converter:
         clip = clip_patch_sizes(name, module)
         if clip is not None:
             return self.clip_patch_embedding(module, clip)
+        owner = None if self.model is None else self.model.get_submodule(name.rpartition(".")[0])
+        timm = timm_patch_sizes(name, module, owner)
+        if timm is not None and owner is not None:
+            return self.timm_patch_embedding(module, owner, timm)
         image, patch, channels, embed = patch_sizes(name, module)
         weight = _tensor(module.get_submodule("patch_embeddings.projection"), "weight")
         init = None if weight.is_meta else _no_init
@@ -1008,6 +1016,41 @@ class Converter:
         frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
         for pname, p in adapter.named_parameters():
             p.requires_grad_(pname not in frozen)
+        adapter.train(module.training)
+        return adapter
+
+    def timm_patch_embedding(
+        self, module: nn.Module, owner: nn.Module, sizes: tuple[int, int, int, int]
+    ) -> nn.Module:
+        """``patch_embedding`` of timm's ViT: the mode's patch embedding, timm's names.
+
+        The class token and positions ``owner`` (the ``VisionTransformer``) holds become the
+        tessera module's. See :class:`~tessera.layers.conversion.patch.TimmEmbeddingAdapter`.
+        """
+        conv = module.get_submodule("proj")
+        weight = _tensor(conv, "weight")
+        init = None if weight.is_meta else _no_init
+        args = (*sizes, weight.dtype, init, init, init)
+        where = {"device": self._device(weight), "context": self.context}
+        inner = self.layers.classes["PatchEmbedding"](*args, **where)
+        bias = getattr(conv, "bias", None) is not None
+        if not bias:
+            with torch.no_grad():
+                _tensor(inner, "bias").zero_()
+            _tensor(inner, "bias").requires_grad_(False)
+        timm_params = {
+            "weight": conv.get_parameter("weight"),
+            "cls_token": owner.get_parameter("cls_token"),
+            "pos_embed": owner.get_parameter("pos_embed"),
+        }
+        if bias:
+            timm_params["bias"] = conv.get_parameter("bias")
+        if not any(p.is_meta for p in timm_params.values()):
+            whole = {key: p.detach() for key, p in timm_params.items()}
+            load_full_state_dict(inner, whole, strict=False)
+        for key, p in timm_params.items():
+            _tensor(inner, key).requires_grad_(p.requires_grad)
+        adapter = TimmEmbeddingAdapter(inner, owner, bias)
         adapter.train(module.training)
         return adapter
 

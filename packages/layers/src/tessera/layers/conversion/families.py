@@ -628,6 +628,42 @@ def _vit(prefix: str, classifier: bool) -> Plan:
     )
 
 
+def _timm_vit(prefix: str, causal_lm: bool) -> Plan:
+    """The ``VisionTransformer`` of timm: pre-norm blocks, q, k and v fused in ``attn.qkv``.
+
+    Its ``patch_embed`` and the class token and positions of the model itself are the mode's
+    patch embedding (:class:`~.patch.TimmEmbeddingAdapter`); its ``attn_dim`` and
+    ``num_heads`` are rescaled to each rank's heads. The classifier's logits ``[b, C]`` stay
+    split like a language model's (``gather_logits``, ``token_loss``), as the plan's
+    ``causal_lm`` says (the marker's own flag reads an ``lm_head``, which timm has not).
+    """
+    block = f"{prefix}blocks.*"
+    rules = {
+        f"{prefix}patch_embed": "patch_embedding",
+        f"{block}.norm1": "norm",
+        f"{block}.attn": "attention",
+        f"{block}.attn.qkv": "qkv",
+        f"{block}.attn.proj": "row",
+        f"{block}.norm2": "norm",
+        f"{block}.mlp.fc1": "col",
+        f"{block}.mlp.fc2": "row",
+        f"{prefix}norm": "norm",
+        f"{prefix}head": "head",
+    }
+    return Plan(
+        rules,
+        boundary="images",
+        sequence_span=(f"{prefix}blocks.0", f"{prefix}norm"),
+        causal_lm=True,  # the head's logits come back split, not gathered as hidden states
+        name="timm ViT classifier",
+    )
+
+
+def _timm_qkv(module: nn.Module) -> bool:
+    """The ``qkv`` of timm's attention: one ``nn.Linear`` returning q, k and v side by side."""
+    return type(module) is nn.Linear and module.out_features % 3 == 0
+
+
 #: Why an encoder-decoder cannot run under tensor mode ``'sequence'``.
 _ENCODER_DECODER_SEQUENCE = (
     "its decoder's cross-attention reads every token of the encoder's output, a sequence of "
@@ -939,6 +975,8 @@ MODEL_FAMILIES: tuple[ModelFamily, ...] = (
         ),
     ),
     ModelFamily("CLIP", plans={"CLIPVisionModel": _clip_vision(), "CLIPTextModel": _clip_text()}),
+    # timm's VisionTransformer (torchvision has a class of that name laid out otherwise)
+    ModelFamily("timm ViT", marker=Marker("blocks.0.attn.qkv", _timm_qkv, _timm_vit)),
     ModelFamily("BART", plans={"BartForConditionalGeneration": _bart()}),
     ModelFamily(
         "T5",

@@ -1,7 +1,8 @@
 """A transformers ViT's embeddings (patches, class token, positions) in the mode's layout.
 
 transformers' ``ViTEmbeddings`` holds a patch convolution, a class token and a position table
-as its own parameters; tessera's patch embeddings (:class:`PatchEmbedding1D`,
+as its own parameters (timm's ``VisionTransformer`` holds the last two itself, beside its
+``PatchEmbed``); tessera's patch embeddings (:class:`PatchEmbedding1D`,
 :class:`PatchEmbedding2D`, ...) compute the same thing (Dosovitskiy et al. 2021) with the
 embedding dim split the mode's way. :class:`PatchEmbeddingAdapter` runs the tessera one and
 registers its parameters under transformers' names, so the state dict stays the original's.
@@ -9,12 +10,20 @@ registers its parameters under transformers' names, so the state dict stays the 
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["ClipEmbeddingAdapter", "PatchEmbeddingAdapter", "clip_patch_sizes", "patch_sizes"]
+__all__ = [
+    "ClipEmbeddingAdapter",
+    "PatchEmbeddingAdapter",
+    "TimmEmbeddingAdapter",
+    "clip_patch_sizes",
+    "patch_sizes",
+    "timm_patch_sizes",
+]
 
 
 def patch_sizes(name: str, module: nn.Module) -> tuple[int, int, int, int]:
@@ -177,4 +186,105 @@ class ClipEmbeddingAdapter(nn.Module):
         if self._bias:
             params["bias"] = self.get_submodule("patch_embedding").get_parameter("bias")
         out: torch.Tensor = torch.func.functional_call(self._inner[0], params, (pixel_values,))
+        return out
+
+
+def timm_patch_sizes(
+    name: str, module: nn.Module, owner: nn.Module | None
+) -> tuple[int, int, int, int] | None:
+    """``(image side, patch side, channels, embed size)`` of timm's ``PatchEmbed``, or None.
+
+    timm's ``VisionTransformer`` (``owner``) holds the class token ``cls_token [1, 1, E]`` and
+    the position table ``pos_embed [1, N+1, E]`` itself and adds them in its ``_pos_embed``;
+    its ``patch_embed`` holds the convolution ``proj``. Together they compute the tessera patch
+    embedding, for the layout timm calls standard (a class token, positions covering it, no
+    register tokens, a fixed image size).
+
+    Raises:
+        ValueError: naming what of that layout the model does otherwise.
+    """
+    projection = getattr(module, "proj", None)
+    if (
+        not isinstance(projection, nn.Conv2d)
+        or not hasattr(module, "img_size")
+        or owner is None
+        or not hasattr(owner, "_pos_embed")
+        or not hasattr(owner, "pos_embed")
+    ):
+        return None
+    image, patch = tuple(getattr(module, "img_size", None) or ()), tuple(projection.kernel_size)
+    unlike = {
+        "a square image": len(image) == 2 and image[0] == image[1],
+        "square, non-overlapping patches": patch[0] == patch[1]
+        and patch == tuple(projection.stride),
+        "patches flattened to [b, N, E]": bool(getattr(module, "flatten", False)),
+        "no norm of the patches": isinstance(getattr(module, "norm", None), nn.Identity),
+        "a class token": isinstance(getattr(owner, "cls_token", None), torch.Tensor),
+        "no register tokens": getattr(owner, "reg_token", None) is None,
+        "positions covering the class token": not getattr(owner, "no_embed_class", False),
+        "a fixed image size": not getattr(owner, "dynamic_img_size", False),
+    }
+    missing = [what for what, holds in unlike.items() if not holds]
+    if missing:
+        raise ValueError(
+            f"parallelize: {name!r} is timm's patch embedding, whose model tessera computes for "
+            f"{', '.join(unlike)}; this one lacks {', '.join(missing)}"
+        )
+    patches = (int(image[0]) // int(patch[0])) ** 2
+    positions = owner.get_parameter("pos_embed")
+    if tuple(positions.shape) != (1, patches + 1, projection.out_channels):
+        raise ValueError(
+            f"parallelize: {name!r}'s model holds positions {list(positions.shape)} for "
+            f"{patches} patches, the class token and {projection.out_channels} features"
+        )
+    return int(image[0]), int(patch[0]), projection.in_channels, projection.out_channels
+
+
+def _positions_already_added(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's ``_pos_embed`` once ``patch_embed`` is a :class:`TimmEmbeddingAdapter`."""
+    dropped: torch.Tensor = self.get_submodule("pos_drop")(x)
+    return dropped
+
+
+class TimmEmbeddingAdapter(nn.Module):
+    """A tessera patch embedding as timm's ``PatchEmbed`` (its parameters under timm's names).
+
+    ``proj.weight`` (and ``proj.bias``) are the tessera module's ``weight`` and ``bias``;
+    its ``cls_token`` and ``pos_embed`` become the timm model's own (``owner``'s), which keep
+    their names and shapes there, and the model's ``_pos_embed`` is left only its dropout: the
+    adapter returns the class token and the positions already in, ``[b', N+1, E']`` in the
+    mode's layout. A convolution without a bias leaves the tessera one at zero, frozen.
+
+    Args:
+        inner: The mode's patch embedding.
+        owner: The timm ``VisionTransformer``.
+        bias: Whether the convolution had a bias.
+    """
+
+    def __init__(self, inner: nn.Module, owner: nn.Module, bias: bool) -> None:
+        super().__init__()
+        self._inner = [inner]  # not a child: its parameters are registered below, once each
+        self._owner = [owner]  # not a child either: it is the parent
+        self._bias = bias
+        self.proj = nn.Module()
+        self.proj.weight = inner.weight
+        if bias:
+            self.proj.bias = inner.bias
+        owner.cls_token = inner.cls_token
+        owner.pos_embed = inner.pos_embed
+        # a bound method on the instance: a deep copy of the model binds it to the copy
+        object.__setattr__(owner, "_pos_embed", types.MethodType(_positions_already_added, owner))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[b', C, H, W]`` images -> ``[b', N+1, E']`` in the mode's layout."""
+        owner = self._owner[0]
+        # the *current* parameters: ZeRO (FSDP2) replaces them where they are registered
+        params: dict[str, torch.Tensor] = {
+            "weight": self.get_submodule("proj").get_parameter("weight"),
+            "cls_token": owner.get_parameter("cls_token"),
+            "pos_embed": owner.get_parameter("pos_embed"),
+        }
+        if self._bias:
+            params["bias"] = self.get_submodule("proj").get_parameter("bias")
+        out: torch.Tensor = torch.func.functional_call(self._inner[0], params, (x,))
         return out

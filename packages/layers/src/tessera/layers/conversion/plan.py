@@ -372,6 +372,10 @@ def infer_plan(model: nn.Module) -> Plan | None:
     return None
 
 
+#: Parameters of a patch embedding's parent that the embedding computes with (timm's ViT).
+_ADOPTED_BY_PATCH_EMBEDDING = frozenset({"cls_token", "pos_embed"})
+
+
 def _covers(model: nn.Module, plan: Plan) -> bool:
     """Every rule matches, and every module with parameters of its own is named by one.
 
@@ -389,8 +393,12 @@ def _covers(model: nn.Module, plan: Plan) -> bool:
     modules = dict(model.named_modules())
     split_whole = {n for n, role in named.items() if role == "attention"}
     split_whole = {n for n in split_whole if isinstance(modules[n], nn.MultiheadAttention)}
+    # timm's ViT holds its class token and positions beside its patch embedding, which adopts
+    # them (patch.TimmEmbeddingAdapter)
+    adopting = {n.rpartition(".")[0] for n, role in named.items() if role == "patch_embedding"}
     for name, module in model.named_modules():
-        if not any(True for _ in module.parameters(recurse=False)):
+        own = {pname for pname, _ in module.named_parameters(recurse=False)}
+        if not own or (name in adopting and own <= _ADOPTED_BY_PATCH_EMBEDDING):
             continue
         if name in named and named[name] != "attention":
             continue
