@@ -989,19 +989,10 @@ class Converter:
         from .patch import ClipEmbeddingAdapter
 
         conv = module.get_submodule("patch_embedding")
-        weight = _tensor(conv, "weight")
-        init = None if weight.is_meta else _no_init
-        args = (*sizes, weight.dtype, init, init, init)
-        where = {"device": self._device(weight), "context": self.context}
-        inner = self.layers.classes["PatchEmbedding"](*args, **where)
-        bias = getattr(conv, "bias", None) is not None
+        inner, bias = self._mode_patch_embedding(conv, sizes)
         embed, positions = sizes[3], (sizes[0] // sizes[1]) ** 2 + 1
         set_full_form(_tensor(inner, "cls_token"), FullForm((embed,)))
         set_full_form(_tensor(inner, "pos_embed"), FullForm((positions, embed)))
-        if not bias:
-            with torch.no_grad():
-                _tensor(inner, "bias").zero_()
-            _tensor(inner, "bias").requires_grad_(False)
         if not any(p.is_meta for p in module.parameters()):
             state = module.state_dict()
             whole = {
@@ -1019,15 +1010,14 @@ class Converter:
         adapter.train(module.training)
         return adapter
 
-    def timm_patch_embedding(
-        self, module: nn.Module, owner: nn.Module, sizes: tuple[int, int, int, int]
-    ) -> nn.Module:
-        """``patch_embedding`` of timm's ViT: the mode's patch embedding, timm's names.
+    def _mode_patch_embedding(
+        self, conv: nn.Module, sizes: tuple[int, int, int, int]
+    ) -> tuple[nn.Module, bool]:
+        """The mode's patch embedding for ``conv``'s patches, and whether ``conv`` has a bias.
 
-        The class token and positions ``owner`` (the ``VisionTransformer``) holds become the
-        tessera module's. See :class:`~tessera.layers.conversion.patch.TimmEmbeddingAdapter`.
+        Without one, the tessera module's bias stays zero and frozen. Its weights are drawn
+        (meta) or left for the caller to load.
         """
-        conv = module.get_submodule("proj")
         weight = _tensor(conv, "weight")
         init = None if weight.is_meta else _no_init
         args = (*sizes, weight.dtype, init, init, init)
@@ -1038,6 +1028,18 @@ class Converter:
             with torch.no_grad():
                 _tensor(inner, "bias").zero_()
             _tensor(inner, "bias").requires_grad_(False)
+        return inner, bias
+
+    def timm_patch_embedding(
+        self, module: nn.Module, owner: nn.Module, sizes: tuple[int, int, int, int]
+    ) -> nn.Module:
+        """``patch_embedding`` of timm's ViT: the mode's patch embedding, timm's names.
+
+        The class token and positions ``owner`` (the ``VisionTransformer``) holds become the
+        tessera module's. See :class:`~tessera.layers.conversion.patch.TimmEmbeddingAdapter`.
+        """
+        conv = module.get_submodule("proj")
+        inner, bias = self._mode_patch_embedding(conv, sizes)
         timm_params = {
             "weight": conv.get_parameter("weight"),
             "cls_token": owner.get_parameter("cls_token"),
