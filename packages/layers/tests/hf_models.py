@@ -520,9 +520,10 @@ def vit_classifier(seed: int = 0, **overrides: Any) -> nn.Module:
     return _distinct(ViTForImageClassification(config), seed)
 
 
-def timm_vit(seed: int = 0) -> nn.Module:
+def timm_vit(seed: int = 0, global_pool: str = "token") -> nn.Module:
     """timm's ``VisionTransformer`` sized as :data:`VIT_CONFIG` (a class token, positions
-    covering it, q/k/v fused in ``attn.qkv``, token pooling), its weights drawn from ``seed``.
+    covering it, q/k/v fused in ``attn.qkv``; the class token read by the head, or ``"avg"``:
+    the mean of the other tokens, normalized by ``fc_norm``), its weights drawn from ``seed``.
     timm imports torchvision, which only the newest torch's environment holds (noxfile)."""
     from timm.models.vision_transformer import VisionTransformer
 
@@ -536,6 +537,7 @@ def timm_vit(seed: int = 0) -> nn.Module:
         depth=VIT_CONFIG["num_hidden_layers"],
         num_heads=VIT_CONFIG["num_attention_heads"],
         mlp_ratio=VIT_CONFIG["intermediate_size"] / VIT_CONFIG["hidden_size"],
+        global_pool=global_pool,
     )
     return _distinct(model, seed)
 

@@ -371,12 +371,13 @@ def _timm_vit_matches_reference(ctx: ParallelContext) -> float:
     """timm's ``VisionTransformer``, no plan given: the marker of its fused ``attn.qkv`` gives
     the timm ViT plan; its class token and positions (the model's own parameters) and its
     ``patch_embed`` compute as the mode's patch embedding under timm's names. The state dict,
-    the logits, the loss and every gradient are one process's."""
+    the logits, the loss and every gradient are one process's. Under 2d and 'sequence' the
+    head reads the mean token (``norm`` then an Identity, ``fc_norm`` a LayerNorm)."""
     from hf_models import timm_vit
 
     mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
     impl = "all_to_all" if mode == "sequence" and size == 4 else "ring"
-    ref = timm_vit()
+    ref = timm_vit(global_pool="avg" if mode in ("2d", "sequence") else "token")
     model = parallelize(copy.deepcopy(ref), sequence_attention=impl, context=ctx)
     _assert_same_state(gather_full_state_dict(model, context=ctx), ref.state_dict())
     pixels, labels = images()

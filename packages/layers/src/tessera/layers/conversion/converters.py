@@ -355,7 +355,9 @@ class Converter:
         if role == "position_table":
             return self.position_table(name, module)
         if role == "norm":
-            return self.norm(name, module)
+            # a norm the model's config left out (timm's fc_norm or norm, by pooling) is exact
+            # on any block
+            return module if type(module) is nn.Identity else self.norm(name, module)
         if role == "head_norm":
             return self.head_norm(name, module)
         if role == "head_bias":

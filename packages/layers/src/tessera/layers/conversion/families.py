@@ -648,6 +648,7 @@ def _timm_vit(prefix: str, causal_lm: bool) -> Plan:
         f"{block}.mlp.fc1": "col",
         f"{block}.mlp.fc2": "row",
         f"{prefix}norm": "norm",
+        f"{prefix}fc_norm": "norm",  # after an average over the tokens (norm is then Identity)
         f"{prefix}head": "head",
     }
     return Plan(

@@ -175,8 +175,9 @@ def _add_note(error: BaseException, note: str) -> None:
         error.args = (f"{error.args[0] if error.args else ''}\n{note}", *error.args[1:])
 
 
-#: A buffer held as a DTensor during a forward: its owner, its name and the plain tensor.
-_Swapped = tuple[nn.Module, str, torch.Tensor]
+#: A buffer held as a DTensor during a forward: its owner, its name, the plain tensor and
+#: the DTensor standing for it.
+_Swapped = tuple[nn.Module, str, torch.Tensor, torch.Tensor]
 
 
 def _replicate_buffers(module: nn.Module, mesh: Any) -> list[_Swapped]:
@@ -189,9 +190,26 @@ def _replicate_buffers(module: nn.Module, mesh: Any) -> list[_Swapped]:
             if buffer is None or not buffer.is_floating_point() or isinstance(buffer, DTensor):
                 continue
             whole = (Replicate(),) * mesh.ndim
-            owner._buffers[key] = DTensor.from_local(buffer, mesh, whole, run_check=False)
-            swapped.append((owner, key, buffer))
+            held = DTensor.from_local(buffer, mesh, whole, run_check=False)
+            owner._buffers[key] = held
+            swapped.append((owner, key, buffer, held))
     return swapped
+
+
+def _restore_buffers(swapped: list[_Swapped]) -> None:
+    """Each buffer plain again.
+
+    One the forward replaced (a cache it rebuilt from a buffer) keeps its new value, made whole.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for owner, key, buffer, held in swapped:
+        now = owner._buffers.get(key)
+        if now is held:
+            owner._buffers[key] = buffer
+        elif isinstance(now, DTensor):
+            whole = (Replicate(),) * now.device_mesh.ndim
+            owner._buffers[key] = now.redistribute(now.device_mesh, whole).to_local().detach()
 
 
 @dataclass
@@ -277,8 +295,7 @@ class _Placer:
         if entry is None:
             return None
         layout, ndim, swapped = entry
-        for owner, key, buffer in swapped:
-            owner._buffers[key] = buffer
+        _restore_buffers(swapped)
         raised = sys.exc_info()[1]  # the forward's error, re-raised by torch after this hook
         if isinstance(raised, RuntimeError) and "mixed torch.Tensor and DTensor" in str(raised):
             _add_note(
