@@ -26,7 +26,7 @@ rank: while it computes on a split input they are ``Replicate`` DTensors, so the
 the backward that saved them mix no plain tensor with a DTensor. Not where the module also
 takes a plain tensor of no known layout (position ids, a mask): a rotary embedding computes
 its tables from the ids and its buffer alone, and keeping both plain keeps that exact. A
-plain tensor meeting a split one is torch's error, raised again naming the module: never a
+plain tensor meeting a split one is torch's error, with a note naming the module: never a
 block read as whole.
 """
 
