@@ -117,7 +117,12 @@ def tests_newest(session: nox.Session) -> None:
     session.install(
         *(_path(p) + (f"[{TEST_EXTRAS[p]}]" if p in TEST_EXTRAS else "") for p in PACKAGES)
     )
-    session.install(*NEWEST_TEST_MODELS)
+    session.install(NEWEST_TORCH, *NEWEST_TEST_MODELS)  # pinned again: pip keeps it
+    session.run(
+        "python",
+        "-c",
+        f"import torch; assert torch.__version__.startswith('{NEWEST_TORCH.split('==')[1]}')",
+    )
     for package in PACKAGES:
         tests_dir = ROOT / "packages" / package / "tests"
         if any(tests_dir.glob("test_*.py")):

@@ -520,7 +520,7 @@ def vit_classifier(seed: int = 0, **overrides: Any) -> nn.Module:
     return _distinct(ViTForImageClassification(config), seed)
 
 
-def timm_vit(seed: int = 0, global_pool: str = "token") -> nn.Module:
+def timm_vit(seed: int = 0, global_pool: str = "token", **overrides: Any) -> nn.Module:
     """timm's ``VisionTransformer`` sized as :data:`VIT_CONFIG` (a class token, positions
     covering it, q/k/v fused in ``attn.qkv``; the class token read by the head, or ``"avg"``:
     the mean of the other tokens, normalized by ``fc_norm``), its weights drawn from ``seed``.
@@ -538,6 +538,7 @@ def timm_vit(seed: int = 0, global_pool: str = "token") -> nn.Module:
         num_heads=VIT_CONFIG["num_attention_heads"],
         mlp_ratio=VIT_CONFIG["intermediate_size"] / VIT_CONFIG["hidden_size"],
         global_pool=global_pool,
+        **overrides,
     )
     return _distinct(model, seed)
 

@@ -107,7 +107,8 @@ class TokenMean(nn.Module):
 
 class SinusoidalPositions(nn.Module):
     """torch tutorial's fixed position encoding, a buffer table added to the tokens, after a
-    fixed gain per feature (a buffer the backward multiplies by too)."""
+    fixed gain per feature (a buffer the backward multiplies by too), and a ramp over the
+    positions the forward makes itself."""
 
     def __init__(self, hidden: int, max_len: int = 16) -> None:
         super().__init__()
@@ -118,7 +119,8 @@ class SinusoidalPositions(nn.Module):
         self.register_buffer("gain", torch.linspace(0.5, 1.5, hidden), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = x * self.gain + self.pe[: x.shape[1]]
+        ramp = torch.arange(x.shape[1], dtype=x.dtype, device=x.device)[:, None] / 16  # [s, 1]
+        out: torch.Tensor = x * self.gain + self.pe[: x.shape[1]] + ramp
         return out
 
 

@@ -393,6 +393,11 @@ def _timm_vit_matches_reference(ctx: ParallelContext) -> float:
     for name, p in ref.named_parameters():
         assert p.grad is not None
         torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    if mode == "2d":  # a gated MLP's fc1 holds value and gate side by side: no plan
+        from timm.layers import SwiGLUPacked
+
+        with pytest.raises(ValueError, match="ships no plan for VisionTransformer"):
+            parallelize(timm_vit(mlp_layer=SwiGLUPacked), context=ctx)
     return round(float(loss.detach()), 5)
 
 

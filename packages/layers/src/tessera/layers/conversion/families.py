@@ -660,9 +660,22 @@ def _timm_vit(prefix: str, causal_lm: bool) -> Plan:
     )
 
 
-def _timm_qkv(module: nn.Module) -> bool:
-    """The ``qkv`` of timm's attention: one ``nn.Linear`` returning q, k and v side by side."""
-    return type(module) is nn.Linear and module.out_features % 3 == 0
+def _timm_block(module: nn.Module) -> bool:
+    """A block of timm's ``VisionTransformer``: its ``Attention`` and its plain ``Mlp``.
+
+    The attention holds q, k and v fused in one ``nn.Linear`` ``qkv``. A gated MLP
+    (``SwiGLUPacked``'s ``GluMlp``) chunks ``fc1``'s output into value and gate, which a
+    column split would pair wrongly on each rank: no plan.
+    """
+    attn, mlp = getattr(module, "attn", None), getattr(module, "mlp", None)
+    qkv = getattr(attn, "qkv", None)
+    return (
+        type(module).__module__.startswith("timm.")
+        and type(attn).__name__ == "Attention"
+        and type(mlp).__name__ == "Mlp"
+        and type(qkv) is nn.Linear
+        and qkv.out_features % 3 == 0
+    )
 
 
 #: Why an encoder-decoder cannot run under tensor mode ``'sequence'``.
@@ -977,7 +990,7 @@ MODEL_FAMILIES: tuple[ModelFamily, ...] = (
     ),
     ModelFamily("CLIP", plans={"CLIPVisionModel": _clip_vision(), "CLIPTextModel": _clip_text()}),
     # timm's VisionTransformer (torchvision has a class of that name laid out otherwise)
-    ModelFamily("timm ViT", marker=Marker("blocks.0.attn.qkv", _timm_qkv, _timm_vit)),
+    ModelFamily("timm ViT", marker=Marker("blocks.0", _timm_block, _timm_vit)),
     ModelFamily("BART", plans={"BartForConditionalGeneration": _bart()}),
     ModelFamily(
         "T5",

@@ -23,11 +23,13 @@ of stays a plain tensor, as before.
 
 A module's floating buffers (a sinusoidal position table, a fixed gain) are the same on every
 rank: while it computes on a split input they are ``Replicate`` DTensors, so the forward and
-the backward that saved them mix no plain tensor with a DTensor. Not where the module also
-takes a plain tensor of no known layout (position ids, a mask): a rotary embedding computes
-its tables from the ids and its buffer alone, and keeping both plain keeps that exact. A
-plain tensor meeting a split one is torch's error, with a note naming the module: never a
-block read as whole.
+the backward that saved them mix no plain tensor with a DTensor, and what it makes itself
+(``torch.arange(x.shape[1])``) is taken as whole too (``implicit_replication``). Not where
+the module also takes a plain tensor of no known layout (position ids, a mask: this rank's
+part where the mode splits the batch or the sequence): a rotary embedding computes its tables
+from the ids and its buffer alone, and keeping both plain keeps that exact. Such a tensor
+meeting a split one is torch's error, with a note naming the module: never a block read as
+whole.
 """
 
 from __future__ import annotations
@@ -213,6 +215,25 @@ def _restore_buffers(swapped: list[_Swapped]) -> None:
 
 
 @dataclass
+class _Entered:
+    """One call of a module left out, between its hooks.
+
+    Attributes:
+        layout: The layout of its first placed input.
+        ndim: That input's ndim.
+        raised_before: The exception being handled when it was called, if any (not its own).
+        swapped: The buffers it holds as DTensors meanwhile.
+        whole: The ``implicit_replication`` it runs under, where it took no plain tensor.
+    """
+
+    layout: Layout
+    ndim: int
+    raised_before: BaseException | None = None
+    swapped: list[_Swapped] = field(default_factory=list)
+    whole: Any = None
+
+
+@dataclass
 class _Placer:
     """The hooks of one module left out: its inputs in, its outputs out of DTensor."""
 
@@ -220,9 +241,8 @@ class _Placer:
     trail: _Trail
     context: ParallelContext
     cuts: dict[Layout, Cuts]
-    #: per call in flight: the layout of its first placed input, that input's ndim and the
-    #: buffers it holds as DTensors meanwhile (``None``: nothing placed)
-    entered: list[tuple[Layout, int, list[_Swapped]] | None] = field(default_factory=list)
+    #: per call in flight (``None``: nothing placed)
+    entered: list[_Entered | None] = field(default_factory=list)
     cache: dict[tuple[Layout, int], tuple[Any, ...]] = field(default_factory=dict)
 
     def placements(self, layout: Layout, ndim: int) -> tuple[Any, ...]:
@@ -260,8 +280,14 @@ class _Placer:
         if first is None:
             self.entered.append(None)
             return None
-        swapped = [] if unknown else _replicate_buffers(module, mesh)
-        self.entered.append((*first, swapped))  # put back in leave(), which always runs
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        entry = _Entered(*first, raised_before=sys.exc_info()[1])
+        if not unknown:  # what the module makes itself is whole; put back in leave()
+            entry.swapped = _replicate_buffers(module, mesh)
+            entry.whole = implicit_replication()
+            entry.whole.__enter__()
+        self.entered.append(entry)
         return tree_unflatten(flat, spec)
 
     def refuse_split(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -294,10 +320,13 @@ class _Placer:
         entry = self.entered.pop()
         if entry is None:
             return None
-        layout, ndim, swapped = entry
-        _restore_buffers(swapped)
+        layout, ndim = entry.layout, entry.ndim
+        if entry.whole is not None:
+            entry.whole.__exit__(None, None, None)
+        _restore_buffers(entry.swapped)
         raised = sys.exc_info()[1]  # the forward's error, re-raised by torch after this hook
-        if isinstance(raised, RuntimeError) and "mixed torch.Tensor and DTensor" in str(raised):
+        mixed = isinstance(raised, RuntimeError) and "mixed torch.Tensor and DTensor" in str(raised)
+        if mixed and raised is not None and raised is not entry.raised_before:
             _add_note(
                 raised,
                 f"parallelize: {self.name!r} (a module the plan leaves out, run under DTensor "

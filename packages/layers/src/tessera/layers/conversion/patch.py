@@ -220,6 +220,10 @@ def timm_patch_sizes(
         "patches flattened to [b, N, E]": bool(getattr(module, "flatten", False)),
         "no norm of the patches": isinstance(getattr(module, "norm", None), nn.Identity),
         "a class token": isinstance(getattr(owner, "cls_token", None), torch.Tensor),
+        "learned positions": isinstance(getattr(owner, "pos_embed", None), torch.Tensor),
+        "no other parameters in the patch embedding": all(
+            name.startswith("proj.") for name, _ in module.named_parameters()
+        ),
         "no register tokens": getattr(owner, "reg_token", None) is None,
         "positions covering the class token": not getattr(owner, "no_embed_class", False),
         "a fixed image size": not getattr(owner, "dynamic_img_size", False),
@@ -227,8 +231,8 @@ def timm_patch_sizes(
     missing = [what for what, holds in unlike.items() if not holds]
     if missing:
         raise ValueError(
-            f"parallelize: {name!r} is timm's patch embedding, whose model tessera computes for "
-            f"{', '.join(unlike)}; this one lacks {', '.join(missing)}"
+            f"parallelize: {name!r} is timm's patch embedding, whose model tessera computes "
+            f"with {'; '.join(unlike)}; this one does not have: {'; '.join(missing)}"
         )
     patches = (int(image[0]) // int(patch[0])) ** 2
     positions = owner.get_parameter("pos_embed")
