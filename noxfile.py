@@ -106,11 +106,15 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session
 def tests_newest(session: nox.Session) -> None:
-    """Every package's tests on the newest torch users get (NEWEST_TORCH), in one environment.
+    """Every torch-using package's tests on the newest torch users get (NEWEST_TORCH).
 
     The per-package environments of ``tests`` prove each package installs alone, on TORCH;
     this run proves the code on the other end of the declared range. One environment holds
-    every package and its test extras, so the 5 GB build is installed once.
+    every package and its test extras, so the 5 GB build is installed once. Two kinds of test
+    run on TORCH only: those of a package that does not use torch (registry: the standard
+    library only), and those marked ``pinned_torch_only``, which repeat at another rank count
+    or on another grid a code path this run covers (``pyproject.toml`` says which). Every
+    package is tested even when one fails; the session fails after, naming them.
     """
     _install_torch(session, torch=NEWEST_TORCH)
     session.install(*TEST_TOOLS)
@@ -123,12 +127,38 @@ def tests_newest(session: nox.Session) -> None:
         "-c",
         f"import torch; assert torch.__version__.startswith('{NEWEST_TORCH.split('==')[1]}')",
     )
+    failed = []
     for package in PACKAGES:
         tests_dir = ROOT / "packages" / package / "tests"
-        if any(tests_dir.glob("test_*.py")):
-            session.run(
-                "python", "-m", "pytest", str(tests_dir), "-p", "no:cacheprovider", *session.posargs
-            )
+        if not _uses_torch(package) or not any(tests_dir.glob("test_*.py")):
+            continue
+        report = pathlib.Path(session.create_tmp()) / f"{package}.xml"
+        report.unlink(missing_ok=True)
+        session.run(
+            *("python", "-m", "pytest", str(tests_dir), "-p", "no:cacheprovider"),
+            *("-m", "not pinned_torch_only", f"--junit-xml={report}", *session.posargs),
+            success_codes=[0, 1],  # 1: tests failed, counted from the report below
+        )
+        if report.exists() and not _all_passed(report):
+            failed.append(package)
+    if failed:
+        session.error(f"tests failed on {NEWEST_TORCH}: {', '.join(failed)} (see above)")
+
+
+def _all_passed(report: pathlib.Path) -> bool:
+    """Whether a pytest JUnit report counts no failure and no error."""
+    import xml.etree.ElementTree as ET
+
+    suites = ET.parse(report).getroot().iter("testsuite")
+    return all(int(s.get("failures", 0)) + int(s.get("errors", 0)) == 0 for s in suites)
+
+
+def _uses_torch(package: str) -> bool:
+    """Whether ``package``'s pyproject.toml declares torch among its dependencies."""
+    import tomllib
+
+    meta = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+    return any(d.startswith("torch") for d in meta["project"]["dependencies"])
 
 
 def _run_package_tests(session: nox.Session, package: str) -> None:

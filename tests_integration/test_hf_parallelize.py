@@ -8,8 +8,8 @@ key/value head under 1D with sequence parallelism and ZeRO-3 x 1D; GPT-2 on one 
 as ZeRO-3 over 2 data replicas x 1D tensor parallelism (FSDP2 block by block, the tied head
 left to the root), as 2.5D (depth 2; the engine sums over depth once per step), as 2 pipeline
 stages x 1D, as 2 stages x sequence parallelism (each stage's
-ranks hold chunks of the tokens) and as 2 replicas x 2 stages x 2D (16 ranks), its head tied to
-the embedding across the stages.
+ranks hold chunks of the tokens) and as 2 stages x 2D (8 ranks), its head tied to the
+embedding across the stages.
 Same weights, same batches: every step's loss agrees with the single process to float
 rounding, and each run's trained state dict loads back into the transformers class.
 """
@@ -79,14 +79,14 @@ def run(
                 ("2p5d", 8),
                 ("pipeline_1d", 4),
                 ("pipeline_sequence", 4),
-                ("data_pipeline_2d", 16),
+                ("pipeline_2d", 8),
             ),
         ),
     ],
     ids=[
         "llama-2d-sequence-pipeline",
         "mixtral-one-kv-head-1d-sp-zero3",
-        "gpt2-zero3-2p5d-pipeline-sequence-data-pipeline-2d",
+        "gpt2-zero3-2p5d-pipeline-sequence-pipeline-2d",
     ],
 )
 def test_layouts_match_one_process(
@@ -97,9 +97,9 @@ def test_layouts_match_one_process(
     Llama under 2D, sequence parallelism and pipeline (2 stages, 1F1B) x 1D, with and without
     sequence parallelism; GPT-2 (its head tied to its embedding) under ZeRO-3 x 1D, 2.5D
     (depth 2, summed over depth once per step by the engine's handler), pipeline
-    x 1D, pipeline x sequence (ring) and data (2) x pipeline (2) x 2D (2x2) on 16 ranks (the
-    first and the last stage each hold the tied weight; without the engine's summed gradient
-    the second step's loss is 2e-3 off); Mixtral with one key/value head (its experts split,
+    x 1D, pipeline x sequence (ring) and pipeline (2) x 2D (2x2) on 8 ranks (the first and
+    the last stage each hold the tied weight; without the engine's summed gradient the second
+    step's loss is 2e-3 off); Mixtral with one key/value head (its experts split,
     its key and value heads repeated on every tensor rank) under 1D with sequence parallelism
     (the router's and the repeats' sums deferred to the step) and ZeRO-3 x 1D.
     """

@@ -147,9 +147,9 @@ class OwnModulesLM(PlainLM):
     ``nn.LogSoftmax`` over the vocabulary): modules no plan names, each mixing what a tensor
     mode splits (features, the MLP's hidden layer, the vocabulary)."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 2) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(OwnModulesBlock(16, 4) for _ in range(2))
+        self.blocks = nn.ModuleList(OwnModulesBlock(16, 4) for _ in range(layers))
         self.log_probs = nn.LogSoftmax(-1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -157,10 +157,10 @@ class OwnModulesLM(PlainLM):
         return out
 
 
-def own_modules_lm(seed: int = 0) -> OwnModulesLM:
-    """:class:`OwnModulesLM` with weights drawn from ``seed``."""
+def own_modules_lm(seed: int = 0, layers: int = 2) -> OwnModulesLM:
+    """:class:`OwnModulesLM` of ``layers`` blocks, with weights drawn from ``seed``."""
     torch.manual_seed(seed)
-    return OwnModulesLM()
+    return OwnModulesLM(layers)
 
 
 #: :data:`PLAIN_PLAN` for :class:`OwnModulesLM`: its blocks' norms are left out.

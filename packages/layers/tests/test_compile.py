@@ -107,7 +107,11 @@ def test_each_2d_product_compiles_whole_and_equals_eager(dist: Any) -> None:
     assert dist.run(_mesh_products_equal_eager, world_size=4, timeout=300.0) == [3] * 4
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout",
+    # 3D's collectives are 2D's (all-gather, reduce-scatter, all-to-all) on other groups
+    [pytest.param(n, marks=[pytest.mark.pinned_torch_only] * (n == "3d")) for n in LAYOUTS],
+)
 def test_a_compiled_step_is_one_graph_and_equals_eager(dist: Any, layout: str) -> None:
     tensor = LAYOUTS[layout]
     losses = dist.run(
@@ -130,7 +134,7 @@ def _left_out_modules_equal_eager() -> float:
 
     ctx = create_context(dict(parallel=dict(tensor=LAYOUTS["2d"])), timeout=60.0)
     try:
-        plain = own_modules_lm()
+        plain = own_modules_lm(layers=1)  # each block compiles alike: one is enough
         eager = parallelize(copy.deepcopy(plain), OWN_MODULES_PLAN, context=ctx)
         compiled_model = parallelize(plain, OWN_MODULES_PLAN, context=ctx)
         ids = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(1))

@@ -71,6 +71,7 @@ def _destroy_default_group() -> None:
     tdist.destroy_process_group()
 
 
+@pytest.mark.pinned_torch_only
 def test_failing_rank_reports_its_traceback_fast(dist: DistributedRunner) -> None:
     pids = dist.run(_pid, world_size=4)
     start = time.monotonic()
@@ -110,6 +111,7 @@ def test_assertion_in_rank_shows_values(dist: DistributedRunner) -> None:
     assert sorted(info.value.failures) == [1]
 
 
+@pytest.mark.pinned_torch_only
 def test_hang_becomes_timeout_and_pool_recovers(dist: DistributedRunner) -> None:
     pids = dist.run(_pid, world_size=2)
     with pytest.raises(RankTimeoutError) as info:

@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 _INNER_TEST = """
 import torch
 import torch.distributed as tdist
@@ -29,6 +31,7 @@ def test_fails_on_rank_one(dist):
 """
 
 
+@pytest.mark.pinned_torch_only
 def test_fixture_works_in_rootdir_relative_test_modules(tmp_path: Path) -> None:
     # Like the monorepo: tests/ without __init__.py, default "prepend" import mode, so the
     # worker can only unpickle `body` if it receives the session's sys.path.
