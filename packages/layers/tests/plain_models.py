@@ -219,6 +219,84 @@ def functional_norm_lm(seed: int = 0) -> FunctionalNormLM:
     return FunctionalNormLM()
 
 
+class MaskedAttention(SelfAttention):
+    """:class:`SelfAttention` whose SDPA call masks the padding keys of ``keep`` ``[b, s]``."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        assert keep is not None
+        q, k, v = self.heads(x)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed(keep, x.shape[1]))
+        return self.o(out.transpose(1, 2).flatten(2))
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k and v ``[b, heads, s, d]`` of ``x`` ``[b, s, h]``."""
+        b, s, _ = x.shape
+        return tuple(
+            p(x).view(b, s, self.n_head, -1).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
+
+    @staticmethod
+    def allowed(keep: torch.Tensor, s: int) -> torch.Tensor:
+        """``[b, 1, s, s]``: earlier tokens that are not padding."""
+        causal = torch.ones(s, s, dtype=torch.bool, device=keep.device).tril()
+        return keep[:, None, None, :] & causal
+
+
+class ScoresAttention(MaskedAttention):
+    """:class:`MaskedAttention` computing its scores itself, with no SDPA call."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        assert keep is not None
+        q, k, v = self.heads(x)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [b, heads, s, s]
+        scores = scores.masked_fill(~self.allowed(keep, x.shape[1]), float("-inf"))
+        return self.o((scores.softmax(-1) @ v).transpose(1, 2).flatten(2))
+
+
+class MaskedBlock(Block):
+    """:class:`Block` whose attention masks padding."""
+
+    def __init__(self, hidden: int, n_head: int, attention: type[MaskedAttention]) -> None:
+        super().__init__(hidden, n_head)
+        self.attn = attention(hidden, n_head)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), keep)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class PaddedPoolLM(PlainLM):
+    """:class:`PlainLM` over a padded batch (``attention_mask`` 1: a token, 0: padding): its
+    attention masks the padding keys, and each token's logits add its row's mean hidden state
+    over the tokens kept, computed in the model's own forward beside the hidden states."""
+
+    def __init__(self, attention: type[MaskedAttention] = MaskedAttention) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MaskedBlock(16, 4, attention) for _ in range(2))
+
+    def forward(  # type: ignore[override]
+        self, ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        keep = attention_mask.bool()  # [b, s]
+        positions = torch.arange(ids.shape[1], device=ids.device)  # [s]
+        x = self.tok_emb(ids) + self.pos_emb(positions)  # [b, s, h]
+        for block in self.blocks:
+            x = block(x, keep)
+        h = self.ln_f(x)
+        kept = keep[..., None].to(h.dtype)  # [b, s, 1]
+        pooled = (h * kept).sum(1, keepdim=True) / kept.sum(1, keepdim=True)  # [b, 1, h]
+        logits: torch.Tensor = self.head(h + pooled)  # [b, s, V]
+        return logits
+
+
+def padded_pool_lm(
+    seed: int = 0, attention: type[MaskedAttention] = MaskedAttention
+) -> PaddedPoolLM:
+    """:class:`PaddedPoolLM` with weights drawn from ``seed``."""
+    torch.manual_seed(seed)
+    return PaddedPoolLM(attention)
+
+
 #: :data:`PLAIN_PLAN` as a :class:`Plan` spanning the blocks (1D sequence parallelism).
 PLAIN_SPAN_PLAN = Plan(
     PLAIN_PLAN, boundary="tokens", sequence_span=("blocks.0", "blocks.-1"), causal_lm=True

@@ -261,6 +261,9 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
         lambda ctx: _clip_parts_match_reference(ctx)
     ),
     "verify: outputs and gradients against the model before conversion": lambda ctx: _verified(ctx),
+    "a mask beside the hidden states (own model: padded keys in SDPA, a masked mean)": lambda ctx: (
+        _padded_pool_matches_reference(ctx)
+    ),
     "torch nn.TransformerEncoder (nn.MultiheadAttention split by heads, padded)": lambda ctx: (
         _torch_encoders_match_reference(ctx)
     ),
@@ -346,6 +349,11 @@ ONLY_UNDER = {
     "gemma3 (plan read from its blocks, heads normalized by 1 + weight)": ("1d", "3d"),
     "nemotron (plan read from its blocks, LayerNorms scaling by 1 + weight)": ("1d-sp",),
     "per-sample positions": ("2d", "3d"),
+    "a mask beside the hidden states (own model: padded keys in SDPA, a masked mean)": (
+        "1d",
+        "2d",
+        "3d",
+    ),
     "encoder-decoders (bart: two token streams, cross-attention, final_logits_bias)": EACH_MODE,
     "encoder-decoders (t5 and its bare encoder: relative position bias per head, rescaled head)": (
         EACH_MODE
@@ -686,6 +694,12 @@ def _torch_encoders_match_reference(ctx: ParallelContext) -> list[float]:
     ref = _with_plan(torch_encoder_lm(), "plan read from the transformer blocks")
     model = parallelize(copy.deepcopy(ref), context=ctx)
     _assert_same_state(gather_full_state_dict(model, context=ctx), ref.state_dict())
+    return [*losses, _padded_lm_matches(ref, model, ctx)]
+
+
+def _padded_lm_matches(ref: nn.Module, model: nn.Module, ctx: ParallelContext) -> float:
+    """Loss, logits and every gradient of ``model`` (``ref`` parallelized) on a padded batch
+    (``attention_mask``) against ``ref``; the loss."""
     text = _padded_text()
     ids, mask = text["input_ids"], text["attention_mask"]
     ref_logits = ref(ids, attention_mask=mask)
@@ -701,7 +715,27 @@ def _torch_encoders_match_reference(ctx: ParallelContext) -> list[float]:
     for name, p in ref.named_parameters():
         assert p.grad is not None
         torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
-    return [*losses, round(float(loss.detach()), 5)]
+    return round(float(loss.detach()), 5)
+
+
+def _padded_pool_matches_reference(ctx: ParallelContext) -> float:
+    """A model of one's own reading its mask in attention (SDPA's ``attn_mask``) and beside
+    its hidden states (a masked mean in its forward): loss, logits and every gradient as one
+    process. Under 3d attention runs on other rows of the batch than the hidden states: the
+    model gets its mask in the hidden states' rows and the SDPA call its own (with attention's
+    rows the mean read other samples' masks: a wrong loss, without an error). An attention
+    computing its scores itself is refused there by name."""
+    from plain_models import ScoresAttention, padded_pool_lm
+
+    ref = padded_pool_lm()
+    model = parallelize(copy.deepcopy(ref), context=ctx)
+    loss = _padded_lm_matches(ref, model, ctx)
+    if ctx.config.tensor_mode == "3d":
+        scores = parallelize(padded_pool_lm(attention=ScoresAttention), context=ctx)
+        text = _padded_text()
+        with pytest.raises(ValueError, match=r"ScoresAttention made no call to F\.scaled_dot"):
+            scores(text["input_ids"], attention_mask=text["attention_mask"])
+    return loss
 
 
 def _torch_decoder_loss(ref: nn.Module, ctx: ParallelContext) -> float:

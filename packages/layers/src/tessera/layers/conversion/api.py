@@ -35,6 +35,7 @@ from .dropout import install_dropout_streams
 from .encoder_decoder import install_encoder_rows, split_logits_bias
 from .generation import install_generation
 from .left_out import install_left_out
+from .mask_rows import install_mask_rows
 from .meta import check_meta_buffers, materialize_whole_modules
 from .model_loss import install_model_loss
 from .parts import parallelize_parts
@@ -395,7 +396,8 @@ def _convert(
         )
     install_dropout_streams(model, ctx, mode, roles, sequence_parallel, chosen.sequence_span)
     install_left_out(model, roles, ctx, mode, span if sequence_parallel else None)
-    install_boundary(model, chosen, ctx, mode, sequence_parallel, attention)
+    own_masks = install_mask_rows(model, attention, ctx) if chosen.boundary == "tokens" else None
+    install_boundary(model, chosen, ctx, mode, sequence_parallel, attention, own_masks)
     if chosen.logits_bias and kind.replicated_activations:  # logits split by vocabulary only
         split_logits_bias(model, chosen, ctx)
     if chosen.encoder is not None and kind.splits_activations:  # generate() calls it alone

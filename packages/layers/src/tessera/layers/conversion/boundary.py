@@ -39,6 +39,7 @@ from ..shared.context_access import current_or_none, tensor_mode
 from ..shared.errors import ModeNotImplementedError
 from ..shared.mode_layers import MODE_LAYERS, check_targets, find_mode_layers
 from .left_out import LAYOUT_MARK
+from .mask_rows import MaskGiven
 from .model_loss import MODEL_LOSS_ATTR
 from .plan import Plan
 from .sequence import KEY_PADDING_ATTRIBUTE, KeyPadding
@@ -59,7 +60,7 @@ BATCH_KWARGS = (
 ATTENTION_MASKS = ("attention_mask", "decoder_attention_mask")
 
 
-def rank_rows(name: str, value: Any, context: ParallelContext) -> Any:
+def rank_rows(name: str, value: Any, context: ParallelContext, *, hidden_rows: bool = False) -> Any:
     """This rank's rows of the model input ``name`` under a mode that splits the batch.
 
     Non-tensors pass unchanged, as does one row of ``position_ids`` (broadcast over the
@@ -67,12 +68,15 @@ def rank_rows(name: str, value: Any, context: ParallelContext) -> Any:
     nothing is padded, and per-sample ``position_ids`` take layout ``"z"``'s rows too, marked
     so: transformers builds masks (packed sequences) and rotary embeddings from them for
     attention, which runs on layout ``"z"``, and the 3D position embedding swaps them back
-    to layout ``"y"``'s rows (``ids_in_layout_y``).
+    to layout ``"y"``'s rows (``ids_in_layout_y``). With ``hidden_rows`` (a model of one's
+    own, mask_rows.py) a mask takes the rows of the hidden states, as it is.
     """
     if not isinstance(value, torch.Tensor):
         return value
     if name == "position_ids" and value.shape[0] == 1:
         return value  # one row of positions, broadcast over the batch
+    if hidden_rows and name in ATTENTION_MASKS:
+        return split_batch(value, context)  # attention moves it to its rows (mask_rows.py)
     layers = find_mode_layers(context.config.tensor_mode)
     two_layouts = layers is not None and layers.two_layouts and layers.attention_rows is not None
     if two_layouts and name in (*ATTENTION_MASKS, "position_ids"):
@@ -167,11 +171,13 @@ def install_boundary(
     mode: str,
     sequence_parallel: bool,
     attention: tuple[str, ...] = (),
+    mask_given: MaskGiven | None = None,
 ) -> None:
     """Register the boundary hooks of ``plan`` on ``model`` (see the module docstring).
 
     ``attention``: under 1D sequence parallelism these modules get their input gathered
-    whole (see :func:`_install_sequence_span`).
+    whole (see :func:`_install_sequence_span`). ``mask_given``: the model takes its mask in
+    its hidden states' rows (mask_rows.py); each forward records whether it was given one.
     """
     kind = context.config.mode
     assert kind is not None  # parallelize converts under a registered mode only
@@ -236,9 +242,12 @@ def install_boundary(
         args = tuple(
             rank_rows("input_ids", a, context) if i == 0 else a for i, a in enumerate(args)
         )
+        own = mask_given is not None
         for key in (*BATCH_KWARGS, "position_ids"):
             if key in kwargs:
-                kwargs[key] = rank_rows(key, kwargs[key], context)
+                kwargs[key] = rank_rows(key, kwargs[key], context, hidden_rows=own)
+        if mask_given is not None:
+            mask_given.value = any(kwargs.get(key) is not None for key in ATTENTION_MASKS)
         marked = getattr(kwargs.get("position_ids"), LAYOUT_ATTR, None) == "z"
         for table in position_tables:  # they must arrive still marked
             table.expects_marked_ids = marked

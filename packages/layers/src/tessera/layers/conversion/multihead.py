@@ -141,10 +141,12 @@ class HeadsAttention(nn.Module):
         """This rank's rows of a mask over the whole batch (``[N, ...]``), where attention runs.
 
         A mask of ``batch`` rows is this rank's already (the boundary split it, or the mode
-        keeps the batch whole).
+        keeps the batch whole); a model of one's own holds it in its hidden states' rows, which
+        the mode moves to attention's (mask_rows.py).
         """
         if mask.shape[0] == batch:
-            return mask
+            to_attention = getattr(self, "_tessera_rows_to_attention", None)
+            return mask if to_attention is None else to_attention(mask)
         ctx = self._context
         layers = None if ctx is None else find_mode_layers(ctx.config.tensor_mode)
         mine = mask

@@ -18,7 +18,13 @@ from ..shared.mode_layers import register_mode_layers
 from .classifier import Classifier3D, VocabParallelClassifier3D
 from .dropout import Dropout3D
 from .embedding import Embedding3D, VocabParallelEmbedding3D
-from .layout import cube_of, gather_cube_activation, split_cube_activation, split_cube_batch
+from .layout import (
+    cube_of,
+    gather_cube_activation,
+    split_cube_activation,
+    split_cube_batch,
+    switch_cube_layout,
+)
 from .loss import (
     Accuracy3D,
     CrossEntropyLoss3D,
@@ -37,6 +43,19 @@ def _attention_rows(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
     rows = cube_of(context).batch("z")
     check_divisible(x.shape[0], rows.world_size, f"the rows of {list(x.shape)} under 3d")
     return x.chunk(rows.world_size, 0)[rows.rank]
+
+
+def _rows_to_attention(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
+    """Layout "y"'s rows of a per-sample tensor ``[b/q^2, ...]`` to layout "z"'s (a mirror swap).
+
+    A mask the model's own code made beside its hidden states holds their rows; attention
+    runs on a column layer's output, whose rows are other samples off the cube's diagonal.
+    A bool mask travels as bytes.
+    """
+    cube = cube_of(context)
+    if x.dtype == torch.bool:
+        return switch_cube_layout(x.to(torch.uint8), cube, "y").bool()
+    return switch_cube_layout(x, cube, "y")
 
 
 def _layout_z_cuts(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
@@ -66,6 +85,7 @@ LAYERS_3D = grid_mode_layers(
     },
     roles=Roles3D(),
     attention_rows=_attention_rows,
+    rows_to_attention=_rows_to_attention,
     two_layouts=True,
     column_cuts=_layout_z_cuts,
 )

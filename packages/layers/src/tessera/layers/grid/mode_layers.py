@@ -55,6 +55,7 @@ def grid_mode_layers(
     classes: Mapping[str, type[nn.Module]],
     roles: RoleBuilders,
     attention_rows: ActivationMap | None = None,
+    rows_to_attention: ActivationMap | None = None,
     two_layouts: bool = False,
     column_cuts: Cuts | None = None,
 ) -> ModeLayers:
@@ -68,6 +69,8 @@ def grid_mode_layers(
             ``Embedding`` and ``Classifier``).
         roles: How ``parallelize`` builds the mode's roles.
         attention_rows: The rows a mask takes where attention runs (default: the batch's).
+        rows_to_attention: The rows between blocks to the rows attention runs on, where they
+            differ (3D).
         two_layouts: Activations alternate between two layouts (3D).
         column_cuts: The layout of a column layer's output where it is not the one between
             blocks (3D's ``"z"``); ``None``: the same.
@@ -120,6 +123,7 @@ def grid_mode_layers(
         classes={**named, **classes},
         two_layouts=two_layouts,
         attention_rows=attention_rows if attention_rows is not None else on_grid(split_batch),
+        rows_to_attention=rows_to_attention,
         token_loss=token_loss,
         gather_logits=gather_logits,
         roles=roles,

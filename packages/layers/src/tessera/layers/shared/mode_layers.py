@@ -109,6 +109,9 @@ class ModeLayers:
             (3D's ``"y"`` and ``"z"``), so a norm is told which it takes.
         attention_rows: A whole batch's tensor that attention reads (a mask ``[b, ...]``)
             to the rows attention runs on here; ``None``: the batch is whole there.
+        rows_to_attention: This rank's rows of a per-sample tensor between blocks (a mask the
+            model's own code made from ``split_batch``'s rows) to the rows attention runs on,
+            where the two differ (3D: ``"y"``'s rows to ``"z"``'s); ``None``: they are the same.
         token_loss: The cross-entropy of the logits a converted model returns under the
             mode (``tessera.layers.token_loss``), or ``None`` where it has none.
         gather_logits: Those logits to the whole batch's ``[b, ..., V]`` on every rank
@@ -134,6 +137,7 @@ class ModeLayers:
     classes: Mapping[str, type[nn.Module]] = field(default_factory=dict)
     two_layouts: bool = False
     attention_rows: ActivationMap | None = None
+    rows_to_attention: ActivationMap | None = None
     token_loss: TokenLoss | None = None
     gather_logits: ActivationMap | None = None
     roles: RoleBuilders | None = None
