@@ -124,19 +124,33 @@ class SinusoidalPositions(nn.Module):
         return out
 
 
+class SinusoidalTable(SinusoidalPositions):
+    """:class:`SinusoidalPositions`' table for ``x``'s positions, halved, ``[1, s, h]``,
+    returned for the caller to add: an output made from buffers alone, broadcast over the
+    batch. (Returned as a view of the buffer it would fail under ``torch.compile``, whose
+    AOTAutograd rebuilds an output aliasing an input with ``as_strided``, which DTensor
+    does not support.)"""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.pe[None, : x.shape[1]] * 0.5
+        return out
+
+
 class OwnModulesBlock(Block):
     """:class:`Block` normalized by modules without parameters (a :class:`ScaleNorm`, a
     ``nn.LayerNorm`` without affine), each row's mean token added (a pooling that drops a
-    dim), its MLP's hidden layer centered, fixed positions added from buffers first."""
+    dim), its MLP's hidden layer centered, fixed positions added from buffers first (by the
+    module, then from a table it returns)."""
 
     def __init__(self, hidden: int, n_head: int) -> None:
         super().__init__(hidden, n_head)
         self.ln1, self.ln2 = ScaleNorm(), nn.LayerNorm(hidden, elementwise_affine=False)
         self.pool, self.mid = TokenMean(), Centered()
-        self.positions = SinusoidalPositions(hidden)
+        self.positions, self.table = SinusoidalPositions(hidden), SinusoidalTable(hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.positions(x)
+        x = x + self.table(x)  # [b, s, h] + [1, s, h]
         x = x + self.attn(self.ln1(x))
         x = x + 0.5 * self.pool(x)[:, None, :]
         return x + self.fc2(self.mid(F.gelu(self.fc1(self.ln2(x)))))

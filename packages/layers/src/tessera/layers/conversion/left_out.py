@@ -310,7 +310,9 @@ class _Placer:
     def leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         """Each DTensor output back to this rank's block (called even if the forward raised).
 
-        An output of the placed input's rank takes that input's layout. One of another rank
+        An output of the placed input's rank takes that input's layout, but for a dim of 1
+        where the input's is cut, which is broadcast (a position table ``[1, s, h]`` the module
+        makes from its buffers) and stays whole there. One of another rank
         (a pooling over the tokens or features) keeps the layout DTensor's propagation gave
         it, a pending sum (``Partial``) made whole: the whole pooled vector where the pooled
         dim was split, this rank's rows where the rows were.
@@ -343,7 +345,10 @@ class _Placer:
                 return x
             own = self.placements(layout, x.dim())
             if x.dim() == ndim:
-                placements = own
+                # a dim of 1 is broadcast (a table [1, s, h] made from buffers): kept whole
+                placements = tuple(
+                    Replicate() if p.is_shard() and x.shape[p.dim] == 1 else p for p in own
+                )
             else:
                 placements = tuple(Replicate() if p.is_partial() else p for p in x.placements)
             self._check_divisible(x, placements, layout)
