@@ -71,7 +71,21 @@ def _has_code(name: str) -> bool:
     return (ROOT / "packages" / name / "src" / "tessera" / name / "__init__.py").exists()
 
 
+#: Packages whose tests run on TORCH only: tessera-registry uses no torch (the standard library
+#: only), and tessera-testing's harness runs every other package's tests in tests_newest.
+PINNED_TORCH_PACKAGES = ("registry", "testing")
 TEST_EXTRAS = {"pipeline": "plot", "engine": "tensorboard", "layers": "transformers"}
+
+
+def _install_packages(session: nox.Session, *specs: str) -> None:
+    """tessera's packages (paths, with extras) and what they declare.
+
+    pip builds each path into a wheel; in its default isolated build environment it installs
+    hatchling again for every package (about 1.5 s each, a few dozen per CI run). Built
+    with the session's own hatchling instead, the wheels are the same.
+    """
+    session.install("hatchling>=1.18")
+    session.install("--no-build-isolation", *specs)
 
 
 def _install_torch(session: nox.Session, *, bytecode: bool = True, torch: str = TORCH) -> None:
@@ -110,16 +124,16 @@ def tests_newest(session: nox.Session) -> None:
 
     The per-package environments of ``tests`` prove each package installs alone, on TORCH;
     this run proves the code on the other end of the declared range. One environment holds
-    every package and its test extras, so the 5 GB build is installed once. Two kinds of test
-    run on TORCH only: those of a package that does not use torch (registry: the standard
-    library only), and those marked ``pinned_torch_only``, which repeat at another rank count
-    or on another grid a code path this run covers (``pyproject.toml`` says which). Every
-    package is tested even when one fails; the session fails after, naming them.
+    every package and its test extras, so the 5 GB build is installed once. Some tests run on
+    TORCH only: those of PINNED_TORCH_PACKAGES, and those marked ``pinned_torch_only``, whose
+    code paths this run covers in other cases (``pyproject.toml`` says which). Those marked
+    ``newest_torch_only`` run here only, their code paths covered on TORCH by other cases.
+    Every package is tested even when one fails; the session fails after, naming them.
     """
     _install_torch(session, torch=NEWEST_TORCH)
     session.install(*TEST_TOOLS)
-    session.install(
-        *(_path(p) + (f"[{TEST_EXTRAS[p]}]" if p in TEST_EXTRAS else "") for p in PACKAGES)
+    _install_packages(
+        session, *(_path(p) + (f"[{TEST_EXTRAS[p]}]" if p in TEST_EXTRAS else "") for p in PACKAGES)
     )
     session.install(NEWEST_TORCH, *NEWEST_TEST_MODELS)  # pinned again: pip keeps it
     session.run(
@@ -130,7 +144,7 @@ def tests_newest(session: nox.Session) -> None:
     failed = []
     for package in PACKAGES:
         tests_dir = ROOT / "packages" / package / "tests"
-        if not _uses_torch(package) or not any(tests_dir.glob("test_*.py")):
+        if package in PINNED_TORCH_PACKAGES or not any(tests_dir.glob("test_*.py")):
             continue
         report = pathlib.Path(session.create_tmp()) / f"{package}.xml"
         report.unlink(missing_ok=True)
@@ -153,16 +167,8 @@ def _all_passed(report: pathlib.Path) -> bool:
     return all(int(s.get("failures", 0)) + int(s.get("errors", 0)) == 0 for s in suites)
 
 
-def _uses_torch(package: str) -> bool:
-    """Whether ``package``'s pyproject.toml declares torch among its dependencies."""
-    import tomllib
-
-    meta = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
-    return any(d.startswith("torch") for d in meta["project"]["dependencies"])
-
-
 def _run_package_tests(session: nox.Session, package: str) -> None:
-    _install_torch(session)
+    _install_torch(session)  # registry's tests, too, build torch's classes by name
     wanted = _closure(package)
     if package in USES_HARNESS:
         wanted += [p for p in _closure("testing") if p not in wanted]
@@ -170,7 +176,9 @@ def _run_package_tests(session: nox.Session, package: str) -> None:
     # The package under test is installed with its optional extras, so the code behind them
     # (timeline plots, the TensorBoard hook) is tested against the real dependency.
     extra = TEST_EXTRAS.get(package)
-    session.install(*(_path(p) + (f"[{extra}]" if p == package and extra else "") for p in wanted))
+    _install_packages(
+        session, *(_path(p) + (f"[{extra}]" if p == package and extra else "") for p in wanted)
+    )
     tests_dir = ROOT / "packages" / package / "tests"
     if not any(tests_dir.glob("test_*.py")):
         session.skip(f"tessera-{package} has no tests yet")
@@ -181,6 +189,7 @@ def _run_package_tests(session: nox.Session, package: str) -> None:
         str(tests_dir),
         "-p",
         "no:cacheprovider",
+        *("-m", "not newest_torch_only"),  # tests_newest runs those
         *session.posargs,
     )
 
@@ -205,7 +214,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     # The import graph is read statically: the packages are installed without torch.
-    session.install("--no-deps", *(_path(p) for p in PACKAGES))
+    _install_packages(session, "--no-deps", *(_path(p) for p in PACKAGES))
     session.run("lint-imports")
     _check_declared_dependencies(session)
 
@@ -285,7 +294,7 @@ def _install_examples(session: nox.Session, *extras: str) -> None:
     """torch, every tessera package and what the examples read (scikit-learn's digits)."""
     _install_torch(session)
     session.install("scikit-learn", *extras)
-    session.install(*(_path(p) for p in PACKAGES if _has_code(p)))
+    _install_packages(session, *(_path(p) for p in PACKAGES if _has_code(p)))
 
 
 @nox.session
@@ -312,7 +321,9 @@ def docs(session: nox.Session) -> None:
     """Runs every ```python block of docs/*.md (docs/test_docs.py), so the guide cannot rot."""
     _install_torch(session)
     session.install(*TEST_TOOLS, "matplotlib")
-    session.install(*(_path(p) + ("[transformers]" if p == "layers" else "") for p in PACKAGES))
+    _install_packages(
+        session, *(_path(p) + ("[transformers]" if p == "layers" else "") for p in PACKAGES)
+    )
     session.run(
         "python",
         "-m",

@@ -291,6 +291,16 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
 #: One layout of each mode (1D with and without sequence parallelism, the ring for 'sequence').
 EACH_MODE = ("1d", "1d-sp", "2d", "2.5d", "3d", "sequence-ring")
 
+#: The layouts a check runs under unless ONLY_UNDER names others: 1D on 4 ranks runs only the
+#: checks whose head, key/value head or expert counts 2 ranks would divide too easily.
+EVERY_CHECK = ("1d", "1d-sp", "2d", "2.5d", "3d", "sequence-ring", "sequence-all-to-all")
+
+
+def _listed(names: tuple[str, ...], layout: str) -> bool:
+    """Whether ``names`` (layouts, or tensor modes standing for all of theirs) hold ``layout``."""
+    return bool({layout, LAYOUTS[layout]["mode"]} & set(names))
+
+
 #: Checks that run under some tensor modes (or layouts, by name) only: a model without a plan
 #: (Qwen2, GPT-Neo, Phi) under a few each, per-sample positions where the batch is split.
 ONLY_UNDER = {
@@ -1599,22 +1609,29 @@ def _block_matches_reference(ctx: ParallelContext, ref: nn.Module, plan: dict[st
     return len(grads)
 
 
-#: Layouts that repeat a code path of another at more ranks (1D on 4, the all-to-all beside the
-#: ring) or on a grid sharing 2D's code (2.5D): on the pinned torch only.
-PINNED_TORCH_ONLY = ("1d-4", "2.5d", "sequence-all-to-all")
+#: The layouts split between the two torches CI tests, so each torch runs every tensor mode
+#: once and none twice at more ranks: on the pinned one 1D on 4 ranks, the all-to-all beside
+#: the ring, 2.5D (2D's code with a depth) and 3D (whose compiled step runs on the newest);
+#: on the newest one 2D. 1D, 1D with sequence parallelism and the ring run on both.
+PINNED_TORCH_ONLY = ("1d-4", "2.5d", "3d", "sequence-all-to-all")
+NEWEST_TORCH_ONLY = ("2d",)
+
+
+def _torch_marks(layout: str) -> list[pytest.MarkDecorator]:
+    if layout in PINNED_TORCH_ONLY:
+        return [pytest.mark.pinned_torch_only]
+    return [pytest.mark.newest_torch_only] if layout in NEWEST_TORCH_ONLY else []
 
 
 @pytest.mark.parametrize(
     ("layout", "check"),
     [
-        pytest.param(
-            layout,
-            check,
-            marks=[pytest.mark.pinned_torch_only] if layout in PINNED_TORCH_ONLY else [],
-        )
+        pytest.param(layout, check, marks=_torch_marks(layout))
         for layout, tensor in LAYOUTS.items()
         for check in CHECKS
-        if check not in ONLY_UNDER or {layout, tensor["mode"]} & set(ONLY_UNDER[check])
+        if (
+            layout in EVERY_CHECK if check not in ONLY_UNDER else _listed(ONLY_UNDER[check], layout)
+        )
     ],
 )
 def test_transformers_models_and_plain_blocks_equal_single_process(
