@@ -210,27 +210,45 @@ class MaskedPoolLM(PlainLM):
         return out
 
 
+class ProbabilitiesLM(PlainLM):
+    """:class:`PlainLM` returning each token's probabilities: a softmax over the vocabulary in
+    its own forward, which 1D splits."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids).softmax(-1)  # [b, s, V]
+
+
 class FunctionalNormBlock(Block):
     """:class:`Block` that normalizes its input in its own forward, with no module: code no
-    plan can name, which reads split features as the whole under 2D, 2.5D and 3D."""
+    plan can name, which reads split features as the whole under 2D, 2.5D and 3D.
+
+    ``reshaped``: the squares are taken of ``x`` as ``[b, s, 1, h]``, which parallelize's
+    check of the model's own code does not follow (only ``verify=`` sees it)."""
+
+    def __init__(self, hidden: int, n_head: int, reshaped: bool) -> None:
+        super().__init__(hidden, n_head)
+        self.reshaped = reshaped
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
-        return super().forward(x)
+        if self.reshaped:
+            mean_square = x.unsqueeze(-2).pow(2).mean(-1)  # [b, s, 1]
+        else:
+            mean_square = x.pow(2).mean(-1, keepdim=True)  # [b, s, 1]
+        return super().forward(x * torch.rsqrt(mean_square + 1e-5))
 
 
 class FunctionalNormLM(PlainLM):
     """:class:`PlainLM` of :class:`FunctionalNormBlock`."""
 
-    def __init__(self) -> None:
+    def __init__(self, reshaped: bool) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(FunctionalNormBlock(16, 4) for _ in range(2))
+        self.blocks = nn.ModuleList(FunctionalNormBlock(16, 4, reshaped) for _ in range(2))
 
 
-def functional_norm_lm(seed: int = 0) -> FunctionalNormLM:
+def functional_norm_lm(seed: int = 0, reshaped: bool = False) -> FunctionalNormLM:
     """:class:`FunctionalNormLM` with weights drawn from ``seed``."""
     torch.manual_seed(seed)
-    return FunctionalNormLM()
+    return FunctionalNormLM(reshaped)
 
 
 class MaskedAttention(SelfAttention):

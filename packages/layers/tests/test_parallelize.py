@@ -74,6 +74,7 @@ from plain_models import (
     PLAIN_PLAN,
     PLAIN_SPAN_PLAN,
     MaskedPoolLM,
+    ProbabilitiesLM,
     SelfAttention,
     functional_norm_lm,
     own_modules_lm,
@@ -615,16 +616,35 @@ def _verified(ctx: ParallelContext) -> list[str]:
     """``parallelize(..., verify=ids)``: the plain transformer passes under every layout; one
     that normalizes in its own forward, with no module a plan could name, is an error where
     the mode splits the features between blocks (2D, 2.5D, 3D) and passes where they are
-    whole (1D) or split by tokens only (1D sequence parallelism, 'sequence')."""
+    whole (1D) or split by tokens only (1D sequence parallelism, 'sequence').
+
+    Without ``verify=``, the converted model's first call refuses the mean over the split
+    features, naming it and the model's line (conversion/own_code.py); verify catches the
+    same norm taken of ``x`` reshaped first, which that check does not follow."""
     ids = token_ids()
     parallelize(plain_lm(), PLAIN_SPAN_PLAN, context=ctx, verify=(ids,))
     kind = ctx.config.mode
     assert kind is not None
+    torch.manual_seed(0)
+    probabilities = parallelize(ProbabilitiesLM(), PLAIN_SPAN_PLAN, context=ctx)
+    if ctx.config.tensor_mode == "1d":  # the head's logits split by vocabulary
+        with pytest.raises(ValueError, match=r"torch\.Tensor\.softmax over dim 2 of a "):
+            probabilities(ids)
+    else:  # the grids' logits split by rows, 'sequence''s by tokens: every class whole
+        probabilities(ids)
     if not kind.splits_activations or kind.splits_sequence:
         parallelize(functional_norm_lm(), PLAIN_SPAN_PLAN, context=ctx, verify=(ids,))
+        parallelize(functional_norm_lm(reshaped=True), PLAIN_SPAN_PLAN, context=ctx)(ids)
         return ["passed"]
+    model = parallelize(functional_norm_lm(), PLAIN_SPAN_PLAN, context=ctx)
+    line = r"plain_models\.py:\d+ \(forward: mean_square = x\.pow\(2\)\.mean\(-1, keepdim=True\)"
+    with pytest.raises(
+        ValueError, match=rf"torch\.Tensor\.mean over dim 2 of a \[\d+, \d+, 8\] block.*{line}"
+    ):
+        model(ids)
     with pytest.raises(ValueError, match=r"verify=...\): output 0 \(gathered\) differs from one"):
-        parallelize(functional_norm_lm(), PLAIN_SPAN_PLAN, context=ctx, verify=(ids,))
+        reshaped = functional_norm_lm(reshaped=True)
+        parallelize(reshaped, PLAIN_SPAN_PLAN, context=ctx, verify=(ids,))
     return ["refused"]
 
 
@@ -1322,6 +1342,7 @@ def _dropout_streams(ctx: ParallelContext) -> str:
         context=ctx,
     )
     model.train()
+    model(token_ids())  # the first call checks the model's own code, re-entering F.dropout
     states: list[int] = []
     real = F.dropout
 

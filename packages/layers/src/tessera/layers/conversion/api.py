@@ -38,6 +38,7 @@ from .left_out import install_left_out
 from .mask_rows import install_mask_rows
 from .meta import check_meta_buffers, materialize_whole_modules
 from .model_loss import install_model_loss
+from .own_code import install_own_code_check
 from .parts import parallelize_parts
 from .plan import (
     NoPlanError,
@@ -341,9 +342,9 @@ def _convert(
         # the tokens are split only inside the span where one gathers them (a bare model's, an
         # images model's), everywhere for a language model's split logits
         chunked = chosen.sequence_span if splits_tokens else None
-        install_left_out(
-            model, roles, ctx, mode, None if chunked is None else span_members(model, chunked)
-        )
+        split_span = None if chunked is None else span_members(model, chunked)
+        left_out = install_left_out(model, roles, ctx, mode, split_span)
+        install_own_code_check(model, roles, left_out, ctx, mode, split_span)
         install_boundary(model, chosen, ctx, mode, sequence_parallel=False)
         if chosen.causal_lm:
             install_generation(model, ctx, mode, sequence_parallel=False)
@@ -395,7 +396,8 @@ def _convert(
             f"{type(model).__name__}; name its linear layers ('col'/'row') or embeddings"
         )
     install_dropout_streams(model, ctx, mode, roles, sequence_parallel, chosen.sequence_span)
-    install_left_out(model, roles, ctx, mode, span if sequence_parallel else None)
+    left_out = install_left_out(model, roles, ctx, mode, span if sequence_parallel else None)
+    install_own_code_check(model, roles, left_out, ctx, mode, span if sequence_parallel else None)
     own_masks = install_mask_rows(model, attention, ctx) if chosen.boundary == "tokens" else None
     install_boundary(model, chosen, ctx, mode, sequence_parallel, attention, own_masks)
     if chosen.logits_bias and kind.replicated_activations:  # logits split by vocabulary only

@@ -48,7 +48,7 @@ from tessera.context import ParallelContext, cut_placements, tensor_mesh_of
 from ..shared.mode_layers import Cuts, find_mode_layers
 from .plan import COLUMN_ROLES, inner_norms
 
-__all__ = ["LAYOUT_MARK", "install_left_out", "left_out_modules"]
+__all__ = ["LAYOUT_MARK", "install_left_out", "left_out_modules", "output_layout"]
 
 #: Set on a converted module's output tensor: the layout it is in.
 LAYOUT_MARK = "_tessera_layout"
@@ -105,7 +105,7 @@ def left_out_modules(model: nn.Module, roles: Mapping[str, str]) -> tuple[list[s
     return free, holding
 
 
-def _output_layout(role: str, name: str, inner: set[str]) -> Layout | None:
+def output_layout(role: str, name: str, inner: set[str]) -> Layout | None:
     """The layout a converted module of ``role`` returns.
 
     ``None``: not one a module left out could take (parts of attention, routers, tables, a
@@ -414,7 +414,7 @@ def install_left_out(
     trail = _Trail()
     inner = inner_norms(roles)
     for name, role in roles.items():
-        layout = _output_layout(role, name, inner)
+        layout = output_layout(role, name, inner)
         if layout is not None:
             model.get_submodule(name).register_forward_hook(_recorder(trail, layout))
     for name in (*free, *holding):
