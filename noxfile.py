@@ -325,8 +325,8 @@ def _install_docs(session: nox.Session) -> None:
     )
 
 
-def _pytest(session: nox.Session, tests: pathlib.Path) -> None:
-    session.run("python", "-m", "pytest", str(tests), "-p", "no:cacheprovider", *session.posargs)
+def _pytest(session: nox.Session, tests: pathlib.Path, *args: str) -> None:
+    session.run("python", "-m", "pytest", str(tests), "-p", "no:cacheprovider", *args)
 
 
 @nox.session
@@ -337,7 +337,7 @@ def docs(session: nox.Session) -> None:
     fewer to build: about a minute).
     """
     _install_docs(session)
-    _pytest(session, ROOT / "docs" / "test_docs.py")
+    _pytest(session, ROOT / "docs" / "test_docs.py", *session.posargs)
 
 
 @nox.session
@@ -351,8 +351,9 @@ def integration(session: nox.Session) -> None:
     """
     _install_docs(session)  # every package, transformers among them
     session.install("scikit-learn", "tensorboard")  # the examples' data, the TensorBoard hook
-    _pytest(session, ROOT / "docs" / "test_docs.py")
-    _pytest(session, ROOT / "tests_integration")
+    if not session.posargs:  # arguments select integration tests (``-- -k elastic``)
+        _pytest(session, ROOT / "docs" / "test_docs.py")
+    _pytest(session, ROOT / "tests_integration", *session.posargs)
 
 
 @nox.session

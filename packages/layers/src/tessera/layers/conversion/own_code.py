@@ -22,10 +22,12 @@ removed: later calls and ``torch.compile`` pay nothing.
 
 What it does not see: code that reshapes a split tensor first (``x.view(b, s * h)``: its dims
 are not followed through a reshape), a split tensor the model makes in a way other than
-elementwise from a marked one, and paths the first call does not take. ``verify=`` checks
-the numbers themselves (:mod:`.verify`). Indexing the batch (dim 0) with the rank's own row
-indices is per sample and allowed; a reduction over it is not. The outputs of fused layers
-(``qkv``, ``gate_up``) are not marked: they are laid out for the model to chunk locally.
+elementwise from a marked one, paths the first call does not take, and a deep copy of the
+converted model (an EMA copy: the hooks act only on the model they were installed on).
+``verify=`` checks the numbers themselves (:mod:`.verify`). Indexing the batch (dim 0) with
+a tensor of the rank's own row indices is per sample and allowed; ``x[0]`` or a reduction
+over the batch is not. The outputs of fused layers (``qkv``, ``gate_up``) are not marked:
+they are laid out for the model to chunk locally.
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ def _dim_at(position: int, default: Any, name: str = "dim") -> DimsRead:
     """The dims named by argument ``name`` (or at ``position``); ``default`` when not given."""
 
     def read(args: tuple[Any, ...], kwargs: Mapping[str, Any], ndim: int) -> set[int] | None:
-        given = kwargs.get(name, args[position] if len(args) > position else default)
+        given = kwargs.get(
+            name, kwargs.get("axis", args[position] if len(args) > position else default)
+        )
         if isinstance(given, torch.Tensor):
             return set()  # torch.max(a, b): elementwise
         if given is None or isinstance(given, bool) or given == ():
@@ -82,6 +86,12 @@ def _last_dims(position: int) -> DimsRead:
         return set(range(ndim - count, ndim))
 
     return read
+
+
+def _softmax_dim(args: tuple[Any, ...], kwargs: Mapping[str, Any], ndim: int) -> set[int] | None:
+    """``F.softmax``'s dim; without one, torch's implicit choice (0 for 0, 1 or 3 dims, else 1)."""
+    read = _dim_at(1, None)(args, kwargs, ndim)
+    return read if read is not None else {0 if ndim in (0, 1, 3) else 1}
 
 
 def _channels_on(args: tuple[Any, ...], kwargs: Mapping[str, Any], ndim: int) -> set[int] | None:
@@ -118,7 +128,7 @@ def _reads_whole() -> dict[Any, DimsRead]:
     both("roll", _dim_at(2, None, "dims"))
     both("flip", _dim_at(1, None, "dims"))
     table[torch.linalg.vector_norm] = _dim_at(2, None)
-    table[F.softmax] = table[F.log_softmax] = _dim_at(1, None)
+    table[F.softmax] = table[F.log_softmax] = _softmax_dim
     table[F.normalize] = table[F.cosine_similarity] = _dim_at(2, 1)
     table[F.layer_norm] = _last_dims(1)
     if hasattr(F, "rms_norm"):
@@ -142,7 +152,13 @@ PART_MARK = "_tessera_part_of_split_dim"
 _METADATA = {
     torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.ndimension,
     torch.Tensor.is_floating_point, torch.Tensor.__len__, torch.Tensor.get_device,
-    *(getattr(torch.Tensor, name).__get__ for name in ("shape", "dtype", "device", "ndim")),
+    torch.Tensor.stride, torch.Tensor.is_contiguous, torch.Tensor.new_zeros,
+    torch.Tensor.new_ones, torch.Tensor.new_empty, torch.Tensor.new_full, torch.zeros_like,
+    torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like,
+    *(
+        getattr(torch.Tensor, name).__get__
+        for name in ("shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout")
+    ),
 }  # fmt: skip
 #: Concatenations: every tensor of the sequence is read along ``dim``.
 _CONCATENATIONS = {torch.cat, torch.concat, torch.concatenate}
@@ -152,11 +168,16 @@ _MOVING = {
     torch.swapdims, torch.Tensor.swapdims, torch.permute, torch.Tensor.permute,
     torch.t, torch.Tensor.t, torch.movedim, torch.Tensor.movedim, torch.moveaxis,
     torch.Tensor.moveaxis, torch.rot90, torch.Tensor.rot90,
+    *(getattr(torch.Tensor, name).__get__ for name in ("T", "mT", "H", "mH")),
 }  # fmt: skip
 
 
 def _indexed_dims(index: Any, x: torch.Tensor) -> set[int]:
-    """The dims of ``x`` that ``x[index]`` reads a part of (not a full ``:``)."""
+    """The dims of ``x`` that ``x[index]`` reads a part of (not a full ``:``).
+
+    Rows of the batch (dim 0) picked by a tensor of indices are not counted: a rank computes
+    them from its own rows (``h[torch.arange(b), last]``), per sample.
+    """
     items = index if isinstance(index, tuple) else (index,)
     consuming = sum(1 for i in items if i is not None and i is not Ellipsis)
     dims: set[int] = set()
@@ -172,7 +193,8 @@ def _indexed_dims(index: Any, x: torch.Tensor) -> set[int]:
         if isinstance(item, slice) and item.indices(x.shape[dim]) == (0, x.shape[dim], 1):
             dim += 1
             continue
-        dims.add(dim)
+        if dim > 0 or not isinstance(item, (torch.Tensor, list)):
+            dims.add(dim)  # rows of the batch picked by the rank's own indices: per sample
         dim += 1
     return dims
 
@@ -218,6 +240,9 @@ class _Check(TorchFunctionMode):
         inside: How many converted or left-out modules the call is in (their own code knows
             its layout, or runs under DTensor): nothing is checked there.
         handles: The hooks of the call being checked (empty between calls).
+        enabled: Whether a call is being checked (a mode left on torch's stack under another
+            one, by an interrupted call, only passes operators through).
+        raised_before: The error being handled when the call began, if any (not its own).
     """
 
     def __init__(self, mode: str) -> None:
@@ -225,6 +250,8 @@ class _Check(TorchFunctionMode):
         self.mode = mode
         self.inside = 0
         self.handles: list[Any] = []
+        self.enabled = True
+        self.raised_before: BaseException | None = None
 
     def __torch_function__(
         self,
@@ -234,7 +261,7 @@ class _Check(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if self.inside:
+        if self.inside or not self.enabled or torch.compiler.is_compiling():
             return func(*args, **kwargs)
         flat, _ = tree_flatten((args, dict(kwargs)))
         parts = [getattr(x, PART_MARK) for x in flat if hasattr(x, PART_MARK)]
@@ -272,8 +299,7 @@ class _Check(TorchFunctionMode):
         if not isinstance(first, torch.Tensor):
             return None
         if func is torch.Tensor.__getitem__:
-            read = _indexed_dims(args[1], first) - {0}  # the rank's own rows: per sample
-            return self._error(func, first, read, line)
+            return self._error(func, first, _indexed_dims(args[1], first), line)
         if func in _READS_WHOLE:
             return self._error(func, first, _READS_WHOLE[func](args, kwargs, first.dim()), line)
         return None
@@ -315,7 +341,12 @@ def _marker(cuts: Cuts, context: ParallelContext) -> Any:
         )
         if x is None or not x.is_floating_point() or x.dim() < 2:
             return
-        dims = frozenset(d % x.dim() for d, groups in cuts(context, x.dim()).items() if groups)
+        if torch.compiler.is_compiling():
+            return
+        cut = cuts(context, x.dim()).items()  # a group of one rank cuts nothing
+        dims = frozenset(
+            d % x.dim() for d, groups in cut if any(context.get_world_size(g) > 1 for g in groups)
+        )
         if dims:
             setattr(x, SPLIT_DIMS_MARK, dims)
 
@@ -352,14 +383,30 @@ def install_own_code_check(
         return {}
 
     def enter(module: nn.Module, args: Any) -> None:
-        check.inside += 1
+        if not torch.compiler.is_compiling():
+            check.inside += 1
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
-        check.inside -= 1
+        if not torch.compiler.is_compiling():
+            check.inside -= 1
+
+    def clear() -> None:
+        """The mode off (popped where it is on top) and the per-call hooks removed."""
+        check.enabled = False
+        stack = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+        if stack and stack[-1] is check:
+            check.__exit__(None, None, None)
+        for handle in check.handles:
+            handle.remove()
+        check.handles.clear()
+        check.inside = 0
 
     def start(module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling() or check.handles:
+        # a deep copy of the model calls these hooks with itself: it is not checked
+        if module is not model or torch.compiler.is_compiling():
             return
+        if check.handles:  # a first call interrupted (KeyboardInterrupt skips `stop`)
+            clear()
         for name, role in roles.items():
             if COLUMN_PARTS.get(role, 1) > 1:
                 continue  # a fused layer's output is laid out to be chunked by the model
@@ -382,17 +429,15 @@ def install_own_code_check(
             sub = model.get_submodule(name)
             check.handles.append(sub.register_forward_pre_hook(enter))
             check.handles.append(sub.register_forward_hook(leave, always_call=True))
-        check.inside = 0
+        check.raised_before = sys.exc_info()[1]  # called while the caller handles an error
+        check.enabled = True
         check.__enter__()  # type: ignore[no-untyped-call]
 
     def stop(module: nn.Module, args: Any, output: Any) -> None:
-        if not check.handles:
+        if module is not model or not check.handles:
             return
-        check.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-        for handle in check.handles:
-            handle.remove()
-        check.handles.clear()
-        if sys.exc_info()[1] is None:  # checked: the hooks go
+        clear()
+        if sys.exc_info()[1] in (None, check.raised_before):  # checked: the hooks go
             first.remove()
             last.remove()
 
