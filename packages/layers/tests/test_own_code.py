@@ -8,6 +8,7 @@ runs it. The layout tests (test_parallelize.py) run it on every model under ever
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -31,6 +32,29 @@ READS_A_SPLIT_DIM: list[tuple[str, Callable[[torch.Tensor], object]]] = [
     ("torch.Tensor.var", lambda x: x.var(axis=-1)),  # numpy's spelling of dim
     ("torch.nn.functional.softmax", lambda x: F.softmax(x)),  # [b, s, h]: implicitly dim 0
     ("torch.Tensor.__getitem__", lambda x: x[0] + 1.0),  # one sample of the batch
+    # after the split dims were followed through indexing, reductions, moves and reshapes
+    ("torch.nn.functional.normalize", lambda x: F.normalize(x[:, 0], dim=-1)),
+    ("torch.Tensor.softmax", lambda x: x.mean(1).softmax(-1)),
+    ("torch.Tensor.sum", lambda x: x.view(4, 6, 2, 4).sum(-2)),  # over the heads
+    ("torch.Tensor.mean", lambda x: x.unsqueeze(-2).mean(-1)),
+    ("torch.Tensor.mean", lambda x: x.reshape(4, 48).mean(-1)),
+    ("torch.Tensor.sum", lambda x: x.reshape(24, 8).sum(0)),  # the batch merged with the tokens
+    ("torch.Tensor.softmax", lambda x: x.transpose(1, 2).softmax(1)),
+    ("torch.nn.functional.batch_norm", lambda x: F.batch_norm(x.mT, None, None, training=True)),
+    # operators of every kind, each reading the features or the batch
+    ("torch.einsum", lambda x: torch.einsum("bsh,bth->bst", x, x)),
+    ("torch.nn.functional.linear", lambda x: F.linear(x, torch.ones(3, 8))),
+    ("torch.matmul", lambda x: torch.matmul(torch.ones(5, 4), x[:, 0])),  # b's rows: the batch
+    ("torch.nn.functional.pad", lambda x: F.pad(x, (0, 1))),
+    ("torch.nn.functional.glu", lambda x: F.glu(x)),
+    ("torch.nn.functional.cross_entropy", lambda x: F.cross_entropy(x.flatten(0, 1), _zeros(24))),
+    ("torch.Tensor.narrow", lambda x: x.narrow(2, 0, 3) * 2.0),  # refused where it is used
+    ("torch.dstack", lambda x: torch.dstack([x, x])),
+    ("torch.Tensor.flip", lambda x: x.flip(1, 2)),  # dims given one argument each
+    ("torch.fft.fft", lambda x: torch.fft.fft(x)),
+    ("torch.sum", lambda x: torch.sum(input=x, dim=-1)),
+    ("torch.conv1d", lambda x: F.conv1d(x, torch.ones(3, 6, 1))),
+    ("torch.nn.functional.scaled_dot_product_attention", lambda x: _attention(x, x, x)),
 ]
 #: Operators exact on any block of it.
 EXACT = {
@@ -46,7 +70,40 @@ EXACT = {
     "over the tokens, as numpy spells it": lambda x: x.mean(axis=1),
     "moved dims": lambda x: x.mT.softmax(-1),  # [b, h, s]: its last dim is whole
     "softmax's implicit dim": lambda x: F.softmax(_marked(torch.randn(4, 5), {0})),  # dim 1
+    "a norm of each head's features": lambda x: x.view(4, 6, 2, 4).pow(2).mean(-1),
+    "a softmax over the tokens": lambda x: x.transpose(1, 2).softmax(-1),
+    "a product over the tokens": lambda x: x.transpose(1, 2) @ torch.ones(6, 2),
+    "an einsum keeping the features": lambda x: torch.einsum("bsh,h->bsh", x, torch.ones(8)),
+    "a sum over a new dim": lambda x: x.unsqueeze(1).sum(1),
+    "a stack": lambda x: torch.stack([x, x]).sum(0),
+    "masked tokens": lambda x: x[torch.ones(4, 6, dtype=torch.bool)] * 2.0,
 }
+
+#: Where the split dims of the [b, s, h] block (cut: 0 and 2) go through each operator.
+FOLLOWED: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], set[int]]] = {
+    "a token": (lambda x: x[:, 0], {0, 1}),
+    "heads": (lambda x: x.view(4, 6, 2, 4), {0, 2}),
+    "one local head": (lambda x: x.view(4, 6, 1, 8), {0, 2}),
+    "tokens of the batch merged": (lambda x: x.reshape(24, 8), {0, 1}),
+    "moved": (lambda x: x.transpose(1, 2), {0, 1}),
+    "permuted": (lambda x: x.permute(2, 0, 1), {0, 1}),
+    "reduced": (lambda x: x.mean(1), {0, 1}),
+    "reduced, dims kept": (lambda x: x.mean(1, keepdim=True), {0, 2}),
+    "a dim made": (lambda x: x.unsqueeze(1), {0, 3}),
+    "a product": (lambda x: x.transpose(1, 2) @ torch.ones(6, 2), {0, 1}),
+    "an einsum": (lambda x: torch.einsum("bsh,st->bth", x, torch.ones(6, 3)), {0, 2}),
+    "the last token of each row": (lambda x: x[torch.arange(4), _zeros(4)], {0, 1}),
+    "stacked": (lambda x: torch.stack([x, x], 1), {0, 3}),
+    "broadcast": (lambda x: torch.ones(3, 1, 1, 1) * x, {1, 3}),
+    "scaled": (lambda x: x * torch.ones(8), {0, 2}),
+}
+
+
+_attention = F.scaled_dot_product_attention
+
+
+def _zeros(n: int) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.long)
 
 
 def _marked(x: torch.Tensor, dims: set[int]) -> torch.Tensor:
@@ -62,7 +119,7 @@ def _block() -> torch.Tensor:
 def test_an_operator_reading_a_split_dim_whole_is_refused_by_name(
     name: str, compute: Callable[[torch.Tensor], object]
 ) -> None:
-    refused = rf"calls {name} over dim [02] of a \[4, 6, 8\] block"
+    refused = rf"calls {re.escape(name)} over dim \d of a \[[\d, ]+\] block"
     with pytest.raises(ValueError, match=refused), _Check("2d"):
         compute(_block())
 
@@ -78,3 +135,11 @@ def test_exact_code_passes_and_elementwise_outputs_keep_the_mark() -> None:
             y.var(-1)
     z = _block().transpose(1, 2)
     assert getattr(z, SPLIT_DIMS_MARK, None) is None  # no check outside the mode
+
+
+@pytest.mark.parametrize("name", list(FOLLOWED))
+def test_split_dims_follow_indexing_reductions_moves_reshapes_and_products(name: str) -> None:
+    compute, cut = FOLLOWED[name]
+    with _Check("2d"):
+        y = compute(_block())
+    assert getattr(y, SPLIT_DIMS_MARK) == frozenset(cut)

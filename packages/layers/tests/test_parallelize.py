@@ -620,7 +620,7 @@ def _verified(ctx: ParallelContext) -> list[str]:
 
     Without ``verify=``, the converted model's first call refuses the mean over the split
     features, naming it and the model's line (conversion/own_code.py); verify catches the
-    same norm taken of ``x`` reshaped first, which that check does not follow."""
+    same norm taken of ``x`` viewed as one head, which that check reads as a norm per head."""
     ids = token_ids()
     parallelize(plain_lm(), PLAIN_SPAN_PLAN, context=ctx, verify=(ids,))
     kind = ctx.config.mode

@@ -11,34 +11,38 @@ differently from one process without an error.
 So the first call of a converted model runs under a ``TorchFunctionMode`` that follows the
 split dims of the tensors tessera's modules return (each converted module's output is marked
 with the dims its layout cuts: the mode's activation, column or logits cuts) through the
-model's own elementwise code, and refuses an operator that reads part of a split dim as if it
-were whole: a reduction, softmax or norm over it, a concatenation, roll or flip along it, a
-contraction of it (``@``). A part taken along it (an index, a chunk) is refused where its
-values are used in the model's own code, not where only its shape is read (BART passes
-``x[:, :, -1]`` to its position embedding for the shape). The error names the operator, the dim,
-the block's shape, the line of the model's code that called it, and what to do (a module of
-its own, which tessera runs under DTensor, or a role). Once one call completes, the check is
-removed: later calls and ``torch.compile`` pay nothing.
+model's own code, and refuses an operator that reads part of a split dim as if it were whole:
+a reduction, softmax or norm over it, a contraction of it (``@``, ``F.linear``, an einsum), a
+concatenation, pad, roll or flip along it, a convolution, FFT or loss over it. The split dims
+are followed through elementwise code, indexing, reductions over whole dims, transposes,
+views and reshapes, products and einsums (:mod:`.operator_dims` holds the tables), so
+``F.normalize(h[:, 0], dim=-1)`` under 2D is refused as ``F.normalize(h, dim=-1)`` is. A part
+taken along a split dim (an index, a chunk, a narrow) is refused where its values are used in
+the model's own code, not where only its shape is read (BART passes ``x[:, :, -1]`` to its
+position embedding for the shape). The error names the operator, the dim, the block's shape,
+the line of the model's code that called it, and what to do (a module of its own, which
+tessera runs under DTensor, or a role). Once one call completes, the check is removed: later
+calls and ``torch.compile`` pay nothing.
 
-What it does not see: code that reshapes a split tensor first (``x.view(b, s * h)``: its dims
-are not followed through a reshape), a split tensor the model makes in a way other than
-elementwise from a marked one, paths the first call does not take, and a deep copy of the
-converted model (an EMA copy: the hooks act only on the model they were installed on).
-``verify=`` checks the numbers themselves (:mod:`.verify`). Indexing the batch (dim 0) with
-a tensor of the rank's own row indices is per sample and allowed; ``x[0]`` or a reduction
-over the batch is not. The outputs of fused layers (``qkv``, ``gate_up``) are not marked:
-they are laid out for the model to chunk locally.
+What it does not see: an operator absent from the tables (taken as elementwise), a split
+tensor the model makes from a marked one in a way not followed, paths the first call does not
+take, and a deep copy of the converted model (an EMA copy: the hooks act only on the model
+they were installed on). ``verify=`` checks the numbers themselves (:mod:`.verify`). Indexing
+the batch (dim 0) with a tensor of the rank's own row indices, or selecting with a mask, is
+per sample and allowed; ``x[0]`` or a reduction over the batch is not. The outputs of fused
+layers (``qkv``, ``gate_up``) are not marked: they are laid out for the model to chunk
+locally.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
@@ -48,162 +52,22 @@ from tessera.context import ParallelContext
 from ..shared.mode_layers import Cuts, find_mode_layers
 from .converters import COLUMN_PARTS
 from .left_out import output_layout
+from .operator_dims import (
+    METADATA,
+    SPLIT_DIMS_MARK,
+    TAKING_PART,
+    dims_followed,
+    dims_read_whole,
+    indexed_dims,
+    split_dims,
+)
 from .plan import inner_norms
 
 __all__ = ["PART_MARK", "SPLIT_DIMS_MARK", "install_own_code_check"]
 
-#: Set on a tensor the check follows: the dims of it the tensor ranks cut (a frozenset).
-SPLIT_DIMS_MARK = "_tessera_split_dims"
-
-#: ``dims(args, kwargs, ndim)``: the dims of the first tensor argument an operator reads whole
-#: (``None``: all of them).
-DimsRead = Callable[[tuple[Any, ...], Mapping[str, Any], int], "set[int] | None"]
-
-
-def _dim_at(position: int, default: Any, name: str = "dim") -> DimsRead:
-    """The dims named by argument ``name`` (or at ``position``); ``default`` when not given."""
-
-    def read(args: tuple[Any, ...], kwargs: Mapping[str, Any], ndim: int) -> set[int] | None:
-        given = kwargs.get(
-            name, kwargs.get("axis", args[position] if len(args) > position else default)
-        )
-        if isinstance(given, torch.Tensor):
-            return set()  # torch.max(a, b): elementwise
-        if given is None or isinstance(given, bool) or given == ():
-            return None  # every dim (``x.sum()``, ``x.var(True)``, ``x.amax()``)
-        dims = given if isinstance(given, (tuple, list)) else (given,)
-        return {int(d) % ndim for d in dims}
-
-    return read
-
-
-def _last_dims(position: int) -> DimsRead:
-    """A norm over the last ``len(normalized_shape)`` dims (``F.layer_norm``, ``F.rms_norm``)."""
-
-    def read(args: tuple[Any, ...], kwargs: Mapping[str, Any], ndim: int) -> set[int] | None:
-        shape = kwargs.get("normalized_shape", args[position] if len(args) > position else ())
-        count = 1 if isinstance(shape, int) else len(shape)
-        return set(range(ndim - count, ndim))
-
-    return read
-
-
-def _softmax_dim(args: tuple[Any, ...], kwargs: Mapping[str, Any], ndim: int) -> set[int] | None:
-    """``F.softmax``'s dim; without one, torch's implicit choice (0 for 0, 1 or 3 dims, else 1)."""
-    read = _dim_at(1, None)(args, kwargs, ndim)
-    return read if read is not None else {0 if ndim in (0, 1, 3) else 1}
-
-
-def _channels_on(args: tuple[Any, ...], kwargs: Mapping[str, Any], ndim: int) -> set[int] | None:
-    return set(range(1, ndim))  # F.group_norm: each group's channels and positions
-
-
-def _contracted(args: tuple[Any, ...], kwargs: Mapping[str, Any], ndim: int) -> set[int] | None:
-    return {ndim - 1}  # ``a @ b`` sums over a's last dim
-
-
-def _reads_whole() -> dict[Any, DimsRead]:
-    """Operators that read a dim of their first tensor argument whole, and which dims."""
-    table: dict[Any, DimsRead] = {}
-
-    def both(name: str, read: DimsRead) -> None:  # torch.mean and torch.Tensor.mean
-        for owner in (torch, torch.Tensor):
-            if hasattr(owner, name):
-                table[getattr(owner, name)] = read
-
-    for name in ("sum", "mean", "nansum", "nanmean", "prod", "max", "min", "argmax", "argmin"):
-        both(name, _dim_at(1, None))
-    for name in ("amax", "amin", "var", "std", "var_mean", "std_mean", "logsumexp"):
-        both(name, _dim_at(1, None))
-    for name in ("softmax", "log_softmax", "cumsum", "cumprod"):
-        both(name, _dim_at(1, None))
-    both("unbind", _dim_at(1, 0))
-    for name in ("sort", "argsort"):
-        both(name, _dim_at(1, -1))
-    for name in ("chunk", "split", "tensor_split"):
-        both(name, _dim_at(2, 0))
-    both("topk", _dim_at(2, -1))
-    both("diff", _dim_at(2, -1))
-    both("norm", _dim_at(2, None))
-    both("roll", _dim_at(2, None, "dims"))
-    both("flip", _dim_at(1, None, "dims"))
-    table[torch.linalg.vector_norm] = _dim_at(2, None)
-    table[F.softmax] = table[F.log_softmax] = _softmax_dim
-    table[F.normalize] = table[F.cosine_similarity] = _dim_at(2, 1)
-    table[F.layer_norm] = _last_dims(1)
-    if hasattr(F, "rms_norm"):
-        table[F.rms_norm] = _last_dims(1)
-    table[F.group_norm] = _channels_on
-    for op in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm):
-        table[op] = _contracted
-    return table
-
-
-_READS_WHOLE = _reads_whole()
-#: Operators taking a part along a dim (an index, a chunk): refused when what they return is
-#: computed with, not when only its shape is read (BART's ``embed_positions(x[:, :, -1])``).
-_TAKING_PART = {
-    torch.Tensor.__getitem__, torch.chunk, torch.Tensor.chunk, torch.split, torch.Tensor.split,
-    torch.tensor_split, torch.Tensor.tensor_split, torch.unbind, torch.Tensor.unbind,
-}  # fmt: skip
-#: Set on what such an operator returns from a split dim: the error to raise where it is used.
+#: Set on what an operator taking a part along a split dim returns: the error to raise where
+#: its values are used.
 PART_MARK = "_tessera_part_of_split_dim"
-#: Queries that read a tensor's metadata, not its values.
-_METADATA = {
-    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.ndimension,
-    torch.Tensor.is_floating_point, torch.Tensor.__len__, torch.Tensor.get_device,
-    torch.Tensor.stride, torch.Tensor.is_contiguous, torch.Tensor.new_zeros,
-    torch.Tensor.new_ones, torch.Tensor.new_empty, torch.Tensor.new_full, torch.zeros_like,
-    torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like,
-    *(
-        getattr(torch.Tensor, name).__get__
-        for name in ("shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout")
-    ),
-}  # fmt: skip
-#: Concatenations: every tensor of the sequence is read along ``dim``.
-_CONCATENATIONS = {torch.cat, torch.concat, torch.concatenate}
-#: Operators whose output of the input's shape has another layout (its dims moved).
-_MOVING = {
-    torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes,
-    torch.swapdims, torch.Tensor.swapdims, torch.permute, torch.Tensor.permute,
-    torch.t, torch.Tensor.t, torch.movedim, torch.Tensor.movedim, torch.moveaxis,
-    torch.Tensor.moveaxis, torch.rot90, torch.Tensor.rot90,
-    *(getattr(torch.Tensor, name).__get__ for name in ("T", "mT", "H", "mH")),
-}  # fmt: skip
-
-
-def _indexed_dims(index: Any, x: torch.Tensor) -> set[int]:
-    """The dims of ``x`` that ``x[index]`` reads a part of (not a full ``:``).
-
-    Rows of the batch (dim 0) picked by a tensor of indices are not counted: a rank computes
-    them from its own rows (``h[torch.arange(b), last]``), per sample.
-    """
-    items = index if isinstance(index, tuple) else (index,)
-    consuming = sum(1 for i in items if i is not None and i is not Ellipsis)
-    dims: set[int] = set()
-    dim = 0
-    for item in items:
-        if item is Ellipsis:
-            dim += x.dim() - consuming
-            continue
-        if item is None:
-            continue
-        if dim >= x.dim():
-            break
-        if isinstance(item, slice) and item.indices(x.shape[dim]) == (0, x.shape[dim], 1):
-            dim += 1
-            continue
-        if dim > 0 or not isinstance(item, (torch.Tensor, list)):
-            dims.add(dim)  # rows of the batch picked by the rank's own indices: per sample
-        dim += 1
-    return dims
-
-
-def _split_dims(x: Any) -> frozenset[int]:
-    if not isinstance(x, torch.Tensor):
-        return frozenset()
-    marked: frozenset[int] | None = getattr(x, SPLIT_DIMS_MARK, None)
-    return frozenset() if marked is None else marked
 
 
 def _passes_through(module: str) -> bool:
@@ -223,13 +87,29 @@ def _callers_line() -> tuple[str, str]:
     return module, f"{where.filename}:{where.lineno} ({where.name}: {where.line})"
 
 
+@functools.cache
+def _public_names() -> dict[int, str]:
+    """The public spelling of torch's functions defined in C (``torch._C._nn.linear``)."""
+    names: dict[int, str] = {}
+    for prefix, space in (
+        ("torch", torch),
+        ("torch.nn.functional", torch.nn.functional),
+        ("torch.fft", torch.fft),
+        ("torch.linalg", torch.linalg),
+        ("torch.special", torch.special),
+    ):
+        for attribute in dir(space):
+            names.setdefault(id(getattr(space, attribute, None)), f"{prefix}.{attribute}")
+    return names
+
+
 def _name(func: Any) -> str:
-    """``torch.Tensor.mean``, ``torch.cat``, ``torch.nn.functional.layer_norm``."""
+    """``torch.Tensor.mean``, ``torch.cat``, ``torch.nn.functional.linear``."""
     name = getattr(func, "__name__", repr(func))
     owner = getattr(func, "__module__", None)
     if owner is None:  # a method of torch's tensor class (TensorBase, from C)
         return f"torch.Tensor.{name}"
-    return f"{owner}.{name}"
+    return _public_names().get(id(func), f"{owner}.{name}")
 
 
 class _Check(TorchFunctionMode):
@@ -265,47 +145,46 @@ class _Check(TorchFunctionMode):
             return func(*args, **kwargs)
         flat, _ = tree_flatten((args, dict(kwargs)))
         parts = [getattr(x, PART_MARK) for x in flat if hasattr(x, PART_MARK)]
-        if func in _METADATA or not (parts or any(_split_dims(x) for x in flat)):
+        if func in METADATA or not (parts or any(split_dims(x) for x in flat)):
             return func(*args, **kwargs)
         module, line = _callers_line()
         if module.startswith("tessera."):  # tessera's own hooks know their layouts
             return func(*args, **kwargs)
         if parts:
             raise ValueError(f"{parts[0]}; its values are used at {line}")
-        error = self._reading_whole(func, args, kwargs, line)
-        if error is not None and func not in _TAKING_PART:
+        called = (kwargs["input"], *args) if not args and "input" in kwargs else args
+        error = self._reading_whole(func, called, kwargs, line)
+        if error is not None and func not in TAKING_PART:
             raise ValueError(error)
         out = func(*args, **kwargs)
-        if error is not None:  # a part: refused where its values are used
-            for y in tree_flatten(out)[0]:
-                if isinstance(y, torch.Tensor):
-                    setattr(y, PART_MARK, error)
-        elif func not in _MOVING and func not in _TAKING_PART:
-            self._follow(flat, out)
+        for y in tree_flatten(out)[0]:
+            if not isinstance(y, torch.Tensor):
+                continue
+            if error is not None:  # a part: refused where its values are used
+                setattr(y, PART_MARK, error)
+            elif y.is_floating_point():
+                cut = dims_followed(func, called, kwargs, y) | split_dims(y)  # in place: both
+                if cut:
+                    setattr(y, SPLIT_DIMS_MARK, cut)
         return out
 
     def _reading_whole(
         self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], line: str
     ) -> str | None:
         """The error of ``func`` reading a split dim of a tensor it is given whole, if it does."""
-        if func in _CONCATENATIONS:
-            tensors = kwargs.get("tensors", args[0] if args else ())
-            for x in tensors:
-                error = self._error(func, x, _dim_at(1, 0)(args, kwargs, x.dim()), line)
-                if error is not None:
-                    return error
-            return None
-        first = args[0] if args else None
-        if not isinstance(first, torch.Tensor):
-            return None
+        read: list[tuple[torch.Tensor, set[int] | None]]
         if func is torch.Tensor.__getitem__:
-            return self._error(func, first, _indexed_dims(args[1], first), line)
-        if func in _READS_WHOLE:
-            return self._error(func, first, _READS_WHOLE[func](args, kwargs, first.dim()), line)
+            read = [(args[0], indexed_dims(args[1], args[0]))]
+        else:
+            read = dims_read_whole(func, args, kwargs)
+        for x, dims in read:
+            error = self._error(func, x, dims, line)
+            if error is not None:
+                return error
         return None
 
     def _error(self, func: Any, x: torch.Tensor, read: set[int] | None, line: str) -> str | None:
-        split = _split_dims(x)
+        split = split_dims(x)
         hit = sorted(split if read is None else split & read)
         if not hit:
             return None
@@ -318,17 +197,6 @@ class _Check(TorchFunctionMode):
             "modules a plan leaves out under DTensor, exactly), or give the module that "
             "computes it a role ('norm' for a norm, 'gate_up' for a layer chunked in two)"
         )
-
-    @staticmethod
-    def _follow(flat: list[Any], out: Any) -> None:
-        """An output of a marked input's shape takes its mark (elementwise code)."""
-        marked = [x for x in flat if _split_dims(x)]
-        for y in tree_flatten(out)[0]:
-            if not isinstance(y, torch.Tensor) or not y.is_floating_point():
-                continue
-            same = next((x for x in marked if x.shape == y.shape), None)
-            if same is not None and getattr(y, SPLIT_DIMS_MARK, None) is None:
-                setattr(y, SPLIT_DIMS_MARK, _split_dims(same))
 
 
 def _marker(cuts: Cuts, context: ParallelContext) -> Any:

@@ -1,0 +1,582 @@
+"""Which dims of its tensors a torch operator reads whole, and where a split dim goes in its output.
+
+The tables behind :mod:`.own_code`, which follows the dims the tensor ranks cut (a converted
+module's output: the batch and the features under 2D, the tokens between a span's ends, the
+vocabulary of 1D's logits) through a model's own code. Two questions per operator:
+
+- **Reads whole**: which dims of each tensor argument the operator needs whole to compute its
+  number (a reduction, a softmax or norm over them, a contraction, a concatenation, roll or
+  flip along them, a convolution or FFT over them). Read on a split dim, each rank computes a
+  different number than one process would, without an error.
+- **Follows**: which dims of its output are still cut, so the check goes on past it: the same
+  dims for elementwise code (broadcast from the right), the dims left by a reduction over
+  whole ones, moved by a transpose or permute, regrouped by a view or reshape (a cut of
+  contiguous blocks, so of the outermost dim of a group: ``view(b, s, heads, head_dim)`` of
+  split features cuts the heads), carried by indexing, a product or an einsum.
+
+Both err towards passing: an operator absent from the tables is treated as elementwise, and a
+reshape that cannot be told from an unsqueeze (``view(b, s, 1, h)`` of one local head) cuts the
+size-1 dim. ``verify=`` checks the numbers themselves.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "CONCATENATIONS",
+    "METADATA",
+    "SPLIT_DIMS_MARK",
+    "TAKING_PART",
+    "dims_followed",
+    "dims_read_whole",
+    "indexed_dims",
+    "split_dims",
+]
+
+#: Set on a tensor the check follows: the dims of it the tensor ranks cut (a frozenset).
+SPLIT_DIMS_MARK = "_tessera_split_dims"
+
+Args = tuple[Any, ...]
+Kwargs = Mapping[str, Any]
+#: ``dims(args, kwargs, ndim)``: the dims of the first tensor argument an operator reads whole
+#: (``None``: all of them).
+DimsRead = Callable[[Args, Kwargs, int], "set[int] | None"]
+#: ``follow(func, args, kwargs, y)``: the dims of an output ``y`` cut where the inputs were.
+Follow = Callable[[Any, Args, Kwargs, torch.Tensor], "frozenset[int]"]
+
+
+def split_dims(x: Any) -> frozenset[int]:
+    """The dims of ``x`` the tensor ranks cut (empty for anything unmarked)."""
+    if not isinstance(x, torch.Tensor):
+        return frozenset()
+    marked: frozenset[int] | None = getattr(x, SPLIT_DIMS_MARK, None)
+    return frozenset() if marked is None else marked
+
+
+def _dims(given: Any, ndim: int) -> set[int] | None:
+    if isinstance(given, torch.Tensor):
+        return set()  # torch.max(a, b): elementwise
+    if given is None or isinstance(given, bool) or given == ():
+        return None  # every dim (``x.sum()``, ``x.var(True)``, ``x.amax()``)
+    dims = given if isinstance(given, (tuple, list, torch.Size)) else (given,)
+    return {int(d) % max(ndim, 1) for d in dims}
+
+
+def _dim_at(position: int, default: Any, name: str = "dim", varargs: bool = False) -> DimsRead:
+    """The dims named by argument ``name`` (or at ``position``); ``default`` when not given.
+
+    ``varargs``: the dims may be given one argument each (``x.flip(1, 2)``).
+    """
+
+    def read(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
+        given = kwargs.get(
+            name, kwargs.get("axis", args[position] if len(args) > position else default)
+        )
+        if varargs and isinstance(given, int) and len(args) > position + 1:
+            given = args[position:]
+        return _dims(given, ndim)
+
+    return read
+
+
+def _fixed(*dims: int) -> DimsRead:
+    """Dims counted from the end when negative (a norm's last dim, a contraction)."""
+    return lambda args, kwargs, ndim: {d % ndim for d in dims if -ndim <= d < ndim}
+
+
+def _from(first: int) -> DimsRead:
+    """Every dim from ``first`` on (a convolution's channels and positions)."""
+    return lambda args, kwargs, ndim: set(range(first, ndim))
+
+
+def _last_dims(position: int) -> DimsRead:
+    """A norm over the last ``len(normalized_shape)`` dims (``F.layer_norm``, ``F.rms_norm``)."""
+
+    def read(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
+        shape = kwargs.get("normalized_shape", args[position] if len(args) > position else ())
+        count = 1 if isinstance(shape, int) else len(shape)
+        return set(range(ndim - count, ndim))
+
+    return read
+
+
+def _softmax_dim(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
+    """``F.softmax``'s dim; without one, torch's implicit choice (0 for 0, 1 or 3 dims, else 1)."""
+    read = _dim_at(1, None)(args, kwargs, ndim)
+    return read if read is not None else {0 if ndim in (0, 1, 3) else 1}
+
+
+def _batch_norm(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
+    """Statistics over the batch and the positions of each channel (dim 1)."""
+    return {d for d in range(ndim) if d != 1}
+
+
+def _padded(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
+    """``F.pad``: the dims given a pad, from the last (a pad at a block's end is mid-tensor)."""
+    pad = kwargs.get("pad", args[1] if len(args) > 1 else ())
+    pairs = [tuple(pad[i : i + 2]) for i in range(0, len(pad), 2)]
+    return {ndim - 1 - k for k, pair in enumerate(pairs) if any(int(p) != 0 for p in pair)}
+
+
+def _loss(classes: bool) -> DimsRead:
+    """A loss: over every dim unless ``reduction='none'``; the classes (dim 1) read whole."""
+
+    def read(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
+        if kwargs.get("reduction", "mean") != "none":
+            return None
+        return {1 if ndim >= 2 else 0} if classes else set()
+
+    return read
+
+
+def _fft(default_all: bool) -> DimsRead:
+    """``torch.fft``: the transformed dims (the last, or all of them / the last two)."""
+
+    def read(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
+        given = kwargs.get("dim", args[2] if len(args) > 2 else None)
+        if given is None:
+            return None if default_all else {ndim - 1}
+        return _dims(given, ndim)
+
+    return read
+
+
+def _reads_whole() -> dict[Any, DimsRead]:
+    """Operators that read dims of their first tensor argument whole, and which dims."""
+    table: dict[Any, DimsRead] = {}
+
+    def every(names: str, read: DimsRead, *owners: Any) -> None:  # torch.mean, Tensor.mean, ...
+        for name in names.split():
+            for owner in owners or (torch, torch.Tensor):
+                if hasattr(owner, name):
+                    table[getattr(owner, name)] = read
+
+    every("sum mean nansum nanmean prod max min argmax argmin amax amin", _dim_at(1, None))
+    every("var std var_mean std_mean logsumexp softmax log_softmax", _dim_at(1, None))
+    every("cumsum cumprod cummax cummin logcumsumexp median nanmedian", _dim_at(1, None))
+    every("unbind", _dim_at(1, 0))
+    every("sort argsort mode", _dim_at(1, -1))
+    every("chunk split tensor_split", _dim_at(2, 0))
+    every("narrow select index_select gather", _dim_at(1, 0))
+    every("topk kthvalue diff", _dim_at(2, -1))
+    every("quantile nanquantile norm take_along_dim", _dim_at(2, None))
+    every("roll", _dim_at(2, None, "dims"))
+    every("flip", _dim_at(1, None, "dims", varargs=True))
+    every("rot90", _dim_at(2, (0, 1), "dims"))
+    every("softmax log_softmax logsumexp", _dim_at(1, None), torch.special)
+    every("vector_norm norm", _dim_at(2, None), torch.linalg)
+    every("softmax log_softmax softmin", _softmax_dim, F)
+    every("normalize cosine_similarity", _dim_at(2, 1), F, torch)
+    every("pairwise_distance glu", _fixed(-1), F)
+    every("layer_norm rms_norm", _last_dims(1), F, torch)
+    every("group_norm local_response_norm", _from(1), F, torch)
+    every("instance_norm", _from(2), F, torch)
+    every("batch_norm", _batch_norm, F, torch)
+    every("pad", _padded, F)
+    every("cross_entropy nll_loss", _loss(classes=True), F)
+    every("mse_loss l1_loss smooth_l1_loss huber_loss kl_div", _loss(classes=False), F)
+    every("binary_cross_entropy binary_cross_entropy_with_logits", _loss(classes=False), F)
+    every("conv1d conv2d conv3d conv_transpose1d conv_transpose2d unfold", _from(1), F)
+    every("avg_pool1d avg_pool2d max_pool1d max_pool2d interpolate", _from(2), F)
+    every("adaptive_avg_pool1d adaptive_avg_pool2d", _from(2), F)
+    every("fft ifft rfft irfft hfft", _fft(default_all=False), torch.fft)
+    every("fft2 ifft2 rfft2 irfft2 fftn ifftn rfftn irfftn", _fft(default_all=True), torch.fft)
+    return table
+
+
+_READS_WHOLE = _reads_whole()
+
+#: Operators taking a part along a dim (an index, a chunk): refused where what they return is
+#: computed with, not where only its shape is read (BART's ``embed_positions(x[:, :, -1])``).
+_PART_TAKERS = "chunk split tensor_split unbind narrow select index_select gather take_along_dim"
+TAKING_PART = {torch.Tensor.__getitem__} | {
+    getattr(owner, name)
+    for owner in (torch, torch.Tensor)
+    for name in _PART_TAKERS.split()
+    if hasattr(owner, name)
+}
+#: Queries that read a tensor's metadata, not its values.
+METADATA = {
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.ndimension,
+    torch.Tensor.is_floating_point, torch.Tensor.__len__, torch.Tensor.get_device,
+    torch.Tensor.stride, torch.Tensor.is_contiguous, torch.Tensor.new_zeros,
+    torch.Tensor.new_ones, torch.Tensor.new_empty, torch.Tensor.new_full, torch.zeros_like,
+    torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like,
+    *(
+        getattr(torch.Tensor, name).__get__
+        for name in ("shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout")
+    ),
+}  # fmt: skip
+#: Concatenations, and the dim each reads of a tensor of ``ndim`` dims it is given.
+CONCATENATIONS: dict[Any, Callable[[Args, Kwargs, int], set[int] | None]] = {
+    torch.cat: _dim_at(1, 0),
+    torch.concat: _dim_at(1, 0),
+    torch.concatenate: _dim_at(1, 0, "axis"),
+    torch.hstack: lambda args, kwargs, ndim: {1 if ndim >= 2 else 0},
+    torch.vstack: lambda args, kwargs, ndim: {0} if ndim >= 2 else set(),
+    torch.row_stack: lambda args, kwargs, ndim: {0} if ndim >= 2 else set(),
+    torch.dstack: lambda args, kwargs, ndim: {2} if ndim >= 3 else set(),
+    torch.column_stack: lambda args, kwargs, ndim: {1} if ndim >= 2 else set(),
+}
+
+
+def _einsum_letters(args: Args) -> tuple[list[torch.Tensor], list[str], str] | None:
+    """``torch.einsum``'s operands, each one's letters (``...`` spelled out), the output's."""
+    if not args or not isinstance(args[0], str):
+        return None
+    operands = list(args[1] if len(args) == 2 and isinstance(args[1], Sequence) else args[1:])
+    equation = args[0].replace(" ", "")
+    inputs, _, output = equation.partition("->")
+    spare = [c for c in string.ascii_uppercase + string.ascii_lowercase if c not in equation]
+    ellipsis = max(
+        (
+            t.dim() - len(s.replace("...", ""))
+            for s, t in zip(inputs.split(","), operands, strict=True)
+        ),
+        default=0,
+    )
+    filler = "".join(spare[:ellipsis])
+    letters = [
+        s.replace("...", filler[len(filler) - (t.dim() - len(s.replace("...", ""))) :])
+        for s, t in zip(inputs.split(","), operands, strict=True)
+    ]
+    if "->" in equation:
+        output = output.replace("...", filler)
+    else:  # implicit: the broadcast dims, then the letters that appear once, in order
+        once = sorted(c for c in set("".join(letters)) if "".join(letters).count(c) == 1)
+        output = filler + "".join(c for c in once if c not in filler)
+    return operands, letters, output
+
+
+def dims_read_whole(
+    func: Any, args: Args, kwargs: Kwargs
+) -> list[tuple[torch.Tensor, set[int] | None]]:
+    """Each tensor argument of ``func`` with the dims of it the operator reads whole."""
+    if func in CONCATENATIONS:
+        tensors = kwargs.get("tensors", args[0] if args else ())
+        return [(x, CONCATENATIONS[func](args, kwargs, x.dim())) for x in tensors]
+    if func is torch.einsum:
+        parsed = _einsum_letters(args)
+        if parsed is None:
+            return []
+        operands, letters, output = parsed
+        return [
+            (x, {d for d, c in enumerate(s) if c not in output})
+            for x, s in zip(operands, letters, strict=True)
+        ]
+    if not args or not isinstance(args[0], torch.Tensor):
+        return []
+    first, second = args[0], args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("weight"))
+    if func in _PRODUCTS:
+        read: list[tuple[torch.Tensor, set[int] | None]] = [(first, {first.dim() - 1})]
+        if isinstance(second, torch.Tensor):  # its rows (F.linear: its in_features) are summed
+            inner = second.dim() - 1 if func is F.linear or second.dim() < 2 else second.dim() - 2
+            read.append((second, {inner}))
+        return read
+    if func is F.scaled_dot_product_attention:  # queries' features; keys' and values' tokens
+        key = args[1] if len(args) > 1 else kwargs.get("key")
+        value = args[2] if len(args) > 2 else kwargs.get("value")
+        read = [(first, {first.dim() - 1})]
+        read += [(t, {t.dim() - 2, t.dim() - 1}) for t in (key,) if isinstance(t, torch.Tensor)]
+        read += [(t, {t.dim() - 2}) for t in (value,) if isinstance(t, torch.Tensor)]
+        return read
+    if func in _READS_WHOLE:
+        return [(first, _READS_WHOLE[func](args, kwargs, first.dim()))]
+    return []
+
+
+_PRODUCTS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
+_PRODUCTS |= {torch.bmm, torch.Tensor.bmm, F.linear}
+
+
+def indexed_dims(index: Any, x: torch.Tensor) -> set[int]:
+    """The dims of ``x`` that ``x[index]`` reads a part of (not a full ``:``).
+
+    Rows of the batch (dim 0) picked by a tensor of indices are not counted: a rank computes
+    them from its own rows (``h[torch.arange(b), last]``), per sample. Neither are the dims a
+    boolean mask selects from: each rank selects its own elements (the output's first dim is
+    then cut, see :func:`dims_followed`).
+    """
+    dims: set[int] = set()
+    for dim, item in _index_items(index, x):
+        if isinstance(item, torch.Tensor) and item.dtype == torch.bool:
+            continue
+        if isinstance(item, slice) and item.indices(x.shape[dim]) == (0, x.shape[dim], 1):
+            continue
+        if dim > 0 or not isinstance(item, (torch.Tensor, list)):
+            dims.add(dim)  # rows of the batch picked by the rank's own indices: per sample
+    return dims
+
+
+def _width(item: Any) -> int:
+    """How many dims of the indexed tensor an item of an index consumes (a mask: its dims)."""
+    if item is None or item is Ellipsis:
+        return 0
+    return item.dim() if isinstance(item, torch.Tensor) and item.dtype == torch.bool else 1
+
+
+def _index_items(index: Any, x: torch.Tensor) -> list[tuple[int, Any]]:
+    """Each item of ``index`` that consumes a dim, with the dim (a mask: its first dim)."""
+    items = index if isinstance(index, tuple) else (index,)
+    consuming = sum(_width(i) for i in items)
+    found: list[tuple[int, Any]] = []
+    dim = 0
+    for item in items:
+        if item is Ellipsis:
+            dim += x.dim() - consuming
+        elif dim < x.dim() and item is not None:
+            found.append((dim, item))
+            dim += _width(item)
+    return found
+
+
+def _indexed(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
+    """``x[index]``: a kept dim keeps its cut.
+
+    Rows picked from a cut dim (by indices or a mask) cut the dim they become.
+    """
+    x, index = args[0], args[1]
+    split = split_dims(x)
+    items = index if isinstance(index, tuple) else (index,)
+    advanced = [i for i, item in enumerate(items) if isinstance(item, (torch.Tensor, list))]
+    if advanced and advanced != list(range(advanced[0], advanced[-1] + 1)):
+        return frozenset()  # indices apart: their dims go first (numpy's rule); not followed
+    if advanced:
+        picked = [items[i] for i in advanced]
+        masks = [p for p in picked if isinstance(p, torch.Tensor) and p.dtype == torch.bool]
+        if masks and len(picked) > 1:
+            return frozenset()  # a mask beside indices: not followed
+        shapes = [torch.as_tensor(p).shape for p in picked]
+        made = 1 if masks else len(torch.broadcast_shapes(*shapes))  # type: ignore[no-untyped-call]  # dims the indices make
+    consuming = sum(_width(i) for i in items)
+    out: set[int] = set()
+    dim = o = 0
+    for i, item in enumerate(items):
+        width = x.dim() - consuming if item is Ellipsis else _width(item)
+        if item is None:
+            o += 1
+        elif advanced and i in advanced:
+            if i == advanced[0]:
+                picked_dims = range(dim, dim + sum(_width(items[k]) for k in advanced))
+                if made and any(d in split for d in picked_dims):
+                    out.add(o)  # the rows picked from a cut dim are cut
+                o += made
+        elif item is Ellipsis or isinstance(item, slice):
+            out |= {o + k for k in range(width) if dim + k in split}
+            o += width
+        dim += width  # an int: the dim goes
+    out |= {o + k for k in range(x.dim() - dim) if dim + k in split}  # the dims after the index
+    return frozenset(d for d in out if d < y.dim())
+
+
+def _moved(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
+    """A transpose, permute or movedim: each cut dim where it went."""
+    x = args[0]
+    n = x.dim()
+    order = list(range(n))  # order[k]: the input dim at output dim k
+    if func in _SWAPS:
+        a, b = (
+            int(d) % n for d in (args[1:3] if len(args) > 2 else (kwargs["dim0"], kwargs["dim1"]))
+        )
+        order[a], order[b] = order[b], order[a]
+    elif func in _PERMUTES:
+        given = args[1:] if len(args) > 2 else (args[1] if len(args) > 1 else kwargs["dims"])
+        order = [int(d) % n for d in given]
+    elif func in _MOVEDIMS:
+        source: Any = args[1] if len(args) > 1 else kwargs["source"]
+        target: Any = args[2] if len(args) > 2 else kwargs["destination"]
+        sources = [int(d) % n for d in (source if isinstance(source, Sequence) else (source,))]
+        targets = [int(d) % n for d in (target if isinstance(target, Sequence) else (target,))]
+        rest = iter(d for d in range(n) if d not in sources)
+        placed = dict(zip(targets, sources, strict=True))
+        order = [placed[k] if k in placed else next(rest) for k in range(n)]
+    elif func in _LAST_TWO and n >= 2:
+        order[-2], order[-1] = order[-1], order[-2]
+    else:  # .t(), .T: every dim reversed
+        order.reverse()
+    split = split_dims(x)
+    return frozenset(k for k, d in enumerate(order) if d in split)
+
+
+def _owned(names: str) -> set[Any]:
+    """``torch.transpose`` and ``torch.Tensor.transpose``, for each name either has."""
+    owners = (torch, torch.Tensor)
+    return {getattr(o, name) for name in names.split() for o in owners if hasattr(o, name)}
+
+
+_SWAPS = _owned("transpose swapaxes swapdims")
+_PERMUTES = _owned("permute")
+_MOVEDIMS = _owned("movedim moveaxis")
+_LAST_TWO = {getattr(torch.Tensor, name).__get__ for name in ("mT", "mH")}
+_REVERSED = {torch.t, torch.Tensor.t, *(getattr(torch.Tensor, name).__get__ for name in ("T", "H"))}
+
+
+def _squeezed(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
+    """``squeeze``/``unsqueeze``: the cut dims renumbered around the dims gone or made."""
+    x = args[0]
+    split = split_dims(x)
+    given: Any = args[1] if len(args) > 1 else kwargs.get("dim")
+    if func in (torch.unsqueeze, torch.Tensor.unsqueeze):
+        new = int(given) % y.dim()
+        return frozenset(d if d < new else d + 1 for d in split)
+    gone = {d for d in range(x.dim()) if x.shape[d] == 1}
+    if given is not None:
+        gone &= _dims(given, x.dim()) or set()
+    return frozenset(d - sum(g < d for g in gone) for d in split if d not in gone)
+
+
+def _regrouped(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
+    """A view or reshape: each cut dim to the outermost output dim of its group.
+
+    A rank's block of a cut dim is contiguous, so of ``[h] -> [heads, head_dim]`` the heads are
+    cut and each head's features are whole; of ``[b, s] -> [b * s]`` the merged dim is cut.
+    """
+    x = args[0]
+    a, b, split = list(x.shape), list(y.shape), split_dims(x)
+    out: set[int] = set()
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] == 1 and b[j] == 1:
+            if i in split:
+                out.add(j)
+            i, j = i + 1, j + 1
+            continue
+        if b[j] == 1:  # a size-1 dim made: a cut dim after it is taken as its outer part
+            if a[i] != 1 and i in split:
+                out.add(j)
+                split = split - {i}
+            j += 1
+            continue
+        group_in, group_out = [i], [j]
+        size_in, size_out = a[i], b[j]
+        i, j = i + 1, j + 1
+        while size_in != size_out and i <= len(a) and j <= len(b):
+            if size_in < size_out and i < len(a):
+                group_in.append(i)
+                size_in, i = size_in * a[i], i + 1
+            elif size_out < size_in and j < len(b):
+                group_out.append(j)
+                size_out, j = size_out * b[j], j + 1
+            else:
+                return frozenset(out)  # sizes that do not line up: not followed
+        cut = [d for d in group_in if d in split]
+        if cut:
+            outer = 1
+            for d in group_in:
+                if d == cut[0]:
+                    break
+                outer *= a[d]
+            reach = 1
+            for d in group_out:  # the first output dim reaching past the cut dim's start
+                reach *= b[d]
+                if reach > outer:
+                    out.add(d)
+                    break
+    return frozenset(out)
+
+
+def _product(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
+    """``a @ b`` (``[..., n, k] @ [..., k, m]``): a's batch and rows, b's batch and columns."""
+    a = args[0]
+    b = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("weight"))
+    cut: set[int] = set()
+    if func is F.linear:  # x @ weight.T: x's dims but its last; weight's rows become columns
+        cut = {d for d in split_dims(a) if d < a.dim() - 1}
+        if isinstance(b, torch.Tensor) and 0 in split_dims(b) and b.dim() == 2:
+            cut.add(y.dim() - 1)
+        return frozenset(cut)
+    if not isinstance(b, torch.Tensor):
+        return frozenset()
+    rows, columns = int(a.dim() >= 2), int(b.dim() >= 2)
+    batch_end = y.dim() - rows - columns
+    for x in (a, b):
+        batch = x.dim() - 2 if x.dim() >= 2 else 0
+        cut |= {batch_end - batch + d for d in split_dims(x) if d < batch}
+    if rows and a.dim() - 2 in split_dims(a):
+        cut.add(batch_end)
+    if columns and b.dim() - 1 in split_dims(b):
+        cut.add(y.dim() - 1)
+    return frozenset(cut)
+
+
+def _einsum(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
+    """An einsum: the output's letters cut in any operand."""
+    parsed = _einsum_letters(args)
+    if parsed is None:
+        return frozenset()
+    operands, letters, output = parsed
+    cut = {s[d] for x, s in zip(operands, letters, strict=True) for d in split_dims(x)}
+    return frozenset(k for k, c in enumerate(output) if c in cut)
+
+
+def _stacked(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
+    """``torch.stack``: each tensor's cut dims around the new one."""
+    tensors = kwargs.get("tensors", args[0] if args else ())
+    new = int(kwargs.get("dim", args[1] if len(args) > 1 else 0)) % y.dim()
+    return frozenset(d if d < new else d + 1 for x in tensors for d in split_dims(x))
+
+
+def _concatenated(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
+    """A concatenation along whole dims: each tensor's cut dims where they were."""
+    tensors = kwargs.get("tensors", args[0] if args else ())
+    return frozenset(d for x in tensors if x.dim() == y.dim() for d in split_dims(x))
+
+
+_FOLLOWS: dict[Any, Follow] = {torch.Tensor.__getitem__: _indexed, torch.einsum: _einsum}
+_FOLLOWS |= dict.fromkeys(_SWAPS | _PERMUTES | _MOVEDIMS | _LAST_TWO | _REVERSED, _moved)
+_FOLLOWS |= dict.fromkeys(_owned("squeeze unsqueeze"), _squeezed)
+_FOLLOWS |= dict.fromkeys(_owned("view reshape view_as reshape_as flatten unflatten"), _regrouped)
+_FOLLOWS |= dict.fromkeys(_PRODUCTS, _product)
+_FOLLOWS |= dict.fromkeys(CONCATENATIONS, _concatenated)
+_FOLLOWS[torch.stack] = _stacked
+
+
+def _reduced(x: torch.Tensor, read: set[int] | None, y: torch.Tensor) -> frozenset[int]:
+    """The cut dims after an operator read ``read`` whole, none of them cut.
+
+    Where they were for an output of as many dims (a softmax, a sort, ``keepdim``), else
+    renumbered past the reduced dims.
+    """
+    split = split_dims(x)
+    if y.dim() == x.dim():
+        return split
+    if read is not None and y.dim() == x.dim() - len(read):
+        return frozenset(d - sum(r < d for r in read) for d in split if d not in read)
+    return frozenset()
+
+
+def _broadcast(inputs: list[torch.Tensor], y: torch.Tensor) -> frozenset[int]:
+    """Elementwise code: each input's cut dims, aligned from the right, where ``y`` has them."""
+    cut: set[int] = set()
+    for x in inputs:
+        offset = y.dim() - x.dim()
+        if offset < 0 or any(x.shape[d] not in (1, y.shape[d + offset]) for d in range(x.dim())):
+            continue
+        cut |= {d + offset for d in split_dims(x) if x.shape[d] == y.shape[d + offset]}
+    return frozenset(cut)
+
+
+def dims_followed(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
+    """The dims of ``func``'s output ``y`` the tensor ranks cut, from its inputs' cuts."""
+    if func in _FOLLOWS:
+        view = func in (torch.Tensor.view,) and len(args) > 1 and isinstance(args[1], torch.dtype)
+        if view:  # a view as another dtype
+            return split_dims(args[0]) if y.shape == args[0].shape else frozenset()
+        return _FOLLOWS[func](func, args, kwargs, y)
+    read = dims_read_whole(func, args, kwargs)
+    if read:
+        return frozenset().union(*(_reduced(x, dims, y) for x, dims in read if split_dims(x)))
+    inputs = [x for x in _flat_tensors(args, kwargs) if split_dims(x)]
+    return _broadcast(inputs, y)
+
+
+def _flat_tensors(args: Args, kwargs: Kwargs) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    return [x for x in tree_flatten((args, dict(kwargs)))[0] if isinstance(x, torch.Tensor)]
