@@ -297,6 +297,26 @@ EACH_MODE = ("1d", "1d-sp", "2d", "2.5d", "3d", "sequence-ring")
 EVERY_CHECK = ("1d", "1d-sp", "2d", "2.5d", "3d", "sequence-ring", "sequence-all-to-all")
 
 
+#: Checks whose models 2.5D cuts as 2D does (heads and features over the same q x q grid), so
+#: its depth, the batch split once more, adds nothing to them: they run under 2D only. 2.5D
+#: keeps the checks of the batch (per-sample pooling, masks, dropout, left-out modules, the
+#: engine's blocks, pipeline layers) and both language models.
+SAME_UNDER_DEPTH = (
+    "plain transformer (plan read from its blocks, learned positions, SDPA)",
+    "clip vision encoder (patch conv, class token, pooler of the first token)",
+    "bert",
+    "bare encoders (bert, roberta, distilbert, vit: hidden states and pooler whole)",
+    "vit",
+)
+
+
+def _runs(check: str, layout: str) -> bool:
+    """Whether ``check`` runs under ``layout`` (ONLY_UNDER, EVERY_CHECK, SAME_UNDER_DEPTH)."""
+    if check in ONLY_UNDER:
+        return _listed(ONLY_UNDER[check], layout)
+    return layout in EVERY_CHECK and not (layout == "2.5d" and check in SAME_UNDER_DEPTH)
+
+
 def _listed(names: tuple[str, ...], layout: str) -> bool:
     """Whether ``names`` (layouts, or tensor modes standing for all of theirs) hold ``layout``."""
     return bool({layout, LAYOUTS[layout]["mode"]} & set(names))
@@ -306,14 +326,7 @@ def _listed(names: tuple[str, ...], layout: str) -> bool:
 #: (Qwen2, GPT-Neo, Phi) under a few each, per-sample positions where the batch is split.
 ONLY_UNDER = {
     "qwen2 (inferred plan)": ("1d", "2d", "sequence"),
-    "fewer key/value heads than tensor ranks (repeated)": (
-        "1d",
-        "1d-4",
-        "1d-sp",
-        "2d",
-        "2.5d",
-        "3d",
-    ),
+    "fewer key/value heads than tensor ranks (repeated)": ("1d", "1d-4", "1d-sp", "2d", "3d"),
     "mixtures of experts (family plans, experts split under 1D)": (
         "1d",
         "1d-sp",
@@ -337,7 +350,7 @@ ONLY_UNDER = {
     "falcon (family plans, q/k/v fused per head or per key/value group)": ("1d-sp", "2d", "3d"),
     "q, k and v fused, key/value heads repeated (gpt-bigcode multi-query, phi3)": (
         "1d",
-        "2.5d",
+        "2d",
         "3d",
         "sequence-ring",
     ),
@@ -347,7 +360,7 @@ ONLY_UNDER = {
         "3d",
         "sequence-ring",
     ),
-    "qwen3 (query and key heads normalized)": ("1d", "2.5d"),
+    "qwen3 (query and key heads normalized)": ("1d", "2d"),
     "olmo2 (plan read from its blocks, norms of all query and key features)": ("1d", "3d"),
     "gpt-neox (family plan, q/k/v fused by head)": ("1d-4", "2d", "sequence-ring"),
     "olmo (family plan, norms without parameters)": ("1d-sp", "2d"),
@@ -1650,9 +1663,7 @@ def _torch_marks(layout: str) -> list[pytest.MarkDecorator]:
         pytest.param(layout, check, marks=_torch_marks(layout))
         for layout, tensor in LAYOUTS.items()
         for check in CHECKS
-        if (
-            layout in EVERY_CHECK if check not in ONLY_UNDER else _listed(ONLY_UNDER[check], layout)
-        )
+        if _runs(check, layout)
     ],
 )
 def test_transformers_models_and_plain_blocks_equal_single_process(
