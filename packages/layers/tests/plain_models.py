@@ -218,6 +218,14 @@ class ProbabilitiesLM(PlainLM):
         return super().forward(ids).softmax(-1)  # [b, s, V]
 
 
+class LastTokenLM(PlainLM):
+    """:class:`PlainLM` returning the last token's logits, taken in its own forward: under
+    'sequence' this rank's last token, of its chunk of the sequence."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids)[:, -1]  # [b, V]
+
+
 class FunctionalNormBlock(Block):
     """:class:`Block` that normalizes its input in its own forward, with no module: code no
     plan can name, which reads split features as the whole under 2D, 2.5D and 3D.

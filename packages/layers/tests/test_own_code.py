@@ -55,6 +55,9 @@ READS_A_SPLIT_DIM: list[tuple[str, Callable[[torch.Tensor], object]]] = [
     ("torch.sum", lambda x: torch.sum(input=x, dim=-1)),
     ("torch.conv1d", lambda x: F.conv1d(x, torch.ones(3, 6, 1))),
     ("torch.nn.functional.scaled_dot_product_attention", lambda x: _attention(x, x, x)),
+    ("torch.Tensor.__getitem__", lambda x: x[[0, 1]] + 1.0),  # the same rows of every block
+    ("torch.nn.functional.glu", lambda x: F.glu(x.mT, dim=1)),
+    ("torch.mm", lambda x: torch.mm(x[:, 0], mat2=torch.ones(8, 3))),
 ]
 #: Operators exact on any block of it.
 EXACT = {
@@ -77,6 +80,12 @@ EXACT = {
     "a sum over a new dim": lambda x: x.unsqueeze(1).sum(1),
     "a stack": lambda x: torch.stack([x, x]).sum(0),
     "masked tokens": lambda x: x[torch.ones(4, 6, dtype=torch.bool)] * 2.0,
+    "rows of the batch selected": lambda x: x.index_select(0, torch.tensor([3, 0])) * 2.0,
+    "rows of the batch gathered": lambda x: torch.gather(x, 0, torch.zeros(2, 6, 8).long()) * 2,
+    "a token viewed and prepended": lambda x: torch.cat([x[:, 0].view(4, 1, 8), x], 1),
+    "a glu over the tokens": lambda x: F.glu(x, dim=1),
+    "an fft of the last two dims": lambda x: torch.fft.fft2(_marked(torch.randn(4, 2, 6, 8), {0})),
+    "a batch norm in eval mode": lambda x: F.batch_norm(x.mT, torch.zeros(8), torch.ones(8)),
 }
 
 #: Where the split dims of the [b, s, h] block (cut: 0 and 2) go through each operator.
@@ -96,6 +105,10 @@ FOLLOWED: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], set[int]]] = {
     "stacked": (lambda x: torch.stack([x, x], 1), {0, 3}),
     "broadcast": (lambda x: torch.ones(3, 1, 1, 1) * x, {1, 3}),
     "scaled": (lambda x: x * torch.ones(8), {0, 2}),
+    "the elementwise max": (lambda x: torch.max(torch.zeros(4, 6, 8), x), {0, 2}),
+    "swapped by keyword": (lambda x: x.swapaxes(axis0=1, axis1=2), {0, 1}),
+    "a token viewed as a sequence of one": (lambda x: x[:, 0].view(4, 1, 8), {0, 2}),
+    "moved in place": (lambda x: x.clone().transpose_(1, 2), {0, 1}),
 }
 
 

@@ -73,6 +73,7 @@ from plain_models import (
     OWN_MODULES_PLAN,
     PLAIN_PLAN,
     PLAIN_SPAN_PLAN,
+    LastTokenLM,
     MaskedPoolLM,
     ProbabilitiesLM,
     SelfAttention,
@@ -645,6 +646,13 @@ def _verified(ctx: ParallelContext) -> list[str]:
             probabilities(ids)
     else:  # the grids' logits split by rows, 'sequence''s by tokens: every class whole
         probabilities(ids)
+    torch.manual_seed(0)
+    last_token = parallelize(LastTokenLM(), PLAIN_SPAN_PLAN, context=ctx)
+    if kind.splits_sequence:  # this rank's last token, returned
+        with pytest.raises(ValueError, match=r"__getitem__ over dim 1 .* the model returns it"):
+            last_token(ids)
+    else:
+        last_token(ids)
     if not kind.splits_activations or kind.splits_sequence:
         parallelize(functional_norm_lm(), PLAIN_SPAN_PLAN, context=ctx, verify=(ids,))
         parallelize(functional_norm_lm(reshaped=True), PLAIN_SPAN_PLAN, context=ctx)(ids)

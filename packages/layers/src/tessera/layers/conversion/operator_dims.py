@@ -62,7 +62,7 @@ def split_dims(x: Any) -> frozenset[int]:
 def _dims(given: Any, ndim: int) -> set[int] | None:
     if isinstance(given, torch.Tensor):
         return set()  # torch.max(a, b): elementwise
-    if given is None or isinstance(given, bool) or given == ():
+    if given is None or isinstance(given, bool) or (isinstance(given, (tuple, list)) and not given):
         return None  # every dim (``x.sum()``, ``x.var(True)``, ``x.amax()``)
     dims = given if isinstance(given, (tuple, list, torch.Size)) else (given,)
     return {int(d) % max(ndim, 1) for d in dims}
@@ -113,8 +113,37 @@ def _softmax_dim(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
 
 
 def _batch_norm(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
-    """Statistics over the batch and the positions of each channel (dim 1)."""
+    """Statistics over all dims but the channels (1); elementwise from running statistics.
+
+    Running statistics are used in eval mode (``training=False``) where they are given.
+    """
+    running = args[1] if len(args) > 1 else kwargs.get("running_mean")
+    training = args[5] if len(args) > 5 else kwargs.get("training", False)
+    if running is not None and not training:
+        return set()
     return {d for d in range(ndim) if d != 1}
+
+
+def _instance_norm(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
+    """Statistics over each sample's positions (dims 2 on), unless from running statistics."""
+    if not (args[5] if len(args) > 5 else kwargs.get("use_input_stats", True)):
+        return set()
+    return set(range(2, ndim))
+
+
+def _picked(position: int, default: Any) -> DimsRead:
+    """``index_select``, ``gather``: another dim than the batch is read as a whole.
+
+    Rows of the batch (dim 0) picked by a tensor of indices are per sample: a rank picks from
+    its own rows, as ``x[indices]`` does.
+    """
+    along = _dim_at(position, default)
+
+    def read(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
+        dims = along(args, kwargs, ndim)
+        return None if dims is None else dims - {0}
+
+    return read
 
 
 def _padded(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
@@ -135,14 +164,19 @@ def _loss(classes: bool) -> DimsRead:
     return read
 
 
-def _fft(default_all: bool) -> DimsRead:
-    """``torch.fft``: the transformed dims (the last, or all of them / the last two)."""
+def _fft(count: int | None) -> DimsRead:
+    """``torch.fft``: the transformed dims.
+
+    ``dim``; else the last ``len(s)``; else the last ``count``; else all of them.
+    """
 
     def read(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
         given = kwargs.get("dim", args[2] if len(args) > 2 else None)
-        if given is None:
-            return None if default_all else {ndim - 1}
-        return _dims(given, ndim)
+        if given is not None:
+            return _dims(given, ndim)
+        sizes = kwargs.get("s", kwargs.get("n", args[1] if len(args) > 1 else None))
+        last = len(sizes) if isinstance(sizes, (tuple, list)) and count != 1 else count
+        return None if last is None else set(range(max(ndim - last, 0), ndim))
 
     return read
 
@@ -163,9 +197,11 @@ def _reads_whole() -> dict[Any, DimsRead]:
     every("unbind", _dim_at(1, 0))
     every("sort argsort mode", _dim_at(1, -1))
     every("chunk split tensor_split", _dim_at(2, 0))
-    every("narrow select index_select gather", _dim_at(1, 0))
+    every("narrow select", _dim_at(1, 0))
+    every("index_select gather", _picked(1, 0))
     every("topk kthvalue diff", _dim_at(2, -1))
-    every("quantile nanquantile norm take_along_dim", _dim_at(2, None))
+    every("quantile nanquantile norm", _dim_at(2, None))
+    every("take_along_dim", _picked(2, None))
     every("roll", _dim_at(2, None, "dims"))
     every("flip", _dim_at(1, None, "dims", varargs=True))
     every("rot90", _dim_at(2, (0, 1), "dims"))
@@ -173,10 +209,11 @@ def _reads_whole() -> dict[Any, DimsRead]:
     every("vector_norm norm", _dim_at(2, None), torch.linalg)
     every("softmax log_softmax softmin", _softmax_dim, F)
     every("normalize cosine_similarity", _dim_at(2, 1), F, torch)
-    every("pairwise_distance glu", _fixed(-1), F)
+    every("pairwise_distance", _fixed(-1), F)
+    every("glu", _dim_at(1, -1), F)
     every("layer_norm rms_norm", _last_dims(1), F, torch)
     every("group_norm local_response_norm", _from(1), F, torch)
-    every("instance_norm", _from(2), F, torch)
+    every("instance_norm", _instance_norm, F, torch)
     every("batch_norm", _batch_norm, F, torch)
     every("pad", _padded, F)
     every("cross_entropy nll_loss", _loss(classes=True), F)
@@ -185,8 +222,9 @@ def _reads_whole() -> dict[Any, DimsRead]:
     every("conv1d conv2d conv3d conv_transpose1d conv_transpose2d unfold", _from(1), F)
     every("avg_pool1d avg_pool2d max_pool1d max_pool2d interpolate", _from(2), F)
     every("adaptive_avg_pool1d adaptive_avg_pool2d", _from(2), F)
-    every("fft ifft rfft irfft hfft", _fft(default_all=False), torch.fft)
-    every("fft2 ifft2 rfft2 irfft2 fftn ifftn rfftn irfftn", _fft(default_all=True), torch.fft)
+    every("fft ifft rfft irfft hfft", _fft(1), torch.fft)
+    every("fft2 ifft2 rfft2 irfft2", _fft(2), torch.fft)
+    every("fftn ifftn rfftn irfftn", _fft(None), torch.fft)
     return table
 
 
@@ -272,7 +310,8 @@ def dims_read_whole(
         ]
     if not args or not isinstance(args[0], torch.Tensor):
         return []
-    first, second = args[0], args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("weight"))
+    first = args[0]
+    second = args[1] if len(args) > 1 else _second_operand(kwargs)
     if func in _PRODUCTS:
         read: list[tuple[torch.Tensor, set[int] | None]] = [(first, {first.dim() - 1})]
         if isinstance(second, torch.Tensor):  # its rows (F.linear: its in_features) are summed
@@ -291,6 +330,11 @@ def dims_read_whole(
     return []
 
 
+def _second_operand(kwargs: Kwargs) -> Any:
+    """``other`` (matmul), ``mat2`` (mm, bmm) or ``weight`` (F.linear), given by keyword."""
+    return next((kwargs[k] for k in ("other", "mat2", "weight") if k in kwargs), None)
+
+
 _PRODUCTS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
 _PRODUCTS |= {torch.bmm, torch.Tensor.bmm, F.linear}
 
@@ -299,7 +343,8 @@ def indexed_dims(index: Any, x: torch.Tensor) -> set[int]:
     """The dims of ``x`` that ``x[index]`` reads a part of (not a full ``:``).
 
     Rows of the batch (dim 0) picked by a tensor of indices are not counted: a rank computes
-    them from its own rows (``h[torch.arange(b), last]``), per sample. Neither are the dims a
+    them from its own rows (``h[torch.arange(b), last]``), per sample. A list or an int picks
+    the same rows of every rank's block, which are other samples: counted. Neither are the dims a
     boolean mask selects from: each rank selects its own elements (the output's first dim is
     then cut, see :func:`dims_followed`).
     """
@@ -309,7 +354,7 @@ def indexed_dims(index: Any, x: torch.Tensor) -> set[int]:
             continue
         if isinstance(item, slice) and item.indices(x.shape[dim]) == (0, x.shape[dim], 1):
             continue
-        if dim > 0 or not isinstance(item, (torch.Tensor, list)):
+        if dim > 0 or not isinstance(item, torch.Tensor) or item.dim() == 0:
             dims.add(dim)  # rows of the batch picked by the rank's own indices: per sample
     return dims
 
@@ -381,13 +426,13 @@ def _moved(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[
     n = x.dim()
     order = list(range(n))  # order[k]: the input dim at output dim k
     if func in _SWAPS:
-        a, b = (
-            int(d) % n for d in (args[1:3] if len(args) > 2 else (kwargs["dim0"], kwargs["dim1"]))
-        )
+        first = args[1] if len(args) > 1 else kwargs.get("dim0", kwargs.get("axis0"))
+        second = args[2] if len(args) > 2 else kwargs.get("dim1", kwargs.get("axis1"))
+        a, b = int(first) % n, int(second) % n
         order[a], order[b] = order[b], order[a]
     elif func in _PERMUTES:
         given = args[1:] if len(args) > 2 else (args[1] if len(args) > 1 else kwargs["dims"])
-        order = [int(d) % n for d in given]
+        order = [int(d) % n for d in (given if isinstance(given, Sequence) else (given,))]
     elif func in _MOVEDIMS:
         source: Any = args[1] if len(args) > 1 else kwargs["source"]
         target: Any = args[2] if len(args) > 2 else kwargs["destination"]
@@ -410,11 +455,14 @@ def _owned(names: str) -> set[Any]:
     return {getattr(o, name) for name in names.split() for o in owners if hasattr(o, name)}
 
 
-_SWAPS = _owned("transpose swapaxes swapdims")
+_SWAPS = _owned("transpose swapaxes swapdims transpose_ swapaxes_ swapdims_")
 _PERMUTES = _owned("permute")
 _MOVEDIMS = _owned("movedim moveaxis")
 _LAST_TWO = {getattr(torch.Tensor, name).__get__ for name in ("mT", "mH")}
-_REVERSED = {torch.t, torch.Tensor.t, *(getattr(torch.Tensor, name).__get__ for name in ("T", "H"))}
+_REVERSED = {torch.t, torch.Tensor.t, torch.Tensor.t_}
+_REVERSED |= {getattr(torch.Tensor, name).__get__ for name in ("T", "H")}
+#: In-place changes of shape whose input is gone when the output is seen: not followed.
+_RESHAPED_IN_PLACE = _owned("squeeze_ unsqueeze_ resize_ resize_as_ as_strided_ set_")
 
 
 def _squeezed(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
@@ -447,8 +495,9 @@ def _regrouped(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozen
                 out.add(j)
             i, j = i + 1, j + 1
             continue
-        if b[j] == 1:  # a size-1 dim made: a cut dim after it is taken as its outer part
-            if a[i] != 1 and i in split:
+        if b[j] == 1:  # a size-1 dim made
+            one_head = i == len(a) - 1 and j == len(b) - 2 and len(a) >= 3
+            if one_head and i in split:  # [b, s, h/q] as [b, s, 1, h/q]: one local head
                 out.add(j)
                 split = split - {i}
             j += 1
@@ -484,7 +533,7 @@ def _regrouped(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozen
 def _product(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
     """``a @ b`` (``[..., n, k] @ [..., k, m]``): a's batch and rows, b's batch and columns."""
     a = args[0]
-    b = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("weight"))
+    b = args[1] if len(args) > 1 else _second_operand(kwargs)
     cut: set[int] = set()
     if func is F.linear:  # x @ weight.T: x's dims but its last; weight's rows become columns
         cut = {d for d in split_dims(a) if d < a.dim() - 1}
@@ -564,16 +613,25 @@ def _broadcast(inputs: list[torch.Tensor], y: torch.Tensor) -> frozenset[int]:
 
 def dims_followed(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
     """The dims of ``func``'s output ``y`` the tensor ranks cut, from its inputs' cuts."""
+    if func in _RESHAPED_IN_PLACE:
+        return frozenset()
     if func in _FOLLOWS:
-        view = func in (torch.Tensor.view,) and len(args) > 1 and isinstance(args[1], torch.dtype)
-        if view:  # a view as another dtype
-            return split_dims(args[0]) if y.shape == args[0].shape else frozenset()
+        dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
+        if func is torch.Tensor.view and isinstance(dtype, torch.dtype):  # another dtype
+            return split_dims(args[0]) if y.dim() == args[0].dim() else frozenset()
         return _FOLLOWS[func](func, args, kwargs, y)
-    read = dims_read_whole(func, args, kwargs)
-    if read:
-        return frozenset().union(*(_reduced(x, dims, y) for x, dims in read if split_dims(x)))
+    read = [(x, dims) for x, dims in dims_read_whole(func, args, kwargs) if split_dims(x)]
+    if func in _QUANTILES and isinstance(
+        args[1] if len(args) > 1 else kwargs.get("q"), torch.Tensor
+    ):
+        return frozenset()  # a dim of quantiles first: not followed
+    if any(dims != set() for _, dims in read):  # not the elementwise form (torch.max(a, b))
+        return frozenset().union(*(_reduced(x, dims, y) for x, dims in read))
     inputs = [x for x in _flat_tensors(args, kwargs) if split_dims(x)]
     return _broadcast(inputs, y)
+
+
+_QUANTILES = _owned("quantile nanquantile")
 
 
 def _flat_tensors(args: Args, kwargs: Kwargs) -> list[torch.Tensor]:

@@ -18,11 +18,11 @@ are followed through elementwise code, indexing, reductions over whole dims, tra
 views and reshapes, products and einsums (:mod:`.operator_dims` holds the tables), so
 ``F.normalize(h[:, 0], dim=-1)`` under 2D is refused as ``F.normalize(h, dim=-1)`` is. A part
 taken along a split dim (an index, a chunk, a narrow) is refused where its values are used in
-the model's own code, not where only its shape is read (BART passes ``x[:, :, -1]`` to its
-position embedding for the shape). The error names the operator, the dim, the block's shape,
-the line of the model's code that called it, and what to do (a module of its own, which
-tessera runs under DTensor, or a role). Once one call completes, the check is removed: later
-calls and ``torch.compile`` pay nothing.
+the model's own code or where the model returns it, not where only its shape is read (BART
+passes ``x[:, :, -1]`` to its position embedding for the shape). The error names the operator,
+the dim, the block's shape, the line of the model's code that called it, and what to do (a
+module of its own, which tessera runs under DTensor, or a role). Once one call completes, the
+check is removed: later calls and ``torch.compile`` pay nothing.
 
 What it does not see: an operator absent from the tables (taken as elementwise), a split
 tensor the model makes from a marked one in a way not followed, paths the first call does not
@@ -39,8 +39,8 @@ from __future__ import annotations
 import functools
 import sys
 import traceback
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -64,6 +64,8 @@ from .operator_dims import (
 from .plan import inner_norms
 
 __all__ = ["PART_MARK", "SPLIT_DIMS_MARK", "install_own_code_check"]
+
+_T = TypeVar("_T")
 
 #: Set on what an operator taking a part along a split dim returns: the error to raise where
 #: its values are used.
@@ -112,6 +114,18 @@ def _name(func: Any) -> str:
     return _public_names().get(id(func), f"{owner}.{name}")
 
 
+def _bookkept(otherwise: _T, compute: Callable[..., _T], *args: Any) -> _T:
+    """``compute(*args)``, or ``otherwise`` where the tables cannot read a call.
+
+    A form of a call the tables do not know: the check errs towards passing, and never breaks
+    the model's forward.
+    """
+    try:
+        return compute(*args)
+    except Exception:
+        return otherwise
+
+
 class _Check(TorchFunctionMode):
     """Follows split dims through the model's own code; refuses an operator reading one whole.
 
@@ -153,7 +167,7 @@ class _Check(TorchFunctionMode):
         if parts:
             raise ValueError(f"{parts[0]}; its values are used at {line}")
         called = (kwargs["input"], *args) if not args and "input" in kwargs else args
-        error = self._reading_whole(func, called, kwargs, line)
+        error = _bookkept(None, self._reading_whole, func, called, kwargs, line)
         if error is not None and func not in TAKING_PART:
             raise ValueError(error)
         out = func(*args, **kwargs)
@@ -163,8 +177,9 @@ class _Check(TorchFunctionMode):
             if error is not None:  # a part: refused where its values are used
                 setattr(y, PART_MARK, error)
             elif y.is_floating_point():
-                cut = dims_followed(func, called, kwargs, y) | split_dims(y)  # in place: both
-                if cut:
+                none: frozenset[int] = frozenset()
+                cut = _bookkept(none, dims_followed, func, called, kwargs, y)
+                if cut or hasattr(y, SPLIT_DIMS_MARK):  # an input changed in place: its new cut
                     setattr(y, SPLIT_DIMS_MARK, cut)
         return out
 
@@ -305,9 +320,13 @@ def install_own_code_check(
         if module is not model or not check.handles:
             return
         clear()
-        if sys.exc_info()[1] in (None, check.raised_before):  # checked: the hooks go
-            first.remove()
-            last.remove()
+        if sys.exc_info()[1] not in (None, check.raised_before):
+            return  # the call failed: the next one is checked
+        parts = [getattr(y, PART_MARK) for y in tree_flatten(output)[0] if hasattr(y, PART_MARK)]
+        if parts:  # its caller computes with it, unchecked
+            raise ValueError(f"{parts[0]}; the model returns it")
+        first.remove()  # checked: the hooks go
+        last.remove()
 
     first = model.register_forward_pre_hook(start, prepend=True)
     last = model.register_forward_hook(stop, prepend=True, always_call=True)
