@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tessera.context import ParallelContext
 from tessera.layers.conversion.own_code import SPLIT_DIMS_MARK, _Check
 
 #: Operators that read the features (dim 2) or the tokens (dim 1) of a [b, s, h] block whole.
@@ -58,6 +61,10 @@ READS_A_SPLIT_DIM: list[tuple[str, Callable[[torch.Tensor], object]]] = [
     ("torch.Tensor.__getitem__", lambda x: x[[0, 1]] + 1.0),  # the same rows of every block
     ("torch.nn.functional.glu", lambda x: F.glu(x.mT, dim=1)),
     ("torch.mm", lambda x: torch.mm(x[:, 0], mat2=torch.ones(8, 3))),
+    ("torch.addmm", lambda x: torch.addmm(torch.ones(3), x[:, 0], torch.ones(8, 3))),
+    ("torch.tensordot", lambda x: torch.tensordot(x, torch.ones(8, 3), dims=1)),
+    ("torch.inner", lambda x: torch.inner(x, torch.ones(8))),
+    ("torch.nn.functional.mse_loss", lambda x: F.mse_loss(torch.zeros(4, 6, 8), x)),  # target
 ]
 #: Operators exact on any block of it.
 EXACT = {
@@ -86,6 +93,8 @@ EXACT = {
     "a glu over the tokens": lambda x: F.glu(x, dim=1),
     "an fft of the last two dims": lambda x: torch.fft.fft2(_marked(torch.randn(4, 2, 6, 8), {0})),
     "a batch norm in eval mode": lambda x: F.batch_norm(x.mT, torch.zeros(8), torch.ones(8)),
+    "a tensordot over the tokens": lambda x: torch.tensordot(x, torch.ones(6, 3), ([1], [0])),
+    "a loss of each element": lambda x: F.mse_loss(x, x * 2.0, reduction="none"),
 }
 
 #: Where the split dims of the [b, s, h] block (cut: 0 and 2) go through each operator.
@@ -109,6 +118,8 @@ FOLLOWED: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], set[int]]] = {
     "swapped by keyword": (lambda x: x.swapaxes(axis0=1, axis1=2), {0, 1}),
     "a token viewed as a sequence of one": (lambda x: x[:, 0].view(4, 1, 8), {0, 2}),
     "moved in place": (lambda x: x.clone().transpose_(1, 2), {0, 1}),
+    "a tensordot": (lambda x: torch.tensordot(x, torch.ones(6, 3), ([1], [0])), {0, 1}),
+    "an inner product": (lambda x: torch.inner(x.mT, torch.ones(6)), {0, 1}),
 }
 
 
@@ -156,3 +167,18 @@ def test_split_dims_follow_indexing_reductions_moves_reshapes_and_products(name:
     with _Check("2d"):
         y = compute(_block())
     assert getattr(y, SPLIT_DIMS_MARK) == frozenset(cut)
+
+
+def test_tokens_flattened_into_rows_are_cut_on_their_rows() -> None:
+    """Under 'sequence' (and 1D sequence parallelism) a module's output ``[b, s/p, h]`` is cut
+    on its tokens; ``[b * s/p, h]`` (the rows an expert takes) on its rows, not its features."""
+    from tessera.layers.conversion.own_code import _marker
+    from tessera.layers.sequence.mode import LAYERS_SEQUENCE
+
+    assert LAYERS_SEQUENCE.activation_cuts is not None
+    two_ranks = cast(ParallelContext, SimpleNamespace(get_world_size=lambda group: 2))
+    mark = _marker(LAYERS_SEQUENCE.activation_cuts, two_ranks)
+    for shape, cut in (((2, 6, 8), {1}), ((12, 8), {0})):
+        y = torch.randn(shape)
+        mark(torch.nn.Identity(), (), y)
+        assert getattr(y, SPLIT_DIMS_MARK) == frozenset(cut)

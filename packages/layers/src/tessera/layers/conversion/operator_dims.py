@@ -308,6 +308,14 @@ def dims_read_whole(
             (x, {d for d, c in enumerate(s) if c not in output})
             for x, s in zip(operands, letters, strict=True)
         ]
+    if func is torch.tensordot:
+        return _tensordot(args, kwargs)
+    if func in _CONTRACTIONS:
+        return [
+            (args[p], read(args[p].dim()))
+            for p, read in _CONTRACTIONS[func]
+            if len(args) > p and isinstance(args[p], torch.Tensor)
+        ]
     if not args or not isinstance(args[0], torch.Tensor):
         return []
     first = args[0]
@@ -326,7 +334,12 @@ def dims_read_whole(
         read += [(t, {t.dim() - 2}) for t in (value,) if isinstance(t, torch.Tensor)]
         return read
     if func in _READS_WHOLE:
-        return [(first, _READS_WHOLE[func](args, kwargs, first.dim()))]
+        reads = _READS_WHOLE[func]
+        read = [(first, reads(args, kwargs, first.dim()))]
+        other = args[1] if len(args) > 1 else kwargs.get("target", kwargs.get("x2"))
+        if func in _BOTH and isinstance(other, torch.Tensor):  # a loss's target, read alike
+            read.append((other, reads(args, kwargs, other.dim())))
+        return read
     return []
 
 
@@ -577,6 +590,61 @@ def _concatenated(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> fro
     return frozenset(d for x in tensors if x.dim() == y.dim() for d in split_dims(x))
 
 
+def _last(ndim: int) -> set[int]:
+    return {ndim - 1}
+
+
+def _rows(ndim: int) -> set[int]:
+    return {max(ndim - 2, 0)}
+
+
+#: Contractions given their operands at fixed positions: each position, and the dims of the
+#: tensor there summed over (``addmm(input, a, b)`` sums a's columns and b's rows).
+_CONTRACTIONS: dict[Any, tuple[tuple[int, Callable[[int], set[int]]], ...]] = {}
+for _names, _reads in (
+    ("addmm", ((1, _last), (2, _rows))),
+    ("baddbmm", ((1, _last), (2, _rows))),
+    ("addbmm", ((1, lambda n: {0, n - 1}), (2, lambda n: {0, n - 2}))),
+    ("addmv", ((1, _last), (2, _last))),
+    ("mv", ((0, _last), (1, _last))),
+    ("dot vdot inner", ((0, _last), (1, _last))),
+):
+    for _func in _owned(_names):
+        _CONTRACTIONS[_func] = _reads
+_CONTRACTIONS[F.bilinear] = ((0, _last), (1, _last))
+#: Their outputs: the first operand's dims left, then the second's (``inner``, ``mv``).
+_FREE_THEN = _owned("mv dot vdot inner")
+#: Operators reading their second tensor argument as their first (a loss's target).
+_BOTH = {
+    *(getattr(F, name) for name in ("cosine_similarity", "pairwise_distance", "kl_div")),
+    *(getattr(F, name) for name in ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss")),
+    *(getattr(F, name) for name in ("binary_cross_entropy", "binary_cross_entropy_with_logits")),
+    torch.cosine_similarity,
+}
+
+
+def _tensordot(args: Args, kwargs: Kwargs) -> list[tuple[torch.Tensor, set[int] | None]]:
+    """``torch.tensordot(a, b, dims)``: a's last ``dims`` and b's first, or the dims listed."""
+    a, b = args[0], args[1] if len(args) > 1 else kwargs["b"]
+    dims = args[2] if len(args) > 2 else kwargs.get("dims", 2)
+    if isinstance(dims, int):
+        return [(a, set(range(a.dim() - dims, a.dim()))), (b, set(range(dims)))]
+    first, second = ((d,) if isinstance(d, int) else d for d in dims)
+    return [(a, {int(d) % a.dim() for d in first}), (b, {int(d) % b.dim() for d in second})]
+
+
+def _free_then(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
+    """A contraction's output: the first operand's dims left, then the second's."""
+    read = dims_read_whole(func, args, kwargs)
+    cut: set[int] = set()
+    offset = 0
+    for x, dims in read:
+        free = [d for d in range(x.dim()) if d not in (dims or set())]
+        cut |= {offset + k for k, d in enumerate(free) if d in split_dims(x)}
+        offset += len(free)
+    return frozenset(d for d in cut if d < y.dim())
+
+
 _FOLLOWS: dict[Any, Follow] = {torch.Tensor.__getitem__: _indexed, torch.einsum: _einsum}
 _FOLLOWS |= dict.fromkeys(_SWAPS | _PERMUTES | _MOVEDIMS | _LAST_TWO | _REVERSED, _moved)
 _FOLLOWS |= dict.fromkeys(_owned("squeeze unsqueeze"), _squeezed)
@@ -584,6 +652,7 @@ _FOLLOWS |= dict.fromkeys(_owned("view reshape view_as reshape_as flatten unflat
 _FOLLOWS |= dict.fromkeys(_PRODUCTS, _product)
 _FOLLOWS |= dict.fromkeys(CONCATENATIONS, _concatenated)
 _FOLLOWS[torch.stack] = _stacked
+_FOLLOWS |= dict.fromkeys(_FREE_THEN | {torch.tensordot}, _free_then)
 
 
 def _reduced(x: torch.Tensor, read: set[int] | None, y: torch.Tensor) -> frozenset[int]:

@@ -57,10 +57,13 @@ def _whole(x: torch.Tensor, context: ParallelContext) -> torch.Tensor:
 
 
 def _activation_cuts(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
-    """Whole; with sequence parallelism, the sequence (dim 1) cut over the 1D group."""
+    """Whole; with sequence parallelism, the sequence (dim 1) cut over the 1D group.
+
+    Tokens flattened into rows (``[b * s/p, h]``, the rows an expert takes) are cut on dim 0.
+    """
     if not sequence_parallel_default(context):
         return {}
-    return {1: (ParallelMode.PARALLEL_1D.value,)}
+    return {int(ndim > 2): (ParallelMode.PARALLEL_1D.value,)}
 
 
 def _features_cut(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:

@@ -68,7 +68,8 @@ LAYERS_SEQUENCE = ModeLayers(
     split_batch=split_sequence_activation,
     token_loss=_token_loss,
     gather_logits=_gather_logits,
-    activation_cuts=lambda context, ndim: {1: (ParallelMode.SEQUENCE.value,)},
+    # [b, s/p, h]; tokens flattened ([b * s/p, h], experts' rows): their dim 0
+    activation_cuts=lambda context, ndim: {int(ndim > 2): (ParallelMode.SEQUENCE.value,)},
     logits_cuts=lambda context, ndim: {1: (ParallelMode.SEQUENCE.value,)} if ndim > 2 else {},
 )
 register_mode_layers(LAYERS_SEQUENCE)
