@@ -226,6 +226,19 @@ class LastTokenLM(PlainLM):
         return super().forward(ids)[:, -1]  # [b, V]
 
 
+class LastTokenNormLM(PlainLM):
+    """:class:`PlainLM` taking the last token before its final norm: under 'sequence' it gives
+    this rank's last token, of its chunk of the sequence, to ``ln_f``."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)  # [s]
+        x = self.tok_emb(ids) + self.pos_emb(positions)  # [b, s, h]
+        for block in self.blocks:
+            x = block(x)
+        logits: torch.Tensor = self.head(self.ln_f(x[:, -1]))  # [b, V]
+        return logits
+
+
 class FunctionalNormBlock(Block):
     """:class:`Block` that normalizes its input in its own forward, with no module: code no
     plan can name, which reads split features as the whole under 2D, 2.5D and 3D.

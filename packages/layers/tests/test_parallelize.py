@@ -74,6 +74,7 @@ from plain_models import (
     PLAIN_PLAN,
     PLAIN_SPAN_PLAN,
     LastTokenLM,
+    LastTokenNormLM,
     MaskedPoolLM,
     ProbabilitiesLM,
     SelfAttention,
@@ -648,9 +649,13 @@ def _verified(ctx: ParallelContext) -> list[str]:
         probabilities(ids)
     torch.manual_seed(0)
     last_token = parallelize(LastTokenLM(), PLAIN_SPAN_PLAN, context=ctx)
-    if kind.splits_sequence:  # this rank's last token, returned
+    if kind.splits_sequence:  # this rank's last token, returned or given to a norm
         with pytest.raises(ValueError, match=r"__getitem__ over dim 1 .* the model returns it"):
             last_token(ids)
+        torch.manual_seed(0)
+        normed = parallelize(LastTokenNormLM(), PLAIN_SPAN_PLAN, context=ctx)
+        with pytest.raises(ValueError, match=r"over dim 1 .* it is given to 'ln_f', which comp"):
+            normed(ids)
     else:
         last_token(ids)
     if not kind.splits_activations or kind.splits_sequence:

@@ -11,18 +11,19 @@ differently from one process without an error.
 So the first call of a converted model runs under a ``TorchFunctionMode`` that follows the
 split dims of the tensors tessera's modules return (each converted module's output is marked
 with the dims its layout cuts: the mode's activation, column or logits cuts) through the
-model's own code, and refuses an operator that reads part of a split dim as if it were whole:
-a reduction, softmax or norm over it, a contraction of it (``@``, ``F.linear``, an einsum), a
+model's own code, and refuses an operator that reads part of a split dim as if it were whole: a
+reduction, softmax or norm over it, a contraction of it (``@``, ``F.linear``, an einsum), a
 concatenation, pad, roll or flip along it, a convolution, FFT or loss over it. The split dims
-are followed through elementwise code, indexing, reductions over whole dims, transposes,
-views and reshapes, products and einsums (:mod:`.operator_dims` holds the tables), so
+are followed through elementwise code, indexing, reductions over whole dims, transposes, views
+and reshapes, products and einsums (:mod:`.operator_dims` holds the tables), so
 ``F.normalize(h[:, 0], dim=-1)`` under 2D is refused as ``F.normalize(h, dim=-1)`` is. A part
 taken along a split dim (an index, a chunk, a narrow) is refused where its values are used in
-the model's own code or where the model returns it, not where only its shape is read (BART
-passes ``x[:, :, -1]`` to its position embedding for the shape). The error names the operator,
-the dim, the block's shape, the line of the model's code that called it, and what to do (a
-module of its own, which tessera runs under DTensor, or a role). Once one call completes, the
-check is removed: later calls and ``torch.compile`` pay nothing.
+the model's own code, where the model returns it or gives it to a converted module computing
+with it, not where only its shape is read (BART passes ``x[:, :, -1]`` to its position
+embedding for the shape). The error names the operator, the dim, the block's shape, the line of
+the model's code that called it, and what to do (a module of its own, which tessera runs under
+DTensor, or a role). Once one call completes, the check is removed: later calls and
+``torch.compile`` pay nothing.
 
 What it does not see: an operator absent from the tables (taken as elementwise), a split
 tensor the model makes from a marked one in a way not followed, paths the first call does not
@@ -66,6 +67,9 @@ from .plan import inner_norms
 __all__ = ["PART_MARK", "SPLIT_DIMS_MARK", "install_own_code_check"]
 
 _T = TypeVar("_T")
+
+#: Roles whose module reads only the shape of a floating tensor it is given, or takes ids.
+_READING_SHAPES = ("embedding", "position_embedding", "patch_embedding")
 
 #: Set on what an operator taking a part along a split dim returns: the error to raise where
 #: its values are used.
@@ -261,13 +265,26 @@ def install_own_code_check(
     between = layers.activation_cuts
     inner = inner_norms(roles)
     check = _Check(mode)
+    # converted modules computing with what they are given (a position table reads its shape)
+    computing = {
+        id(model.get_submodule(name)): name
+        for name, role in roles.items()
+        if role not in _READING_SHAPES
+    }
 
     def whole(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
         return {}
 
-    def enter(module: nn.Module, args: Any) -> None:
-        if not torch.compiler.is_compiling():
-            check.inside += 1
+    def enter(module: nn.Module, args: Any, kwargs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        name = computing.get(id(module))
+        if name is not None and not check.inside and check.enabled:  # called by the model
+            flat = tree_flatten((args, kwargs))[0]
+            parts = [getattr(x, PART_MARK) for x in flat if hasattr(x, PART_MARK)]
+            if parts:
+                raise ValueError(f"{parts[0]}; it is given to {name!r}, which computes with it")
+        check.inside += 1
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
         if not torch.compiler.is_compiling():
@@ -310,7 +327,7 @@ def install_own_code_check(
                 check.handles.append(sub.register_forward_hook(marker, prepend=True))
         for name in {*roles, *left_out}:
             sub = model.get_submodule(name)
-            check.handles.append(sub.register_forward_pre_hook(enter))
+            check.handles.append(sub.register_forward_pre_hook(enter, with_kwargs=True))
             check.handles.append(sub.register_forward_hook(leave, always_call=True))
         check.raised_before = sys.exc_info()[1]  # called while the caller handles an error
         check.enabled = True
