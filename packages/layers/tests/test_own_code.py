@@ -182,3 +182,37 @@ def test_tokens_flattened_into_rows_are_cut_on_their_rows() -> None:
         y = torch.randn(shape)
         mark(torch.nn.Identity(), (), y)
         assert getattr(y, SPLIT_DIMS_MARK) == frozenset(cut)
+
+
+class _TrainingBranch(torch.nn.Module):
+    """A converted module's output, then code of the model's own that differs in training
+    (unless ``exact``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.exact = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)  # [b, s/p, h] under 'sequence'
+        if self.training and not self.exact:
+            return h.softmax(1)  # a softmax over the cut tokens
+        return h * 2.0
+
+
+def test_the_first_call_in_training_and_in_eval_mode_are_checked() -> None:
+    from tessera.layers.conversion.own_code import install_own_code_check
+
+    model = _TrainingBranch()
+    two_ranks = cast(ParallelContext, SimpleNamespace(get_world_size=lambda group: 2))
+    install_own_code_check(model, {"proj": "row"}, [], two_ranks, "sequence")
+    x = torch.randn(2, 6, 8)
+    model.eval()
+    model(x)  # eval first (as verify= calls): its path is exact
+    assert model._forward_pre_hooks  # training's first call is still to be checked
+    model.train()
+    with pytest.raises(ValueError, match=r"torch\.Tensor\.softmax over dim 1 of a \[2, 6, 8\]"):
+        model(x)
+    model.exact = True
+    model(x)
+    assert not model._forward_pre_hooks and not model._forward_hooks  # both checked: gone

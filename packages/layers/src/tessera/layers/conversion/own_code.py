@@ -22,7 +22,9 @@ the model's own code, where the model returns it or gives it to a converted modu
 with it, not where only its shape is read (BART passes ``x[:, :, -1]`` to its position
 embedding for the shape). The error names the operator, the dim, the block's shape, the line of
 the model's code that called it, and what to do (a module of its own, which tessera runs under
-DTensor, or a role). Once one call completes, the check is removed: later calls and
+DTensor, or a role). The first call in training mode and the first in eval mode are checked
+(``verify=`` or a first evaluation may call in eval mode, where a branch on ``self.training``
+or a dropout takes another path); then the check is removed: later calls and
 ``torch.compile`` pay nothing.
 
 What it does not see: an operator absent from the tables (taken as elementwise), a split
@@ -301,9 +303,11 @@ def install_own_code_check(
         check.handles.clear()
         check.inside = 0
 
+    checked: set[bool] = set()  # the modes (training or not) whose first call was checked
+
     def start(module: nn.Module, args: Any) -> None:
         # a deep copy of the model calls these hooks with itself: it is not checked
-        if module is not model or torch.compiler.is_compiling():
+        if module is not model or torch.compiler.is_compiling() or model.training in checked:
             return
         if check.handles:  # a first call interrupted (KeyboardInterrupt skips `stop`)
             clear()
@@ -342,8 +346,10 @@ def install_own_code_check(
         parts = [getattr(y, PART_MARK) for y in tree_flatten(output)[0] if hasattr(y, PART_MARK)]
         if parts:  # its caller computes with it, unchecked
             raise ValueError(f"{parts[0]}; the model returns it")
-        first.remove()  # checked: the hooks go
-        last.remove()
+        checked.add(model.training)
+        if len(checked) == 2:  # a call in training and one in eval mode checked: the hooks go
+            first.remove()
+            last.remove()
 
     first = model.register_forward_pre_hook(start, prepend=True)
     last = model.register_forward_hook(stop, prepend=True, always_call=True)
