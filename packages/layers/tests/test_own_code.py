@@ -65,6 +65,10 @@ READS_A_SPLIT_DIM: list[tuple[str, Callable[[torch.Tensor], object]]] = [
     ("torch.tensordot", lambda x: torch.tensordot(x, torch.ones(8, 3), dims=1)),
     ("torch.inner", lambda x: torch.inner(x, torch.ones(8))),
     ("torch.nn.functional.mse_loss", lambda x: F.mse_loss(torch.zeros(4, 6, 8), x)),  # target
+    ("torch.cdist", lambda x: torch.cdist(x, x)),
+    ("torch.Tensor.scatter_add", lambda x: x.scatter_add(2, torch.zeros(4, 6, 8).long(), x)),
+    ("torch.Tensor.unfold", lambda x: x.unfold(2, 2, 1)),
+    ("torch.Tensor.repeat", lambda x: x.repeat(1, 1, 2)),
 ]
 #: Operators exact on any block of it.
 EXACT = {
@@ -95,6 +99,7 @@ EXACT = {
     "a batch norm in eval mode": lambda x: F.batch_norm(x.mT, torch.zeros(8), torch.ones(8)),
     "a tensordot over the tokens": lambda x: torch.tensordot(x, torch.ones(6, 3), ([1], [0])),
     "a loss of each element": lambda x: F.mse_loss(x, x * 2.0, reduction="none"),
+    "a repeat of the tokens": lambda x: x.repeat(1, 2, 1),
 }
 
 #: Where the split dims of the [b, s, h] block (cut: 0 and 2) go through each operator.
@@ -120,7 +125,15 @@ FOLLOWED: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], set[int]]] = {
     "moved in place": (lambda x: x.clone().transpose_(1, 2), {0, 1}),
     "a tensordot": (lambda x: torch.tensordot(x, torch.ones(6, 3), ([1], [0])), {0, 1}),
     "an inner product": (lambda x: torch.inner(x.mT, torch.ones(6)), {0, 1}),
+    "rows added back": (
+        lambda x: torch.zeros(4, 8).index_add(0, _rows(), x[:, 0][_rows()]),
+        {0, 1},
+    ),
 }
+
+
+def _rows() -> torch.Tensor:
+    return torch.tensor([0, 3])
 
 
 _attention = F.scaled_dot_product_attention

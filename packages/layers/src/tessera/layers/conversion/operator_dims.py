@@ -181,6 +181,23 @@ def _fft(count: int | None) -> DimsRead:
     return read
 
 
+def _repeated(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
+    """``x.repeat(...)``: the dims tiled more than once (a block tiled is not the whole tiled)."""
+    sizes = args[1:] if len(args) > 2 else kwargs.get("repeats", kwargs.get("dims", args[1:]))
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
+        sizes = sizes[0]
+    offset = ndim - len(sizes)  # more sizes than dims: new leading dims
+    return {offset + k for k, size in enumerate(sizes) if int(size) != 1 and offset + k >= 0}
+
+
+#: Operators writing into their input along a dim, from a source: ``index_add_(dim, i, src)``.
+_WRITERS = " ".join(
+    f"{name}{suffix}"
+    for name in ("scatter", "scatter_add", "scatter_reduce", "index_add", "index_copy")
+    for suffix in ("", "_")
+)
+
+
 def _reads_whole() -> dict[Any, DimsRead]:
     """Operators that read dims of their first tensor argument whole, and which dims."""
     table: dict[Any, DimsRead] = {}
@@ -199,6 +216,10 @@ def _reads_whole() -> dict[Any, DimsRead]:
     every("chunk split tensor_split", _dim_at(2, 0))
     every("narrow select", _dim_at(1, 0))
     every("index_select gather", _picked(1, 0))
+    # writes along a dim: rows of the batch by the rank's indices (an expert's rows added back)
+    every(_WRITERS, _picked(1, 0))
+    every("unfold", _dim_at(1, 0))  # windows along a dim: across a block's edge
+    every("repeat tile", _repeated)
     every("topk kthvalue diff", _dim_at(2, -1))
     every("quantile nanquantile norm", _dim_at(2, None))
     every("take_along_dim", _picked(2, None))
@@ -577,6 +598,15 @@ def _einsum(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset
     return frozenset(k for k, c in enumerate(output) if c in cut)
 
 
+def _written(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
+    """``x.index_add_(dim, index, source)``: x's cut dims, and the source's (same dims)."""
+    source = args[3] if len(args) > 3 else kwargs.get("source", kwargs.get("src"))
+    cut = split_dims(args[0])
+    if isinstance(source, torch.Tensor) and source.dim() == y.dim():
+        cut |= split_dims(source)
+    return cut
+
+
 def _stacked(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
     """``torch.stack``: each tensor's cut dims around the new one."""
     tensors = kwargs.get("tensors", args[0] if args else ())
@@ -612,6 +642,7 @@ for _names, _reads in (
     for _func in _owned(_names):
         _CONTRACTIONS[_func] = _reads
 _CONTRACTIONS[F.bilinear] = ((0, _last), (1, _last))
+_CONTRACTIONS[torch.cdist] = ((0, _last), (1, _last))
 #: Their outputs: the first operand's dims left, then the second's (``inner``, ``mv``).
 _FREE_THEN = _owned("mv dot vdot inner")
 #: Operators reading their second tensor argument as their first (a loss's target).
@@ -652,6 +683,7 @@ _FOLLOWS |= dict.fromkeys(_owned("view reshape view_as reshape_as flatten unflat
 _FOLLOWS |= dict.fromkeys(_PRODUCTS, _product)
 _FOLLOWS |= dict.fromkeys(CONCATENATIONS, _concatenated)
 _FOLLOWS[torch.stack] = _stacked
+_FOLLOWS |= dict.fromkeys(_owned(_WRITERS), _written)
 _FOLLOWS |= dict.fromkeys(_FREE_THEN | {torch.tensordot}, _free_then)
 
 
