@@ -125,6 +125,8 @@ FOLLOWED: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], set[int]]] = {
     "moved in place": (lambda x: x.clone().transpose_(1, 2), {0, 1}),
     "a tensordot": (lambda x: torch.tensordot(x, torch.ones(6, 3), ([1], [0])), {0, 1}),
     "an inner product": (lambda x: torch.inner(x.mT, torch.ones(6)), {0, 1}),
+    "rows and features picked apart": (lambda x: _marked(x.mT, {0})[_rows(), :, _rows()], {0}),
+    "rows picked beside a token": (lambda x: x[_rows(), 0], {0, 1}),
     "rows added back": (
         lambda x: torch.zeros(4, 8).index_add(0, _rows(), x[:, 0][_rows()]),
         {0, 1},

@@ -656,6 +656,13 @@ def _verified(ctx: ParallelContext) -> list[str]:
         normed = parallelize(LastTokenNormLM(), PLAIN_SPAN_PLAN, context=ctx)
         with pytest.raises(ValueError, match=r"over dim 1 .* it is given to 'ln_f', which comp"):
             normed(ids)
+        rules = {k: v for k, v in PLAIN_PLAN.items() if k != "ln_f"}  # ln_f left out
+        span = ("blocks.0", "blocks.-1")
+        plan = Plan(rules, boundary="tokens", sequence_span=span, causal_lm=True)
+        torch.manual_seed(0)
+        normed = parallelize(LastTokenNormLM(), plan, context=ctx)
+        with pytest.raises(ValueError, match=r"over dim 1 .* it is given to 'ln_f', which comp"):
+            normed(ids)
     else:
         last_token(ids)
     if not kind.splits_activations or kind.splits_sequence:

@@ -418,39 +418,41 @@ def _index_items(index: Any, x: torch.Tensor) -> list[tuple[int, Any]]:
 def _indexed(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
     """``x[index]``: a kept dim keeps its cut.
 
-    Rows picked from a cut dim (by indices or a mask) cut the dim they become.
+    Rows picked from a cut dim (by indices or a mask) cut the dim they become: in place of the
+    indices, or first where indices stand apart (``x[i, :, j]``, numpy's rule).
     """
     x, index = args[0], args[1]
     split = split_dims(x)
     items = index if isinstance(index, tuple) else (index,)
     advanced = [i for i, item in enumerate(items) if isinstance(item, (torch.Tensor, list))]
-    if advanced and advanced != list(range(advanced[0], advanced[-1] + 1)):
-        return frozenset()  # indices apart: their dims go first (numpy's rule); not followed
+    apart = bool(advanced) and advanced != list(range(advanced[0], advanced[-1] + 1))
+    made = 0  # the dims the indices make
     if advanced:
         picked = [items[i] for i in advanced]
         masks = [p for p in picked if isinstance(p, torch.Tensor) and p.dtype == torch.bool]
         if masks and len(picked) > 1:
             return frozenset()  # a mask beside indices: not followed
         shapes = [torch.as_tensor(p).shape for p in picked]
-        made = 1 if masks else len(torch.broadcast_shapes(*shapes))  # type: ignore[no-untyped-call]  # dims the indices make
+        made = 1 if masks else len(torch.broadcast_shapes(*shapes))  # type: ignore[no-untyped-call]
     consuming = sum(_width(i) for i in items)
     out: set[int] = set()
-    dim = o = 0
+    dim, o = 0, made if apart else 0
+    picked_at, picked_cut = 0, False
     for i, item in enumerate(items):
         width = x.dim() - consuming if item is Ellipsis else _width(item)
         if item is None:
             o += 1
-        elif advanced and i in advanced:
-            if i == advanced[0]:
-                picked_dims = range(dim, dim + sum(_width(items[k]) for k in advanced))
-                if made and any(d in split for d in picked_dims):
-                    out.add(o)  # the rows picked from a cut dim are cut
-                o += made
+        elif i in advanced:
+            picked_cut |= any(d in split for d in range(dim, dim + width))
+            if not apart and i == advanced[0]:
+                picked_at, o = o, o + made
         elif item is Ellipsis or isinstance(item, slice):
             out |= {o + k for k in range(width) if dim + k in split}
             o += width
         dim += width  # an int: the dim goes
     out |= {o + k for k in range(x.dim() - dim) if dim + k in split}  # the dims after the index
+    if made and picked_cut:
+        out.add(picked_at)  # the rows picked from a cut dim are cut
     return frozenset(d for d in out if d < y.dim())
 
 

@@ -268,11 +268,13 @@ def install_own_code_check(
     inner = inner_norms(roles)
     check = _Check(mode)
     # converted modules computing with what they are given (a position table reads its shape)
+    # and the modules left out, which DTensor runs on what its layout trail says they hold
     computing = {
         id(model.get_submodule(name)): name
         for name, role in roles.items()
         if role not in _READING_SHAPES
     }
+    computing |= {id(model.get_submodule(name)): name for name in left_out}
 
     def whole(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
         return {}
