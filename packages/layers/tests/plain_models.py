@@ -84,6 +84,41 @@ PLAIN_PLAN = {
 }
 
 
+class DropPath(nn.Module):
+    """Stochastic depth as timm writes it: each sample's branch kept or dropped whole."""
+
+    def __init__(self, drop_prob: float) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep = 1.0 - self.drop_prob
+        kept = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)  # [b, 1, 1]
+        return x * kept / keep
+
+
+class DropPathBlock(Block):
+    """:class:`Block` whose two residual branches go through a :class:`DropPath` each."""
+
+    def __init__(self, hidden: int, n_head: int, drop: float) -> None:
+        super().__init__(hidden, n_head)
+        self.drop1, self.drop2 = DropPath(drop), DropPath(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop1(self.attn(self.ln1(x)))
+        return x + self.drop2(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class DropPathLM(PlainLM):
+    """:class:`PlainLM` of :class:`DropPathBlock` (stochastic depth of ``drop``)."""
+
+    def __init__(self, drop: float = 0.5) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(DropPathBlock(16, 4, drop) for _ in range(2))
+
+
 class ScaleNorm(nn.Module):
     """A norm without parameters, as a researcher writes it: mixes every feature of a token."""
 

@@ -3,9 +3,11 @@
 A training step's forward and loss (transformers' GPT-2, parallelized) is compiled with
 ``fullgraph=True``, so any graph break, tessera's or transformers', fails the test; the
 backward runs through the compiled graph's own backward (AOTAutograd). Its loss and every
-gradient must equal the eager parallel step's, which the layout tests hold equal to one
-process. The ``aot_eager`` backend traces forward and backward as Inductor would, without
-generating code (seconds, not minutes, on CPU); ``benchmarks/bench_compile.py`` runs Inductor.
+gradient must equal the eager parallel step's (the layout tests hold that equal to one
+process), dropout included: the eager model draws from the counter streams a traced split
+region draws from (``shared/rank_draws.py``). The ``aot_eager`` backend traces forward and
+backward as Inductor would, without generating code (seconds, not minutes, on CPU);
+``benchmarks/bench_compile.py`` runs Inductor.
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _compiled_step_equals_eager(tensor: dict[str, Any]) -> float:
+def _compiled_step_equals_eager(tensor: dict[str, Any]) -> tuple[float, float]:
+    """GPT-2 with dropout 0.1 everywhere: one compiled graph, eager's numbers.
+
+    Traced, the split regions answer their draws from each rank's counter stream (a
+    generator fork cannot be traced); the eager model is told to draw from the same streams,
+    so both draw the same masks. Returns the loss and the sum of the embeddings' output after
+    its dropout, which 1D holds whole: alike on every rank only if that dropout was not
+    taken for a split region's.
+    """
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from tessera.context import create_context
@@ -35,23 +45,28 @@ def _compiled_step_equals_eager(tensor: dict[str, Any]) -> float:
     try:
         torch.manual_seed(0)
         config = GPT2Config(
-            vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+            vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4, resid_pdrop=0.1,
+            embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
         plain = GPT2LMHeadModel(config)
         eager = parallelize(copy.deepcopy(plain), context=ctx)
+        eager._tessera_rank_fork.streams_in_eager = True
         compiled_model = parallelize(plain, context=ctx)
         ids = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(1))
 
-        expected = causal_lm_loss(eager(ids).logits, ids, context=ctx)
+        def step(model: torch.nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            out = model(batch, output_hidden_states=True)
+            return causal_lm_loss(out.logits, batch, context=ctx), out.hidden_states[0]
+
+        compiled_model(ids, output_hidden_states=True)  # the first call's checks, eagerly
+        torch.manual_seed(7)  # alike on every rank, as the context seeds it
+        expected, _ = step(eager, ids)
         expected.backward()
-
-        def step(batch: torch.Tensor) -> torch.Tensor:
-            return causal_lm_loss(compiled_model(batch).logits, batch, context=ctx)
-
-        compiled_model(ids)  # the first call's one-time input checks run eagerly
         torch._dynamo.reset()
-        loss = torch.compile(step, backend="aot_eager", fullgraph=True)(ids)
+        torch.manual_seed(7)
+        loss, embedded = torch.compile(step, backend="aot_eager", fullgraph=True)(
+            compiled_model, ids
+        )
         loss.backward()
         torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
         grads = dict(eager.named_parameters())
@@ -59,14 +74,30 @@ def _compiled_step_equals_eager(tensor: dict[str, Any]) -> float:
             reference = grads[name].grad
             assert p.grad is not None and reference is not None, name
             torch.testing.assert_close(p.grad, reference, rtol=1e-5, atol=1e-6, msg=name)
-        return float(loss)
+        # every mode a region entered was left (the first call's check and the streams nest)
+        assert torch._C._len_torch_function_stack() == 0
+        return float(loss), float(embedded.sum())
     finally:
         torch._dynamo.reset()
         ctx.destroy()
 
 
+def _compiled_mesh_dropout_differs_per_rank(ctx: Any) -> None:
+    """``Dropout2D`` compiled whole: each rank's block gets a mask of its own."""
+    from tessera.layers import Dropout2D
+
+    dropout = torch.compile(Dropout2D(0.5, context=ctx), backend="aot_eager", fullgraph=True)
+    torch.manual_seed(3)  # alike on every rank
+    mask = (dropout(torch.ones(16, 16)) != 0).float()
+    masks = [torch.empty_like(mask) for _ in range(4)]
+    torch.distributed.all_gather(masks, mask)
+    assert all(not torch.equal(masks[0], other) for other in masks[1:])
+
+
 def _mesh_products_equal_eager() -> int:
     """Each 2D product variant (SUMMA, streamed SUMMA, stationary weights), compiled whole.
+
+    Then a compiled ``Dropout2D``: the layers' own dropout is traced too.
 
     On a 2 x 2 mesh the layers pick SUMMA or stationary weights by shape, and stream SUMMA
     only on larger meshes: here each is asked for by name, so its traced collectives (one
@@ -97,6 +128,7 @@ def _mesh_products_equal_eager() -> int:
             for got, want in zip(results[1], results[0], strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=algorithm)
             torch._dynamo.reset()
+        _compiled_mesh_dropout_differs_per_rank(ctx)
         return 3
     finally:
         torch._dynamo.reset()
@@ -115,10 +147,12 @@ def test_each_2d_product_compiles_whole_and_equals_eager(dist: Any) -> None:
 )
 def test_a_compiled_step_is_one_graph_and_equals_eager(dist: Any, layout: str) -> None:
     tensor = LAYOUTS[layout]
-    losses = dist.run(
+    results = dist.run(
         _compiled_step_equals_eager, world_size=tensor["size"], args=(tensor,), timeout=300.0
     )
-    assert all(loss == losses[0] for loss in losses)  # the whole batch's loss on every rank
+    assert all(loss == results[0][0] for loss, _ in results)  # the whole batch's, everywhere
+    if layout == "1d":  # the embeddings' output is whole: its dropout mask alike on each rank
+        assert all(embedded == results[0][1] for _, embedded in results)
 
 
 def _left_out_modules_equal_eager() -> float:

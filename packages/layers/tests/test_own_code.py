@@ -49,6 +49,7 @@ READS_A_SPLIT_DIM: list[tuple[str, Callable[[torch.Tensor], object]]] = [
     ("torch.nn.functional.linear", lambda x: F.linear(x, torch.ones(3, 8))),
     ("torch.matmul", lambda x: torch.matmul(torch.ones(5, 4), x[:, 0])),  # b's rows: the batch
     ("torch.nn.functional.pad", lambda x: F.pad(x, (0, 1))),
+    ("torch.nn.functional.dropout1d", lambda x: F.dropout1d(x, 0.5)),  # a token's mask, per block
     ("torch.nn.functional.glu", lambda x: F.glu(x)),
     ("torch.nn.functional.cross_entropy", lambda x: F.cross_entropy(x.flatten(0, 1), _zeros(24))),
     ("torch.Tensor.narrow", lambda x: x.narrow(2, 0, 3) * 2.0),  # refused where it is used
@@ -97,6 +98,8 @@ EXACT = {
     "a glu over the tokens": lambda x: F.glu(x, dim=1),
     "an fft of the last two dims": lambda x: torch.fft.fft2(_marked(torch.randn(4, 2, 6, 8), {0})),
     "a batch norm in eval mode": lambda x: F.batch_norm(x.mT, torch.zeros(8), torch.ones(8)),
+    "a channel dropout in eval mode": lambda x: F.dropout1d(x, 0.5, training=False),
+    "a mask per sample and token": lambda x: F.dropout1d(x.mT, 0.5),  # [b, h, s]: s whole
     "a tensordot over the tokens": lambda x: torch.tensordot(x, torch.ones(6, 3), ([1], [0])),
     "a loss of each element": lambda x: F.mse_loss(x, x * 2.0, reduction="none"),
     "a repeat of the tokens": lambda x: x.repeat(1, 2, 1),

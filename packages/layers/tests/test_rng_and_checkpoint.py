@@ -98,3 +98,56 @@ def test_checkpoint_without_context_replays_torch_rng() -> None:
     ckpt = [p.grad.clone() for p in block.parameters() if p.grad is not None]
     assert len(plain) == len(ckpt) > 0
     assert all(torch.equal(a, b) for a, b in zip(plain, ckpt, strict=True))
+
+
+def _samples_kept(tensor: dict[str, object]) -> list[tuple[int, int, bool]]:
+    """``(module, sample, kept)`` of each drop path this rank ran, by the whole batch's rows."""
+    import torch.distributed as dist
+    from plain_models import DropPath, DropPathLM
+
+    from tessera.context import create_context
+    from tessera.layers import parallelize, split_batch
+
+    ctx = create_context(dict(parallel=dict(tensor=tensor)), timeout=60.0)
+    try:
+        torch.manual_seed(0)
+        model = parallelize(DropPathLM(drop=0.5), context=ctx)
+        samples = torch.arange(8)[:, None].expand(8, 16).contiguous()  # [b, s]: each its row
+        rows = split_batch(samples, context=ctx)[:, 0].tolist()  # the samples this rank holds
+        seen: list[tuple[int, int, bool]] = []
+        paths = [m for m in model.modules() if isinstance(m, DropPath)]
+        for index, path in enumerate(paths):
+
+            def record(module: object, args: tuple, out: torch.Tensor, index: int = index) -> None:
+                dropped = out.flatten(1).eq(0).all(1)  # a sample's whole block is zero
+                seen.extend((index, row, not bool(d)) for row, d in zip(rows, dropped, strict=True))
+
+            path.register_forward_hook(record)
+        torch.manual_seed(1)  # alike on every rank, as the context seeds it
+        model(torch.randint(0, 32, (8, 16), generator=torch.Generator().manual_seed(2)))
+        everyone: list[list[tuple[int, int, bool]]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, seen)
+        return [kept for rank in everyone for kept in rank]
+    finally:
+        ctx.destroy()
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [dict(size=4, mode="2d"), dict(size=2, mode="sequence")],
+    ids=["2d", "sequence"],
+)
+def test_drop_path_keeps_or_drops_each_sample_whole_on_every_rank(dist, tensor) -> None:
+    """Stochastic depth draws per sample: every rank holding a part of a sample agrees.
+
+    Before conversion/drop_path.py, each rank's forked generator drew its own numbers, and a
+    sample was dropped in some feature blocks (2d's columns) or token chunks ('sequence')
+    and kept in others.
+    """
+    seen = dist.run(_samples_kept, world_size=tensor["size"], args=(tensor,), timeout=120.0)[0]
+    decisions: dict[tuple[int, int], set[bool]] = {}
+    for module, sample, kept in seen:
+        decisions.setdefault((module, sample), set()).add(kept)
+    assert all(len(kept) == 1 for kept in decisions.values()), decisions
+    assert {next(iter(kept)) for kept in decisions.values()} == {True, False}
+    assert len(decisions) == 4 * 8  # four drop paths, every sample of the batch

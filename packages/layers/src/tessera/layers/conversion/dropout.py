@@ -37,12 +37,14 @@ from torch import nn
 from tessera.context import ParallelContext, ParallelMode, derive_seed, find_tensor_mode
 
 from ..comm.inflight import tracing
+from ..shared.rank_draws import RankDraws
 from .plan import COLUMN_ROLES
 
 __all__ = ["RANK_FORK_ATTR", "RankFork", "fork_each_layer", "install_dropout_streams"]
 
-#: The attribute of a parallelized model holding its :class:`RankFork` when the fork spans its
-#: whole forward (the mesh, cube and sequence modes): pipeline stages then fork per layer.
+#: The attribute of a parallelized model holding its :class:`RankFork`. Where the fork spans
+#: the whole forward (the mesh, cube and sequence modes: ``fork.whole_forward``) pipeline
+#: stages fork per layer.
 RANK_FORK_ATTR = "_tessera_rank_fork"
 
 
@@ -58,9 +60,10 @@ def _all_split(mode: str) -> bool:
 class RankFork:
     """Forks torch's generators into a tensor-rank-distinct, replayable state, and back.
 
-    A generator's state cannot be traced: under ``torch.compile`` each fork breaks the graph.
-    A model that draws nothing at random (no dropout: :func:`may_draw_random`) is not forked
-    while traced, so its compiled forward stays whole; eager runs fork whatever the model.
+    A generator's state cannot be traced, so under ``torch.compile`` the region does not fork:
+    it enters :class:`~tessera.layers.shared.rank_draws.RankDraws`, which answers its dropout
+    from the rank's counter stream inside the graph (a model that draws nothing at random,
+    :func:`may_draw_random`, enters nothing). Eager runs fork whatever the model.
 
     Args:
         context: Gives the tensor rank and the device whose generator dropout uses.
@@ -72,17 +75,36 @@ class RankFork:
         self._rank = context.get_local_rank(ParallelMode.TENSOR)
         self._cuda = context.device if context.device.type == "cuda" else None
         self._saved: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        #: Made once: Dynamo traces entering a mode, not building one.
+        self._draws = RankDraws(self._rank)
+        self._drawing = False
+        #: Answer the draws from the counter streams in eager runs too (compiled and eager
+        #: steps then draw the same masks: a check of a compiled step against eager).
+        self.streams_in_eager = False
+        #: Whether the region is the model's whole forward (set by install_dropout_streams).
+        self.whole_forward = False
+        # Per-sample draws (drop path) in a region: alike on every rank, fresh per call.
+        self._draw = 0
+        self._alike_calls = 0
+        self._alike_generators: dict[torch.device, torch.Generator] = {}
 
     @property
     def active(self) -> bool:
-        """Whether the generators are forked now."""
-        return self._saved is not None
+        """Whether the generators are forked now (or the draws answered from the streams)."""
+        return self._saved is not None or self._drawing
 
     def enter(self, *_: Any) -> None:
         """Fork (no-op when forked already): same draw on every rank, then a rank's seed."""
-        if self._saved is not None or (tracing() and not self.may_draw):
+        if self._saved is not None or self._drawing:
+            return
+        self._alike_calls = 0
+        if tracing() or self.streams_in_eager:
+            if self.may_draw:
+                self._drawing = True
+                self._draws.enter_region()
             return
         draw = int(torch.randint(0, 2**62, (1,)))  # the global generator: alike on every rank
+        self._draw = draw
         cuda_state = torch.cuda.get_rng_state(self._cuda) if self._cuda is not None else None
         self._saved = (torch.default_generator.get_state(), cuda_state)
         seed = derive_seed(draw, "tensor_dropout", 0, self._rank)
@@ -93,8 +115,31 @@ class RankFork:
             with torch.cuda.device(self._cuda):
                 torch.cuda.manual_seed(seed)
 
+    def alike_uniform(self, n: int, device: torch.device) -> torch.Tensor:
+        """``[n]`` uniform numbers alike on every tensor rank, fresh at each call.
+
+        For draws per sample in a forked region (``drop_path.py``). Forked eagerly: from a
+        generator of their own, seeded by the fork's draw and the call's count (the global
+        one is the rank's now). Traced: a counter stream no rank draws from, its key from
+        the global generator (alike: not forked while traced). Not forked: the global one.
+        """
+        if self._drawing:
+            return self._draws.alike_uniform(n, device)
+        calls, self._alike_calls = self._alike_calls, self._alike_calls + 1
+        if self._saved is None:
+            return torch.rand(n, device=device)
+        generator = self._alike_generators.get(device)
+        if generator is None:
+            generator = self._alike_generators[device] = torch.Generator(device)
+        generator.manual_seed(derive_seed(self._draw, "per_sample", calls))
+        return torch.rand(n, generator=generator, device=device)
+
     def leave(self, *_: Any) -> None:
         """Put the global generators back where the fork left them (no-op when not forked)."""
+        if self._drawing:
+            self._drawing = False
+            self._draws.leave_region()
+            return
         if self._saved is None:
             return
         cpu_state, cuda_state = self._saved
@@ -148,7 +193,7 @@ def install_dropout_streams(
     if _all_split(mode) or (sequence_parallel and span is None):
         model.register_forward_pre_hook(fork.enter)
         model.register_forward_hook(fork.leave)
-        setattr(model, RANK_FORK_ATTR, fork)
+        fork.whole_forward = True
     elif sequence_parallel and span is not None:
         model.get_submodule(span[0]).register_forward_pre_hook(fork.enter)
         model.get_submodule(span[1]).register_forward_hook(fork.leave)
@@ -160,6 +205,7 @@ def install_dropout_streams(
             elif role == "row":
                 layer.register_forward_pre_hook(fork.leave)
         model.register_forward_hook(fork.leave)
+    setattr(model, RANK_FORK_ATTR, fork)
     return fork
 
 
@@ -171,7 +217,7 @@ def fork_each_layer(model: nn.Module, layers: nn.Module) -> None:
     each, so checkpointing still replays them).
     """
     fork = getattr(model, RANK_FORK_ATTR, None)
-    if not isinstance(fork, RankFork):
+    if not isinstance(fork, RankFork) or not fork.whole_forward:
         return  # 1D: the column and row layers' own hooks fork, whoever calls them
     for layer in layers.children():
         layer.register_forward_pre_hook(fork.enter)

@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from tessera.context import ParallelContext, cut_placements, tensor_mesh_of
 
 from ..shared.mode_layers import Cuts, find_mode_layers
+from .drop_path import is_drop_path
 from .plan import COLUMN_ROLES, inner_norms
 
 __all__ = ["LAYOUT_MARK", "install_left_out", "left_out_modules", "output_layout"]
@@ -72,11 +73,12 @@ _MIXING = (nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d, nn.GLU, nn.Multi
 def _exact_on_any_block(module: nn.Module) -> bool:
     """Whether ``module`` computes the same numbers on a block as on the whole tensor.
 
-    Dropout, identity and elementwise activations (torch's and transformers'), and tessera's
-    own modules, which know their layout.
+    Dropout, identity and elementwise activations (torch's and transformers'), drop paths
+    (each rank keeps its samples' numbers, ``drop_path.py``), and tessera's own modules,
+    which know their layout.
     """
     where = type(module).__module__
-    if isinstance(module, (nn.Identity, nn.modules.dropout._DropoutNd)):
+    if isinstance(module, (nn.Identity, nn.modules.dropout._DropoutNd)) or is_drop_path(module):
         return True
     if where == "torch.nn.modules.activation":
         return not isinstance(module, _MIXING)

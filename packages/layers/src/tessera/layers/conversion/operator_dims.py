@@ -124,6 +124,16 @@ def _batch_norm(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
     return {d for d in range(ndim) if d != 1}
 
 
+def _channel_dropout(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
+    """``F.dropout1d/2d/3d`` in training: the dims after the channel (one draw spans them).
+
+    A rank holding a block of those dims would draw its own numbers for its part of a channel.
+    """
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    training = args[2] if len(args) > 2 else kwargs.get("training", True)
+    return set(range(2, ndim)) if training and p > 0 else set()
+
+
 def _instance_norm(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
     """Statistics over each sample's positions (dims 2 on), unless from running statistics."""
     if not (args[5] if len(args) > 5 else kwargs.get("use_input_stats", True)):
@@ -237,6 +247,7 @@ def _reads_whole() -> dict[Any, DimsRead]:
     every("instance_norm", _instance_norm, F, torch)
     every("batch_norm", _batch_norm, F, torch)
     every("pad", _padded, F)
+    every("dropout1d dropout2d dropout3d feature_alpha_dropout", _channel_dropout, F)
     every("cross_entropy nll_loss", _loss(classes=True), F)
     every("mse_loss l1_loss smooth_l1_loss huber_loss kl_div", _loss(classes=False), F)
     every("binary_cross_entropy binary_cross_entropy_with_logits", _loss(classes=False), F)

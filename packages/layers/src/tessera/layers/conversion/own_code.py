@@ -242,6 +242,18 @@ def _marker(cuts: Cuts, context: ParallelContext) -> Any:
     return mark
 
 
+def _take_off_stack(mode: TorchFunctionMode) -> None:
+    """Pop ``mode`` off torch's function-mode stack, the modes above it put back in order."""
+    stack = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+    if not any(entry is mode for entry in stack):
+        return
+    above = []
+    while (top := torch.overrides._pop_mode()) is not mode:  # type: ignore[no-untyped-call]
+        above.append(top)
+    for entry in reversed(above):
+        torch.overrides._push_mode(entry)  # type: ignore[no-untyped-call]
+
+
 def install_own_code_check(
     model: nn.Module,
     roles: Mapping[str, str],
@@ -295,11 +307,13 @@ def install_own_code_check(
             check.inside -= 1
 
     def clear() -> None:
-        """The mode off (popped where it is on top) and the per-call hooks removed."""
+        """The mode off (taken off the stack wherever it is) and the per-call hooks removed.
+
+        Not always on top: the dropout fork's traceable draws (``RankDraws``), entered by a
+        hook after ``start`` and left by one after ``stop``, sit above it then.
+        """
         check.enabled = False
-        stack = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
-        if stack and stack[-1] is check:
-            check.__exit__(None, None, None)
+        _take_off_stack(check)
         for handle in check.handles:
             handle.remove()
         check.handles.clear()

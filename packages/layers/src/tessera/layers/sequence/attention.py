@@ -40,9 +40,11 @@ from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode
 
+from ..comm.inflight import tracing
 from ..comm.ops import all_to_all
 from ..shared.base import ParallelModule
 from ..shared.context_access import GroupInfo, group_info
+from ..shared.rank_draws import rank_dropout, rank_dropout_attention
 from .replicated import mark_sequence_replicated
 from .ring_ops import ring_av, ring_of, ring_qk
 
@@ -165,6 +167,9 @@ def attend_over_sequence(
         probs = scores.softmax(dim=-1)
         if dropout > 0.0 and not dropout_stream:
             probs = F.dropout(probs, dropout, True)
+        elif dropout > 0.0 and tracing():  # a generator's state cannot be traced
+            assert context is not None, "dropout needs the context's tensor rank"
+            probs = rank_dropout(probs, dropout, rank=context.get_local_rank(ParallelMode.TENSOR))
         elif dropout > 0.0:
             assert context is not None, "dropout needs the context's TENSOR seed"
             with context.seed(ParallelMode.TENSOR):
@@ -181,7 +186,13 @@ def attend_over_sequence(
         # sees only padding (left padding) must still never see the future.
         mask = mask.masked_fill(future, float("-inf"))  # [b, 1, s, s]
     is_causal = causal and mask is None
-    if dropout > 0.0 and dropout_stream:
+    if dropout > 0.0 and dropout_stream and tracing():  # a generator cannot be traced
+        assert context is not None, "dropout needs the context's tensor rank"
+        out = rank_dropout_attention(
+            q, k, v, mask, dropout, is_causal, scale,
+            rank=context.get_local_rank(ParallelMode.TENSOR),
+        )  # fmt: skip
+    elif dropout > 0.0 and dropout_stream:
         assert context is not None, "dropout needs the context's TENSOR seed"
         with context.seed(ParallelMode.TENSOR):
             out = F.scaled_dot_product_attention(

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 from tessera.context import ParallelMode
 
+from ..comm.inflight import tracing
 from .base import ParallelModule
+from .rank_draws import rank_dropout
 
 __all__ = ["ParallelDropout"]
 
@@ -41,9 +43,15 @@ class ParallelDropout(ParallelModule):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Any shape; the mask is drawn from the TENSOR stream if :attr:`sharded_input`."""
+        """Any shape; the mask is drawn from the TENSOR stream if :attr:`sharded_input`.
+
+        Traced by ``torch.compile``, from the rank's counter stream instead (``rank_draws``).
+        """
         if not self.training or self.p == 0.0:
             return x
+        if self.sharded_input and tracing():  # a generator's state cannot be traced
+            rank = self.context.get_local_rank(ParallelMode.TENSOR)
+            return rank_dropout(x, self.p, True, self.inplace, rank=rank)
         if self.sharded_input:
             with self.context.seed(ParallelMode.TENSOR):
                 return F.dropout(x, self.p, True, self.inplace)
