@@ -160,14 +160,13 @@ class SinusoidalPositions(nn.Module):
 
 
 class SinusoidalTable(SinusoidalPositions):
-    """:class:`SinusoidalPositions`' table for ``x``'s positions, halved, ``[1, s, h]``,
-    returned for the caller to add: an output made from buffers alone, broadcast over the
-    batch. (Returned as a view of the buffer it would fail under ``torch.compile``, whose
-    AOTAutograd rebuilds an output aliasing an input with ``as_strided``, which DTensor
-    does not support.)"""
+    """:class:`SinusoidalPositions`' table for ``x``'s positions, ``[1, s, h]``, returned for
+    the caller to add: an output made from buffers alone, broadcast over the batch, and a view
+    of the buffer (under ``torch.compile`` AOTAutograd rebuilds an output aliasing an input
+    with ``as_strided``, which DTensor lacks: left_out.py copies it while traced)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.pe[None, : x.shape[1]] * 0.5
+        out: torch.Tensor = self.pe[None, : x.shape[1]]
         return out
 
 

@@ -35,6 +35,7 @@ whole.
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -45,6 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from tessera.context import ParallelContext, cut_placements, tensor_mesh_of
 
+from ..comm.inflight import tracing
 from ..shared.mode_layers import Cuts, find_mode_layers
 from .drop_path import is_drop_path
 from .plan import COLUMN_ROLES, inner_norms
@@ -432,7 +434,26 @@ def install_left_out(
             continue
         module.register_forward_pre_hook(placer.enter, with_kwargs=True)
         module.register_forward_hook(placer.leave, with_kwargs=True, always_call=True)
+        if "forward" not in vars(module):  # a forward of the instance's own stays as it is
+            # a bound method on the instance: a deep copy binds it to the copy
+            module.forward = types.MethodType(_forward_returning_no_view, module)
     return free
+
+
+def _forward_returning_no_view(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The module's forward; traced, its tensor outputs are copies.
+
+    Dynamo compiles a left-out module's forward as a graph of its own (the hooks placing its
+    inputs break the graph around it), and AOTAutograd rebuilds a graph output that views a
+    graph input with ``as_strided``, which DTensor does not implement: a position table
+    returning ``self.pe[None, :s]`` failed under ``torch.compile``. (Whether an output is a
+    view cannot be asked while traced, so each is copied: a left-out module's outputs are
+    an activation's size, one elementwise pass that Inductor can fuse.)
+    """
+    out = type(self).forward(self, *args, **kwargs)
+    if not tracing():
+        return out
+    return tree_map(lambda y: y.clone() if isinstance(y, torch.Tensor) else y, out)
 
 
 def _whole(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
