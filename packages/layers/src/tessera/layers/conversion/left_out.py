@@ -441,19 +441,22 @@ def install_left_out(
 
 
 def _forward_returning_no_view(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The module's forward; traced, its tensor outputs are copies.
+    """The module's forward; traced, an output that is a view (of a buffer) is copied.
 
     Dynamo compiles a left-out module's forward as a graph of its own (the hooks placing its
     inputs break the graph around it), and AOTAutograd rebuilds a graph output that views a
     graph input with ``as_strided``, which DTensor does not implement: a position table
-    returning ``self.pe[None, :s]`` failed under ``torch.compile``. (Whether an output is a
-    view cannot be asked while traced, so each is copied: a left-out module's outputs are
-    an activation's size, one elementwise pass that Inductor can fuse.)
+    returning ``self.pe[None, :s]`` failed under ``torch.compile``. (``_base``, not
+    ``_is_view()``, which Dynamo cannot answer.)
     """
     out = type(self).forward(self, *args, **kwargs)
     if not tracing():
         return out
-    return tree_map(lambda y: y.clone() if isinstance(y, torch.Tensor) else y, out)
+    return tree_map(lambda y: y.clone() if _is_view(y) else y, out)
+
+
+def _is_view(y: Any) -> bool:
+    return isinstance(y, torch.Tensor) and y._base is not None
 
 
 def _whole(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
