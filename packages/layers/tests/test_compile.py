@@ -76,7 +76,7 @@ def _compiled_step_equals_eager(tensor: dict[str, Any]) -> tuple[float, float]:
             torch.testing.assert_close(p.grad, reference, rtol=1e-5, atol=1e-6, msg=name)
         # every mode a region entered was left (the first call's check and the streams nest)
         assert torch._C._len_torch_function_stack() == 0
-        return float(loss), float(embedded.sum())
+        return float(loss.detach()), float(embedded.detach().sum())
     finally:
         torch._dynamo.reset()
         ctx.destroy()

@@ -30,7 +30,9 @@ import torch.nn.functional as F
 
 __all__ = [
     "CONCATENATIONS",
+    "DRAWN_MARK",
     "METADATA",
+    "RANDOM_DRAWS",
     "SPLIT_DIMS_MARK",
     "TAKING_PART",
     "dims_followed",
@@ -41,6 +43,18 @@ __all__ = [
 
 #: Set on a tensor the check follows: the dims of it the tensor ranks cut (a frozenset).
 SPLIT_DIMS_MARK = "_tessera_split_dims"
+#: Set on a tensor drawn at random in a split region, or computed from one: each rank drew
+#: its own numbers (dropout.py forks the generator per rank there).
+DRAWN_MARK = "_tessera_drawn_per_rank"
+_DRAWS = "rand randn rand_like randn_like randint randint_like bernoulli normal poisson"
+_IN_PLACE_DRAWS = "bernoulli uniform normal random exponential geometric cauchy log_normal"
+#: Random draws from torch's global generator (a ``generator=`` of the caller's own is not).
+RANDOM_DRAWS = {
+    getattr(owner, name)
+    for owner in (torch, torch.Tensor)
+    for name in (*_DRAWS.split(), "multinomial", "randperm")
+    if hasattr(owner, name)
+} | {getattr(torch.Tensor, f"{name}_") for name in _IN_PLACE_DRAWS.split()}
 
 Args = tuple[Any, ...]
 Kwargs = Mapping[str, Any]

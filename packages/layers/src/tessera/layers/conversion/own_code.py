@@ -56,7 +56,9 @@ from ..shared.mode_layers import Cuts, find_mode_layers
 from .converters import COLUMN_PARTS
 from .left_out import output_layout
 from .operator_dims import (
+    DRAWN_MARK,
     METADATA,
+    RANDOM_DRAWS,
     SPLIT_DIMS_MARK,
     TAKING_PART,
     dims_followed,
@@ -164,6 +166,11 @@ class _Check(TorchFunctionMode):
         if self.inside or not self.enabled or torch.compiler.is_compiling():
             return func(*args, **kwargs)
         flat, _ = tree_flatten((args, dict(kwargs)))
+        drawn = [x for x in flat if isinstance(x, torch.Tensor) and hasattr(x, DRAWN_MARK)]
+        if drawn or (func in RANDOM_DRAWS and kwargs.get("generator") is None):
+            passed = self._follow_draws(func, args, kwargs, flat, drawn)
+            if passed is not None:
+                return passed[0]
         parts = [getattr(x, PART_MARK) for x in flat if hasattr(x, PART_MARK)]
         if func in METADATA or not (parts or any(split_dims(x) for x in flat)):
             return func(*args, **kwargs)
@@ -188,6 +195,49 @@ class _Check(TorchFunctionMode):
                 if cut or hasattr(y, SPLIT_DIMS_MARK):  # an input changed in place: its new cut
                     setattr(y, SPLIT_DIMS_MARK, cut)
         return out
+
+    def _follow_draws(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        flat: list[Any],
+        drawn: list[torch.Tensor],
+    ) -> tuple[Any] | None:
+        """A draw of each rank's own numbers, followed; refused broadcast over a cut dim.
+
+        As a mask per sample ``[b, 1, 1]`` times a block ``[b, s, h/q]``.
+
+        Returns:
+            ``(output,)`` where no block is among the arguments (the output is a draw too),
+            ``None`` where the split dims are followed as for any operator.
+        """
+        blocks = [x for x in flat if isinstance(x, torch.Tensor) and split_dims(x)]
+        module, line = _callers_line()
+        if module.startswith("tessera."):  # a drop path's numbers, drawn alike (drop_path.py)
+            return None if blocks else (func(*args, **kwargs),)
+        for draw in drawn:
+            for block in blocks:
+                dim = _broadcast_over_cut(draw, block)
+                if dim is not None:
+                    raise ValueError(
+                        f"parallelize under tensor mode {self.mode!r}: the model's own code "
+                        f"calls {_name(func)} on a random draw of shape {list(draw.shape)} and "
+                        f"a {list(block.shape)} block, broadcasting the draw over dim {dim}, "
+                        f"which the tensor ranks split, at {line}; inside a split region each "
+                        "rank draws its own numbers (as dropout must), so one sample or token "
+                        "would get other numbers in each block, without an error. Draw a mask "
+                        "of the block's own shape (torch.rand_like), or draw per sample in a "
+                        "module named ...DropPath with a float drop_prob (tessera draws its "
+                        "numbers alike on a sample's ranks)"
+                    )
+        if blocks:
+            return None
+        out = func(*args, **kwargs)
+        for y in tree_flatten(out)[0]:
+            if isinstance(y, torch.Tensor):
+                setattr(y, DRAWN_MARK, True)
+        return (out,)
 
     def _reading_whole(
         self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], line: str
@@ -218,6 +268,16 @@ class _Check(TorchFunctionMode):
             "modules a plan leaves out under DTensor, exactly), or give the module that "
             "computes it a role ('norm' for a norm, 'gate_up' for a layer chunked in two)"
         )
+
+
+def _broadcast_over_cut(draw: torch.Tensor, block: torch.Tensor) -> int | None:
+    """A cut dim of ``block`` that ``draw`` is broadcast over (right-aligned), if any."""
+    offset = block.dim() - draw.dim()
+    for dim in sorted(split_dims(block)):
+        mine = dim - offset
+        if block.shape[dim] > 1 and (mine < 0 or draw.shape[mine] == 1):
+            return dim
+    return None
 
 
 def _marker(cuts: Cuts, context: ParallelContext) -> Any:
