@@ -71,12 +71,13 @@ q, k, v = (torch.randn(2, 4, 6, 8, generator=torch.Generator().manual_seed(i)) f
         lambda: F.dropout(x, 0.3),
         lambda: nn.Dropout(0.5)(x),
         lambda: F.dropout2d(x.view(2, 16, 8, 8), 0.5),
+        lambda: x.new_empty(4, 8).uniform_(**{"from": 5.0, "to": 6.0}),
         lambda: x.new_empty(32, 1).bernoulli_(0.8),  # stochastic depth's per-sample mask
         lambda: torch.bernoulli(torch.full((32, 64), 0.4)),
         lambda: torch.rand(8, 8) + torch.randn_like(x).sum(),
         lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True),
     ],
-    ids=["dropout", "Dropout", "dropout2d", "bernoulli_", "bernoulli", "rand", "sdpa"],
+    ids=["dropout", "Dropout", "dropout2d", "uniform_", "bernoulli_", "bernoulli", "rand", "sdpa"],
 )
 def test_each_rank_draws_its_own_numbers_and_the_global_stream_stays_alike(
     draw: Callable[[], torch.Tensor],
@@ -127,13 +128,24 @@ def test_draws_it_cannot_reproduce_are_refused_by_name() -> None:
     assert torch.equal(mine, torch.rand(3, generator=torch.Generator().manual_seed(1)))
 
 
-def test_numbers_per_sample_are_alike_on_every_rank() -> None:
-    """Stochastic depth's numbers (conversion/drop_path.py), drawn while traced."""
-    drawn = []
-    for rank in (0, 1):
-        torch.manual_seed(0)
-        draws = RankDraws(rank)
-        with draws:
-            drawn.append((draws.alike_uniform(8, torch.device("cpu")), F.dropout(x, 0.5)))
-    (alike, mine), (their_alike, theirs) = drawn
-    assert torch.equal(alike, their_alike) and not torch.equal(mine, theirs)
+def test_answers_take_torchs_arguments_and_shapes() -> None:
+    torch.manual_seed(0)
+    with RankDraws(1):
+        assert torch.rand(size=(2, 3)).shape == (2, 3)
+        assert torch.randn([4], dtype=torch.float64).dtype == torch.float64
+        assert torch.rand_like(x, requires_grad=True).requires_grad
+        spread = x.new_empty(1000).uniform_(**{"from": 5.0, "to": 6.0})
+        assert float(spread.min()) >= 5.0 and float(spread.max()) < 6.0
+        assert float(torch.rand(4096, dtype=torch.bfloat16).max()) < 1.0
+        # one draw per (N, C), as torch's dropout2d reads any input, also [N, C, L]
+        mask = F.dropout2d(torch.ones(8, 6, 5), 0.5) != 0
+        assert torch.equal(mask, mask[..., :1].expand_as(mask))
+        assert len({tuple(row) for row in mask[..., 0].tolist()}) > 1
+        unbatched = F.dropout1d(torch.ones(6, 5), 0.5) != 0  # [C, L]: one draw per channel
+        assert torch.equal(unbatched, unbatched[:, :1].expand_as(unbatched))
+        with pytest.raises(ValueError, match="between 0 and 1"):
+            F.dropout(x, 1.5)
+        with pytest.raises(RuntimeError, match="out="):
+            torch.bernoulli(x, out=torch.empty_like(x))
+        with pytest.raises(RuntimeError, match="attn_mask"):
+            F.scaled_dot_product_attention(q, k, v, torch.ones(6, 6), 0.1, is_causal=True)

@@ -127,9 +127,30 @@ def _samples_kept(tensor: dict[str, object]) -> list[tuple[int, int, bool]]:
         model(torch.randint(0, 32, (8, 16), generator=torch.Generator().manual_seed(2)))
         everyone: list[list[tuple[int, int, bool]]] = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(everyone, seen)
+        _checkpointing_replays_drop_paths(model)
         return [kept for rank in everyone for kept in rank]
     finally:
         ctx.destroy()
+
+
+def _checkpointing_replays_drop_paths(model: torch.nn.Module) -> None:
+    """Recomputed under activation checkpointing, each drop path keeps the samples it kept."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    ids = torch.randint(0, 32, (8, 16), generator=torch.Generator().manual_seed(3))
+    grads = []
+    for checkpointed in (False, True):
+        for block in model.blocks:
+            if checkpointed:
+                block.forward = lambda x, b=block: torch_checkpoint(
+                    type(b).forward, b, x, use_reentrant=False
+                )
+        model.zero_grad()
+        torch.manual_seed(4)  # alike on every rank
+        model(ids).float().pow(2).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for plain, replayed in zip(*grads, strict=True):
+        torch.testing.assert_close(replayed, plain, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +159,8 @@ def _samples_kept(tensor: dict[str, object]) -> list[tuple[int, int, bool]]:
     ids=["2d", "sequence"],
 )
 def test_drop_path_keeps_or_drops_each_sample_whole_on_every_rank(dist, tensor) -> None:
-    """Stochastic depth draws per sample: every rank holding a part of a sample agrees.
+    """Stochastic depth draws per sample: every rank holding a part of a sample agrees, and
+    activation checkpointing recomputes the same masks.
 
     Before conversion/drop_path.py, each rank's forked generator drew its own numbers, and a
     sample was dropped in some feature blocks (2d's columns) or token chunks ('sequence')

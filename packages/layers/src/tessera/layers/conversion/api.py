@@ -339,8 +339,8 @@ def _convert(
         if chosen.boundary == "tokens" and not forward_takes_positions(model):
             tables = [name for name, role in roles.items() if role == "position_embedding"]
             install_chunk_positions(model, tables, ctx)
-        fork = install_dropout_streams(model, ctx, mode, roles)
-        install_per_sample_draws(model, fork, ctx)
+        install_dropout_streams(model, ctx, mode, roles)
+        install_per_sample_draws(model, ctx)
         # the tokens are split only inside the span where one gathers them (a bare model's, an
         # images model's), everywhere for a language model's split logits
         chunked = chosen.sequence_span if splits_tokens else None
@@ -397,8 +397,8 @@ def _convert(
             f"parallelize under tensor mode {mode!r}: the {chosen.name} splits no parameter of "
             f"{type(model).__name__}; name its linear layers ('col'/'row') or embeddings"
         )
-    fork = install_dropout_streams(model, ctx, mode, roles, sequence_parallel, chosen.sequence_span)
-    install_per_sample_draws(model, fork, ctx)
+    install_dropout_streams(model, ctx, mode, roles, sequence_parallel, chosen.sequence_span)
+    install_per_sample_draws(model, ctx)
     left_out = install_left_out(model, roles, ctx, mode, span if sequence_parallel else None)
     install_own_code_check(model, roles, left_out, ctx, mode, span if sequence_parallel else None)
     own_masks = install_mask_rows(model, attention, ctx) if chosen.boundary == "tokens" else None

@@ -79,14 +79,11 @@ class RankFork:
         self._draws = RankDraws(self._rank)
         self._drawing = False
         #: Answer the draws from the counter streams in eager runs too (compiled and eager
-        #: steps then draw the same masks: a check of a compiled step against eager).
+        #: steps then draw the same masks: a check of a compiled step against eager). Not
+        #: with activation checkpointing: its recompute runs outside the region.
         self.streams_in_eager = False
         #: Whether the region is the model's whole forward (set by install_dropout_streams).
         self.whole_forward = False
-        # Per-sample draws (drop path) in a region: alike on every rank, fresh per call.
-        self._draw = 0
-        self._alike_calls = 0
-        self._alike_generators: dict[torch.device, torch.Generator] = {}
 
     @property
     def active(self) -> bool:
@@ -97,14 +94,12 @@ class RankFork:
         """Fork (no-op when forked already): same draw on every rank, then a rank's seed."""
         if self._saved is not None or self._drawing:
             return
-        self._alike_calls = 0
         if tracing() or self.streams_in_eager:
             if self.may_draw:
                 self._drawing = True
                 self._draws.enter_region()
             return
         draw = int(torch.randint(0, 2**62, (1,)))  # the global generator: alike on every rank
-        self._draw = draw
         cuda_state = torch.cuda.get_rng_state(self._cuda) if self._cuda is not None else None
         self._saved = (torch.default_generator.get_state(), cuda_state)
         seed = derive_seed(draw, "tensor_dropout", 0, self._rank)
@@ -114,25 +109,6 @@ class RankFork:
         if self._cuda is not None:
             with torch.cuda.device(self._cuda):
                 torch.cuda.manual_seed(seed)
-
-    def alike_uniform(self, n: int, device: torch.device) -> torch.Tensor:
-        """``[n]`` uniform numbers alike on every tensor rank, fresh at each call.
-
-        For draws per sample in a forked region (``drop_path.py``). Forked eagerly: from a
-        generator of their own, seeded by the fork's draw and the call's count (the global
-        one is the rank's now). Traced: a counter stream no rank draws from, its key from
-        the global generator (alike: not forked while traced). Not forked: the global one.
-        """
-        if self._drawing:
-            return self._draws.alike_uniform(n, device)
-        calls, self._alike_calls = self._alike_calls, self._alike_calls + 1
-        if self._saved is None:
-            return torch.rand(n, device=device)
-        generator = self._alike_generators.get(device)
-        if generator is None:
-            generator = self._alike_generators[device] = torch.Generator(device)
-        generator.manual_seed(derive_seed(self._draw, "per_sample", calls))
-        return torch.rand(n, generator=generator, device=device)
 
     def leave(self, *_: Any) -> None:
         """Put the global generators back where the fork left them (no-op when not forked)."""
@@ -192,11 +168,11 @@ def install_dropout_streams(
     model.register_forward_pre_hook(fork.leave)
     if _all_split(mode) or (sequence_parallel and span is None):
         model.register_forward_pre_hook(fork.enter)
-        model.register_forward_hook(fork.leave)
+        model.register_forward_hook(fork.leave, always_call=True)
         fork.whole_forward = True
     elif sequence_parallel and span is not None:
         model.get_submodule(span[0]).register_forward_pre_hook(fork.enter)
-        model.get_submodule(span[1]).register_forward_hook(fork.leave)
+        model.get_submodule(span[1]).register_forward_hook(fork.leave, always_call=True)
     else:
         for name, role in roles.items():
             layer = model.get_submodule(name)
@@ -204,7 +180,7 @@ def install_dropout_streams(
                 layer.register_forward_hook(fork.enter)
             elif role == "row":
                 layer.register_forward_pre_hook(fork.leave)
-        model.register_forward_hook(fork.leave)
+        model.register_forward_hook(fork.leave, always_call=True)
     setattr(model, RANK_FORK_ATTR, fork)
     return fork
 
@@ -221,4 +197,4 @@ def fork_each_layer(model: nn.Module, layers: nn.Module) -> None:
         return  # 1D: the column and row layers' own hooks fork, whoever calls them
     for layer in layers.children():
         layer.register_forward_pre_hook(fork.enter)
-        layer.register_forward_hook(fork.leave)
+        layer.register_forward_hook(fork.leave, always_call=True)

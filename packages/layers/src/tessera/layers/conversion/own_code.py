@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_flatten
 from tessera.context import ParallelContext
 
 from ..shared.mode_layers import Cuts, find_mode_layers
+from ..shared.rank_draws import take_off_stack
 from .converters import COLUMN_PARTS
 from .left_out import output_layout
 from .operator_dims import (
@@ -302,18 +303,6 @@ def _marker(cuts: Cuts, context: ParallelContext) -> Any:
     return mark
 
 
-def _take_off_stack(mode: TorchFunctionMode) -> None:
-    """Pop ``mode`` off torch's function-mode stack, the modes above it put back in order."""
-    stack = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
-    if not any(entry is mode for entry in stack):
-        return
-    above = []
-    while (top := torch.overrides._pop_mode()) is not mode:  # type: ignore[no-untyped-call]
-        above.append(top)
-    for entry in reversed(above):
-        torch.overrides._push_mode(entry)  # type: ignore[no-untyped-call]
-
-
 def install_own_code_check(
     model: nn.Module,
     roles: Mapping[str, str],
@@ -373,7 +362,7 @@ def install_own_code_check(
         hook after ``start`` and left by one after ``stop``, sit above it then.
         """
         check.enabled = False
-        _take_off_stack(check)
+        take_off_stack(check)
         for handle in check.handles:
             handle.remove()
         check.handles.clear()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["draw_key", "philox4x32", "uniform", "uniform_like"]
+__all__ = ["below_one", "draw_key", "philox4x32", "uniform", "uniform_like"]
 
 _LOW = 0xFFFFFFFF
 _MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
@@ -63,8 +63,12 @@ def philox4x32(
 
 
 def draw_key(device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two 32-bit key words from torch's global generator (the same draw on every rank)."""
-    words = torch.randint(0, 2**32, (2,), dtype=torch.int64, device=device)
+    """Two 32-bit key words from torch's global generator (the same draw on every rank).
+
+    Drawn past any ``TorchFunctionMode`` (``rank_draws.RankDraws`` refuses ``randint``).
+    """
+    with torch._C.DisableTorchFunction():
+        words = torch.randint(0, 2**32, (2,), dtype=torch.int64, device=device)
     return words[0], words[1]
 
 
@@ -81,7 +85,8 @@ def uniform(
         shape: The output's shape.
         key: From :func:`draw_key`.
         stream: This caller's stream (a tensor rank): other streams are independent.
-        dtype: A floating dtype; the numbers have 24 random bits (float32's mantissa).
+        dtype: A floating dtype; the numbers have 24 random bits (float32's mantissa), and
+            below float32 the largest are rounded down, not to 1.
         device: Where to make them.
     """
     n = 1
@@ -91,7 +96,18 @@ def uniform(
     zero = torch.zeros_like(blocks)
     words = philox4x32((blocks & _LOW, blocks >> 32, zero + stream, zero), key)
     bits = torch.stack(words, dim=-1).reshape(-1)[:n] >> 8  # [n], 24 random bits each
-    return (bits.to(torch.float32) * 2.0**-24).to(dtype).reshape(shape)
+    return below_one((bits.to(torch.float32) * 2.0**-24).reshape(shape), dtype)
+
+
+def below_one(numbers: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float32 numbers in ``[0, 1)`` as ``dtype``, still below 1.
+
+    Half and bfloat16 would round ``1 - 2**-24`` up to 1.
+    """
+    out = numbers.to(dtype)
+    if torch.finfo(dtype).bits < 32:
+        out = out.clamp(max=1.0 - torch.finfo(dtype).eps / 2)
+    return out
 
 
 def uniform_like(

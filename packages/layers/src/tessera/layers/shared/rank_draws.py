@@ -6,7 +6,7 @@ the region's draws come from :mod:`counter_random` instead: a key drawn from the
 generator (alike on every rank) and the tensor rank as the stream. :class:`RankDraws` is a
 ``TorchFunctionMode`` that a split region enters while it is traced; it answers the draws of
 the code in the region (the model's own dropout modules, ``F.dropout`` in its attention, the
-dropout inside ``F.scaled_dot_product_attention``, stochastic depth's ``bernoulli_``) and
+dropout inside ``F.scaled_dot_product_attention``, ``bernoulli_``, ``rand``) and
 refuses by name the random functions it does not reproduce, rather than let every rank draw
 the same numbers for its own block.
 
@@ -25,12 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .counter_random import draw_key, uniform
+from ..comm.inflight import tracing
+from .counter_random import below_one, draw_key, uniform
 
-__all__ = ["ALIKE_STREAM", "RankDraws", "rank_dropout", "rank_dropout_attention"]
-
-#: The stream of numbers every rank draws alike (ranks draw their own from streams 0, 1, ...).
-ALIKE_STREAM = 2**32 - 1
+__all__ = ["RankDraws", "rank_dropout", "rank_dropout_attention", "take_off_stack"]
 
 
 def _uniform(shape: tuple[int, ...] | torch.Size, rank: int, like: torch.Tensor) -> torch.Tensor:
@@ -44,24 +42,36 @@ def _masked(x: torch.Tensor, keep: torch.Tensor, p: float, inplace: bool) -> tor
     return x.mul_(scale) if inplace else x * scale
 
 
+def _check_probability(p: float) -> None:
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+
+
 def rank_dropout(
     x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, rank: int
 ) -> torch.Tensor:
     """``F.dropout`` with the mask from ``rank``'s counter stream (any shape)."""
+    _check_probability(p)
     if not training or p == 0.0:
         return x
     return _masked(x, _uniform(x.shape, rank, x) >= p, p, inplace)
 
 
-def _channel_dropout(dims: int) -> Callable[..., torch.Tensor]:
-    """``F.dropout{dims}d``: one draw per channel, ``[N, C, 1, ...]`` (or ``[C, 1, ...]``)."""
+def _channel_dropout(unbatched: int | None) -> Callable[..., torch.Tensor]:
+    """``F.dropout1d/2d/3d``: one draw per channel, ``[N, C, 1, ...]`` (unbatched ``[C, 1, ...]``).
+
+    Args:
+        unbatched: The input rank torch reads as one sample ``[C, ...]`` (dropout1d's 2,
+            dropout3d's 4); ``None`` for dropout2d, which reads every input as ``[N, C, ...]``.
+    """
 
     def dropout(
         x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, rank: int
     ) -> torch.Tensor:
+        _check_probability(p)
         if not training or p == 0.0:
             return x
-        kept = 2 if x.dim() == dims + 2 else 1  # batched [N, C, ...] or not [C, ...]
+        kept = 1 if x.dim() == unbatched else 2
         shape = (*x.shape[:kept], *(1,) * (x.dim() - kept))
         return _masked(x, _uniform(shape, rank, x) >= p, p, inplace)
 
@@ -90,6 +100,9 @@ def rank_dropout_attention(
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa
         )
+    if attn_mask is not None and is_causal:
+        raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set "
+                           "when is_causal=True")  # fmt: skip
     if enable_gqa:  # [.., Hkv, S, E] -> [.., Hq, S, E]: each key head serves a group of queries
         repeat = query.shape[-3] // key.shape[-3]
         key, value = (t.repeat_interleave(repeat, dim=-3) for t in (key, value))
@@ -107,21 +120,22 @@ def rank_dropout_attention(
     return rank_dropout(probs, dropout_p, rank=rank) @ value
 
 
-def _bernoulli(x: torch.Tensor, p: Any = None, *, rank: int, **_: Any) -> torch.Tensor:
+def _bernoulli(x: torch.Tensor, p: Any = None, *, rank: int) -> torch.Tensor:
     """``torch.bernoulli(x)`` (``x`` the probabilities) or ``torch.bernoulli(x, p)``."""
     chance = x if p is None else p if isinstance(p, torch.Tensor) else torch.full_like(x, p)
     return (_uniform(x.shape, rank, x) < chance).to(x.dtype)
 
 
-def _bernoulli_(x: torch.Tensor, p: Any = 0.5, *, rank: int, **_: Any) -> torch.Tensor:
-    """``x.bernoulli_(p)`` (stochastic depth's per-sample mask)."""
+def _bernoulli_(x: torch.Tensor, p: Any = 0.5, *, rank: int) -> torch.Tensor:
+    """``x.bernoulli_(p)``."""
     return x.copy_(_bernoulli(x, p, rank=rank))
 
 
 def _uniform_(
-    x: torch.Tensor, low: float = 0.0, high: float = 1.0, *, rank: int, **_: Any
+    x: torch.Tensor, low: float = 0.0, high: float = 1.0, *, rank: int, **bounds: float
 ) -> torch.Tensor:
-    """``x.uniform_(low, high)``."""
+    """``x.uniform_(low, high)`` (or torch's keywords ``from=``, ``to=``)."""
+    low, high = bounds.get("from", low), bounds.get("to", high)
     return x.copy_(_uniform(x.shape, rank, x) * (high - low) + low)
 
 
@@ -131,9 +145,7 @@ def _normal(shape: tuple[int, ...] | torch.Size, rank: int, like: torch.Tensor) 
     return torch.sqrt(-2.0 * torch.log1p(-u1)) * torch.cos(2.0 * math.pi * u2)
 
 
-def _normal_(
-    x: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, rank: int, **_: Any
-) -> torch.Tensor:
+def _normal_(x: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, rank: int) -> torch.Tensor:
     """``x.normal_(mean, std)``."""
     return x.copy_(_normal(x.shape, rank, x) * std + mean)
 
@@ -142,12 +154,23 @@ def _factory(normal: bool) -> Callable[..., torch.Tensor]:
     """``torch.rand`` / ``torch.randn``: ``*size`` or a size sequence, dtype and device."""
 
     def make(*size: Any, rank: int, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("out") is not None:
-            raise _refused(torch.randn if normal else torch.rand, "with out=")
-        shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else size
-        like = torch.empty((), dtype=kwargs.get("dtype"), device=kwargs.get("device"))
-        numbers = _normal(shape, rank, like) if normal else _uniform(shape, rank, like)
-        return numbers.to(like.dtype).requires_grad_(bool(kwargs.get("requires_grad", False)))
+        func = torch.randn if normal else torch.rand
+        if "size" in kwargs:
+            size = (kwargs.pop("size"),)
+        if len(size) == 1 and not isinstance(size[0], (int, torch.SymInt)):
+            size = tuple(size[0])  # one sequence of sizes
+        shape = tuple(int(n) for n in size)
+        like = torch.empty((), dtype=kwargs.pop("dtype", None), device=kwargs.pop("device", None))
+        grad = bool(kwargs.pop("requires_grad", False))
+        kwargs.pop("layout", None), kwargs.pop("pin_memory", None)
+        if kwargs or not like.is_floating_point():
+            why = f"with {sorted(kwargs)}" if kwargs else f"of dtype {like.dtype}"
+            raise _refused(func, why)
+        if normal:
+            numbers = _normal(shape, rank, like).to(like.dtype)
+        else:
+            numbers = below_one(_uniform(shape, rank, like), like.dtype)
+        return numbers.requires_grad_(grad)
 
     return make
 
@@ -156,9 +179,11 @@ def _factory_like(normal: bool) -> Callable[..., torch.Tensor]:
     """``torch.rand_like`` / ``torch.randn_like``."""
 
     def make(x: torch.Tensor, *, rank: int, **kwargs: Any) -> torch.Tensor:
-        dtype = kwargs.get("dtype") or x.dtype
-        device = kwargs.get("device") or x.device
-        return _factory(normal)(tuple(x.shape), rank=rank, dtype=dtype, device=device)
+        kwargs.pop("memory_format", None)
+        kwargs.setdefault("dtype", x.dtype)
+        kwargs["dtype"] = kwargs["dtype"] or x.dtype
+        kwargs["device"] = kwargs.get("device") or x.device
+        return _factory(normal)(tuple(x.shape), rank=rank, **kwargs)
 
     return make
 
@@ -166,9 +191,9 @@ def _factory_like(normal: bool) -> Callable[..., torch.Tensor]:
 #: The functions answered from the rank's counter stream, each as torch spells it.
 _ANSWERED: dict[Any, Callable[..., torch.Tensor]] = {
     F.dropout: rank_dropout,
-    F.dropout1d: _channel_dropout(1),
-    F.dropout2d: _channel_dropout(2),
-    F.dropout3d: _channel_dropout(3),
+    F.dropout1d: _channel_dropout(unbatched=2),
+    F.dropout2d: _channel_dropout(unbatched=None),
+    F.dropout3d: _channel_dropout(unbatched=4),
     F.scaled_dot_product_attention: rank_dropout_attention,
     torch.bernoulli: _bernoulli,
     torch.Tensor.bernoulli: _bernoulli,
@@ -196,6 +221,12 @@ _REFUSED: tuple[Any, ...] = (
     F.alpha_dropout,
     F.feature_alpha_dropout,
     F.rrelu,
+    torch.native_dropout,
+    torch.rrelu,
+    torch.rrelu_,
+    F.rrelu_,
+    torch.binomial,
+    torch._standard_gamma,
     torch.Tensor.random_,
     torch.Tensor.exponential_,
     torch.Tensor.geometric_,
@@ -230,28 +261,20 @@ class RankDraws(TorchFunctionMode):
     def __init__(self, rank: int) -> None:
         super().__init__()
         self.rank = rank
-        self._passing = False
-
-    def alike_uniform(self, n: int, device: torch.device) -> torch.Tensor:
-        """``[n]`` uniform numbers alike on every rank (a draw per sample, ``drop_path.py``).
-
-        A fresh key from the global generator (alike: it is not forked while traced), and a
-        stream no rank draws its own numbers from.
-        """
-        self._passing = True  # the key's own draw is not the region's to answer
-        try:
-            key = draw_key(device)
-        finally:
-            self._passing = False
-        return uniform((n,), key, ALIKE_STREAM, torch.float32, device)
 
     def enter_region(self) -> None:
         """Enter (a region's hooks enter and leave: no ``with`` block spans a region)."""
         self.__enter__()  # type: ignore[no-untyped-call]
 
     def leave_region(self) -> None:
-        """Leave what :meth:`enter_region` entered."""
-        self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        """Leave what :meth:`enter_region` entered, wherever it is on the stack.
+
+        Eagerly a mode entered after it and not left yet stays; traced, it is on top.
+        """
+        if tracing():
+            self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        else:
+            take_off_stack(self)
 
     def __torch_function__(
         self,
@@ -260,17 +283,31 @@ class RankDraws(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        if self._passing or kwargs.get("generator") is not None or _has_placements(args, kwargs):
+        kwargs = dict(kwargs or {})
+        if kwargs.get("generator") is not None or _has_placements(args, kwargs):
             return func(*args, **kwargs)  # the caller's own generator, or DTensor's rules
         answer = _ANSWERED.get(func)
         if answer is not None:
+            if kwargs.pop("out", None) is not None:
+                raise _refused(func, "with out=")
             return answer(*args, rank=self.rank, **kwargs)
         if func in _REFUSED:
             if func is F.rrelu and not kwargs.get("training", args[3] if len(args) > 3 else False):
                 return func(*args, **kwargs)  # rrelu in eval mode draws nothing
             raise _refused(func)
         return func(*args, **kwargs)
+
+
+def take_off_stack(mode: TorchFunctionMode) -> None:
+    """Pop ``mode`` off torch's function-mode stack, the modes above it put back in order."""
+    stack = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+    if not any(entry is mode for entry in stack):
+        return
+    above = []
+    while (top := torch.overrides._pop_mode()) is not mode:  # type: ignore[no-untyped-call]
+        above.append(top)
+    for entry in reversed(above):
+        torch.overrides._push_mode(entry)  # type: ignore[no-untyped-call]
 
 
 def _has_placements(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
