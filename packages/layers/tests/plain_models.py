@@ -99,6 +99,20 @@ class DropPath(nn.Module):
         return x * kept / keep
 
 
+class StochasticDepth(nn.Module):
+    """Stochastic depth as torchvision writes it (its own name, a plain tensor of noise)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        noise = torch.empty((x.shape[0],) + (1,) * (x.dim() - 1), dtype=x.dtype)
+        return x * noise.bernoulli_(1.0 - self.p).div_(1.0 - self.p)
+
+
 class DropPathBlock(Block):
     """:class:`Block` whose two residual branches go through a :class:`DropPath` each."""
 

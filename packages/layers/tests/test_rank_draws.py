@@ -123,6 +123,11 @@ def test_draws_it_cannot_reproduce_are_refused_by_name() -> None:
     refused = r"split across.*torch\.randint would draw"
     with RankDraws(0), pytest.raises(RuntimeError, match=refused):
         torch.randint(0, 5, (3,))
+    lstm = nn.LSTM(4, 4, num_layers=2, dropout=0.5)
+    with RankDraws(0), pytest.raises(RuntimeError, match="lstm with dropout between"):
+        lstm(torch.ones(3, 2, 4))
+    with RankDraws(0):
+        lstm.eval()(torch.ones(3, 2, 4))  # no dropout in eval mode
     with RankDraws(0):  # the caller's own generator draws, as eagerly
         mine = torch.rand(3, generator=torch.Generator().manual_seed(1))
     assert torch.equal(mine, torch.rand(3, generator=torch.Generator().manual_seed(1)))

@@ -128,9 +128,24 @@ def _samples_kept(tensor: dict[str, object]) -> list[tuple[int, int, bool]]:
         everyone: list[list[tuple[int, int, bool]]] = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(everyone, seen)
         _checkpointing_replays_drop_paths(model)
+        _stochastic_depth_of_another_name_is_refused(ctx)
         return [kept for rank in everyone for kept in rank]
     finally:
         ctx.destroy()
+
+
+def _stochastic_depth_of_another_name_is_refused(ctx: object) -> None:
+    """torchvision's form, left out of the plan: its plain noise is refused on the first call."""
+    from plain_models import DropPathLM, StochasticDepth
+
+    from tessera.layers import parallelize
+
+    torch.manual_seed(0)
+    plain = DropPathLM(drop=0.5)
+    plain.blocks[0].drop1 = StochasticDepth(0.5)
+    model = parallelize(plain, context=ctx)
+    with pytest.raises(ValueError, match=r"'blocks\.0\.drop1', a module the plan leaves out"):
+        model(torch.randint(0, 32, (8, 16), generator=torch.Generator().manual_seed(2)))
 
 
 def _checkpointing_replays_drop_paths(model: torch.nn.Module) -> None:

@@ -155,6 +155,8 @@ class _Check(TorchFunctionMode):
         self.handles: list[Any] = []
         self.enabled = True
         self.raised_before: BaseException | None = None
+        #: The module left out of the plan the call is in (outermost), run under DTensor.
+        self.left_out: str | None = None
 
     def __torch_function__(
         self,
@@ -164,6 +166,8 @@ class _Check(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if self.inside and self.enabled and self.left_out is not None and func in RANDOM_DRAWS:
+            self._refuse_plain_draw(func, args, kwargs)
         if self.inside or not self.enabled or torch.compiler.is_compiling():
             return func(*args, **kwargs)
         flat, _ = tree_flatten((args, dict(kwargs)))
@@ -196,6 +200,30 @@ class _Check(TorchFunctionMode):
                 if cut or hasattr(y, SPLIT_DIMS_MARK):  # an input changed in place: its new cut
                     setattr(y, SPLIT_DIMS_MARK, cut)
         return out
+
+    def _refuse_plain_draw(
+        self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> None:
+        """Raise where a module left out of the plan draws a plain tensor at random.
+
+        DTensor takes a plain tensor as alike on every rank (``implicit_replication``), and in
+        a split region each rank draws its own numbers: a sample's noise would differ between
+        the blocks of it (torchvision's ``StochasticDepth``).
+        """
+        from torch.distributed.tensor import DTensor
+
+        flat, _ = tree_flatten((args, dict(kwargs)))
+        if kwargs.get("generator") is not None or any(isinstance(x, DTensor) for x in flat):
+            return
+        raise ValueError(
+            f"parallelize under tensor mode {self.mode!r}: {self.left_out!r}, a module the plan "
+            f"leaves out (run under DTensor on its split input), calls {_name(func)} for a plain "
+            "tensor: DTensor takes it as the same on every rank, but inside a split region each "
+            "rank draws its own numbers, so the blocks of one sample would get other noise, "
+            "without an error. Name it ...DropPath with a float drop_prob if it is stochastic "
+            "depth (tessera draws those per sample), draw with a generator= seeded alike on "
+            "every rank, or draw at the input's shape (torch.rand_like)"
+        )
 
     def _follow_draws(
         self,
@@ -336,6 +364,7 @@ def install_own_code_check(
         if role not in _READING_SHAPES
     }
     computing |= {id(model.get_submodule(name)): name for name in left_out}
+    run_under_dtensor = {id(model.get_submodule(name)): name for name in left_out}
 
     def whole(context: ParallelContext, ndim: int) -> dict[int, tuple[str, ...]]:
         return {}
@@ -349,11 +378,15 @@ def install_own_code_check(
             parts = [getattr(x, PART_MARK) for x in flat if hasattr(x, PART_MARK)]
             if parts:
                 raise ValueError(f"{parts[0]}; it is given to {name!r}, which computes with it")
+        if not check.inside:
+            check.left_out = run_under_dtensor.get(id(module))
         check.inside += 1
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
         if not torch.compiler.is_compiling():
             check.inside -= 1
+            if not check.inside:
+                check.left_out = None
 
     def clear() -> None:
         """The mode off (taken off the stack wherever it is) and the per-call hooks removed.
@@ -367,6 +400,7 @@ def install_own_code_check(
             handle.remove()
         check.handles.clear()
         check.inside = 0
+        check.left_out = None
 
     checked: set[bool] = set()  # the modes (training or not) whose first call was checked
 

@@ -236,6 +236,24 @@ _REFUSED: tuple[Any, ...] = (
 )
 
 
+_RRELU = (F.rrelu, F.rrelu_, torch.rrelu, torch.rrelu_)
+#: The recurrent layers' functions (``nn.LSTM`` and friends), whose ``dropout`` between
+#: layers draws inside the kernel.
+_RECURRENT = (torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu)
+
+
+def _recurrent_dropout(args: tuple[Any, ...]) -> bool:
+    """Whether a recurrent function's call drops between layers (``dropout > 0, train``).
+
+    Its one float argument is ``dropout``, followed by ``train``, in either signature (padded
+    or packed input).
+    """
+    for i, arg in enumerate(args[:-1]):
+        if isinstance(arg, float):
+            return arg > 0.0 and bool(args[i + 1])
+    return False
+
+
 def _refused(func: Any, why: str = "") -> RuntimeError:
     name = f"{getattr(func, '__module__', None) or 'torch'}.{getattr(func, '__name__', func)}"
     return RuntimeError(
@@ -292,9 +310,11 @@ class RankDraws(TorchFunctionMode):
                 raise _refused(func, "with out=")
             return answer(*args, rank=self.rank, **kwargs)
         if func in _REFUSED:
-            if func is F.rrelu and not kwargs.get("training", args[3] if len(args) > 3 else False):
+            if func in _RRELU and not kwargs.get("training", args[3] if len(args) > 3 else False):
                 return func(*args, **kwargs)  # rrelu in eval mode draws nothing
             raise _refused(func)
+        if func in _RECURRENT and _recurrent_dropout(args):
+            raise _refused(func, "with dropout between its layers")
         return func(*args, **kwargs)
 
 
