@@ -128,9 +128,9 @@ class DropPathBlock(Block):
 class DropPathLM(PlainLM):
     """:class:`PlainLM` of :class:`DropPathBlock` (stochastic depth of ``drop``)."""
 
-    def __init__(self, drop: float = 0.5) -> None:
+    def __init__(self, drop: float = 0.5, layers: int = 2) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(DropPathBlock(16, 4, drop) for _ in range(2))
+        self.blocks = nn.ModuleList(DropPathBlock(16, 4, drop) for _ in range(layers))
 
 
 class ScaleNorm(nn.Module):

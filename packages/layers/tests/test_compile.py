@@ -94,6 +94,45 @@ def _compiled_mesh_dropout_differs_per_rank(ctx: Any) -> None:
     assert all(not torch.equal(masks[0], other) for other in masks[1:])
 
 
+def _compiled_drop_paths_equal_eager() -> int:
+    """Stochastic depth compiled whole: each rank's numbers from its stream, then the row
+    group's first rank's (a traced broadcast), as the eager model drawing from the streams."""
+    from tessera.context import create_context
+
+    ctx = create_context(dict(parallel=dict(tensor=LAYOUTS["2d"])), timeout=60.0)
+    try:
+        return _drop_paths_equal(ctx)
+    finally:
+        torch._dynamo.reset()
+        ctx.destroy()
+
+
+def _drop_paths_equal(ctx: Any) -> int:
+    from plain_models import DropPathLM
+
+    from tessera.layers import parallelize
+
+    torch.manual_seed(0)
+    plain = DropPathLM(drop=0.5, layers=1)
+    eager = parallelize(copy.deepcopy(plain), context=ctx)
+    eager._tessera_rank_fork.streams_in_eager = True
+    compiled_model = parallelize(plain, context=ctx)
+    ids = torch.randint(0, 32, (8, 16), generator=torch.Generator().manual_seed(2))
+    compiled_model(ids)  # the first call's checks, eagerly
+    torch.manual_seed(5)
+    expected = eager(ids)
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    got = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)(ids)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    return 1
+
+
+@pytest.mark.newest_torch_only  # 12 s; the pinned torch traces the same streams (GPT-2 above)
+def test_compiled_drop_paths_equal_eager(dist: Any) -> None:
+    assert dist.run(_compiled_drop_paths_equal_eager, world_size=4, timeout=300.0) == [1] * 4
+
+
 def _mesh_products_equal_eager() -> int:
     """Each 2D product variant (SUMMA, streamed SUMMA, stationary weights), compiled whole.
 
@@ -142,8 +181,11 @@ def test_each_2d_product_compiles_whole_and_equals_eager(dist: Any) -> None:
 @pytest.mark.parametrize(
     "layout",
     # 3D's collectives are 2D's (all-gather, reduce-scatter, all-to-all) on other groups; its
-    # compiled step runs on the newest torch, its layout checks (test_parallelize) on the pinned
-    [pytest.param(n, marks=[pytest.mark.newest_torch_only] * (n == "3d")) for n in LAYOUTS],
+    # compiled step (and the ring's) runs on the newest torch, its layout checks on the pinned
+    [
+        pytest.param(n, marks=[pytest.mark.newest_torch_only] * (n in ("3d", "sequence-ring")))
+        for n in LAYOUTS
+    ],
 )
 def test_a_compiled_step_is_one_graph_and_equals_eager(dist: Any, layout: str) -> None:
     tensor = LAYOUTS[layout]

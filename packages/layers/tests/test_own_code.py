@@ -239,7 +239,7 @@ def test_the_first_call_in_training_and_in_eval_mode_are_checked() -> None:
 def test_a_draw_broadcast_over_a_cut_dim_is_refused() -> None:
     """Each rank draws its own numbers in a split region: a mask per sample ``[b, 1, 1]``
     would drop a sample in one feature block and keep it in another."""
-    with _Check("2d"):
+    with _Check("2d", forked=lambda: True):
         block = _block()  # [b/q, s, h/q]
         kept = block.new_empty(4, 1, 1).bernoulli_(0.8)
         refused = r"random draw of shape \[4, 1, 1\] and a \[4, 6, 8\] block, .* over dim 2"
@@ -249,3 +249,11 @@ def test_a_draw_broadcast_over_a_cut_dim_is_refused() -> None:
             torch.where(torch.rand(6, 1) < 0.5, block, 0.0)  # per token, shared by the batch
         block * (torch.rand_like(block) < 0.5)  # a mask of the block's own shape
         block * torch.rand(4, 1, 1, generator=torch.Generator())  # the caller's own generator
+
+    with _Check("2d", forked=lambda: True), pytest.raises(ValueError, match="different branches"):
+        if torch.rand([]) < 0.1:  # transformers' layerdrop
+            pass
+    with _Check("2d"):  # outside a forked region every rank draws alike
+        if torch.rand([]) < 0.1:
+            pass
+        _block() * torch.rand(4, 1, 1)

@@ -148,6 +148,9 @@ def test_answers_take_torchs_arguments_and_shapes() -> None:
         assert len({tuple(row) for row in mask[..., 0].tolist()}) > 1
         unbatched = F.dropout1d(torch.ones(6, 5), 0.5) != 0  # [C, L]: one draw per channel
         assert torch.equal(unbatched, unbatched[:, :1].expand_as(unbatched))
+        cube = F.dropout3d(torch.ones(6, 5, 4), 0.5) != 0  # read as one sample [C, ...]
+        assert torch.equal(cube, cube[:, :1, :1].expand_as(cube))
+        assert torch.rand(3, generator=None).shape == (3,)  # torch's own generator, named
         with pytest.raises(ValueError, match="between 0 and 1"):
             F.dropout(x, 1.5)
         with pytest.raises(RuntimeError, match="out="):

@@ -100,8 +100,8 @@ def test_checkpoint_without_context_replays_torch_rng() -> None:
     assert all(torch.equal(a, b) for a, b in zip(plain, ckpt, strict=True))
 
 
-def _samples_kept(tensor: dict[str, object]) -> list[tuple[int, int, bool]]:
-    """``(module, sample, kept)`` of each drop path this rank ran, by the whole batch's rows."""
+def _samples_kept(tensor: dict[str, object]) -> list[tuple[int, int, int, bool]]:
+    """``(call, module, sample, kept)`` of each drop path this rank ran, by the batch's rows."""
     import torch.distributed as dist
     from plain_models import DropPath, DropPathLM
 
@@ -114,18 +114,29 @@ def _samples_kept(tensor: dict[str, object]) -> list[tuple[int, int, bool]]:
         model = parallelize(DropPathLM(drop=0.5), context=ctx)
         samples = torch.arange(8)[:, None].expand(8, 16).contiguous()  # [b, s]: each its row
         rows = split_batch(samples, context=ctx)[:, 0].tolist()  # the samples this rank holds
-        seen: list[tuple[int, int, bool]] = []
+        seen: list[tuple[int, int, int, bool]] = []
+        calls = [0]
         paths = [m for m in model.modules() if isinstance(m, DropPath)]
         for index, path in enumerate(paths):
 
             def record(module: object, args: tuple, out: torch.Tensor, index: int = index) -> None:
                 dropped = out.flatten(1).eq(0).all(1)  # a sample's whole block is zero
-                seen.extend((index, row, not bool(d)) for row, d in zip(rows, dropped, strict=True))
+                seen.extend(
+                    (calls[0], index, row, not bool(d))
+                    for row, d in zip(rows, dropped, strict=True)
+                )
 
             path.register_forward_hook(record)
+        ids = torch.randint(0, 32, (8, 16), generator=torch.Generator().manual_seed(2))
         torch.manual_seed(1)  # alike on every rank, as the context seeds it
-        model(torch.randint(0, 32, (8, 16), generator=torch.Generator().manual_seed(2)))
-        everyone: list[list[tuple[int, int, bool]]] = [[] for _ in range(dist.get_world_size())]
+        model(ids)
+        calls[0] += 1
+        model._tessera_rank_fork.streams_in_eager = True  # what a compiled forward draws
+        model(ids)
+        model._tessera_rank_fork.streams_in_eager = False
+        everyone: list[list[tuple[int, int, int, bool]]] = [
+            [] for _ in range(dist.get_world_size())
+        ]
         dist.all_gather_object(everyone, seen)
         _checkpointing_replays_drop_paths(model)
         _stochastic_depth_of_another_name_is_refused(ctx)
@@ -182,9 +193,9 @@ def test_drop_path_keeps_or_drops_each_sample_whole_on_every_rank(dist, tensor) 
     and kept in others.
     """
     seen = dist.run(_samples_kept, world_size=tensor["size"], args=(tensor,), timeout=120.0)[0]
-    decisions: dict[tuple[int, int], set[bool]] = {}
-    for module, sample, kept in seen:
-        decisions.setdefault((module, sample), set()).add(kept)
+    decisions: dict[tuple[int, int, int], set[bool]] = {}
+    for call, module, sample, kept in seen:
+        decisions.setdefault((call, module, sample), set()).add(kept)
     assert all(len(kept) == 1 for kept in decisions.values()), decisions
     assert {next(iter(kept)) for kept in decisions.values()} == {True, False}
-    assert len(decisions) == 4 * 8  # four drop paths, every sample of the batch
+    assert len(decisions) == 2 * 4 * 8  # two calls, four drop paths, every sample

@@ -178,9 +178,8 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.src, ctx.group = src, group
         if _size(group) > 1 and tracing():
-            sent: torch.Tensor = functional_collectives().broadcast(
-                x.contiguous(), dist.get_global_rank(group, src), group
-            )
+            # the functional broadcast names its source by its rank in the group
+            sent: torch.Tensor = functional_collectives().broadcast(x.contiguous(), src, group)
             return sent
         out = x.contiguous().clone()
         if _size(group) > 1:

@@ -61,17 +61,16 @@ class RankFork:
     """Forks torch's generators into a tensor-rank-distinct, replayable state, and back.
 
     A generator's state cannot be traced, so under ``torch.compile`` the region does not fork:
-    it enters :class:`~tessera.layers.shared.rank_draws.RankDraws`, which answers its dropout
-    from the rank's counter stream inside the graph (a model that draws nothing at random,
-    :func:`may_draw_random`, enters nothing). Eager runs fork whatever the model.
+    it enters :class:`~tessera.layers.shared.rank_draws.RankDraws`, which answers its draws
+    from the rank's counter stream inside the graph. It costs the compiled graph nothing, and
+    is entered whatever the model (a draw in the model's own code, a drop path, would
+    otherwise be alike on every rank while traced, and each rank's own eagerly).
 
     Args:
         context: Gives the tensor rank and the device whose generator dropout uses.
-        may_draw: Whether the model may draw random numbers in a forked region.
     """
 
-    def __init__(self, context: ParallelContext, may_draw: bool = True) -> None:
-        self.may_draw = may_draw
+    def __init__(self, context: ParallelContext) -> None:
         self._rank = context.get_local_rank(ParallelMode.TENSOR)
         self._cuda = context.device if context.device.type == "cuda" else None
         self._saved: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -95,9 +94,8 @@ class RankFork:
         if self._saved is not None or self._drawing:
             return
         if tracing() or self.streams_in_eager:
-            if self.may_draw:
-                self._drawing = True
-                self._draws.enter_region()
+            self._drawing = True
+            self._draws.enter_region()
             return
         draw = int(torch.randint(0, 2**62, (1,)))  # the global generator: alike on every rank
         cuda_state = torch.cuda.get_rng_state(self._cuda) if self._cuda is not None else None
@@ -125,22 +123,6 @@ class RankFork:
             torch.cuda.set_rng_state(cuda_state, self._cuda)
 
 
-def may_draw_random(model: nn.Module) -> bool:
-    """Whether ``model`` may draw random numbers when training: any dropout probability > 0.
-
-    Read from its dropout modules and any float attribute of a module named for dropout (an
-    attention's ``attention_dropout``, which it passes to its attention function), as they
-    are when it is parallelized.
-    """
-    for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            return True
-        for name, value in vars(module).items():
-            if "dropout" in name.lower() and isinstance(value, float) and value > 0:
-                return True
-    return False
-
-
 def install_dropout_streams(
     model: nn.Module,
     context: ParallelContext,
@@ -163,7 +145,7 @@ def install_dropout_streams(
     Returns:
         The fork, for tests and for a caller that needs to know whether it is active.
     """
-    fork = RankFork(context, may_draw=may_draw_random(model))
+    fork = RankFork(context)
     # A forward that raised inside a region must not leave the next one forked.
     model.register_forward_pre_hook(fork.leave)
     if _all_split(mode) or (sequence_parallel and span is None):

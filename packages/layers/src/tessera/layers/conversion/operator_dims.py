@@ -138,18 +138,18 @@ def _batch_norm(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
     return {d for d in range(ndim) if d != 1}
 
 
-def _channel_dropout(unbatched: int | None) -> DimsRead:
+def _channel_dropout(batched: int | None) -> DimsRead:
     """``F.dropout1d/2d/3d`` in training: the dims after the channel (one draw spans them).
 
     A rank holding a block of those dims would draw its own numbers for its part of a channel.
-    ``unbatched``: the input rank read as one sample ``[C, ...]`` (``None``: always
-    ``[N, C, ...]``, as dropout2d and feature_alpha_dropout read it).
+    ``batched``: the input rank read as ``[N, C, ...]`` (any other is one sample ``[C, ...]``);
+    ``None``: every input, as dropout2d and feature_alpha_dropout read it.
     """
 
     def read(args: Args, kwargs: Kwargs, ndim: int) -> set[int] | None:
         p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
         training = args[2] if len(args) > 2 else kwargs.get("training", True)
-        first = 1 if ndim == unbatched else 2
+        first = 2 if batched is None or ndim == batched else 1
         return set(range(first, ndim)) if training and p > 0 else set()
 
     return read
@@ -268,9 +268,9 @@ def _reads_whole() -> dict[Any, DimsRead]:
     every("instance_norm", _instance_norm, F, torch)
     every("batch_norm", _batch_norm, F, torch)
     every("pad", _padded, F)
-    every("dropout1d", _channel_dropout(unbatched=2), F)
-    every("dropout2d feature_alpha_dropout", _channel_dropout(unbatched=None), F)
-    every("dropout3d", _channel_dropout(unbatched=4), F)
+    every("dropout1d", _channel_dropout(batched=3), F)
+    every("dropout2d feature_alpha_dropout", _channel_dropout(batched=None), F)
+    every("dropout3d", _channel_dropout(batched=5), F)
     every("cross_entropy nll_loss", _loss(classes=True), F)
     every("mse_loss l1_loss smooth_l1_loss huber_loss kl_div", _loss(classes=False), F)
     every("binary_cross_entropy binary_cross_entropy_with_logits", _loss(classes=False), F)

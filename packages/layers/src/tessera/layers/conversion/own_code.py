@@ -55,6 +55,7 @@ from tessera.context import ParallelContext
 from ..shared.mode_layers import Cuts, find_mode_layers
 from ..shared.rank_draws import take_off_stack
 from .converters import COLUMN_PARTS
+from .dropout import RANK_FORK_ATTR, RankFork
 from .left_out import output_layout
 from .operator_dims import (
     DRAWN_MARK,
@@ -148,9 +149,11 @@ class _Check(TorchFunctionMode):
         raised_before: The error being handled when the call began, if any (not its own).
     """
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, forked: Callable[[], bool] = lambda: False) -> None:
         super().__init__()
         self.mode = mode
+        #: Whether the region running now draws each rank's own numbers (dropout.py's fork).
+        self.forked = forked
         self.inside = 0
         self.handles: list[Any] = []
         self.enabled = True
@@ -166,13 +169,15 @@ class _Check(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if self.inside and self.enabled and self.left_out is not None and func in RANDOM_DRAWS:
+        in_left_out = self.inside and self.enabled and self.left_out is not None
+        if in_left_out and func in RANDOM_DRAWS and self.forked():
             self._refuse_plain_draw(func, args, kwargs)
         if self.inside or not self.enabled or torch.compiler.is_compiling():
             return func(*args, **kwargs)
         flat, _ = tree_flatten((args, dict(kwargs)))
         drawn = [x for x in flat if isinstance(x, torch.Tensor) and hasattr(x, DRAWN_MARK)]
-        if drawn or (func in RANDOM_DRAWS and kwargs.get("generator") is None):
+        draws_own = func in RANDOM_DRAWS and kwargs.get("generator") is None and self.forked()
+        if drawn or draws_own:
             passed = self._follow_draws(func, args, kwargs, flat, drawn)
             if passed is not None:
                 return passed[0]
@@ -243,8 +248,17 @@ class _Check(TorchFunctionMode):
         """
         blocks = [x for x in flat if isinstance(x, torch.Tensor) and split_dims(x)]
         module, line = _callers_line()
-        if module.startswith("tessera."):  # a drop path's numbers, drawn alike (drop_path.py)
+        if module.startswith("tessera."):  # a drop path's numbers, made alike (drop_path.py)
             return None if blocks else (func(*args, **kwargs),)
+        if drawn and func in _BRANCHING:
+            raise ValueError(
+                f"parallelize under tensor mode {self.mode!r}: the model's own code reads a "
+                f"random draw as a Python value ({_name(func)}) at {line}, inside a region "
+                "whose activations are split, where each rank draws its own numbers: the "
+                "ranks would take different branches (a layer skipped on some ranks: their "
+                "collectives no longer match). Draw it before the forward, alike on every rank "
+                "(a layerdrop of 0, or a generator= seeded alike), or outside the split region"
+            )
         for draw in drawn:
             for block in blocks:
                 dim = _broadcast_over_cut(draw, block)
@@ -297,6 +311,13 @@ class _Check(TorchFunctionMode):
             "modules a plan leaves out under DTensor, exactly), or give the module that "
             "computes it a role ('norm' for a norm, 'gate_up' for a layer chunked in two)"
         )
+
+
+#: Reading a tensor as a Python value: a branch taken on it.
+_BRANCHING = {
+    torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
+    torch.Tensor.__float__, torch.Tensor.__index__,
+}  # fmt: skip
 
 
 def _broadcast_over_cut(draw: torch.Tensor, block: torch.Tensor) -> int | None:
@@ -355,7 +376,8 @@ def install_own_code_check(
         return
     between = layers.activation_cuts
     inner = inner_norms(roles)
-    check = _Check(mode)
+    fork = getattr(model, RANK_FORK_ATTR, None)
+    check = _Check(mode, lambda: isinstance(fork, RankFork) and fork.active)
     # converted modules computing with what they are given (a position table reads its shape)
     # and the modules left out, which DTensor runs on what its layout trail says they hold
     computing = {
@@ -378,8 +400,11 @@ def install_own_code_check(
             parts = [getattr(x, PART_MARK) for x in flat if hasattr(x, PART_MARK)]
             if parts:
                 raise ValueError(f"{parts[0]}; it is given to {name!r}, which computes with it")
-        if not check.inside:
-            check.left_out = run_under_dtensor.get(id(module))
+        if not check.inside:  # run under DTensor now: its input was placed (left_out.py)
+            from torch.distributed.tensor import DTensor
+
+            placed = any(isinstance(x, DTensor) for x in tree_flatten((args, kwargs))[0])
+            check.left_out = run_under_dtensor.get(id(module)) if placed else None
         check.inside += 1
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:

@@ -57,12 +57,12 @@ def rank_dropout(
     return _masked(x, _uniform(x.shape, rank, x) >= p, p, inplace)
 
 
-def _channel_dropout(unbatched: int | None) -> Callable[..., torch.Tensor]:
-    """``F.dropout1d/2d/3d``: one draw per channel, ``[N, C, 1, ...]`` (unbatched ``[C, 1, ...]``).
+def _channel_dropout(batched: int | None) -> Callable[..., torch.Tensor]:
+    """``F.dropout1d/2d/3d``: one draw per channel, ``[N, C, 1, ...]`` (else ``[C, 1, ...]``).
 
     Args:
-        unbatched: The input rank torch reads as one sample ``[C, ...]`` (dropout1d's 2,
-            dropout3d's 4); ``None`` for dropout2d, which reads every input as ``[N, C, ...]``.
+        batched: The input rank torch reads as ``[N, C, ...]`` (dropout1d's 3, dropout3d's
+            5; any other is one sample); ``None`` for dropout2d, which reads every input so.
     """
 
     def dropout(
@@ -71,7 +71,7 @@ def _channel_dropout(unbatched: int | None) -> Callable[..., torch.Tensor]:
         _check_probability(p)
         if not training or p == 0.0:
             return x
-        kept = 1 if x.dim() == unbatched else 2
+        kept = 2 if batched is None or x.dim() == batched else 1
         shape = (*x.shape[:kept], *(1,) * (x.dim() - kept))
         return _masked(x, _uniform(shape, rank, x) >= p, p, inplace)
 
@@ -191,9 +191,9 @@ def _factory_like(normal: bool) -> Callable[..., torch.Tensor]:
 #: The functions answered from the rank's counter stream, each as torch spells it.
 _ANSWERED: dict[Any, Callable[..., torch.Tensor]] = {
     F.dropout: rank_dropout,
-    F.dropout1d: _channel_dropout(unbatched=2),
-    F.dropout2d: _channel_dropout(unbatched=None),
-    F.dropout3d: _channel_dropout(unbatched=4),
+    F.dropout1d: _channel_dropout(batched=3),
+    F.dropout2d: _channel_dropout(batched=None),
+    F.dropout3d: _channel_dropout(batched=5),
     F.scaled_dot_product_attention: rank_dropout_attention,
     torch.bernoulli: _bernoulli,
     torch.Tensor.bernoulli: _bernoulli,
@@ -304,6 +304,7 @@ class RankDraws(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if kwargs.get("generator") is not None or _has_placements(args, kwargs):
             return func(*args, **kwargs)  # the caller's own generator, or DTensor's rules
+        kwargs.pop("generator", None)  # given as None: torch's own
         answer = _ANSWERED.get(func)
         if answer is not None:
             if kwargs.pop("out", None) is not None:
