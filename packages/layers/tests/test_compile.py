@@ -128,7 +128,7 @@ def _drop_paths_equal(ctx: Any) -> int:
     return 1
 
 
-@pytest.mark.newest_torch_only  # 12 s; the pinned torch traces the same streams (GPT-2 above)
+@pytest.mark.newest_torch_only  # 20 s; the pinned torch traces the same streams (GPT-2 above)
 def test_compiled_drop_paths_equal_eager(dist: Any) -> None:
     assert dist.run(_compiled_drop_paths_equal_eager, world_size=4, timeout=300.0) == [1] * 4
 
