@@ -543,6 +543,26 @@ def timm_vit(seed: int = 0, global_pool: str = "token", **overrides: Any) -> nn.
     return _distinct(model, seed)
 
 
+def torchvision_vit(seed: int = 0) -> nn.Module:
+    """torchvision's ``VisionTransformer`` sized as :data:`VIT_CONFIG`: a patch convolution,
+    class token and positions of its own, its blocks (``nn.MultiheadAttention``, an MLP
+    ``nn.Sequential``) in the ``nn.Sequential`` ``encoder.layers``, its weights drawn from
+    ``seed``. torchvision is only in the newest torch's environment (noxfile)."""
+    from torchvision.models import VisionTransformer
+
+    torch.manual_seed(seed)
+    model = VisionTransformer(
+        image_size=VIT_CONFIG["image_size"],
+        patch_size=VIT_CONFIG["patch_size"],
+        num_layers=VIT_CONFIG["num_hidden_layers"],
+        num_heads=VIT_CONFIG["num_attention_heads"],
+        hidden_dim=VIT_CONFIG["hidden_size"],
+        mlp_dim=VIT_CONFIG["intermediate_size"],
+        num_classes=VIT_CONFIG["num_labels"],
+    )
+    return _distinct(model, seed)
+
+
 def images(seed: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     """``[BATCH, 3, 6, 6]`` images and their ``[BATCH]`` labels (the whole batch)."""
     g = torch.Generator().manual_seed(seed)

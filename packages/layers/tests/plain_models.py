@@ -18,9 +18,9 @@ from tessera.layers import Plan
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, hidden: int, n_head: int) -> None:
+    def __init__(self, hidden: int, n_head: int, causal: bool = True) -> None:
         super().__init__()
-        self.n_head = n_head
+        self.n_head, self.causal = n_head, causal
         self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -28,15 +28,15 @@ class SelfAttention(nn.Module):
         q, k, v = (
             p(x).view(b, s, self.n_head, -1).transpose(1, 2) for p in (self.q, self.k, self.v)
         )
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, s, d]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # [b, heads, s, d]
         return self.o(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int, n_head: int) -> None:
+    def __init__(self, hidden: int, n_head: int, causal: bool = True) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.attn = SelfAttention(hidden, n_head)
+        self.attn = SelfAttention(hidden, n_head, causal)
         self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +58,32 @@ class PlainLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits: torch.Tensor = self.head(self.ln_f(x))  # [b, s, V]
+        return logits
+
+
+class PatchViT(nn.Module):
+    """A ViT as a researcher writes it, as torchvision's is: a patch convolution, a class token
+    and positions of its own added in its forward, the blocks called in a loop, a final norm
+    and a classifier on the class token. No plan fits it whole; each block gets a features
+    plan read from it and is parallelized as a part."""
+
+    def __init__(
+        self, hidden: int = 16, n_head: int = 4, layers: int = 2, image: int = 6, patch: int = 2
+    ) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, hidden, patch, stride=patch)
+        self.cls = nn.Parameter(torch.randn(1, 1, hidden))
+        self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, hidden))
+        self.blocks = nn.ModuleList(Block(hidden, n_head, causal=False) for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, 8)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.patch(images).flatten(2).transpose(1, 2)  # [b, N, h]
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos  # [b, N+1, h]
+        for block in self.blocks:
+            x = block(x)
+        logits: torch.Tensor = self.head(self.norm(x)[:, 0])  # [b, C]
         return logits
 
 

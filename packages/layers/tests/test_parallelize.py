@@ -164,6 +164,29 @@ def _full_grads(
     return grads
 
 
+def _input_grad(grad: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """The gradient of a features plan's whole input, as one process's.
+
+    Under 'sequence' every rank computes the same loss from the whole output, so each rank's
+    gradient is N times its own tokens' share (zeros elsewhere), the convention of the
+    sequence gradient handler: summed over SEQUENCE and divided by N here, as it does.
+    """
+    if ctx.config.tensor_mode != "sequence":
+        return grad
+    summed = grad.clone()
+    dist.all_reduce(summed, group=ctx.get_group(ParallelMode.SEQUENCE))
+    return summed / ctx.get_world_size(ParallelMode.SEQUENCE)
+
+
+def _assert_grads_are_one_process(model: nn.Module, ref: nn.Module, ctx: ParallelContext) -> None:
+    """Every gradient of ``model`` (``ref`` parallelized) is ``ref``'s, each rank's loss whole
+    (under 'sequence' each rank's gradient is then N times its share)."""
+    grads = _full_grads(model, ctx, mean_loss=True)
+    for name, p in ref.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def _assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
@@ -260,7 +283,7 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
     "clip vision encoder (patch conv, class token, pooler of the first token)": lambda ctx: (
         _clip_matches_reference(ctx)
     ),
-    "clip text, towers under projections, CLIPModel (parts parallelized, the rest whole)": (
+    "parts parallelized, the rest whole (clip towers, CLIPModel, an own ViT's blocks)": (
         lambda ctx: _clip_parts_match_reference(ctx)
     ),
     "verify: outputs and gradients against the model before conversion": lambda ctx: _verified(ctx),
@@ -338,9 +361,7 @@ ONLY_UNDER = {
     ),
     "norms of each head with a weight per head (stablelm, cohere)": ("1d-sp", "3d"),
     "modules left out of the plan mixing split features, hidden layer and vocabulary": EACH_MODE,
-    "clip text, towers under projections, CLIPModel (parts parallelized, the rest whole)": (
-        EACH_MODE
-    ),
+    "parts parallelized, the rest whole (clip towers, CLIPModel, an own ViT's blocks)": (EACH_MODE),
     "verify: outputs and gradients against the model before conversion": (
         "1d",
         "1d-sp",
@@ -423,10 +444,7 @@ def _timm_vit_matches_reference(ctx: ParallelContext) -> float:
     torch.testing.assert_close(gather_logits(logits, context=ctx), ref_logits.detach(), **TOL)
     ref_loss.backward()
     loss.backward()
-    grads = _full_grads(model, ctx, mean_loss=True)  # 'sequence': every rank's loss is whole
-    for name, p in ref.named_parameters():
-        assert p.grad is not None
-        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_grads_are_one_process(model, ref, ctx)
     if mode == "2d":  # a gated MLP's fc1 holds value and gate side by side: no plan
         from timm.layers import SwiGLUPacked
 
@@ -435,10 +453,40 @@ def _timm_vit_matches_reference(ctx: ParallelContext) -> float:
     return round(float(loss.detach()), 5)
 
 
+def _torchvision_vit_matches_reference(ctx: ParallelContext) -> float:
+    """torchvision's ``VisionTransformer``, no plan given: no family is laid out like it, but
+    its blocks are the usual ones in an ``nn.Sequential`` (``encoder.layers``), which get a
+    features plan read from them; the model is converted part by part, its patch
+    convolution, class token, positions and head whole on every rank. The logits come back
+    whole; they, the loss and every gradient are one process's."""
+    from hf_models import torchvision_vit
+
+    mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
+    impl = "all_to_all" if mode == "sequence" and size == 4 else "ring"
+    ref = torchvision_vit()
+    model = parallelize(copy.deepcopy(ref), sequence_attention=impl, context=ctx)
+    assert isinstance(model.conv_proj, nn.Conv2d)  # whole, outside the part
+    _assert_same_state(gather_full_state_dict(model, context=ctx), ref.state_dict())
+    pixels, labels = images()
+    ref_logits = ref(pixels)  # [b, C]
+    ref_loss = F.cross_entropy(ref_logits, labels)
+    logits = model(pixels)
+    torch.testing.assert_close(logits, ref_logits.detach(), **TOL)
+    loss = F.cross_entropy(logits, labels)
+    ref_loss.backward()
+    loss.backward()
+    _assert_grads_are_one_process(model, ref, ctx)
+    return round(float(loss.detach()), 5)
+
+
+def _vision_transformers_match_reference(ctx: ParallelContext) -> list[float]:
+    return [_timm_vit_matches_reference(ctx), _torchvision_vit_matches_reference(ctx)]
+
+
 #: Checks of models whose library only the newest torch's environment holds (timm needs
 #: torchvision); run by their own tests, which skip where the library is missing.
 OPTIONAL_CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
-    "timm vit": _timm_vit_matches_reference,
+    "vision transformers": _vision_transformers_match_reference,
 }
 
 
@@ -725,7 +773,26 @@ def _clip_parts_match_reference(ctx: ParallelContext) -> list[float]:
                 grads[pname], p.grad, **TOL, msg=lambda m, n=f"{name}: {pname}": f"{n}: {m}"
             )
         losses.append(round(float(loss.detach()), 5))
-    return losses
+    return [*losses, _patch_vit_matches_reference(ctx)]
+
+
+def _patch_vit_matches_reference(ctx: ParallelContext) -> float:
+    """An own ViT (:class:`PatchViT`): its blocks, called in a loop, each a part with a
+    features plan read from it; the patch convolution, class token, positions, norm and
+    classifier whole. Logits, loss and every gradient as one process."""
+    from plain_models import PatchViT
+
+    torch.manual_seed(3)
+    ref = PatchViT()
+    model = parallelize(copy.deepcopy(ref), context=ctx)
+    pixels, labels = images()
+    want, got = ref(pixels), model(pixels)
+    torch.testing.assert_close(got, want, **TOL)
+    F.cross_entropy(want, labels).backward()
+    loss = F.cross_entropy(got, labels)
+    loss.backward()
+    _assert_grads_are_one_process(model, ref, ctx)
+    return round(float(loss.detach()), 5)
 
 
 def _torch_encoders_match_reference(ctx: ParallelContext) -> list[float]:
@@ -872,8 +939,8 @@ def _torch_encoder_loss(ref: nn.Module, ctx: ParallelContext) -> float:
     (y_ref * w * keep[..., None]).sum().backward()
     (y * w * keep[..., None]).sum().backward()
     assert x_ref.grad is not None and x_par.grad is not None
-    torch.testing.assert_close(x_par.grad, x_ref.grad, **TOL)
-    grads = _full_grads(model, ctx)
+    torch.testing.assert_close(_input_grad(x_par.grad, ctx), x_ref.grad, **TOL)
+    grads = _full_grads(model, ctx, mean_loss=ctx.config.tensor_mode == "sequence")
     for name, p in ref.named_parameters():
         assert p.grad is not None
         torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
@@ -1656,8 +1723,8 @@ def _block_matches_reference(ctx: ParallelContext, ref: nn.Module, plan: dict[st
     (y_par * w).sum().backward()
     torch.testing.assert_close(y_par, y_ref, **TOL)
     assert x_par.grad is not None and x_ref.grad is not None
-    torch.testing.assert_close(x_par.grad, x_ref.grad, **TOL)
-    grads = _full_grads(model, ctx)
+    torch.testing.assert_close(_input_grad(x_par.grad, ctx), x_ref.grad, **TOL)
+    grads = _full_grads(model, ctx, mean_loss=ctx.config.tensor_mode == "sequence")
     for name, p in ref.named_parameters():
         assert p.grad is not None
         torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
@@ -1703,7 +1770,7 @@ def test_timm_vision_transformer_equals_single_process(dist, layout: str) -> Non
     pytest.importorskip("timm")  # with torchvision: nox's tests_newest environment
     tensor = LAYOUTS[layout]
     results = dist.run(
-        _run_check, world_size=tensor["size"], args=(tensor, "timm vit"), timeout=240.0
+        _run_check, world_size=tensor["size"], args=(tensor, "vision transformers"), timeout=240.0
     )
     assert all(r == results[0] for r in results)
 

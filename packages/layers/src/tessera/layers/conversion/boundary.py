@@ -215,6 +215,8 @@ def install_boundary(
                     f"{type(module).__name__}: a 'features' plan takes the activation as the "
                     "first positional argument"
                 )
+            if kind.splits_sequence:
+                return None  # the model is its own token span (below)
             return (split_activation(args[0], context), *args[1:]), kwargs
         if plan.boundary == "images":
             token_span = getattr(module, TOKEN_SPAN_ATTRIBUTE, None)
@@ -261,7 +263,10 @@ def install_boundary(
                 "tensor mode 'sequence' splits), so its images cannot run under 'sequence'"
             )
         _install_token_span(model, plan.sequence_span, context)
-    if plan.boundary == "features":
+    if plan.boundary == "features" and kind.splits_sequence:
+        # the gradients of an image model's span: every rank computes with the whole output
+        _install_token_span(model, ("", ""), context)
+    elif plan.boundary == "features":
 
         def after(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             return (
@@ -436,13 +441,16 @@ def split_tokens(x: torch.Tensor, world: int, rank: int) -> tuple[torch.Tensor, 
 
 
 def _install_token_span(model: nn.Module, span: tuple[str, str], context: ParallelContext) -> None:
-    """Tensor mode 'sequence' for a model that makes its tokens itself (a ViT).
+    """Tensor mode 'sequence' for a model that makes its tokens itself (a ViT), or is given them.
 
     Every rank embeds the whole image (patches, class token, positions); the input of
     ``span[0]`` keeps this rank's chunk of the tokens and the output of ``span[1]`` is
-    gathered whole, so the head reads the class token wherever it lives. Tokens that do not
-    divide by the ranks (a ViT's N_p + 1) are padded at the end with zeros that every
-    attention masks as keys (the model's :class:`KeyPadding`) and that the gather drops.
+    gathered whole, so the head reads the class token wherever it lives. A features plan's
+    model is a span of itself (``("", "")``): its whole input is this rank's chunk inside it,
+    and code around it (a part's: :mod:`.parts`) computes on whole tensors on every rank.
+    Tokens that do not divide by the ranks (a ViT's N_p + 1) are padded at the end with zeros
+    that every attention masks as keys (the model's :class:`KeyPadding`) and that the gather
+    drops.
 
     The gradients follow the convention of the sequence handler (each rank's gradient is N
     times its share; the handler sums over SEQUENCE and divides by N): the split is a plain
@@ -466,9 +474,9 @@ def _install_token_span(model: nn.Module, span: tuple[str, str], context: Parall
         batch, length = x.shape[0], x.shape[1]
         if length % world and padding is None:
             raise ValueError(
-                f"tensor mode 'sequence': the {length} tokens of {list(x.shape)} (patches and "
-                f"class token) do not divide by {world} ranks, and no attention converted by "
-                "parallelize can mask padding"
+                f"tensor mode 'sequence': the {length} tokens of {list(x.shape)} do not "
+                f"divide by {world} ranks, and no attention converted by parallelize can mask "
+                "padding"
             )
         tokens[0] = length
         chunk, keep = split_tokens(x, world, rank)  # [b, (s + pad)/N, h], [s + pad]
@@ -483,8 +491,9 @@ def _install_token_span(model: nn.Module, span: tuple[str, str], context: Parall
             return None
         if not isinstance(output, torch.Tensor):
             raise ValueError(
-                f"tensor mode 'sequence': {span[1]!r} returned {type(output).__name__}; the end "
-                "of a sequence_span of an image model must return the hidden states"
+                f"tensor mode 'sequence': {span[1] or type(model).__name__!r} returned "
+                f"{type(output).__name__}; the end of a sequence_span of an image model (or a "
+                "features plan's model) must return the hidden states"
             )
         whole = gather_along_dim(output, 1, group, partial_grad=True)  # [b, s + pad, h]
         return whole[:, : tokens[0]]  # [b, s, h]

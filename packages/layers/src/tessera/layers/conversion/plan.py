@@ -244,7 +244,7 @@ def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
     if read.rules is not None:
         return Plan(
             read.rules,
-            boundary="tokens",
+            boundary="features" if read.features else "tokens",
             sequence_span=read.sequence_span,
             causal_lm=read.head,
             name=f"plan read from the transformer blocks of {type(model).__name__}",
@@ -294,7 +294,7 @@ def returns_whole(plan: Plan) -> bool:
     A bare model's (``"tokens"`` or ``"images"``, no head whose logits stay split): code
     around it can compute on its outputs as one process does.
     """
-    return not plan.causal_lm and plan.boundary != "features"
+    return not plan.causal_lm
 
 
 def parts_with_plans(model: nn.Module) -> list[tuple[str, Plan]]:

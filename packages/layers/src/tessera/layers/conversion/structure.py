@@ -58,12 +58,15 @@ class StructureReport:
         sequence_span: the first block and the final norm, when the norm follows the blocks.
         head: whether a head onto the vocabulary was found (the model's own loss would read
             whole logits).
+        features: the model is blocks alone, taking and returning activations ``[b, s, h]``
+            (no token embedding, no head): a ``"features"`` plan.
     """
 
     rules: dict[str, str] | None
     reason: str = ""
     sequence_span: tuple[str, str] | None = None
     head: bool = False
+    features: bool = False
 
 
 def _linear_or_none(name: str, module: nn.Module) -> tuple[int, int] | None:
@@ -101,21 +104,38 @@ def _looks_like_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
 
+def _join(prefix: str, name: str) -> str:
+    """``prefix.name``, or either alone where the other is empty (the model itself)."""
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
 def _children(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
     for name, child in module.named_modules():
-        yield (f"{prefix}.{name}" if name else prefix), child
+        yield _join(prefix, name), child
 
 
-def _block_list(model: nn.Module) -> str | None:
-    """The name of the longest ``nn.ModuleList`` of blocks of one class holding linear layers."""
+def _is_block_list(module: nn.Module, containers: tuple[type[nn.Module], ...]) -> bool:
+    """``module`` is one of ``containers`` of blocks of one class, the first holding a linear."""
+    blocks = list(module.children())
+    if not isinstance(module, containers) or not blocks:
+        return False
+    holds_linear = any(_linear_or_none(n, m) is not None for n, m in blocks[0].named_modules())
+    return len({type(block) for block in blocks}) == 1 and holds_linear
+
+
+def _block_list(
+    model: nn.Module, containers: tuple[type[nn.Module], ...] = (nn.ModuleList,)
+) -> str | None:
+    """The name of the longest list of blocks of one class holding linear layers.
+
+    ``""`` where it is ``model`` itself (an ``nn.Sequential`` of blocks, ``containers``
+    permitting).
+    """
     best: tuple[int, str] | None = None
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        classes = {type(block) for block in module}
-        holds_linear = any(_linear_or_none(n, m) is not None for n, m in module[0].named_modules())
-        if len(classes) == 1 and holds_linear and (best is None or len(module) > best[0]):
-            best = (len(module), name)
+        count = len(list(module.children()))
+        if _is_block_list(module, containers) and (best is None or count > best[0]):
+            best = (count, name)
     return None if best is None else best[1]
 
 
@@ -307,14 +327,18 @@ def _outer_rules(
     return rules
 
 
-def _unnamed(model: nn.Module, rules: dict[str, str], blocks: str) -> list[str]:
-    """Modules with parameters, or norms, that no rule names or holds."""
+def _unnamed(model: nn.Module, rules: dict[str, str], blocks: str, first: str = "0") -> list[str]:
+    """Modules with parameters, or norms, that no rule names or holds.
+
+    ``blocks``: the list of blocks (``""``: the model itself), whose first block is ``first``.
+    """
+    depth = len(blocks.split(".")) if blocks else 0
 
     def named(name: str) -> bool:
         parts = name.split(".")
-        if name.startswith(blocks + ".") and len(parts) > len(blocks.split(".")) + 1:
-            depth = len(blocks.split("."))
-            parts[depth] = "0"  # every block is laid out as block 0
+        inside = not blocks or name.startswith(blocks + ".")
+        if inside and len(parts) > depth + 1:
+            parts[depth] = first  # every block is laid out as the first
             name = ".".join(parts)
         return any(name == r or name.startswith(r + ".") for r in rules)
 
@@ -325,8 +349,75 @@ def _unnamed(model: nn.Module, rules: dict[str, str], blocks: str) -> list[str]:
     ]
 
 
+def _widths(block: nn.Module) -> list[int]:
+    """Widths a block's attention may attend over (``nn.MultiheadAttention``'s, linear inputs)."""
+    found = {m.embed_dim for m in block.modules() if isinstance(m, nn.MultiheadAttention)}
+    found |= {
+        sizes[0] for n, m in block.named_modules() if (sizes := _linear_or_none(n, m)) is not None
+    }
+    return sorted(found)
+
+
+def _features_structure(model: nn.Module) -> StructureReport:
+    """The usual blocks with nothing around them but norms, or one such block alone.
+
+    What a vision model or a researcher's encoder keeps between its own embedding code and
+    its own head: torchvision's ``VisionTransformer`` holds its blocks in an ``nn.Sequential``
+    (``encoder.layers``) beside a patch convolution, a class token and positions of its own.
+    Such a stack takes and returns activations ``[b, s, h]``, so its plan is a features plan,
+    and a model around it is converted part by part (:mod:`.parts`). A list without a forward
+    (an ``nn.ModuleList``, which the model's own loop calls block by block) gets no plan
+    itself: its blocks may each get one.
+    """
+    if _owns_parameters(model):  # used in its own forward, which would see split activations
+        own = ", ".join(name for name, _ in model.named_parameters(recurse=False))
+        return StructureReport(None, f"{type(model).__name__} holds parameters itself ({own})")
+    blocks = _block_list(model, (nn.ModuleList, nn.Sequential))
+    if blocks == "" and not isinstance(model, nn.Sequential):
+        return StructureReport(None, "a list of blocks without a forward of its own")
+    if blocks is None:  # the model may be one block
+        blocks, first, block = None, "", model
+        if _linear_or_none("", model) is not None or not _widths(model):
+            return StructureReport(None, "no list of identical blocks")
+    else:
+        first, block = next(iter(model.get_submodule(blocks).named_children()))
+    block0 = _join(blocks or "", first) if blocks is not None else ""
+    found: dict[str, str] | str = f"no width {type(block).__name__}'s attention attends over"
+    hidden = 0
+    for hidden in _widths(block):
+        found = _block_rules(block, block0, hidden)
+        if not isinstance(found, str):
+            break
+    if isinstance(found, str):
+        return StructureReport(None, found)
+    if blocks is None:
+        held = [
+            f"{name} ({type(module).__name__})"
+            for name, module in model.named_modules()
+            if name
+            and (_owns_parameters(module) or _looks_like_norm(module))
+            and not any(name == r or name.startswith(r + ".") for r in found)
+        ]
+        if held:
+            return StructureReport(None, f"no role for {', '.join(held[:4])}")
+        return StructureReport(found, features=True)
+    pattern = _join(blocks, "*")
+    rules = {pattern + name[len(block0) :]: role for name, role in found.items()}
+    for name, module in model.named_modules():  # norms around the blocks
+        inside = name == blocks or not blocks or name.startswith(blocks + ".")
+        if name and not inside and _is_norm(name, module, hidden):
+            rules[name] = "norm"
+    outside = {n: r for n, r in rules.items() if not n.startswith(pattern)}
+    unnamed = _unnamed(model, {**outside, **found}, blocks, first)
+    if unnamed:
+        return StructureReport(None, f"no role for {', '.join(unnamed[:4])}")
+    return StructureReport(rules, features=True)
+
+
 def infer_structure(model: nn.Module) -> StructureReport:
     """The roles of ``model``'s transformer blocks, read from its modules (see the module doc).
+
+    A model without a token embedding may be blocks alone (:func:`_features_structure`).
 
     Returns:
         A report with the rules, or with ``rules=None`` and the first reason found why the
@@ -334,8 +425,13 @@ def infer_structure(model: nn.Module) -> StructureReport:
     """
     embedding = _token_embedding(model)
     if embedding is None:
+        alone = _features_structure(model)
+        if alone.rules is not None:
+            return alone
         return StructureReport(
-            None, "no single nn.Embedding of the vocabulary size (plain, or scaling its rows)"
+            None,
+            "no single nn.Embedding of the vocabulary size (plain, or scaling its rows), "
+            f"and not blocks alone: {alone.reason}",
         )
     token, table = embedding
     hidden, vocab = table.embedding_dim, table.num_embeddings
