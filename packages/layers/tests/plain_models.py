@@ -317,9 +317,10 @@ class FunctionalNormBlock(Block):
     """:class:`Block` that normalizes its input in its own forward, with no module: code no
     plan can name, which reads split features as the whole under 2D, 2.5D and 3D.
 
-    ``reshaped``: the squares are taken of ``x`` viewed as ``[b, s, 1, h]``, which
-    parallelize's check of the model's own code reads as one head of ``h`` features, cutting
-    the heads (only ``verify=`` sees the norm over the split features)."""
+    ``reshaped``: the squares are taken of ``x`` viewed as ``[b, s, -1, h]``, which
+    parallelize's check of the model's own code reads as heads of ``h`` features (the count
+    of heads asked for, one), cutting the heads: only ``verify=`` sees the norm over the
+    split features."""
 
     def __init__(self, hidden: int, n_head: int, reshaped: bool) -> None:
         super().__init__(hidden, n_head)
@@ -327,7 +328,7 @@ class FunctionalNormBlock(Block):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.reshaped:
-            mean_square = x.view(*x.shape[:-1], 1, x.shape[-1]).pow(2).mean(-1)  # [b, s, 1]
+            mean_square = x.view(*x.shape[:-1], -1, x.shape[-1]).pow(2).mean(-1)  # [b, s, 1]
         else:
             mean_square = x.pow(2).mean(-1, keepdim=True)  # [b, s, 1]
         return super().forward(x * torch.rsqrt(mean_square + 1e-5))

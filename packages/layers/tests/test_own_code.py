@@ -39,6 +39,8 @@ READS_A_SPLIT_DIM: list[tuple[str, Callable[[torch.Tensor], object]]] = [
     ("torch.nn.functional.normalize", lambda x: F.normalize(x[:, 0], dim=-1)),
     ("torch.Tensor.softmax", lambda x: x.mean(1).softmax(-1)),
     ("torch.Tensor.sum", lambda x: x.view(4, 6, 2, 4).sum(-2)),  # over the heads
+    ("torch.Tensor.mean", lambda x: x.view(4, 6, 1, 8).pow(2).mean(-1)),  # one group: h/q
+    ("torch.Tensor.mean", lambda x: x.view(4, 6, 2, -1).mean(-1)),  # the model's head count
     ("torch.Tensor.mean", lambda x: x.unsqueeze(-2).mean(-1)),
     ("torch.Tensor.mean", lambda x: x.reshape(4, 48).mean(-1)),
     ("torch.Tensor.sum", lambda x: x.reshape(24, 8).sum(0)),  # the batch merged with the tokens
@@ -109,7 +111,12 @@ EXACT = {
 FOLLOWED: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], set[int]]] = {
     "a token": (lambda x: x[:, 0], {0, 1}),
     "heads": (lambda x: x.view(4, 6, 2, 4), {0, 2}),
-    "one local head": (lambda x: x.view(4, 6, 1, 8), {0, 2}),
+    "one local head": (lambda x: x.view(4, 6, -1, 8), {0, 2}),
+    "the features as one group": (lambda x: x.view(4, 6, 1, -1), {0, 3}),
+    "the features as one group, every size given": (lambda x: x.view(4, 6, 1, 8), {0, 3}),
+    "the model's own head count": (lambda x: x.reshape((4, 6, 2, -1)), {0, 3}),
+    "heads unflattened": (lambda x: x.unflatten(-1, (-1, 4)), {0, 2}),
+    "a head count unflattened": (lambda x: x.unflatten(2, (2, -1)), {0, 3}),
     "tokens of the batch merged": (lambda x: x.reshape(24, 8), {0, 1}),
     "moved": (lambda x: x.transpose(1, 2), {0, 1}),
     "permuted": (lambda x: x.permute(2, 0, 1), {0, 1}),

@@ -549,14 +549,45 @@ def _squeezed(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozens
     return frozenset(d - sum(g < d for g in gone) for d in split if d not in gone)
 
 
-def _regrouped(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
-    """A view or reshape: each cut dim to the outermost output dim of its group.
+_VIEWS = _owned("view reshape")
+_UNFLATTENS = _owned("unflatten")
 
-    A rank's block of a cut dim is contiguous, so of ``[h] -> [heads, head_dim]`` the heads are
-    cut and each head's features are whole; of ``[b, s] -> [b * s]`` the merged dim is cut.
+
+def _inferred(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> int | None:
+    """The output dim a view, reshape or unflatten was asked to infer (its ``-1``), if any."""
+    if func not in _VIEWS and func not in _UNFLATTENS:
+        return None
+    if func in _UNFLATTENS:
+        given: Any = args[1:3] if len(args) > 2 else (kwargs.get("dim"), kwargs.get("sizes"))
+        dim, sizes = given
+        if isinstance(dim, int) and isinstance(sizes, (tuple, list, torch.Size)):
+            sizes = list(sizes)
+            return dim % (y.dim() - len(sizes) + 1) + sizes.index(-1) if -1 in sizes else None
+        return None
+    shape: Any = args[1:] if len(args) > 1 else (kwargs.get("shape") or kwargs.get("size") or ())
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = shape[0]
+    asked = [int(d) if isinstance(d, int) else None for d in shape]
+    return asked.index(-1) if len(asked) == y.dim() and -1 in asked else None
+
+
+def _regrouped(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:
+    """A view or reshape: each cut dim to the output dim of its group the split falls in.
+
+    A rank's block of a cut dim is contiguous. Of ``[h/q] -> [heads, head_dim]`` the dim the
+    model asked to infer (``view(b, s, -1, head_dim)``: a count of heads this rank's block
+    holds) is cut and each head's features are whole; ``view(b, s, n_head, -1)`` with the
+    model's own head count cuts the features instead (each local "head" is a part of the
+    block, not a head), and so does ``view(b, s, 1, -1)`` (one group of all features). Without
+    a ``-1`` the outermost dim of more than one element past the cut's start is cut; of
+    ``[b, s] -> [b * s]`` the merged dim is.
     """
     x = args[0]
     a, b, split = list(x.shape), list(y.shape), split_dims(x)
+    try:
+        inferred = _inferred(func, args, kwargs, y)
+    except Exception:  # a form not read: no dim inferred
+        inferred = None
     out: set[int] = set()
     i = j = 0
     while i < len(a) and j < len(b):
@@ -566,8 +597,7 @@ def _regrouped(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozen
             i, j = i + 1, j + 1
             continue
         if b[j] == 1:  # a size-1 dim made
-            one_head = i == len(a) - 1 and j == len(b) - 2 and len(a) >= 3
-            if one_head and i in split:  # [b, s, h/q] as [b, s, 1, h/q]: one local head
+            if j == inferred and i in split:  # [b, s, h/q] as [b, s, -1, h/q]: one local head
                 out.add(j)
                 split = split - {i}
             j += 1
@@ -585,7 +615,9 @@ def _regrouped(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozen
             else:
                 return frozenset(out)  # sizes that do not line up: not followed
         cut = [d for d in group_in if d in split]
-        if cut:
+        if cut and inferred in group_out:
+            out.add(inferred)
+        elif cut:
             outer = 1
             for d in group_in:
                 if d == cut[0]:
@@ -594,7 +626,7 @@ def _regrouped(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozen
             reach = 1
             for d in group_out:  # the first output dim reaching past the cut dim's start
                 reach *= b[d]
-                if reach > outer:
+                if reach > outer and b[d] > 1:
                     out.add(d)
                     break
     return frozenset(out)
