@@ -126,17 +126,24 @@ class DropPath(nn.Module):
 
 
 class StochasticDepth(nn.Module):
-    """Stochastic depth as torchvision writes it (its own name, a plain tensor of noise)."""
+    """Stochastic depth as torchvision writes it (``torchvision.ops.StochasticDepth``, which the
+    pinned torch's environment lacks): a plain tensor of noise, per row or for the batch."""
 
-    def __init__(self, p: float) -> None:
+    def __init__(self, p: float, mode: str = "row") -> None:
         super().__init__()
-        self.p = p
+        self.p, self.mode = p, mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        noise = torch.empty((x.shape[0],) + (1,) * (x.dim() - 1), dtype=x.dtype)
+        rows = x.shape[0] if self.mode == "row" else 1
+        noise = torch.empty((rows,) + (1,) * (x.dim() - 1), dtype=x.dtype)
         return x * noise.bernoulli_(1.0 - self.p).div_(1.0 - self.p)
+
+
+class RowNoise(StochasticDepth):
+    """The same noise per row under a name of its own, which tessera cannot tell from any
+    other random module (a plain tensor drawn per rank, refused where it is left out)."""
 
 
 class DropPathBlock(Block):

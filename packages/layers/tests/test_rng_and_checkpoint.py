@@ -103,7 +103,7 @@ def test_checkpoint_without_context_replays_torch_rng() -> None:
 def _samples_kept(tensor: dict[str, object]) -> list[tuple[int, int, int, bool]]:
     """``(call, module, sample, kept)`` of each drop path this rank ran, by the batch's rows."""
     import torch.distributed as dist
-    from plain_models import DropPath, DropPathLM
+    from plain_models import DropPath, DropPathLM, StochasticDepth
 
     from tessera.context import create_context
     from tessera.layers import parallelize, split_batch
@@ -111,12 +111,17 @@ def _samples_kept(tensor: dict[str, object]) -> list[tuple[int, int, int, bool]]
     ctx = create_context(dict(parallel=dict(tensor=tensor)), timeout=60.0)
     try:
         torch.manual_seed(0)
-        model = parallelize(DropPathLM(drop=0.5), context=ctx)
+        plain = DropPathLM(drop=0.5)
+        # torchvision's form: per row, and one number for the batch (paths 2 and 3)
+        plain.blocks[1].drop1 = StochasticDepth(0.5, "row")
+        plain.blocks[1].drop2 = StochasticDepth(0.5, "batch")
+        model = parallelize(plain, context=ctx)
         samples = torch.arange(8)[:, None].expand(8, 16).contiguous()  # [b, s]: each its row
         rows = split_batch(samples, context=ctx)[:, 0].tolist()  # the samples this rank holds
         seen: list[tuple[int, int, int, bool]] = []
         calls = [0]
-        paths = [m for m in model.modules() if isinstance(m, DropPath)]
+        paths = [m for m in model.modules() if isinstance(m, (DropPath, StochasticDepth))]
+        assert len(paths) == 4
         for index, path in enumerate(paths):
 
             def record(module: object, args: tuple, out: torch.Tensor, index: int = index) -> None:
@@ -134,26 +139,30 @@ def _samples_kept(tensor: dict[str, object]) -> list[tuple[int, int, int, bool]]
         model._tessera_rank_fork.streams_in_eager = True  # what a compiled forward draws
         model(ids)
         model._tessera_rank_fork.streams_in_eager = False
+        for _ in range(6):  # the batch's one number: 2**-8 that 8 calls agree by chance
+            calls[0] += 1
+            model(ids)
         everyone: list[list[tuple[int, int, int, bool]]] = [
             [] for _ in range(dist.get_world_size())
         ]
         dist.all_gather_object(everyone, seen)
         _checkpointing_replays_drop_paths(model)
-        _stochastic_depth_of_another_name_is_refused(ctx)
+        _noise_of_another_name_is_refused(ctx)
         return [kept for rank in everyone for kept in rank]
     finally:
         ctx.destroy()
 
 
-def _stochastic_depth_of_another_name_is_refused(ctx: object) -> None:
-    """torchvision's form, left out of the plan: its plain noise is refused on the first call."""
-    from plain_models import DropPathLM, StochasticDepth
+def _noise_of_another_name_is_refused(ctx: object) -> None:
+    """Noise per row under a name tessera does not know, left out of the plan: its plain
+    noise is refused on the first call."""
+    from plain_models import DropPathLM, RowNoise
 
     from tessera.layers import parallelize
 
     torch.manual_seed(0)
     plain = DropPathLM(drop=0.5)
-    plain.blocks[0].drop1 = StochasticDepth(0.5)
+    plain.blocks[0].drop1 = RowNoise(0.5)
     model = parallelize(plain, context=ctx)
     with pytest.raises(ValueError, match=r"'blocks\.0\.drop1', a module the plan leaves out"):
         model(torch.randint(0, 32, (8, 16), generator=torch.Generator().manual_seed(2)))
@@ -198,4 +207,9 @@ def test_drop_path_keeps_or_drops_each_sample_whole_on_every_rank(dist, tensor) 
         decisions.setdefault((call, module, sample), set()).add(kept)
     assert all(len(kept) == 1 for kept in decisions.values()), decisions
     assert {next(iter(kept)) for kept in decisions.values()} == {True, False}
-    assert len(decisions) == 2 * 4 * 8  # two calls, four drop paths, every sample
+    batch = {}  # the path drawing one number for the batch: every sample alike, on every rank
+    for (call, module, _), kept in decisions.items():
+        if module == 3:
+            batch.setdefault(call, set()).update(kept)
+    assert len(batch) == 8 and all(len(kept) == 1 for kept in batch.values()), batch
+    assert len(decisions) == 8 * 4 * 8  # eight calls, four drop paths, every sample

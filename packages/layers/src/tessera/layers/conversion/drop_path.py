@@ -1,8 +1,10 @@
 """Stochastic depth in a model someone else wrote: one draw per sample, alike on its ranks.
 
-A drop-path module (timm's ``DropPath``, transformers' ``*DropPath``) keeps or drops each
-sample's residual branch whole (Huang et al. 2016, "Deep networks with stochastic depth"): one
-number per sample, broadcast over its tokens and features. Where the tensor ranks hold parts
+A drop-path module (timm's ``DropPath``, transformers' ``*DropPath``, torchvision's
+``StochasticDepth``) keeps or drops each sample's residual branch whole (Huang et al. 2016,
+"Deep networks with stochastic depth"): one number per sample, broadcast over its tokens and
+features (torchvision's ``mode="batch"``: one number for the whole batch, which every tensor
+rank must then share). Where the tensor ranks hold parts
 of the same samples (the grids' columns, the cube's feature axis, 'sequence', 1D's sequence
 span) they must use the same numbers, or a sample is dropped in some blocks and kept in
 others, which no single process does; where they hold other samples (the grids' rows) the
@@ -34,25 +36,44 @@ __all__ = ["install_per_sample_draws", "is_drop_path"]
 #: The attribute of a drop-path module holding how its numbers are made alike.
 _AGREE_ATTR = "_tessera_per_sample_agree"
 
-#: ``(numbers [rows here], dims of the input) -> the numbers of the group's first rank``.
-Agree = Callable[[torch.Tensor, int], torch.Tensor]
+#: ``(numbers, dims of the input, one number for the batch) -> the numbers of the first rank
+#: of each group holding the same samples`` (of every tensor rank for the batch's number).
+Agree = Callable[[torch.Tensor, int, bool], torch.Tensor]
+
+
+def _drop_probability(module: nn.Module) -> float | None:
+    """The probability a drop-path module drops a branch with, or ``None``: not one.
+
+    timm's and transformers' ``*DropPath`` hold it as ``drop_prob``; torchvision's
+    ``StochasticDepth`` as ``p``, beside its ``mode`` (``"row"`` or ``"batch"``).
+    """
+    name = type(module).__name__
+    if name.endswith("DropPath"):
+        drop = getattr(module, "drop_prob", None)
+    elif name == "StochasticDepth" and getattr(module, "mode", None) in ("row", "batch"):
+        drop = getattr(module, "p", None)
+    else:
+        return None
+    return drop if isinstance(drop, float) else None
 
 
 def is_drop_path(module: nn.Module) -> bool:
-    """A stochastic-depth module as timm and transformers write it: ``*DropPath``, ``drop_prob``."""
-    return type(module).__name__.endswith("DropPath") and isinstance(
-        getattr(module, "drop_prob", None), float
-    )
+    """A stochastic-depth module as timm, transformers and torchvision write it."""
+    return _drop_probability(module) is not None
 
 
 def _forward_per_sample(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The module's drop path, its samples' numbers alike on their ranks. ``x``: ``[b, ...]``."""
-    drop = float(getattr(self, "drop_prob", 0.0))
+    drop = _drop_probability(self) or 0.0
     if drop == 0.0 or not self.training:
         return x
+    if not 0.0 <= drop <= 1.0:  # as torchvision's check, before any collective
+        raise ValueError(f"drop probability has to be between 0 and 1, but got {drop}")
     keep = 1.0 - drop
     agree: Agree = getattr(self, _AGREE_ATTR)
-    numbers = agree(torch.rand(x.shape[0], device=x.device), x.dim())  # [b]
+    whole_batch = getattr(self, "mode", "row") == "batch"
+    rows = 1 if whole_batch else x.shape[0]
+    numbers = agree(torch.rand(rows, device=x.device), x.dim(), whole_batch)  # [b] or [1]
     kept = (numbers < keep).to(x.dtype)
     if keep > 0.0 and getattr(self, "scale_by_keep", True):
         kept = kept / keep
@@ -64,10 +85,13 @@ def install_per_sample_draws(model: nn.Module, context: ParallelContext) -> None
     layers = find_mode_layers(context.config.tensor_mode)
     cuts = None if layers is None else layers.activation_cuts
 
-    def agree(numbers: torch.Tensor, ndim: int) -> torch.Tensor:
+    def agree(numbers: torch.Tensor, ndim: int, whole_batch: bool) -> torch.Tensor:
         if cuts is None:
             return numbers
-        groups = {g for dim, cut in cuts(context, ndim).items() if dim != 0 for g in cut}
+        # one broadcast per group, in turn: every rank ends with the numbers of the rank
+        # first in each group (the batch's groups too for the batch's one number)
+        cut = cuts(context, ndim).items()
+        groups = {g for dim, by in cut if whole_batch or dim != 0 for g in by}
         for group in sorted(groups):  # the same order on every rank
             if context.get_world_size(group) > 1:
                 numbers = broadcast(numbers, 0, context.get_group(group))

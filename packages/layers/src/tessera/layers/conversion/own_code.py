@@ -226,7 +226,8 @@ class _Check(TorchFunctionMode):
             "tensor: DTensor takes it as the same on every rank, but inside a split region each "
             "rank draws its own numbers, so the blocks of one sample would get other noise, "
             "without an error. Name it ...DropPath with a float drop_prob if it is stochastic "
-            "depth (tessera draws those per sample), draw with a generator= seeded alike on "
+            "depth (tessera draws those per sample, as torchvision's StochasticDepth), draw "
+            "with a generator= seeded alike on "
             "every rank, or draw at the input's shape (torch.rand_like)"
         )
 
