@@ -158,6 +158,15 @@ class DropPathBlock(Block):
         return x + self.drop2(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
 
 
+class ColumnDropPathBlock(DropPathBlock):
+    """:class:`DropPathBlock` dropping each sample's MLP hidden layer instead of its output:
+    under 1D a column layer's output, split by features in a region forked per rank."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop1(self.attn(self.ln1(x)))
+        return x + self.fc2(self.drop2(F.gelu(self.fc1(self.ln2(x)))))
+
+
 class DropPathLM(PlainLM):
     """:class:`PlainLM` of :class:`DropPathBlock` (stochastic depth of ``drop``)."""
 

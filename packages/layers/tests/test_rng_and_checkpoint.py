@@ -147,10 +147,32 @@ def _samples_kept(tensor: dict[str, object]) -> list[tuple[int, int, int, bool]]
         ]
         dist.all_gather_object(everyone, seen)
         _checkpointing_replays_drop_paths(model)
-        _noise_of_another_name_is_refused(ctx)
+        if tensor["mode"] != "1d":  # 1D's residual stream is whole: drawn alike, allowed
+            _noise_of_another_name_is_refused(ctx)
+        _drop_path_on_another_layout(ctx, refused=tensor["mode"] == "1d")
         return [kept for rank in everyone for kept in rank]
     finally:
         ctx.destroy()
+
+
+def _drop_path_on_another_layout(ctx: object, refused: bool) -> None:
+    """A drop path on an MLP's hidden layer: under 1D a column output, cut by features where
+    the activations between blocks are whole, refused by name on the first call; under the
+    grids and 'sequence' laid out as an activation, it runs."""
+    from plain_models import ColumnDropPathBlock, DropPathLM
+
+    from tessera.layers import parallelize
+
+    torch.manual_seed(0)
+    plain = DropPathLM(drop=0.5)
+    plain.blocks = torch.nn.ModuleList(ColumnDropPathBlock(16, 4, 0.5) for _ in range(2))
+    model = parallelize(plain, context=ctx)
+    ids = torch.randint(0, 32, (8, 16), generator=torch.Generator().manual_seed(2))
+    if refused:
+        with pytest.raises(ValueError, match=r"drop path 'blocks\.0\.drop2' is given a \[8"):
+            model(ids)
+    else:
+        model(ids)
 
 
 def _noise_of_another_name_is_refused(ctx: object) -> None:
@@ -190,8 +212,8 @@ def _checkpointing_replays_drop_paths(model: torch.nn.Module) -> None:
 
 @pytest.mark.parametrize(
     "tensor",
-    [dict(size=4, mode="2d"), dict(size=2, mode="sequence")],
-    ids=["2d", "sequence"],
+    [dict(size=4, mode="2d"), dict(size=2, mode="sequence"), dict(size=2, mode="1d")],
+    ids=["2d", "sequence", "1d"],
 )
 def test_drop_path_keeps_or_drops_each_sample_whole_on_every_rank(dist, tensor) -> None:
     """Stochastic depth draws per sample: every rank holding a part of a sample agrees, and

@@ -21,7 +21,6 @@ activation checkpointing, which replays that generator, recomputes the same mask
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -29,16 +28,69 @@ from torch import nn
 from tessera.context import ParallelContext
 
 from ..comm.ops import broadcast
-from ..shared.mode_layers import find_mode_layers
+from ..shared.mode_layers import Cuts, find_mode_layers
+from .operator_dims import SPLIT_DIMS_MARK
 
 __all__ = ["install_per_sample_draws", "is_drop_path"]
 
 #: The attribute of a drop-path module holding how its numbers are made alike.
 _AGREE_ATTR = "_tessera_per_sample_agree"
 
-#: ``(numbers, dims of the input, one number for the batch) -> the numbers of the first rank
-#: of each group holding the same samples`` (of every tensor rank for the batch's number).
-Agree = Callable[[torch.Tensor, int, bool], torch.Tensor]
+
+class _Agreement:
+    """How a drop path's numbers are made alike: over the groups of the activations' layout.
+
+    Args:
+        name: The drop path's module name, for messages.
+        cuts: The mode's ``activation_cuts``, or ``None`` (nothing is cut between blocks).
+        context: The ParallelContext.
+    """
+
+    def __init__(self, name: str, cuts: Cuts | None, context: ParallelContext) -> None:
+        self.name, self.cuts, self.context = name, cuts, context
+
+    def check_layout(self, x: torch.Tensor) -> None:
+        """Raise where ``x`` is cut otherwise than an activation between blocks.
+
+        The first call's check of the model's own code marks every split tensor with its cut
+        dims (``own_code.py``). A drop path on another layout (a 1D column layer's output,
+        split by features in a region forked per rank) would draw its numbers on groups
+        that do not hold its samples' parts: refused. Layouts with the same cut dims and
+        other groups (3D's ``"z"`` against ``"y"``) are not told apart here.
+        """
+        marked = getattr(x, SPLIT_DIMS_MARK, None)
+        if marked is None:  # not the checked call, or nothing cut
+            return
+        between = frozenset(
+            d % x.dim()
+            for d, groups in (self.cuts(self.context, x.dim()) if self.cuts else {}).items()
+            if any(self.context.get_world_size(g) > 1 for g in groups)
+        )
+        if marked != between:
+            raise ValueError(
+                f"parallelize: the drop path {self.name!r} is given a {list(x.shape)} tensor "
+                f"whose dims {sorted(marked)} the tensor ranks cut, where the activations "
+                f"between blocks have dims {sorted(between)} cut; tessera makes a drop path's "
+                "numbers alike on the ranks holding parts of one sample in the activations' "
+                "layout, so here a sample would be dropped in some blocks and kept in others. "
+                "Apply it to a residual branch's output (after its row layer), as transformer "
+                "blocks do"
+            )
+
+    def __call__(self, numbers: torch.Tensor, ndim: int, whole_batch: bool) -> torch.Tensor:
+        """``numbers`` as the first rank of each group holding the same samples drew them.
+
+        One broadcast per group, in turn; for the batch's one number (``whole_batch``) the
+        batch's groups too, so every tensor rank ends with the same number.
+        """
+        if self.cuts is None:
+            return numbers
+        cut = self.cuts(self.context, ndim).items()
+        groups = {g for dim, by in cut if whole_batch or dim != 0 for g in by}
+        for group in sorted(groups):  # the same order on every rank
+            if self.context.get_world_size(group) > 1:
+                numbers = broadcast(numbers, 0, self.context.get_group(group))
+        return numbers
 
 
 def _drop_probability(module: nn.Module) -> float | None:
@@ -70,7 +122,8 @@ def _forward_per_sample(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not 0.0 <= drop <= 1.0:  # as torchvision's check, before any collective
         raise ValueError(f"drop probability has to be between 0 and 1, but got {drop}")
     keep = 1.0 - drop
-    agree: Agree = getattr(self, _AGREE_ATTR)
+    agree: _Agreement = getattr(self, _AGREE_ATTR)
+    agree.check_layout(x)
     whole_batch = getattr(self, "mode", "row") == "batch"
     rows = 1 if whole_batch else x.shape[0]
     numbers = agree(torch.rand(rows, device=x.device), x.dim(), whole_batch)  # [b] or [1]
@@ -84,21 +137,8 @@ def install_per_sample_draws(model: nn.Module, context: ParallelContext) -> None
     """Run every drop-path module of ``model`` on numbers alike on a sample's ranks."""
     layers = find_mode_layers(context.config.tensor_mode)
     cuts = None if layers is None else layers.activation_cuts
-
-    def agree(numbers: torch.Tensor, ndim: int, whole_batch: bool) -> torch.Tensor:
-        if cuts is None:
-            return numbers
-        # one broadcast per group, in turn: every rank ends with the numbers of the rank
-        # first in each group (the batch's groups too for the batch's one number)
-        cut = cuts(context, ndim).items()
-        groups = {g for dim, by in cut if whole_batch or dim != 0 for g in by}
-        for group in sorted(groups):  # the same order on every rank
-            if context.get_world_size(group) > 1:
-                numbers = broadcast(numbers, 0, context.get_group(group))
-        return numbers
-
-    for module in model.modules():
+    for name, module in model.named_modules():
         if is_drop_path(module) and "forward" not in vars(module):
-            setattr(module, _AGREE_ATTR, agree)
+            setattr(module, _AGREE_ATTR, _Agreement(name, cuts, context))
             # a bound method on the instance: a deep copy binds it to the copy
             module.forward = types.MethodType(_forward_per_sample, module)
