@@ -97,3 +97,32 @@ def test_reset_inside_a_stream_is_refused() -> None:
     streams = _streams()
     with streams.use("a"), pytest.raises(RuntimeError, match="inside `with seed\\('a'\\)`"):
         streams.reset()
+
+
+def test_dtensor_rng_tracker_is_made_without_a_world_broadcast(monkeypatch) -> None:
+    """On CUDA torch makes DTensor's RNG tracker at the first random op, broadcasting over the
+    world group (a hang where only some pipeline stages draw); tessera makes it beforehand,
+    without the broadcast, keeping one already made, and makes none on CPU."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import _random as dtensor_random
+
+    from tessera.context.placements import rng_tracker_without_world_sync
+
+    made: list[tuple[object, bool]] = []
+
+    def tracker(mesh: object, run_state_sync: bool = True) -> object:
+        made.append((mesh, run_state_sync))
+        return SimpleNamespace(mesh=mesh)
+
+    monkeypatch.setattr(dtensor_random, "OffsetBasedRNGTracker", tracker)
+    monkeypatch.setattr(dtensor_random, "is_rng_supported_mesh", lambda mesh: True)
+    monkeypatch.setattr(dtensor_random, "_rng_tracker", None)
+    rng_tracker_without_world_sync(SimpleNamespace(device_type="cpu"))
+    assert made == [] and dtensor_random._rng_tracker is None
+    cuda = SimpleNamespace(device_type="cuda")
+    rng_tracker_without_world_sync(cuda)
+    assert made == [(cuda, False)]
+    first = dtensor_random._rng_tracker
+    rng_tracker_without_world_sync(SimpleNamespace(device_type="cuda"))
+    assert dtensor_random._rng_tracker is first and len(made) == 1

@@ -43,6 +43,7 @@ __all__ = [
     "grad_placements_of",
     "mesh_axes_of",
     "placements_of",
+    "rng_tracker_without_world_sync",
     "shard_info_of_placements",
     "tensor_mesh_of",
 ]
@@ -268,7 +269,29 @@ def tensor_mesh_of(context: ParallelContext) -> Any:
         ),
     )
     context._tessera_tensor_mesh = mesh  # type: ignore[attr-defined]
+    rng_tracker_without_world_sync(mesh)
     return mesh
+
+
+def rng_tracker_without_world_sync(mesh: Any) -> None:
+    """Make DTensor's RNG tracker for ``mesh`` now, without its broadcast over the world group.
+
+    On CUDA the first random op on a DTensor (a dropout in a module a plan leaves out) makes
+    torch's tracker lazily, and that broadcasts rank 0's generator state over the default
+    (world) group: a collective joined only by the ranks running such an op, so with pipeline
+    stages, where only some stages run one, the others never would and the step hangs. tessera
+    seeds every rank alike (the context's seed), so the broadcast is not needed; made here,
+    on every rank that builds the mesh, it never runs. A tracker already made is kept. On CPU
+    DTensor draws with torch's generator directly and no tracker is made.
+    """
+    if mesh.device_type == "cpu":
+        return
+    from torch.distributed.tensor import _random as dtensor_random
+
+    if dtensor_random._rng_tracker is None and dtensor_random.is_rng_supported_mesh(mesh):
+        dtensor_random._rng_tracker = dtensor_random.OffsetBasedRNGTracker(
+            mesh, run_state_sync=False
+        )
 
 
 def as_dtensor(tensor: torch.Tensor, context: ParallelContext) -> Any:
