@@ -73,6 +73,7 @@ from plain_models import (
     OWN_MODULES_PLAN,
     PLAIN_PLAN,
     PLAIN_SPAN_PLAN,
+    Block,
     LastTokenLM,
     LastTokenNormLM,
     MaskedPoolLM,
@@ -2186,6 +2187,38 @@ def test_a_model_unlike_the_usual_block_stack_gets_no_plan_and_the_reason(
     report = infer_structure(_tiny(family, **overrides))
     assert report.rules is None
     assert re.search(reason, report.reason), report.reason
+
+
+class _MaskedBlock(Block):
+    """A block whose forward also takes a mask: a features plan would hand it whole."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x)
+
+
+def test_blocks_alone_get_a_features_plan_and_a_model_around_them_parts() -> None:
+    """Blocks with nothing around them but norms (an nn.Sequential, or one block) get a
+    features plan read from them; a model holding its own parameters beside them is cut into
+    parts (the Sequential, or each block its loop calls); a block also taking a mask, a
+    module holding a parameter, and a ModuleList (no forward) get none."""
+    from plain_models import PatchViT
+
+    from tessera.layers.conversion.plan import NoPlanError, parts_with_plans, plan_for
+
+    stack = nn.Sequential(Block(16, 4), Block(16, 4), nn.LayerNorm(16))
+    found = plan_for(nn.Sequential(Block(16, 4), Block(16, 4)), None)
+    assert found.boundary == "features" and found.rules["*.attn.q"] == "col", found
+    assert found.rules["*.fc2"] == "row" and found.rules["*.ln1"] == "norm"
+    assert plan_for(Block(16, 4), None).rules["attn.o"] == "row"
+    with pytest.raises(NoPlanError, match="not blocks alone"):
+        plan_for(stack, None)  # a norm in the list of blocks: not blocks of one class
+    assert [name for name, _ in parts_with_plans(PatchViT())] == ["blocks.0", "blocks.1"]
+    with pytest.raises(NoPlanError, match="holds parameters itself"):
+        plan_for(PatchViT(), None)
+    with pytest.raises(NoPlanError, match=r"takes more than the activation alone"):
+        plan_for(_MaskedBlock(16, 4), None)
+    with pytest.raises(NoPlanError, match="a list of blocks without a forward"):
+        plan_for(nn.ModuleList([Block(16, 4), Block(16, 4)]), None)
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ module the plan does not know would stay whole and see split activations, silent
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -358,6 +359,17 @@ def _widths(block: nn.Module) -> list[int]:
     return sorted(found)
 
 
+def _takes_one_input(module: nn.Module) -> bool:
+    """Whether ``module``'s forward has one parameter (the activation) and nothing else."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # a forward without a signature to read
+        return False
+    return len(parameters) == 1 and all(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters
+    )
+
+
 def _features_structure(model: nn.Module) -> StructureReport:
     """The usual blocks with nothing around them but norms, or one such block alone.
 
@@ -368,6 +380,11 @@ def _features_structure(model: nn.Module) -> StructureReport:
     and a model around it is converted part by part (:mod:`.parts`). A list without a forward
     (an ``nn.ModuleList``, which the model's own loop calls block by block) gets no plan
     itself: its blocks may each get one.
+
+    The model's forward must take the activation alone: a features plan's boundary splits its
+    first argument only, so a block also given a mask, positions or rotary tables (a
+    transformers decoder layer) would get them whole beside this rank's block (its token
+    plans split those).
     """
     if _owns_parameters(model):  # used in its own forward, which would see split activations
         own = ", ".join(name for name, _ in model.named_parameters(recurse=False))
@@ -375,6 +392,10 @@ def _features_structure(model: nn.Module) -> StructureReport:
     blocks = _block_list(model, (nn.ModuleList, nn.Sequential))
     if blocks == "" and not isinstance(model, nn.Sequential):
         return StructureReport(None, "a list of blocks without a forward of its own")
+    if not _takes_one_input(model):
+        return StructureReport(
+            None, f"{type(model).__name__}.forward takes more than the activation alone"
+        )
     if blocks is None:  # the model may be one block
         blocks, first, block = None, "", model
         if _linear_or_none("", model) is not None or not _widths(model):
