@@ -33,10 +33,12 @@ __all__ = [
     "DRAWN_MARK",
     "METADATA",
     "RANDOM_DRAWS",
+    "RESHAPED_IN_PLACE",
     "SPLIT_DIMS_MARK",
     "TAKING_PART",
     "dims_followed",
     "dims_read_whole",
+    "in_place_cut",
     "indexed_dims",
     "split_dims",
 ]
@@ -531,8 +533,31 @@ _MOVEDIMS = _owned("movedim moveaxis")
 _LAST_TWO = {getattr(torch.Tensor, name).__get__ for name in ("mT", "mH")}
 _REVERSED = {torch.t, torch.Tensor.t, torch.Tensor.t_}
 _REVERSED |= {getattr(torch.Tensor, name).__get__ for name in ("T", "H")}
-#: In-place changes of shape whose input is gone when the output is seen: not followed.
+#: In-place changes of shape whose input is gone when the output is seen: followed from the
+#: shape before (``in_place_cut``), by their out-of-place forms where they have one.
 _RESHAPED_IN_PLACE = _owned("squeeze_ unsqueeze_ resize_ resize_as_ as_strided_ set_")
+_OUT_OF_PLACE = {
+    getattr(torch.Tensor, f"{name}_"): getattr(torch.Tensor, name)
+    for name in ("squeeze", "unsqueeze")
+}
+RESHAPED_IN_PLACE = frozenset(_RESHAPED_IN_PLACE)
+
+
+def in_place_cut(func: Any, args: Args, kwargs: Kwargs) -> frozenset[int] | None:
+    """The cut dims ``args[0]`` will have after ``func`` changes its shape in place.
+
+    Computed before the call, on a meta tensor of the shape before (``squeeze_`` needs to
+    know which dims were of size 1). ``None`` for a change no table follows (``resize_``,
+    ``as_strided_``, ``set_``: memory reinterpreted).
+    """
+    plain = _OUT_OF_PLACE.get(func)
+    if plain is None:
+        return None
+    x = args[0]
+    probe = torch.empty(x.shape, device="meta")
+    setattr(probe, SPLIT_DIMS_MARK, split_dims(x))
+    y = plain(probe, *args[1:], **kwargs)
+    return dims_followed(plain, (probe, *args[1:]), kwargs, y)
 
 
 def _squeezed(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozenset[int]:

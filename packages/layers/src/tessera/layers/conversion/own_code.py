@@ -61,10 +61,12 @@ from .operator_dims import (
     DRAWN_MARK,
     METADATA,
     RANDOM_DRAWS,
+    RESHAPED_IN_PLACE,
     SPLIT_DIMS_MARK,
     TAKING_PART,
     dims_followed,
     dims_read_whole,
+    in_place_cut,
     indexed_dims,
     split_dims,
 )
@@ -193,7 +195,21 @@ class _Check(TorchFunctionMode):
         error = _bookkept(None, self._reading_whole, func, called, kwargs, line)
         if error is not None and func not in TAKING_PART:
             raise ValueError(error)
+        reshaped = None
+        if func in RESHAPED_IN_PLACE and split_dims(called[0]):
+            reshaped = _bookkept(frozenset(), in_place_cut, func, called, kwargs)
+            if reshaped is None:
+                raise ValueError(
+                    f"parallelize under tensor mode {self.mode!r}: the model's own code calls "
+                    f"{_name(func)} on a {list(called[0].shape)} block whose dims "
+                    f"{sorted(split_dims(called[0]))} the tensor ranks split, at {line}; its "
+                    "memory read in another shape holds this rank's block, not the whole "
+                    "tensor. Use view or reshape, which the check follows"
+                )
         out = func(*args, **kwargs)
+        if reshaped is not None:  # the same tensor, its shape changed in place
+            setattr(called[0], SPLIT_DIMS_MARK, reshaped)
+            return out
         for y in tree_flatten(out)[0]:
             if not isinstance(y, torch.Tensor):
                 continue
