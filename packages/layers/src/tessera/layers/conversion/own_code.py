@@ -195,9 +195,10 @@ class _Check(TorchFunctionMode):
         error = _bookkept(None, self._reading_whole, func, called, kwargs, line)
         if error is not None and func not in TAKING_PART:
             raise ValueError(error)
-        reshaped = None
+        reshaped: frozenset[int] | None = None
         if func in RESHAPED_IN_PLACE and split_dims(called[0]):
-            reshaped = _bookkept(frozenset(), in_place_cut, func, called, kwargs)
+            unread: frozenset[int] | None = frozenset()  # a form not read: the cut dropped
+            reshaped = _bookkept(unread, in_place_cut, func, called, kwargs)
             if reshaped is None:
                 raise ValueError(
                     f"parallelize under tensor mode {self.mode!r}: the model's own code calls "
