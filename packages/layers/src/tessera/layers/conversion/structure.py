@@ -115,9 +115,21 @@ def _children(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]
         yield _join(prefix, name), child
 
 
+def _blocks_of(module: nn.Module) -> list[nn.Module]:
+    """The children of a list of blocks, without the norms an ``nn.Sequential`` ends with.
+
+    ``nn.Sequential(*blocks, nn.LayerNorm(h))``: a final norm called after the blocks.
+    """
+    blocks = list(module.children())
+    if isinstance(module, nn.Sequential):
+        while len(blocks) > 1 and _looks_like_norm(blocks[-1]) and not _looks_like_norm(blocks[0]):
+            blocks.pop()
+    return blocks
+
+
 def _is_block_list(module: nn.Module, containers: tuple[type[nn.Module], ...]) -> bool:
     """``module`` is one of ``containers`` of blocks of one class, the first holding a linear."""
-    blocks = list(module.children())
+    blocks = _blocks_of(module)
     if not isinstance(module, containers) or not blocks:
         return False
     holds_linear = any(_linear_or_none(n, m) is not None for n, m in blocks[0].named_modules())
@@ -134,7 +146,7 @@ def _block_list(
     """
     best: tuple[int, str] | None = None
     for name, module in model.named_modules():
-        count = len(list(module.children()))
+        count = len(_blocks_of(module))
         if _is_block_list(module, containers) and (best is None or count > best[0]):
             best = (count, name)
     return None if best is None else best[1]
@@ -424,11 +436,15 @@ def _features_structure(model: nn.Module) -> StructureReport:
         return StructureReport(found, features=True)
     pattern = _join(blocks, "*")
     rules = {pattern + name[len(block0) :]: role for name, role in found.items()}
-    for name, module in model.named_modules():  # norms around the blocks
-        inside = name == blocks or not blocks or name.startswith(blocks + ".")
+    container = model.get_submodule(blocks)
+    block_names = {
+        _join(blocks, n) for n, m in container.named_children() if type(m) is type(block)
+    }
+    for name, module in model.named_modules():  # norms around the blocks, or ending them
+        inside = name == blocks or any(name == b or name.startswith(b + ".") for b in block_names)
         if name and not inside and _is_norm(name, module, hidden):
             rules[name] = "norm"
-    outside = {n: r for n, r in rules.items() if not n.startswith(pattern)}
+    outside = {n: r for n, r in rules.items() if n not in found and not n.startswith(pattern)}
     unnamed = _unnamed(model, {**outside, **found}, blocks, first)
     if unnamed:
         return StructureReport(None, f"no role for {', '.join(unnamed[:4])}")
