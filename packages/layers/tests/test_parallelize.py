@@ -446,12 +446,41 @@ def _timm_vit_matches_reference(ctx: ParallelContext) -> float:
     ref_loss.backward()
     loss.backward()
     _assert_grads_are_one_process(model, ref, ctx)
+    _timm_entry_points(ref, model, pixels, ctx)
     if mode == "2d":  # a gated MLP's fc1 holds value and gate side by side: no plan
         from timm.layers import SwiGLUPacked
 
         with pytest.raises(ValueError, match="ships no plan for VisionTransformer"):
             parallelize(timm_vit(mlp_layer=SwiGLUPacked), context=ctx)
     return round(float(loss.detach()), 5)
+
+
+def _timm_entry_points(
+    ref: nn.Module, model: nn.Module, pixels: torch.Tensor, ctx: ParallelContext
+) -> None:
+    """timm's entry points besides forward, which the boundary does not see: run where they
+    give one process's numbers (forward_intermediates under 1d only, forward_features where
+    the span gathers the tokens at the final norm too), refused by name elsewhere (under 2d
+    forward_intermediates returned this rank's features, without an error)."""
+    kind = ctx.config.mode
+    assert kind is not None
+    sp = bool(ctx.config.tensor_args.get("sequence_parallel", False))
+    whole = kind.replicated_activations and not sp
+    with torch.no_grad():
+        if whole:
+            want = ref.forward_intermediates(pixels, indices=1)  # NCHW: [b, h, H/p, W/p]
+            got = model.forward_intermediates(pixels, indices=1)
+            torch.testing.assert_close(got[1][0], want[1][0], **TOL)
+        else:
+            with pytest.raises(ValueError, match=r"forward_intermediates of a model paral"):
+                model.forward_intermediates(pixels)
+        if whole or kind.splits_sequence or sp:
+            torch.testing.assert_close(
+                model.forward_features(pixels), ref.forward_features(pixels), **TOL
+            )
+        else:
+            with pytest.raises(ValueError, match=r"forward_features of a model parallelized"):
+                model.forward_features(pixels)
 
 
 def _torchvision_vit_matches_reference(ctx: ParallelContext) -> float:
@@ -1771,7 +1800,7 @@ def test_transformers_models_and_plain_blocks_equal_single_process(
     assert all(r == results[0] for r in results)  # losses agree on every rank
 
 
-@pytest.mark.parametrize("layout", ["1d-sp", "2d", "3d", "sequence-ring"])
+@pytest.mark.parametrize("layout", ["1d", "1d-sp", "2d", "3d", "sequence-ring"])
 def test_timm_vision_transformer_equals_single_process(dist, layout: str) -> None:
     pytest.importorskip("timm")  # with torchvision: nox's tests_newest environment
     tensor = LAYOUTS[layout]

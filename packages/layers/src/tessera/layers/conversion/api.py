@@ -34,6 +34,7 @@ from .converters import Converter
 from .drop_path import install_per_sample_draws
 from .dropout import install_dropout_streams
 from .encoder_decoder import install_encoder_rows, split_logits_bias
+from .entry_points import install_entry_points
 from .generation import install_generation
 from .left_out import install_left_out
 from .mask_rows import install_mask_rows
@@ -348,6 +349,7 @@ def _convert(
         left_out = install_left_out(model, roles, ctx, mode, split_span)
         install_own_code_check(model, roles, left_out, ctx, mode, split_span)
         install_boundary(model, chosen, ctx, mode, sequence_parallel=False)
+        install_entry_points(model, ctx, mode, sequence_parallel=False)
         if chosen.causal_lm:
             install_generation(model, ctx, mode, sequence_parallel=False)
             install_model_loss(model, ctx)
@@ -403,6 +405,7 @@ def _convert(
     install_own_code_check(model, roles, left_out, ctx, mode, span if sequence_parallel else None)
     own_masks = install_mask_rows(model, attention, ctx) if chosen.boundary == "tokens" else None
     install_boundary(model, chosen, ctx, mode, sequence_parallel, attention, own_masks)
+    install_entry_points(model, ctx, mode, sequence_parallel)
     if chosen.logits_bias and kind.replicated_activations:  # logits split by vocabulary only
         split_logits_bias(model, chosen, ctx)
     if chosen.encoder is not None and kind.splits_activations:  # generate() calls it alone

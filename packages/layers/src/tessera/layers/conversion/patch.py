@@ -279,6 +279,15 @@ class TimmEmbeddingAdapter(nn.Module):
         # a bound method on the instance: a deep copy of the model binds it to the copy
         object.__setattr__(owner, "_pos_embed", types.MethodType(_positions_already_added, owner))
 
+    def dynamic_feat_size(self, img_size: tuple[int, int]) -> tuple[int, int]:
+        """The grid of patches of an image (timm's ``PatchEmbed.dynamic_feat_size``).
+
+        Its ``forward_intermediates`` reshapes the blocks' outputs into it (run where the
+        activations are whole: :mod:`.entry_points`).
+        """
+        patch = int(self.get_submodule("proj").get_parameter("weight").shape[-1])
+        return img_size[0] // patch, img_size[1] // patch
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[b', C, H, W]`` images -> ``[b', N+1, E']`` in the mode's layout."""
         owner = self._owner[0]
