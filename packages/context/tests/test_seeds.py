@@ -103,12 +103,15 @@ def test_dtensor_rng_tracker_is_made_without_a_world_broadcast(monkeypatch) -> N
     """On CUDA torch makes DTensor's RNG tracker at the first random op, broadcasting over the
     world group (a hang where only some pipeline stages draw); tessera makes it beforehand,
     without the broadcast, keeping one already made, and makes none on CPU."""
+    import inspect
     from types import SimpleNamespace
 
     from torch.distributed.tensor import _random as dtensor_random
 
     from tessera.context.placements import rng_tracker_without_world_sync
 
+    real = inspect.signature(dtensor_random.OffsetBasedRNGTracker).parameters
+    assert list(real)[:2] == ["device_mesh", "run_state_sync"]  # what the call below names
     made: list[tuple[object, bool]] = []
 
     def tracker(mesh: object, run_state_sync: bool = True) -> object:

@@ -42,6 +42,8 @@ READS_A_SPLIT_DIM: list[tuple[str, Callable[[torch.Tensor], object]]] = [
     ("torch.Tensor.mean", lambda x: x.view(4, 6, 1, 8).pow(2).mean(-1)),  # one group: h/q
     ("torch.Tensor.mean", lambda x: x.clone().unsqueeze_(-2).mean(-1)),  # reshaped in place
     ("torch.Tensor.mean", lambda x: x.view(4, 6, 2, -1).mean(-1)),  # the model's head count
+    ("torch.Tensor.sum", lambda x: x.view(4, 6, 2, -1).sum(2)),  # over those "heads"
+    ("torch.Tensor.amax", lambda x: x.unflatten(-1, (2, -1)).amax(-2)),
     ("torch.Tensor.mean", lambda x: x.unsqueeze(-2).mean(-1)),
     ("torch.Tensor.mean", lambda x: x.reshape(4, 48).mean(-1)),
     ("torch.Tensor.sum", lambda x: x.reshape(24, 8).sum(0)),  # the batch merged with the tokens
@@ -115,9 +117,9 @@ FOLLOWED: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], set[int]]] = {
     "one local head": (lambda x: x.view(4, 6, -1, 8), {0, 2}),
     "the features as one group": (lambda x: x.view(4, 6, 1, -1), {0, 3}),
     "the features as one group, every size given": (lambda x: x.view(4, 6, 1, 8), {0, 3}),
-    "the model's own head count": (lambda x: x.reshape((4, 6, 2, -1)), {0, 3}),
+    "the model's own head count": (lambda x: x.reshape((4, 6, 2, -1)), {0, 2, 3}),
     "heads unflattened": (lambda x: x.unflatten(-1, (-1, 4)), {0, 2}),
-    "a head count unflattened": (lambda x: x.unflatten(2, (2, -1)), {0, 3}),
+    "a head count unflattened": (lambda x: x.unflatten(2, (2, -1)), {0, 2, 3}),
     "tokens of the batch merged": (lambda x: x.reshape(24, 8), {0, 1}),
     "moved": (lambda x: x.transpose(1, 2), {0, 1}),
     "permuted": (lambda x: x.permute(2, 0, 1), {0, 1}),

@@ -814,6 +814,10 @@ def _patch_vit_matches_reference(ctx: ParallelContext) -> float:
 
     torch.manual_seed(3)
     ref = PatchViT()
+    if ctx.config.tensor_mode == "sequence":  # its attention is code of its own
+        with pytest.raises(ValueError, match=r"'attn' is code of its own, which would run on"):
+            parallelize(copy.deepcopy(ref), context=ctx)
+        return 0.0
     model = parallelize(copy.deepcopy(ref), context=ctx)
     pixels, labels = images()
     want, got = ref(pixels), model(pixels)
@@ -1698,7 +1702,12 @@ def _mlp_matches_reference(ctx: ParallelContext) -> int:
     checked = _block_matches_reference(ctx, mlp, {"0": "norm", "1": "col", "3": "row"})
     torch.manual_seed(0)  # blocks with a final norm: their plan read from them
     stack = nn.Sequential(Block(16, 4, causal=False), Block(16, 4), nn.LayerNorm(16))
-    checked += _block_matches_reference(ctx, stack, None)
+    if ctx.config.tensor_mode == "sequence":  # attention written out: positions unknown
+        with pytest.raises(ValueError, match=r"'0\.attn' is code of its own"):
+            parallelize(stack, context=ctx)
+        checked += 34  # the parameters the stack holds, as under the other modes
+    else:
+        checked += _block_matches_reference(ctx, stack, None)
     listing_1 = _listing_1()
     checked += _block_matches_reference(ctx, listing_1, {"0": "col", "1": "norm", "2": "row"})
     if ctx.config.tensor_mode in ("2d", "2.5d", "3d"):  # every activation is split there
@@ -2230,6 +2239,35 @@ class _MaskedBlock(Block):
         return super().forward(x)
 
 
+class _TupleBlock(Block):
+    """A block returning ``(x,)``: a features plan's boundary gathers one tensor."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:  # type: ignore[override]
+        return (super().forward(x),)
+
+
+class _SequenceFirstBlock(Block):
+    """A block taking ``[s, b, h]``: a features plan would cut its tokens as the batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.transpose(0, 1)).transpose(0, 1)
+
+
+class _PositionsAround(nn.Module):
+    """Positions counted in a forward of its own around its blocks (``x.shape[1]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(1, 32, 16))
+        self.blocks = nn.ModuleList(Block(16, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.table[:, : x.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 def test_blocks_alone_get_a_features_plan_and_a_model_around_them_parts() -> None:
     """Blocks with nothing around them but norms (an nn.Sequential, or one block) get a
     features plan read from them; a model holding its own parameters beside them is cut into
@@ -2250,6 +2288,17 @@ def test_blocks_alone_get_a_features_plan_and_a_model_around_them_parts() -> Non
         plan_for(PatchViT(), None)
     with pytest.raises(NoPlanError, match=r"takes more than the activation alone"):
         plan_for(_MaskedBlock(16, 4), None)
+    for apart in (_TupleBlock(16, 4), nn.Sequential(_SequenceFirstBlock(16, 4))):
+        with pytest.raises(NoPlanError, match=r"does not keep the samples of dim 0 apart"):
+            plan_for(apart, None)
+    # code of its own around the blocks runs whole: each block its loop calls is a part
+    with pytest.raises(NoPlanError, match=r"not blocks alone"):
+        plan_for(_PositionsAround(), None)
+    assert [name for name, _ in parts_with_plans(_PositionsAround())] == ["blocks.0", "blocks.1"]
+    # attention written out may count positions from the chunk: refused under 'sequence'
+    assert "is code of its own" in found.whole_sequence
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True)
+    assert plan_for(nn.Sequential(layer, copy.deepcopy(layer)), None).whole_sequence == ""
     with pytest.raises(NoPlanError, match="a list of blocks without a forward"):
         plan_for(nn.ModuleList([Block(16, 4), Block(16, 4)]), None)
 

@@ -267,11 +267,18 @@ def install_boundary(
         # the gradients of an image model's span: every rank computes with the whole output
         _install_token_span(model, ("", ""), context)
     elif plan.boundary == "features":
+        split = sequence_parallel or not kind.replicated_activations
 
         def after(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            return (
-                gather_activation(output, context) if isinstance(output, torch.Tensor) else output
-            )
+            if isinstance(output, torch.Tensor):
+                return gather_activation(output, context)
+            if split:  # its blocks would reach the caller as if they were whole
+                raise ValueError(
+                    f"{type(module).__name__} parallelized with a features plan under tensor "
+                    f"mode {mode!r} returned {type(output).__name__}: a features plan's model "
+                    "returns its activation as one tensor, which the boundary gathers whole"
+                )
+            return output
 
         model.register_forward_hook(after)
     if sequence_parallel:

@@ -117,13 +117,13 @@ def is_drop_path(module: nn.Module) -> bool:
 def _forward_per_sample(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The module's drop path, its samples' numbers alike on their ranks. ``x``: ``[b, ...]``."""
     drop = _drop_probability(self) or 0.0
-    if drop == 0.0 or not self.training:
-        return x
+    agree: _Agreement = getattr(self, _AGREE_ATTR)
+    agree.check_layout(x)  # on the first call, whatever its rate (a schedule may start at 0)
     if not 0.0 <= drop <= 1.0:  # as torchvision's check, before any collective
         raise ValueError(f"drop probability has to be between 0 and 1, but got {drop}")
+    if drop == 0.0 or not self.training:
+        return x
     keep = 1.0 - drop
-    agree: _Agreement = getattr(self, _AGREE_ATTR)
-    agree.check_layout(x)
     whole_batch = getattr(self, "mode", "row") == "batch"
     rows = 1 if whole_batch else x.shape[0]
     numbers = agree(torch.rand(rows, device=x.device), x.dim(), whole_batch)  # [b] or [1]

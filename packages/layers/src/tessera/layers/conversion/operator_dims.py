@@ -641,7 +641,9 @@ def _regrouped(func: Any, args: Args, kwargs: Kwargs, y: torch.Tensor) -> frozen
                 return frozenset(out)  # sizes that do not line up: not followed
         cut = [d for d in group_in if d in split]
         if cut and inferred in group_out:
-            out.add(inferred)
+            # the outermost inferred: a count of this rank's blocks (heads); an inner one
+            # (the model's own count outside it) makes every dim of the group a part
+            out.update({inferred} if inferred == group_out[0] else group_out)
         elif cut:
             outer = 1
             for d in group_in:

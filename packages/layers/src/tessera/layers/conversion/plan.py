@@ -245,6 +245,7 @@ def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
         return Plan(
             read.rules,
             boundary="features" if read.features else "tokens",
+            whole_sequence=read.whole_sequence,
             sequence_span=read.sequence_span,
             causal_lm=read.head,
             name=f"plan read from the transformer blocks of {type(model).__name__}",

@@ -27,6 +27,7 @@ import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .converters import linear_shape
@@ -61,6 +62,7 @@ class StructureReport:
             whole logits).
         features: the model is blocks alone, taking and returning activations ``[b, s, h]``
             (no token embedding, no head): a ``"features"`` plan.
+        whole_sequence: why tensor mode ``'sequence'`` must refuse the plan (``Plan``'s).
     """
 
     rules: dict[str, str] | None
@@ -68,6 +70,7 @@ class StructureReport:
     sequence_span: tuple[str, str] | None = None
     head: bool = False
     features: bool = False
+    whole_sequence: str = ""
 
 
 def _linear_or_none(name: str, module: nn.Module) -> tuple[int, int] | None:
@@ -382,73 +385,113 @@ def _takes_one_input(module: nn.Module) -> bool:
     )
 
 
+def _mixes_samples(model: nn.Module, hidden: int) -> bool:
+    """Whether ``model``'s output for one sample of dim 0 depends on another sample's input.
+
+    A probe in eval mode (no dropout) on ``[2, 3, hidden]``: the second row's output must not
+    move when the first row's input does. A block written for ``[s, b, h]`` (attention over
+    dim 0) fails it; a features plan would cut its tokens as if they were the batch.
+    """
+    params = list(model.parameters())
+    if not params or any(p.is_meta for p in params):
+        return False  # built on the meta device: nothing to run
+    probe = torch.randn(2, 3, hidden, generator=torch.Generator().manual_seed(0))
+    probe = probe.to(params[0].dtype).to(params[0].device)
+    moved = probe.clone()
+    moved[0] += 1.0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            first, second = model(probe), model(moved)
+    except Exception:
+        return True  # not a block taking [b, s, h]
+    finally:
+        model.train(was_training)
+    if not isinstance(first, torch.Tensor) or not isinstance(second, torch.Tensor):
+        return True
+    return bool(first.shape != probe.shape or not torch.equal(first[1], second[1]))
+
+
 def _features_structure(model: nn.Module) -> StructureReport:
-    """The usual blocks with nothing around them but norms, or one such block alone.
+    """An ``nn.Sequential`` of the usual blocks (ending with norms or not), or one block alone.
 
     What a vision model or a researcher's encoder keeps between its own embedding code and
     its own head: torchvision's ``VisionTransformer`` holds its blocks in an ``nn.Sequential``
     (``encoder.layers``) beside a patch convolution, a class token and positions of its own.
     Such a stack takes and returns activations ``[b, s, h]``, so its plan is a features plan,
-    and a model around it is converted part by part (:mod:`.parts`). A list without a forward
-    (an ``nn.ModuleList``, which the model's own loop calls block by block) gets no plan
-    itself: its blocks may each get one.
+    and a model around it is converted part by part (:mod:`.parts`). A module with a forward
+    of its own around its blocks gets no plan (that code would see split activations:
+    positions counted from a chunk, a tuple returned), nor does an ``nn.ModuleList`` (no
+    forward): the blocks its loop calls may each get one.
 
-    The model's forward must take the activation alone: a features plan's boundary splits its
-    first argument only, so a block also given a mask, positions or rotary tables (a
-    transformers decoder layer) would get them whole beside this rank's block (its token
-    plans split those).
+    The forward must take the activation alone (a features plan's boundary splits its first
+    argument only: a transformers decoder layer, also given a mask and rotary tables, would
+    get them whole), return it, and keep the samples of dim 0 apart (a block written for
+    ``[s, b, h]`` would have its tokens cut as the batch). Where an attention is code of its
+    own (not ``nn.MultiheadAttention``) the plan refuses tensor mode ``'sequence'``: a
+    position it counts (a rotary table from ``x.shape[1]``) would be the chunk's.
     """
     if _owns_parameters(model):  # used in its own forward, which would see split activations
         own = ", ".join(name for name, _ in model.named_parameters(recurse=False))
         return StructureReport(None, f"{type(model).__name__} holds parameters itself ({own})")
-    blocks = _block_list(model, (nn.ModuleList, nn.Sequential))
-    if blocks == "" and not isinstance(model, nn.Sequential):
+    if isinstance(model, nn.ModuleList):
         return StructureReport(None, "a list of blocks without a forward of its own")
     if not _takes_one_input(model):
         return StructureReport(
             None, f"{type(model).__name__}.forward takes more than the activation alone"
         )
-    if blocks is None:  # the model may be one block
-        blocks, first, block = None, "", model
-        if _linear_or_none("", model) is not None or not _widths(model):
-            return StructureReport(None, "no list of identical blocks")
-    else:
-        first, block = next(iter(model.get_submodule(blocks).named_children()))
-    block0 = _join(blocks or "", first) if blocks is not None else ""
+    stack = isinstance(model, nn.Sequential) and _is_block_list(model, (nn.Sequential,))
+    first, block = next(iter(model.named_children())) if stack else ("", model)
+    if not stack and (_linear_or_none("", model) is not None or not _widths(model)):
+        return StructureReport(None, "not an nn.Sequential of blocks, nor one block")
     found: dict[str, str] | str = f"no width {type(block).__name__}'s attention attends over"
     hidden = 0
     for hidden in _widths(block):
-        found = _block_rules(block, block0, hidden)
+        found = _block_rules(block, first, hidden)
         if not isinstance(found, str):
             break
     if isinstance(found, str):
         return StructureReport(None, found)
-    if blocks is None:
-        held = [
+    rules = {("*" + name[len(first) :] if stack else name): r for name, r in found.items()}
+    if stack:
+        blocks = {n for n, m in model.named_children() if type(m) is type(block)}
+        for name, module in model.named_children():  # the norms ending the stack
+            if name not in blocks and _is_norm(name, module, hidden):
+                rules[name] = "norm"
+        outside = {n: r for n, r in rules.items() if not n.startswith("*")}
+        unnamed = _unnamed(model, {**outside, **found}, "", first)
+    else:
+        unnamed = [
             f"{name} ({type(module).__name__})"
             for name, module in model.named_modules()
             if name
             and (_owns_parameters(module) or _looks_like_norm(module))
             and not any(name == r or name.startswith(r + ".") for r in found)
         ]
-        if held:
-            return StructureReport(None, f"no role for {', '.join(held[:4])}")
-        return StructureReport(found, features=True)
-    pattern = _join(blocks, "*")
-    rules = {pattern + name[len(block0) :]: role for name, role in found.items()}
-    container = model.get_submodule(blocks)
-    block_names = {
-        _join(blocks, n) for n, m in container.named_children() if type(m) is type(block)
-    }
-    for name, module in model.named_modules():  # norms around the blocks, or ending them
-        inside = name == blocks or any(name == b or name.startswith(b + ".") for b in block_names)
-        if name and not inside and _is_norm(name, module, hidden):
-            rules[name] = "norm"
-    outside = {n: r for n, r in rules.items() if n not in found and not n.startswith(pattern)}
-    unnamed = _unnamed(model, {**outside, **found}, blocks, first)
     if unnamed:
         return StructureReport(None, f"no role for {', '.join(unnamed[:4])}")
-    return StructureReport(rules, features=True)
+    if _mixes_samples(model, hidden):
+        return StructureReport(
+            None,
+            f"{type(model).__name__} does not keep the samples of dim 0 apart, or does not "
+            "return the activation (a features plan takes and returns [b, s, h])",
+        )
+    modules = dict(model.named_modules())
+    own_attention = sorted(
+        name
+        for name, role in found.items()
+        if role == "attention" and not isinstance(modules[name], nn.MultiheadAttention)
+    )
+    whole = (
+        f"its attention {own_attention[0]!r} is code of its own, which would run on this "
+        "rank's chunk of the tokens: a position it counts there (a rotary table from "
+        "x.shape[1]) would be the chunk's; pass the plan yourself, or use a mode that keeps "
+        "the tokens whole"
+        if own_attention
+        else ""
+    )
+    return StructureReport(rules, features=True, whole_sequence=whole)
 
 
 def infer_structure(model: nn.Module) -> StructureReport:
