@@ -484,10 +484,8 @@ def _features_structure(model: nn.Module) -> StructureReport:
         if role == "attention" and not isinstance(modules[name], nn.MultiheadAttention)
     )
     whole = (
-        f"its attention {own_attention[0]!r} is code of its own, which would run on this "
-        "rank's chunk of the tokens: a position it counts there (a rotary table from "
-        "x.shape[1]) would be the chunk's; pass the plan yourself, or use a mode that keeps "
-        "the tokens whole"
+        f"its attention {own_attention[0]!r} is code of its own and may count its positions "
+        "(a rotary table from x.shape[1]) over the whole sequence"
         if own_attention
         else ""
     )
