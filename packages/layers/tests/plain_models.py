@@ -175,6 +175,17 @@ class DropPathLM(PlainLM):
         self.blocks = nn.ModuleList(DropPathBlock(16, 4, drop) for _ in range(layers))
 
 
+class LayerScale(nn.Module):
+    """A learned scale of each feature (CaiT's, DINOv2's): no plan names it."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
 class ScaleNorm(nn.Module):
     """A norm without parameters, as a researcher writes it: mixes every feature of a token."""
 

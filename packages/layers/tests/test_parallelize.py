@@ -76,6 +76,7 @@ from plain_models import (
     Block,
     LastTokenLM,
     LastTokenNormLM,
+    LayerScale,
     MaskedPoolLM,
     ProbabilitiesLM,
     SelfAttention,
@@ -509,8 +510,38 @@ def _torchvision_vit_matches_reference(ctx: ParallelContext) -> float:
     return round(float(loss.detach()), 5)
 
 
+def _timm_vit_variant_matches_reference(ctx: ParallelContext) -> float:
+    """timm's ``VisionTransformer`` as DINOv2 and SigLIP lay it out: no class token, a register
+    token, the mean token pooled, a layer scale after attention and MLP, q and k normalized per
+    head. The ViT plan's patch embedding takes none of the first three, so the model is
+    converted part by part: its ``blocks`` (the family's blocks plan: q/k norms as head norms,
+    each layer scale ``[h]`` left out, run under DTensor) split, the rest whole."""
+    from hf_models import timm_vit
+
+    mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
+    impl = "all_to_all" if mode == "sequence" and size == 4 else "ring"
+    variant = dict(class_token=False, reg_tokens=1, init_values=0.5, qk_norm=True)
+    ref = timm_vit(global_pool="avg", **variant)
+    model = parallelize(copy.deepcopy(ref), sequence_attention=impl, context=ctx)
+    assert isinstance(model.patch_embed.proj, nn.Conv2d)  # whole, outside the part
+    _assert_same_state(gather_full_state_dict(model, context=ctx), ref.state_dict())
+    pixels, labels = images()
+    ref_logits = ref(pixels)  # [b, C], whole from the parts too
+    logits = model(pixels)
+    torch.testing.assert_close(logits, ref_logits.detach(), **TOL)
+    F.cross_entropy(ref_logits, labels).backward()
+    loss = F.cross_entropy(logits, labels)
+    loss.backward()
+    _assert_grads_are_one_process(model, ref, ctx)
+    return round(float(loss.detach()), 5)
+
+
 def _vision_transformers_match_reference(ctx: ParallelContext) -> list[float]:
-    return [_timm_vit_matches_reference(ctx), _torchvision_vit_matches_reference(ctx)]
+    return [
+        _timm_vit_matches_reference(ctx),
+        _timm_vit_variant_matches_reference(ctx),
+        _torchvision_vit_matches_reference(ctx),
+    ]
 
 
 #: Checks of models whose library only the newest torch's environment holds (timm needs
@@ -1710,10 +1741,15 @@ def _mlp_matches_reference(ctx: ParallelContext) -> int:
         checked += _block_matches_reference(ctx, stack, None)
     listing_1 = _listing_1()
     checked += _block_matches_reference(ctx, listing_1, {"0": "col", "1": "norm", "2": "row"})
+    # left out of the plan: Listing 1's norm, between the column and the row layer, and a
+    # layer scale after the row layer; each holds only [h] parameters, so it runs under
+    # DTensor, its parameters replicated, their gradients summed over the split rows
+    scaled = nn.Sequential(*_listing_1(), LayerScale(16))
+    checked += _block_matches_reference(ctx, scaled, {"0": "col", "2": "row"})
     if ctx.config.tensor_mode in ("2d", "2.5d", "3d"):  # every activation is split there
         attention = nn.MultiheadAttention(16, 4, batch_first=True)
         left_out = nn.Sequential(nn.Linear(16, 16), attention, nn.Linear(16, 32), nn.Linear(32, 16))
-        with pytest.raises(ValueError, match=r"\['1'\] hold parameters but are not in the"):
+        with pytest.raises(ValueError, match=r"\['1'\] hold weight matrices but are not in the"):
             parallelize(left_out, {"0": "dense", "2": "col", "3": "row"}, context=ctx)
     return checked + _dispatching_listing_1(ctx)
 
@@ -1803,7 +1839,7 @@ def test_transformers_models_and_plain_blocks_equal_single_process(
 ) -> None:
     tensor = LAYOUTS[layout]
     results = dist.run(_run_check, world_size=tensor["size"], args=(tensor, check), timeout=240.0)
-    expected = {"blocks": 52, "meta": 2, "layers": 4}
+    expected = {"blocks": 59, "meta": 2, "layers": 4}
     if check in expected:
         assert results[0] == expected[check]
     assert all(r == results[0] for r in results)  # losses agree on every rank
@@ -1887,14 +1923,14 @@ def _errors() -> list[str]:
             "ends with the 'col' layer '1'",
             lambda: parallelize(copy.deepcopy(block), {"1": "col"}, context=ctx),
         )
-        # a norm with weights between a column and a row layer, left out: it would normalize
-        # this rank's 16 of the 32 features as if they were all of them
-        inner = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 16))
+        # a linear layer between a column and a row layer, left out: it would read this
+        # rank's 16 of the 32 features as if they were all of them
+        inner = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16))
         guarded = parallelize(inner, {"0": "col", "2": "row"}, context=ctx)
         expect(
             ValueError,
-            r"'1' holds parameters but is not in the plan, and it takes a \[4, 16\] block of a "
-            r"column tensor split over the tensor ranks \(Shard\(dim=1\)\)",
+            r"'1' holds weight matrices but is not in the plan, and it takes a \[4, 16\] block "
+            r"of a column tensor split over the tensor ranks \(Shard\(dim=1\)\)",
             lambda: guarded(torch.ones(4, 16)),
         )
         torch.manual_seed(0)  # the forward stopped inside 1D's forked generator (dropout.py)
@@ -1990,11 +2026,12 @@ def _errors() -> list[str]:
     finally:
         ctx.destroy()
     sp = _context(dict(size=2, mode="1d", sequence_parallel=True))
-    try:  # the LayerNorm left out of the plan would see half the tokens
+    try:  # the linear layer left out of the plan would see half the tokens
+        linear_first = nn.Sequential(nn.Linear(16, 16), *list(block)[1:])
         expect(
             ValueError,
-            r"\['0'\] hold parameters but are not in the user plan",
-            lambda: parallelize(copy.deepcopy(block), {"1": "col", "3": "row"}, context=sp),
+            r"\['0'\] hold weight matrices but are not in the user plan",
+            lambda: parallelize(linear_first, {"1": "col", "3": "row"}, context=sp),
         )
     finally:
         sp.destroy()

@@ -129,7 +129,12 @@ def _modes_with_whole_activations() -> list[str]:
 def _check_no_plain_parameters(
     model: nn.Module, span: set[str], plan: Plan, mode: str, *, sequence_parallel: bool
 ) -> None:
-    """Where activations are split, no module the plan left out may hold parameters.
+    """Where activations are split, no module the plan left out may hold weight matrices.
+
+    One holding only scales and offsets (a norm, a layer scale) runs under DTensor, its
+    parameters replicated (:mod:`.left_out`), where the mode states the layout of its
+    activations (``ModeLayers.activation_cuts``); under a mode that states none, it is
+    refused too.
 
     Under 1D sequence parallelism (inside the span) a module left out computes on
     ``[b, s/p, h]`` and gets a partial gradient nobody sums: the replicas would drift apart.
@@ -140,27 +145,34 @@ def _check_no_plain_parameters(
     Raises:
         ValueError: naming the plain modules with parameters, and what to do.
     """
+    layers = find_mode_layers(mode)
+    placed = layers is not None and layers.activation_cuts is not None
     plain = sorted(
         name
         for name, module in model.named_modules()
-        if name in span and any(get_shard_info(p) is None for p in module.parameters(recurse=False))
+        if name in span
+        and any(
+            get_shard_info(p) is None and (p.dim() >= 2 or not placed)
+            for p in module.parameters(recurse=False)
+        )
     )
     # the outermost ones: "1" rather than "1" and "1.out_proj"
     plain = [n for n in plain if not any(n.startswith(o + ".") for o in plain)]
     if not plain:
         return
     more = f" and {len(plain) - 4} more" if len(plain) > 4 else ""
+    what = "weight matrices" if placed else "parameters"
     if sequence_parallel:
         raise ValueError(
-            f"parallelize with 1d sequence parallelism: {plain[:4]}{more} hold parameters but "
+            f"parallelize with 1d sequence parallelism: {plain[:4]}{more} hold {what} but "
             f"are not in the {plan.name}; inside the sequence span each rank sees only its "
-            "tokens, so name them ('norm', 'col', 'row', ...)"
+            "tokens, so name them ('col', 'row', 'norm', ...)"
         )
     raise ValueError(
-        f"parallelize under tensor mode {mode!r}: {plain[:4]}{more} hold parameters but are "
+        f"parallelize under tensor mode {mode!r}: {plain[:4]}{more} hold {what} but are "
         f"not in the {plan.name}; under {mode!r} every activation is a block of rows and "
         "features, which a module left out would read as whole ones. Name them with a role "
-        "('col', 'row', 'norm', 'embedding', ...), or use tensor mode '1d', which keeps "
+        "('col', 'row', 'embedding', 'attention', ...), or use tensor mode '1d', which keeps "
         "activations whole outside its column-to-row pairs"
     )
 

@@ -818,6 +818,8 @@ class Converter:
                 rank holding some of them).
             TypeError: the module does not compute exactly a LayerNorm or an RMSNorm.
         """
+        if type(module) is nn.Identity:  # a norm a model's config turned off (timm's qk_norm)
+            return module
         owner = self._attention_around(name)
         assert owner is not None, f"{name}: match_plan lets no head_norm outside attention"
         dim = self.heads[owner].dim

@@ -107,12 +107,15 @@ class ModelFamily:
         plans: The plans shipped for its transformers classes, by class name.
         marker: How models of other classes show they are laid out as this family (tried in
             the order of :data:`MODEL_FAMILIES`), or ``None``: its own classes only.
+        stack_marker: How a stack of the family's blocks alone shows it (an ``nn.Sequential``
+            a model of its own code calls), whose plan is a features plan, or ``None``.
         stages: Where its task models keep what ``pipeline_layers`` needs, or ``None``.
     """
 
     name: str
     plans: Mapping[str, Plan] = field(default_factory=dict)
     marker: Marker | None = None
+    stack_marker: Marker | None = None
     stages: StageLayout | None = None
 
 
@@ -637,16 +640,9 @@ def _timm_vit(prefix: str, causal_lm: bool) -> Plan:
     split like a language model's (``gather_logits``, ``token_loss``), as the plan's
     ``causal_lm`` says (the marker's own flag reads an ``lm_head``, which timm has not).
     """
-    block = f"{prefix}blocks.*"
     rules = {
         f"{prefix}patch_embed": "patch_embedding",
-        f"{block}.norm1": "norm",
-        f"{block}.attn": "attention",
-        f"{block}.attn.qkv": "qkv",
-        f"{block}.attn.proj": "row",
-        f"{block}.norm2": "norm",
-        f"{block}.mlp.fc1": "col",
-        f"{block}.mlp.fc2": "row",
+        **_timm_block_rules(f"{prefix}blocks.*"),
         f"{prefix}norm": "norm",
         f"{prefix}fc_norm": "norm",  # after an average over the tokens (norm is then Identity)
         f"{prefix}head": "head",
@@ -658,6 +654,33 @@ def _timm_vit(prefix: str, causal_lm: bool) -> Plan:
         causal_lm=True,  # the head's logits come back split, not gathered as hidden states
         name="timm ViT classifier",
     )
+
+
+def _timm_block_rules(block: str) -> dict[str, str]:
+    """Roles of a timm ``Block`` named ``block``: pre-norm, q, k and v fused in ``attn.qkv``."""
+    return {
+        f"{block}.norm1": "norm",
+        f"{block}.attn": "attention",
+        f"{block}.attn.qkv": "qkv",
+        f"{block}.attn.q_norm": "head_norm",  # nn.Identity without qk_norm
+        f"{block}.attn.k_norm": "head_norm",
+        f"{block}.attn.proj": "row",
+        f"{block}.norm2": "norm",
+        f"{block}.mlp.fc1": "col",
+        f"{block}.mlp.fc2": "row",
+    }
+
+
+def _timm_blocks(prefix: str, causal_lm: bool) -> Plan:
+    """An ``nn.Sequential`` of timm's ``Block`` alone: ``VisionTransformer.blocks``.
+
+    A features plan: it takes and returns the activation ``[b, N, h]``. It is what a timm
+    model whose embedding or pooling the ViT plan cannot take keeps between them (register
+    tokens, no class token, a distillation token, attention pooling): that model is then
+    converted part by part (:mod:`.parts`), its blocks split, the code around them whole.
+    """
+    del causal_lm  # blocks alone have no head
+    return Plan(_timm_block_rules(f"{prefix}*"), boundary="features", name="timm ViT blocks")
 
 
 def _timm_block(module: nn.Module) -> bool:
@@ -990,7 +1013,11 @@ MODEL_FAMILIES: tuple[ModelFamily, ...] = (
     ),
     ModelFamily("CLIP", plans={"CLIPVisionModel": _clip_vision(), "CLIPTextModel": _clip_text()}),
     # timm's VisionTransformer (torchvision has a class of that name laid out otherwise)
-    ModelFamily("timm ViT", marker=Marker("blocks.0", _timm_block, _timm_vit)),
+    ModelFamily(
+        "timm ViT",
+        marker=Marker("blocks.0", _timm_block, _timm_vit),
+        stack_marker=Marker("0", _timm_block, _timm_blocks),
+    ),
     ModelFamily("BART", plans={"BartForConditionalGeneration": _bart()}),
     ModelFamily(
         "T5",
@@ -1006,6 +1033,9 @@ BUILTIN_PLANS: dict[str, Plan] = {
     cls: plan for family in MODEL_FAMILIES for cls, plan in family.plans.items()
 }
 #: The families a model of another class may be laid out as, by name, in the order tried.
-FAMILIES: dict[str, Marker] = {f.name: f.marker for f in MODEL_FAMILIES if f.marker}
+FAMILIES: dict[str, Marker] = {
+    **{f.name: f.marker for f in MODEL_FAMILIES if f.marker},
+    **{f"{f.name} blocks": f.stack_marker for f in MODEL_FAMILIES if f.stack_marker},
+}
 #: The stage layouts ``pipeline_layers`` knows, in the order tried.
 STAGE_FAMILIES: tuple[StageLayout, ...] = tuple(f.stages for f in MODEL_FAMILIES if f.stages)

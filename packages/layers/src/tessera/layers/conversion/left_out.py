@@ -50,6 +50,7 @@ from ..comm.inflight import tracing
 from ..shared.mode_layers import Cuts, find_mode_layers
 from .drop_path import is_drop_path
 from .plan import COLUMN_ROLES, inner_norms
+from .structure import holds_matrices
 
 __all__ = ["LAYOUT_MARK", "install_left_out", "left_out_modules", "output_layout"]
 
@@ -91,9 +92,10 @@ def left_out_modules(model: nn.Module, roles: Mapping[str, str]) -> tuple[list[s
     """The modules no role is at, above or below: those without and those with parameters.
 
     The outermost of each. Elementwise ones (:func:`_exact_on_any_block`) are not counted
-    among the first, which :func:`install_left_out` runs under DTensor. Those holding
-    parameters are refused where activations are split (``parallelize``); where they are
-    whole (1D), they are checked to take no split tensor.
+    among the first. :func:`install_left_out` runs both kinds under DTensor, the parameters
+    of the second as ``Replicate`` DTensors, but for those holding weight matrices
+    (:func:`holds_matrices`): refused where activations are split (``parallelize``), and
+    where they are whole (1D) checked to take no split tensor.
     """
     free: list[str] = []
     holding: list[str] = []
@@ -181,25 +183,45 @@ def _add_note(error: BaseException, note: str) -> None:
         error.args = (f"{error.args[0] if error.args else ''}\n{note}", *error.args[1:])
 
 
-#: A buffer held as a DTensor during a forward: its owner, its name, the plain tensor and
-#: the DTensor standing for it.
+#: A buffer or parameter held as a DTensor during a forward: its owner, its name, the plain
+#: tensor and the DTensor standing for it.
 _Swapped = tuple[nn.Module, str, torch.Tensor, torch.Tensor]
 
 
-def _replicate_buffers(module: nn.Module, mesh: Any) -> list[_Swapped]:
-    """Hold ``module``'s floating buffers as ``Replicate`` DTensors; what to put back."""
+def _replicate(
+    module: nn.Module, mesh: Any, slot: Literal["_buffers", "_parameters"]
+) -> list[_Swapped]:
+    """Hold ``module``'s floating buffers or parameters as ``Replicate`` DTensors.
+
+    Each is whole on every tensor rank, which ``Replicate`` says; the DTensor stands for it
+    during the call, as ``torch.func.functional_call``'s tensors do. ``from_local`` is
+    differentiable: DTensor's backward makes a parameter's gradient ``Replicate`` too, summing
+    the partial ones of a split input (the rows of a batch, a chunk of the tokens) over their
+    ranks, so every rank accumulates the whole gradient, as one process computes it.
+
+    Returns:
+        What to put back (:func:`_restore_buffers`, :func:`_restore_parameters`).
+    """
     from torch.distributed.tensor import DTensor, Replicate
 
     swapped: list[_Swapped] = []
     for owner in module.modules():
-        for key, buffer in owner._buffers.items():
-            if buffer is None or not buffer.is_floating_point() or isinstance(buffer, DTensor):
+        held_here: dict[str, Any] = getattr(owner, slot)
+        for key, tensor in held_here.items():
+            if tensor is None or not tensor.is_floating_point() or isinstance(tensor, DTensor):
                 continue
             whole = (Replicate(),) * mesh.ndim
-            held = DTensor.from_local(buffer, mesh, whole, run_check=False)
-            owner._buffers[key] = held
-            swapped.append((owner, key, buffer, held))
+            held = DTensor.from_local(tensor, mesh, whole, run_check=False)
+            held_here[key] = held
+            swapped.append((owner, key, tensor, held))
     return swapped
+
+
+def _restore_parameters(swapped: list[_Swapped]) -> None:
+    """Each parameter plain again."""
+    for owner, key, param, held in swapped:
+        if owner._parameters.get(key) is held:
+            owner._parameters[key] = param  # type: ignore[assignment]  # the Parameter it was
 
 
 def _restore_buffers(swapped: list[_Swapped]) -> None:
@@ -227,6 +249,7 @@ class _Entered:
         ndim: That input's ndim.
         raised_before: The exception being handled when it was called, if any (not its own).
         swapped: The buffers it holds as DTensors meanwhile.
+        parameters: The parameters it holds as DTensors meanwhile.
         whole: The ``implicit_replication`` it runs under, where it took no plain tensor.
     """
 
@@ -234,6 +257,7 @@ class _Entered:
     ndim: int
     raised_before: BaseException | None = None
     swapped: list[_Swapped] = field(default_factory=list)
+    parameters: list[_Swapped] = field(default_factory=list)
     whole: Any = None
 
 
@@ -287,15 +311,16 @@ class _Placer:
         from torch.distributed.tensor.experimental import implicit_replication
 
         entry = _Entered(*first, raised_before=sys.exc_info()[1])
+        entry.parameters = _replicate(module, mesh, "_parameters")
         if not unknown:  # what the module makes itself is whole; put back in leave()
-            entry.swapped = _replicate_buffers(module, mesh)
+            entry.swapped = _replicate(module, mesh, "_buffers")
             entry.whole = implicit_replication()
             entry.whole.__enter__()
         self.entered.append(entry)
         return tree_unflatten(flat, spec)
 
     def refuse_split(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        """Raise where a module with parameters no plan converts takes a split tensor."""
+        """Raise where a module with weight matrices no plan converts takes a split tensor."""
         flat, _ = tree_flatten((args, kwargs))
         for x in flat:
             layout = self.trail.layout_of(x) if _placeable(x) else None
@@ -304,11 +329,10 @@ class _Placer:
             placements = self.placements(layout, x.dim())
             if not all(p.is_replicate() for p in placements):
                 raise ValueError(
-                    f"parallelize: {self.name!r} holds parameters but is not in the plan, and "
-                    f"it takes a {list(x.shape)} block of a {layout} tensor split over the "
+                    f"parallelize: {self.name!r} holds weight matrices but is not in the plan, "
+                    f"and it takes a {list(x.shape)} block of a {layout} tensor split over the "
                     f"tensor ranks ({', '.join(map(repr, placements))}), which it would read as "
-                    "the whole one; give it a role ('norm' for a norm between a column and a "
-                    "row layer, 'col' or 'row' for a linear layer)"
+                    "the whole one; give it a role ('col' or 'row' for a linear layer)"
                 )
 
     def leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
@@ -330,6 +354,7 @@ class _Placer:
         if entry.whole is not None:
             entry.whole.__exit__(None, None, None)
         _restore_buffers(entry.swapped)
+        _restore_parameters(entry.parameters)
         raised = sys.exc_info()[1]  # the forward's error, re-raised by torch after this hook
         mixed = isinstance(raised, RuntimeError) and "mixed torch.Tensor and DTensor" in str(raised)
         if mixed and raised is not None and raised is not entry.raised_before:
@@ -408,10 +433,11 @@ def install_left_out(
     layers = find_mode_layers(mode)
     free, holding = left_out_modules(model, roles)
     kind = context.config.mode
-    if kind is None or not kind.replicated_activations:
-        # split activations: parallelize refused those it does not keep whole ('sequence'
-        # keeps every weight whole, its modules computing token by token)
+    if kind is None or kind.splits_sequence:
+        # 'sequence' keeps every weight whole, its modules computing token by token on their
+        # chunk, their gradients summed by its handler
         holding = []
+    matrices = [name for name in holding if holds_matrices(model.get_submodule(name))]
     if layers is None or layers.activation_cuts is None or not (free or holding):
         return []
     between = layers.activation_cuts
@@ -429,7 +455,7 @@ def install_left_out(
         }
         placer = _Placer(name, trail, context, cuts)
         module = model.get_submodule(name)
-        if name in holding:
+        if name in matrices:  # whole activations (1D): checked to take no split tensor
             module.register_forward_pre_hook(placer.refuse_split, with_kwargs=True)
             continue
         module.register_forward_pre_hook(placer.enter, with_kwargs=True)
@@ -437,7 +463,7 @@ def install_left_out(
         if "forward" not in vars(module):  # a forward of the instance's own stays as it is
             # a bound method on the instance: a deep copy binds it to the copy
             module.forward = types.MethodType(_forward_returning_no_view, module)
-    return free
+    return [*free, *(name for name in holding if name not in matrices)]
 
 
 def _forward_returning_no_view(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

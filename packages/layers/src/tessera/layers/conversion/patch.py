@@ -21,6 +21,7 @@ __all__ = [
     "PatchEmbeddingAdapter",
     "TimmEmbeddingAdapter",
     "clip_patch_sizes",
+    "patch_embedding_fits",
     "patch_sizes",
     "timm_patch_sizes",
 ]
@@ -242,6 +243,25 @@ def timm_patch_sizes(
             f"{patches} patches, the class token and {projection.out_channels} features"
         )
     return int(image[0]), int(patch[0]), projection.in_channels, projection.out_channels
+
+
+def patch_embedding_fits(name: str, module: nn.Module, owner: nn.Module | None) -> bool:
+    """Whether the mode's patch embedding computes ``module`` (named ``name`` in ``owner``).
+
+    As the ``patch_embedding`` role reads it: CLIP's, timm's (with its model, ``owner``) or
+    a transformers ViT's. A family inferred for a model of another class holds only where
+    this does (timm's register tokens or a model without a class token do not), so the
+    model is converted part by part instead of refused.
+    """
+    try:
+        if clip_patch_sizes(name, module) is not None:
+            return True
+        if timm_patch_sizes(name, module, owner) is not None:
+            return True
+        patch_sizes(name, module)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _positions_already_added(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -84,7 +84,7 @@ from torch import nn
 from tessera.context import TensorMode, find_tensor_mode
 
 from .converters import COLUMN_PARTS, linear_shape
-from .structure import infer_structure
+from .structure import infer_structure, scales_alone
 
 __all__ = [
     "COLUMN_ROLES",
@@ -368,9 +368,21 @@ def infer_plan(model: nn.Module) -> Plan | None:
         prefix = found[0][: len(found[0]) - len(marker)]
         causal_lm = isinstance(getattr(model, "lm_head", None), nn.Linear) and prefix != ""
         plan = build(prefix, causal_lm)
-        if _covers(model, plan):
+        if _covers(model, plan) and _patch_embeddings_fit(model, plan):
             return replace(plan, name=f"{plan.name} plan inferred for {type(model).__name__}")
     return None
+
+
+def _patch_embeddings_fit(model: nn.Module, plan: Plan) -> bool:
+    """Whether every module of role ``patch_embedding`` is one the mode's embedding computes."""
+    from .patch import patch_embedding_fits
+
+    for name, module in model.named_modules():
+        if any(matches(name, p) and r == "patch_embedding" for p, r in plan.rules.items()):
+            owner = model.get_submodule(name.rpartition(".")[0])
+            if not patch_embedding_fits(name, module, owner):
+                return False
+    return True
 
 
 #: Parameters of a patch embedding's parent that the embedding computes with (timm's ViT).
@@ -384,7 +396,9 @@ def _covers(model: nn.Module, plan: Plan) -> bool:
     its heads are split, so a parameter there that no rule names (a per-head norm of q and
     k, Qwen3's) would get a share of its gradient on each rank, and the replicas would drift.
     torch's ``nn.MultiheadAttention`` is the exception: its fused projection and
-    ``out_proj`` are split with it (multihead.py). Optional rules need not match.
+    ``out_proj`` are split with it (multihead.py). Optional rules need not match. A module
+    holding only scales and offsets (timm's ``LayerScale`` ``[h]``) outside attention needs
+    no rule: left out, it runs under DTensor, its parameters replicated (:mod:`.left_out`).
     """
     names = [name for name, _ in model.named_modules() if name]
     named = {n: role for n in names for pattern, role in plan.rules.items() if matches(n, pattern)}
@@ -405,7 +419,13 @@ def _covers(model: nn.Module, plan: Plan) -> bool:
             continue
         if name in split_whole or any(name.startswith(n + ".") for n in split_whole):
             continue
-        if not any(name.startswith(n + ".") and role != "attention" for n, role in named.items()):
+        if any(name.startswith(n + ".") and role != "attention" for n, role in named.items()):
+            continue
+        inside_attention = any(
+            name.startswith(n + ".") for n, role in named.items() if role == "attention"
+        )
+        converted_inside = any(n.startswith(name + ".") for n in named)
+        if inside_attention or converted_inside or not scales_alone(module):
             return False
     return True
 

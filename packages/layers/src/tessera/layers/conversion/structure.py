@@ -36,7 +36,14 @@ from .norms import norm_spec
 from .per_head_norm import holds_weights_per_head, per_head_norm_spec
 from .position_table import is_position_table
 
-__all__ = ["QKV_NAMES", "OUTPUT_NAMES", "StructureReport", "infer_structure"]
+__all__ = [
+    "QKV_NAMES",
+    "OUTPUT_NAMES",
+    "StructureReport",
+    "holds_matrices",
+    "infer_structure",
+    "scales_alone",
+]
 
 #: Names of separate query, key and value projections, by convention.
 QKV_NAMES: tuple[tuple[str, str, str], ...] = (
@@ -102,6 +109,17 @@ def _is_head_norm(name: str, module: nn.Module, head_dim: int) -> bool:
 
 def _owns_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
+
+
+def holds_matrices(module: nn.Module) -> bool:
+    """Whether ``module`` holds a parameter of two or more dims (a linear layer's weight).
+
+    A module left out holding only scales and offsets (a norm's, a layer scale's ``[h]``)
+    runs under DTensor, its parameters replicated. One holding weight matrices is what a
+    plan's roles are for: under DTensor it would gather its split input, and torch shards
+    few of such modules' operators (attention's backward).
+    """
+    return any(p.dim() >= 2 for p in module.parameters())
 
 
 def _looks_like_norm(module: nn.Module) -> bool:
@@ -344,7 +362,7 @@ def _outer_rules(
 
 
 def _unnamed(model: nn.Module, rules: dict[str, str], blocks: str, first: str = "0") -> list[str]:
-    """Modules with parameters, or norms, that no rule names or holds.
+    """Modules with parameters, or norms, that no rule names or holds (:func:`_needs_role`).
 
     ``blocks``: the list of blocks (``""``: the model itself), whose first block is ``first``.
     """
@@ -361,8 +379,32 @@ def _unnamed(model: nn.Module, rules: dict[str, str], blocks: str, first: str = 
     return [
         f"{name} ({type(module).__name__})"
         for name, module in model.named_modules()
-        if name and (_owns_parameters(module) or _looks_like_norm(module)) and not named(name)
+        if name and _needs_role(name, module, rules) and not named(name)
     ]
+
+
+def _needs_role(name: str, module: nn.Module, rules: dict[str, str]) -> bool:
+    """Whether ``module`` must be named by a rule: it holds parameters or is a norm.
+
+    Not one holding only scales and offsets (a layer scale ``[h]``) with nothing converted
+    inside it: left out, it runs under DTensor, its parameters replicated (:mod:`.left_out`).
+    """
+    if _looks_like_norm(module):
+        return True
+    if not _owns_parameters(module):
+        return False
+    return not scales_alone(module) or any(r.startswith(name + ".") for r in rules)
+
+
+def scales_alone(module: nn.Module) -> bool:
+    """Whether ``module`` holds only scales and offsets and is no norm (a layer scale ``[h]``).
+
+    A plan may leave such a module out: it runs under DTensor, its parameters replicated
+    (:mod:`.left_out`). A norm is named all the same: the mode's own computes it without
+    DTensor's gathers, and a family whose plan lacks a norm (GLM's, under GLM-4's) is not
+    the model's.
+    """
+    return not _looks_like_norm(module) and not holds_matrices(module)
 
 
 def _widths(block: nn.Module) -> list[int]:
@@ -466,7 +508,7 @@ def _features_structure(model: nn.Module) -> StructureReport:
             f"{name} ({type(module).__name__})"
             for name, module in model.named_modules()
             if name
-            and (_owns_parameters(module) or _looks_like_norm(module))
+            and _needs_role(name, module, found)
             and not any(name == r or name.startswith(r + ".") for r in found)
         ]
     if unnamed:
