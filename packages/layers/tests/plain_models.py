@@ -186,6 +186,32 @@ class LayerScale(nn.Module):
         return x * self.gamma
 
 
+class Gate(nn.Module):
+    """A learned scalar gate (ReZero's), called without an input: ``x + gate() * f(x)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self) -> torch.Tensor:
+        return self.alpha.tanh()
+
+
+class GatedMLP(nn.Module):
+    """An MLP added to its input through a :class:`Gate`, or a scalar held by the MLP itself
+    (``own_gate``): neither is a module a plan can leave out to run under DTensor."""
+
+    def __init__(self, hidden: int, own_gate: bool = False) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
+        self.gate = Gate() if not own_gate else None
+        self.alpha = nn.Parameter(torch.tensor(0.5)) if own_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate() if self.gate is not None else self.alpha
+        return x + gate * self.fc2(F.gelu(self.fc1(x)))
+
+
 class ScaleNorm(nn.Module):
     """A norm without parameters, as a researcher writes it: mixes every feature of a token."""
 

@@ -74,6 +74,7 @@ from plain_models import (
     PLAIN_PLAN,
     PLAIN_SPAN_PLAN,
     Block,
+    GatedMLP,
     LastTokenLM,
     LastTokenNormLM,
     LayerScale,
@@ -310,6 +311,10 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
         lambda ctx: _t5_models(ctx)
     ),
     "per-sample positions": _per_sample_positions,
+    "sequences the ranks do not divide (padded under sequence parallelism)": lambda ctx: [
+        _lm_matches_reference(gpt2_lm(), ctx, length=SEQ - 1),
+        _lm_matches_reference(llama_lm(), ctx, length=SEQ - 1),
+    ],
     "dropout": lambda ctx: _dropout_streams(ctx),
     "blocks": lambda ctx: _mlp_matches_reference(ctx),
     "meta": lambda ctx: _meta_built(ctx),
@@ -362,6 +367,7 @@ ONLY_UNDER = {
         "sequence-ring",
     ),
     "norms of each head with a weight per head (stablelm, cohere)": ("1d-sp", "3d"),
+    "sequences the ranks do not divide (padded under sequence parallelism)": ("1d-sp",),
     "modules left out of the plan mixing split features, hidden layer and vocabulary": EACH_MODE,
     "parts parallelized, the rest whole (clip towers, CLIPModel, an own ViT's blocks)": (EACH_MODE),
     "verify: outputs and gradients against the model before conversion": (
@@ -511,16 +517,17 @@ def _torchvision_vit_matches_reference(ctx: ParallelContext) -> float:
 
 
 def _timm_vit_variant_matches_reference(ctx: ParallelContext) -> float:
-    """timm's ``VisionTransformer`` as DINOv2 and SigLIP lay it out: no class token, a register
-    token, the mean token pooled, a layer scale after attention and MLP, q and k normalized per
-    head. The ViT plan's patch embedding takes none of the first three, so the model is
-    converted part by part: its ``blocks`` (the family's blocks plan: q/k norms as head norms,
-    each layer scale ``[h]`` left out, run under DTensor) split, the rest whole."""
+    """timm's ``VisionTransformer`` as DINOv2 and SigLIP lay it out: no class token, two
+    register tokens (11 tokens, padded under 1D sequence parallelism and 'sequence'), the mean
+    token pooled, a layer scale after attention and MLP, q and k normalized per head. The ViT
+    plan's patch embedding takes none of the first three, so the model is converted part by
+    part: its ``blocks`` (the family's blocks plan: q/k norms as head norms, each layer scale
+    ``[h]`` left out, run under DTensor) split, the rest whole."""
     from hf_models import timm_vit
 
     mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
     impl = "all_to_all" if mode == "sequence" and size == 4 else "ring"
-    variant = dict(class_token=False, reg_tokens=1, init_values=0.5, qk_norm=True)
+    variant = dict(class_token=False, reg_tokens=2, init_values=0.5, qk_norm=True)
     ref = timm_vit(global_pool="avg", **variant)
     model = parallelize(copy.deepcopy(ref), sequence_attention=impl, context=ctx)
     assert isinstance(model.patch_embed.proj, nn.Conv2d)  # whole, outside the part
@@ -568,6 +575,7 @@ def _lm_matches_reference(
     defer: bool = False,
     keep_gathered: bool = False,
     generate: bool = False,
+    length: int = SEQ,
 ) -> float:
     """A transformers language model, parallelized, against itself on one process.
 
@@ -577,6 +585,8 @@ def _lm_matches_reference(
     backward as the engine does at the step. ``keep_gathered``: under 3D every ``Linear3D``
     (also one a converted module runs outside its parameters) keeps its gathered operands.
     ``generate``: also greedy generation and the loss of whole logits (a causal LM).
+    ``length``: the tokens of each row (1D sequence parallelism pads what its ranks do not
+    divide).
     """
     mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
     impl = "all_to_all" if mode == "sequence" and size == 4 else "ring"
@@ -604,7 +614,7 @@ def _lm_matches_reference(
         tied = ref.get_output_embeddings().weight is ref.get_input_embeddings().weight
         assert (head.weight is embedding.weight) == tied, "tying changed"
 
-    ids = token_ids()
+    ids = token_ids()[:, :length]
     if type(ref).__name__ == "ViTForImageClassification":  # one class per image
         pixels, labels = images()
         ref_logits = ref(pixels).logits
@@ -1749,7 +1759,7 @@ def _mlp_matches_reference(ctx: ParallelContext) -> int:
     if ctx.config.tensor_mode in ("2d", "2.5d", "3d"):  # every activation is split there
         attention = nn.MultiheadAttention(16, 4, batch_first=True)
         left_out = nn.Sequential(nn.Linear(16, 16), attention, nn.Linear(16, 32), nn.Linear(32, 16))
-        with pytest.raises(ValueError, match=r"\['1'\] hold weight matrices but are not in the"):
+        with pytest.raises(ValueError, match=r"\['1'\] hold parameters but are not in the"):
             parallelize(left_out, {"0": "dense", "2": "col", "3": "row"}, context=ctx)
     return checked + _dispatching_listing_1(ctx)
 
@@ -2030,8 +2040,25 @@ def _errors() -> list[str]:
         linear_first = nn.Sequential(nn.Linear(16, 16), *list(block)[1:])
         expect(
             ValueError,
-            r"\['0'\] hold weight matrices but are not in the user plan",
+            r"\['0'\] hold parameters but are not in the user plan",
             lambda: parallelize(linear_first, {"1": "col", "3": "row"}, context=sp),
+        )
+        # a block's own scale: its module computes plain, each rank on its tokens
+        expect(
+            ValueError,
+            r"\['0'\] hold parameters but are not in the user plan",
+            lambda: parallelize(
+                nn.Sequential(GatedMLP(16, own_gate=True)),
+                {"*.fc1": "col", "*.fc2": "row"},
+                context=sp,
+            ),
+        )
+        # a gate of its own taking no input: no layout to run it under DTensor with
+        gated = parallelize(GatedMLP(16), {"fc1": "col", "fc2": "row"}, context=sp)
+        expect(
+            ValueError,
+            r"'gate' holds parameters but is not in the plan, and none of its inputs \[\]",
+            lambda: gated(torch.ones(2, 4, 16)),
         )
     finally:
         sp.destroy()
@@ -2148,7 +2175,7 @@ def _own_attention_block() -> nn.Sequential:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 35
+    assert len(results[0]) == 37
 
 
 def _offset_norms() -> int:

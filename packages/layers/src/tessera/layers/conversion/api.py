@@ -36,7 +36,7 @@ from .dropout import install_dropout_streams
 from .encoder_decoder import install_encoder_rows, split_logits_bias
 from .entry_points import install_entry_points
 from .generation import install_generation
-from .left_out import install_left_out
+from .left_out import install_left_out, left_out_modules
 from .mask_rows import install_mask_rows
 from .meta import check_meta_buffers, materialize_whole_modules
 from .model_loss import install_model_loss
@@ -58,6 +58,7 @@ from .sequence import (
     install_sequence_attention,
 )
 from .sequence_positions import forward_takes_positions, install_chunk_positions
+from .structure import holds_matrices
 from .verify import Inputs, check_verify_inputs, verify_conversion, whole_copy
 
 __all__ = [
@@ -127,14 +128,21 @@ def _modes_with_whole_activations() -> list[str]:
 
 
 def _check_no_plain_parameters(
-    model: nn.Module, span: set[str], plan: Plan, mode: str, *, sequence_parallel: bool
+    model: nn.Module,
+    span: set[str],
+    plan: Plan,
+    roles: Mapping[str, str],
+    mode: str,
+    *,
+    sequence_parallel: bool,
 ) -> None:
-    """Where activations are split, no module the plan left out may hold weight matrices.
+    """Where activations are split, no module the plan left out may hold parameters.
 
-    One holding only scales and offsets (a norm, a layer scale) runs under DTensor, its
-    parameters replicated (:mod:`.left_out`), where the mode states the layout of its
-    activations (``ModeLayers.activation_cuts``); under a mode that states none, it is
-    refused too.
+    But a module left out whole (no role at, above or below it) holding only scales and
+    offsets (a norm, a layer scale): it runs under DTensor, its parameters replicated
+    (:mod:`.left_out`), where the mode states the layout of its activations
+    (``ModeLayers.activation_cuts``). A parameter of a module with converted children (a
+    block's own ``gamma``) is refused: its module computes plain.
 
     Under 1D sequence parallelism (inside the span) a module left out computes on
     ``[b, s/p, h]`` and gets a partial gradient nobody sums: the replicas would drift apart.
@@ -147,29 +155,29 @@ def _check_no_plain_parameters(
     """
     layers = find_mode_layers(mode)
     placed = layers is not None and layers.activation_cuts is not None
+    _, holding = left_out_modules(model, roles)
+    # run under DTensor, their parameters replicated (left_out.py)
+    scales = [n for n in holding if not holds_matrices(model.get_submodule(n))] if placed else []
     plain = sorted(
         name
         for name, module in model.named_modules()
         if name in span
-        and any(
-            get_shard_info(p) is None and (p.dim() >= 2 or not placed)
-            for p in module.parameters(recurse=False)
-        )
+        and not any(name == s or name.startswith(f"{s}.") for s in scales)
+        and any(get_shard_info(p) is None for p in module.parameters(recurse=False))
     )
     # the outermost ones: "1" rather than "1" and "1.out_proj"
     plain = [n for n in plain if not any(n.startswith(o + ".") for o in plain)]
     if not plain:
         return
     more = f" and {len(plain) - 4} more" if len(plain) > 4 else ""
-    what = "weight matrices" if placed else "parameters"
     if sequence_parallel:
         raise ValueError(
-            f"parallelize with 1d sequence parallelism: {plain[:4]}{more} hold {what} but "
+            f"parallelize with 1d sequence parallelism: {plain[:4]}{more} hold parameters but "
             f"are not in the {plan.name}; inside the sequence span each rank sees only its "
             "tokens, so name them ('col', 'row', 'norm', ...)"
         )
     raise ValueError(
-        f"parallelize under tensor mode {mode!r}: {plain[:4]}{more} hold {what} but are "
+        f"parallelize under tensor mode {mode!r}: {plain[:4]}{more} hold parameters but are "
         f"not in the {plan.name}; under {mode!r} every activation is a block of rows and "
         "features, which a module left out would read as whole ones. Name them with a role "
         "('col', 'row', 'embedding', 'attention', ...), or use tensor mode '1d', which keeps "
@@ -400,10 +408,12 @@ def _convert(
     _retie(model, replaced)
     materialize_whole_modules(model, ctx.device, seed=ctx.base_seed)
     if sequence_parallel:
-        _check_no_plain_parameters(model, span, chosen, mode, sequence_parallel=True)
+        _check_no_plain_parameters(model, span, chosen, roles, mode, sequence_parallel=True)
     elif kind.splits_activations:
         everything = {n for n, _ in model.named_modules()}
-        _check_no_plain_parameters(model, everything, chosen, mode, sequence_parallel=False)
+        _check_no_plain_parameters(
+            model, everything, chosen, roles, mode, sequence_parallel=False
+        )
     if not any(
         (info := get_shard_info(p)) is not None and info.is_sharded for p in model.parameters()
     ):

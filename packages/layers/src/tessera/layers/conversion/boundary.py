@@ -29,7 +29,6 @@ from torch import nn
 
 from tessera.context import ParallelContext, ParallelMode, TensorMode
 
-from ..comm.collectives import check_divisible
 from ..comm.ops import gather_along_dim, split_along_dim
 from ..cube.embedding import Embedding3D
 from ..cube.layout import LAYOUT_ATTR, mark_layout
@@ -44,6 +43,7 @@ from .model_loss import MODEL_LOSS_ATTR
 from .plan import Plan
 from .sequence import KEY_PADDING_ATTRIBUTE, KeyPadding
 from .sequence_positions import forward_takes_positions
+from .token_padding import TOKEN_COUNT_ATTR, TokenCount, pad_rows_inside, pad_tokens, strip_tokens
 
 __all__ = ["causal_lm_loss", "gather_logits", "install_boundary", "token_loss"]
 
@@ -188,6 +188,7 @@ def install_boundary(
 
     splits_tokens = sequence_parallel or kind.splits_sequence
     takes_positions = forward_takes_positions(model)
+    count = TokenCount() if sequence_parallel else None  # the span's length before padding
 
     def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if splits_tokens and _wants_router_logits(module, kwargs):
@@ -217,7 +218,10 @@ def install_boundary(
                 )
             if kind.splits_sequence:
                 return None  # the model is its own token span (below)
-            return (split_activation(args[0], context), *args[1:]), kwargs
+            x = args[0]
+            if count is not None:  # 1D sequence parallelism: padded to equal chunks
+                x = pad_tokens(x, context.get_world_size(ParallelMode.PARALLEL_1D), count)
+            return (split_activation(x, context), *args[1:]), kwargs
         if plan.boundary == "images":
             token_span = getattr(module, TOKEN_SPAN_ATTRIBUTE, None)
             if isinstance(token_span, TokenSpan) and token_span.staged:
@@ -271,7 +275,8 @@ def install_boundary(
 
         def after(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             if isinstance(output, torch.Tensor):
-                return gather_activation(output, context)
+                whole = gather_activation(output, context)
+                return whole if count is None else strip_tokens(whole, count)
             if split:  # its blocks would reach the caller as if they were whole
                 raise ValueError(
                     f"{type(module).__name__} parallelized with a features plan under tensor "
@@ -281,8 +286,8 @@ def install_boundary(
             return output
 
         model.register_forward_hook(after)
-    if sequence_parallel:
-        _install_sequence_span(model, plan.sequence_span, attention, context)
+    if count is not None:
+        _install_sequence_span(model, plan.sequence_span, attention, context, count)
     # A bare model (BertModel, ViTModel); under 'sequence' an image model's span gathers already
     images = plan.boundary == "images" and not kind.splits_sequence
     whole_already = kind.replicated_activations  # 1D (its span gathers the sequence)
@@ -362,10 +367,13 @@ def _install_sequence_span(
     span: tuple[str, str] | None,
     attention: tuple[str, ...],
     context: ParallelContext,
+    count: TokenCount,
 ) -> None:
     """Split the sequence at the input of ``span[0]``, gather it at the output of ``span[1]``.
 
-    A features plan has no span (the boundary splits the input itself).
+    A features plan has no span (the boundary splits the input itself). A sequence the ranks
+    do not divide is padded at the split and stripped at the gather and inside attention
+    (:mod:`.token_padding`); ``count`` holds its length.
 
     An attention module inside the span gets its input gathered whole: transformers' attention
     reshapes q, k and v by its *input's* length (Llama's ``hidden_states.shape[:-1]``), so it
@@ -378,11 +386,13 @@ def _install_sequence_span(
 
     def whole(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         x, replace = _hidden_states(args, kwargs, type(module).__name__)
-        return replace(gather_along_dim(x, 1, group))  # [b, s, h]
+        return replace(strip_tokens(gather_along_dim(x, 1, group), count))  # [b, s, h]
 
     for name in attention:
         module = model.get_submodule(name)
+        pad_rows_inside(module, world)  # its output projection scatters the sequence again
         if getattr(module, "_tessera_gathers_own_sequence", False):  # multihead.py's: q, k, v
+            setattr(module, TOKEN_COUNT_ATTR, count)
             continue
         module.register_forward_pre_hook(whole, with_kwargs=True)
     if span is None:
@@ -391,21 +401,21 @@ def _install_sequence_span(
 
     def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         x, replace = _hidden_states(args, kwargs, span[0])
-        check_divisible(
-            x.shape[1], world, f"sequence parallelism: dim 1 (sequence) of {list(x.shape)}"
-        )
-        chunk = split_along_dim(x, 1, group)  # [b, s/p, h]
+        chunk = split_along_dim(pad_tokens(x, world, count), 1, group)  # [b, ceil(s/p), h]
         setattr(chunk, LAYOUT_MARK, "activation")  # the span's layout, for modules left out
         return replace(chunk)
 
+    def gathered(x: torch.Tensor) -> torch.Tensor:
+        return strip_tokens(gather_along_dim(x, 1, group), count)  # [b, s, h]
+
     def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if isinstance(output, torch.Tensor):
-            return gather_along_dim(output, 1, group)  # [b, s, h]
+            return gathered(output)
         if isinstance(getattr(output, "last_hidden_state", None), torch.Tensor):
-            output.last_hidden_state = gather_along_dim(output.last_hidden_state, 1, group)
+            output.last_hidden_state = gathered(output.last_hidden_state)
             return output
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            return (gather_along_dim(output[0], 1, group), *output[1:])
+            return (gathered(output[0]), *output[1:])
         raise ValueError(
             f"sequence parallelism: {span[1]!r} returned {type(output).__name__}; the end of a "
             "sequence_span must return the hidden states (or a tuple or model output holding "

@@ -653,6 +653,7 @@ def _timm_vit(prefix: str, causal_lm: bool) -> Plan:
         sequence_span=(f"{prefix}blocks.0", f"{prefix}norm"),
         causal_lm=True,  # the head's logits come back split, not gathered as hidden states
         name="timm ViT classifier",
+        optional=_timm_optional(f"{prefix}blocks.*"),
     )
 
 
@@ -680,7 +681,17 @@ def _timm_blocks(prefix: str, causal_lm: bool) -> Plan:
     converted part by part (:mod:`.parts`), its blocks split, the code around them whole.
     """
     del causal_lm  # blocks alone have no head
-    return Plan(_timm_block_rules(f"{prefix}*"), boundary="features", name="timm ViT blocks")
+    return Plan(
+        _timm_block_rules(f"{prefix}*"),
+        boundary="features",
+        name="timm ViT blocks",
+        optional=_timm_optional(f"{prefix}*"),
+    )
+
+
+def _timm_optional(block: str) -> tuple[str, ...]:
+    """The rules of a timm ``Block`` its releases before q/k norms lack (``qk_norm``)."""
+    return (f"{block}.attn.q_norm", f"{block}.attn.k_norm")
 
 
 def _timm_block(module: nn.Module) -> bool:

@@ -306,7 +306,8 @@ class _Placer:
             )
             first = first or (layout, x.dim())
         if first is None:
-            self.entered.append(None)
+            self.entered.append(None)  # leave() pops it, also after the error below
+            self._check_no_parameters_on_split_activations(module, args)
             return None
         from torch.distributed.tensor.experimental import implicit_replication
 
@@ -318,6 +319,28 @@ class _Placer:
             entry.whole.__enter__()
         self.entered.append(entry)
         return tree_unflatten(flat, spec)
+
+    def _check_no_parameters_on_split_activations(self, module: nn.Module, args: Any) -> None:
+        """Raise where a module holding parameters runs plain while activations are split.
+
+        None of its inputs has a layout tessera knows (a view the model made of a split
+        activation, or no input at all: a gate it returns for the model's own code to apply).
+        Its parameters would then meet this rank's part of the activations as plain tensors,
+        each rank computing a part of their gradient that nothing sums.
+        """
+        held = [p for p in module.parameters() if p.requires_grad]
+        whole = all(p.is_replicate() for p in self.placements("activation", 3))
+        if not held or whole:
+            return
+        shapes = [list(x.shape) for x in tree_flatten(args)[0] if isinstance(x, torch.Tensor)]
+        raise ValueError(
+            f"parallelize: {self.name!r} holds parameters but is not in the plan, and none of "
+            f"its inputs {shapes} is a tensor whose layout tessera knows (an activation a "
+            "converted module returned, as it returned it), so it cannot run under DTensor: "
+            "its parameters would meet this rank's part of the split activations and each "
+            "rank would compute a part of their gradient; call it on the activation itself, "
+            "or give it a role"
+        )
 
     def refuse_split(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         """Raise where a module with weight matrices no plan converts takes a split tensor."""

@@ -34,6 +34,7 @@ from tessera.context import ParallelContext, ParallelMode, find_tensor_mode
 from ..comm.ops import gather_along_dim
 from ..sequence.attention import additive_mask, attend_over_sequence
 from ..shared.mode_layers import find_mode_layers
+from .token_padding import TOKEN_COUNT_ATTR, strip_tokens
 
 __all__ = ["HeadsAttention", "install_heads_attention", "install_memory_split"]
 
@@ -216,6 +217,9 @@ class HeadsAttention(nn.Module):
         if self._sequence_parallel:  # the span split dim 1: attention needs it whole
             group = self._group()
             query = gather_along_dim(query, 1, group)
+            count = getattr(self, TOKEN_COUNT_ATTR, None)  # the span's padding (token_padding)
+            if count is not None:
+                query = strip_tokens(query, count)
             if self_attention:  # cross-attention's keys (an encoder's output) come whole
                 key = value = query
         if not self.batch_first:  # [s, b, h] -> [b, s, h]
