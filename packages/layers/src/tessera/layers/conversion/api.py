@@ -411,9 +411,7 @@ def _convert(
         _check_no_plain_parameters(model, span, chosen, roles, mode, sequence_parallel=True)
     elif kind.splits_activations:
         everything = {n for n, _ in model.named_modules()}
-        _check_no_plain_parameters(
-            model, everything, chosen, roles, mode, sequence_parallel=False
-        )
+        _check_no_plain_parameters(model, everything, chosen, roles, mode, sequence_parallel=False)
     if not any(
         (info := get_shard_info(p)) is not None and info.is_sharded for p in model.parameters()
     ):
