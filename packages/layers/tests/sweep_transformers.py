@@ -118,8 +118,9 @@ def _words(error: BaseException) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())[:240]}"
 
 
-def sweep(kinds: list[str], tensor: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """On every rank: ``(type, outcome, why)`` for each of ``kinds`` under ``tensor``."""
+def sweep(kinds: list[str], tensor: dict[str, Any], length: int) -> list[tuple[str, str, str]]:
+    """On every rank: ``(type, outcome, why)`` for each of ``kinds`` under ``tensor``, each
+    row ``length`` tokens long."""
     import test_parallelize as checks
 
     logging.disable(logging.WARNING)
@@ -134,7 +135,7 @@ def sweep(kinds: list[str], tensor: dict[str, Any]) -> list[tuple[str, str, str]
                 found.append((kind, "no build", _words(error)))
                 continue
             try:
-                checks._lm_matches_reference(model, ctx)
+                checks._lm_matches_reference(model, ctx, length=length)
                 found.append((kind, "OK", ""))
             except AssertionError as error:
                 found.append((kind, "DIFFERS", _words(error)))
@@ -150,11 +151,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("types", nargs="*", help="model types (default: every causal LM's)")
     parser.add_argument("--tensor", default='{"size": 2, "mode": "1d"}', help="the tensor block")
+    parser.add_argument("--length", type=int, default=8, help="tokens per row (at most 8)")
     args = parser.parse_args()
     tensor = json.loads(args.tensor)
     kinds = args.types or causal_lm_types()
     with DistributedRunner(timeout=60.0 * len(kinds) + 60) as runner:
-        (rows, *_) = runner.run(sweep, world_size=tensor["size"], args=(kinds, tensor))
+        (rows, *_) = runner.run(sweep, world_size=tensor["size"], args=(kinds, tensor, args.length))
     for kind, outcome, why in rows:
         print(f"{outcome:9} {kind:28} {why}")
     counts = {o: sum(r[1] == o for r in rows) for o in ("OK", "refused", "DIFFERS", "no build")}

@@ -543,11 +543,46 @@ def _timm_vit_variant_matches_reference(ctx: ParallelContext) -> float:
     return round(float(loss.detach()), 5)
 
 
+def _timm_vit_stages_match_reference(ctx: ParallelContext) -> float:
+    """timm's ViT under its family's plan as pipeline layers (``pipeline_layers``): the first
+    stage runs its patch embedding and adds its tokens and positions, the last its final norm
+    and ``forward_head`` (the mean token, a layer scale and q/k norms in the blocks). Logits,
+    loss and every gradient are one process's; under 'sequence' (its blocks take no mask of
+    the padded chunks) and where the model was converted part by part, refused by name."""
+    from hf_models import timm_vit
+
+    ref = timm_vit(global_pool="avg", init_values=0.5, qk_norm=True)
+    model = parallelize(copy.deepcopy(ref), context=ctx)
+    kind = ctx.config.mode
+    assert kind is not None
+    if kind.splits_sequence:
+        with pytest.raises(ValueError, match="its blocks take no mask of that padding"):
+            pipeline_layers(model)
+        return 0.0
+    layers = pipeline_layers(model)
+    assert sorted(set(original_names(layers, model).values())) == sorted(
+        n for n, _ in model.named_parameters()
+    )
+    pixels, labels = images()
+    ref_logits = ref(pixels)
+    logits = layers(pixels)
+    torch.testing.assert_close(gather_logits(logits, context=ctx), ref_logits.detach(), **TOL)
+    loss = token_loss(logits, labels, context=ctx)
+    F.cross_entropy(ref_logits, labels).backward()
+    loss.backward()
+    _assert_grads_are_one_process(model, ref, ctx)
+    in_parts = parallelize(timm_vit(class_token=False, global_pool="avg"), context=ctx)
+    with pytest.raises(ValueError, match="was converted part by part"):
+        pipeline_layers(in_parts)
+    return round(float(loss.detach()), 5)
+
+
 def _vision_transformers_match_reference(ctx: ParallelContext) -> list[float]:
     return [
         _timm_vit_matches_reference(ctx),
         _timm_vit_variant_matches_reference(ctx),
         _torchvision_vit_matches_reference(ctx),
+        _timm_vit_stages_match_reference(ctx),
     ]
 
 

@@ -288,6 +288,7 @@ def install_boundary(
         model.register_forward_hook(after)
     if count is not None:
         _install_sequence_span(model, plan.sequence_span, attention, context, count)
+        setattr(model, TOKEN_COUNT_ATTR, count)  # pipeline stages mark it (stages.py)
     # A bare model (BertModel, ViTModel); under 'sequence' an image model's span gathers already
     images = plan.boundary == "images" and not kind.splits_sequence
     whole_already = kind.replicated_activations  # 1D (its span gathers the sequence)

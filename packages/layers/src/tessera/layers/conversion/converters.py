@@ -1056,7 +1056,7 @@ class Converter:
             load_full_state_dict(inner, whole, strict=False)
         for key, p in timm_params.items():
             _tensor(inner, key).requires_grad_(p.requires_grad)
-        adapter = TimmEmbeddingAdapter(inner, owner, bias)
+        adapter = TimmEmbeddingAdapter(inner, owner, bias, (sizes[0], sizes[0]))
         adapter.train(module.training)
         return adapter
 

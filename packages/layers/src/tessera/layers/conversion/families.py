@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple
 
+import torch
 from torch import nn
 
 from .converters import is_conv1d
@@ -66,6 +67,15 @@ class StageLayout:
         alibi: What each block takes as ``alibi``: ``"built"``, the ALiBi bias of every head,
             which the base model builds from the padding mask (BLOOM; ``build_alibi_tensor``);
             ``"none"``, ``None`` (Falcon with rotary positions); ``None``: no such argument.
+        own_parameters: Parameters the base model holds itself that the first stage computes
+            with (timm's class token and positions), held by that stage.
+        head_modules: Base-model modules the head's code calls besides ``final`` and ``head``
+            (timm's ``fc_norm``), those the model has.
+        embed_code: What the base model's forward does from its input to the first block,
+            given the base model and the (split) input; ``None``: its ``embeds`` in order.
+        head_code: What it does after ``final`` (a pooling, then the head), given the base
+            model and the hidden states; ``None``: the head on the first token (a ViT's class
+            token) or on every token.
     """
 
     name: str
@@ -78,17 +88,22 @@ class StageLayout:
     mask: Literal["causal", "bidirectional"] | None
     rotary: str | None = None
     alibi: Literal["built", "none"] | None = None
+    own_parameters: tuple[str, ...] = ()
+    head_modules: tuple[str, ...] = ()
+    embed_code: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    head_code: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
 
     def fits(self, model: nn.Module) -> bool:
         """Whether ``model`` holds every module this family names."""
-        inner = getattr(model, self.inner, None)
+        inner = getattr(model, self.inner, None) if self.inner else model
         if not isinstance(inner, nn.Module) or not isinstance(
             getattr(model, self.head, None), nn.Module
         ):
             return False
         rotary = (self.rotary,) if self.rotary else ()
         found = dict(inner.named_modules(remove_duplicate=False))
-        return isinstance(self.blocks_of(inner), nn.ModuleList) and all(
+        blocks = self.blocks_of(inner)
+        return isinstance(blocks, nn.ModuleList | nn.Sequential) and all(
             n in found for n in (*self.embeds, *self.final, *rotary)
         )
 
@@ -694,6 +709,25 @@ def _timm_optional(block: str) -> tuple[str, ...]:
     return (f"{block}.attn.q_norm", f"{block}.attn.k_norm")
 
 
+def _timm_embed(model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """The part of timm's ``forward_features`` before its blocks: patches, tokens, positions."""
+    x = model.get_submodule("patch_embed")(pixels)
+    x = model._pos_embed(x)  # type: ignore[operator]  # a method of the model's own
+    x = model.get_submodule("patch_drop")(x)
+    out: torch.Tensor = model.get_submodule("norm_pre")(x)
+    return out
+
+
+def _timm_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """What timm's ``forward_head`` does: pooling (class token, mean, attention), norm, head.
+
+    Called on the class, not the instance: ``parallelize`` guards the instance's entry points
+    against calls from outside its own forward (entry_points.py), which a stage is not.
+    """
+    out: torch.Tensor = type(model).forward_head(model, hidden)  # type: ignore[attr-defined]
+    return out
+
+
 def _timm_block(module: nn.Module) -> bool:
     """A block of timm's ``VisionTransformer``: its ``Attention`` and its plain ``Mlp``.
 
@@ -1028,6 +1062,20 @@ MODEL_FAMILIES: tuple[ModelFamily, ...] = (
         "timm ViT",
         marker=Marker("blocks.0", _timm_block, _timm_vit),
         stack_marker=Marker("0", _timm_block, _timm_blocks),
+        stages=StageLayout(
+            name="timm ViT classifier",
+            inner="",
+            embeds=("patch_embed", "pos_drop", "patch_drop", "norm_pre"),
+            blocks=("blocks",),
+            final=("norm",),
+            head="head",
+            inputs="images",
+            mask=None,
+            own_parameters=("cls_token", "reg_token", "pos_embed"),
+            head_modules=("fc_norm", "head_drop", "attn_pool"),
+            embed_code=_timm_embed,
+            head_code=_timm_head,
+        ),
     ),
     ModelFamily("BART", plans={"BartForConditionalGeneration": _bart()}),
     ModelFamily(

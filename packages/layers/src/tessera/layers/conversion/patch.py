@@ -283,10 +283,16 @@ class TimmEmbeddingAdapter(nn.Module):
         inner: The mode's patch embedding.
         owner: The timm ``VisionTransformer``.
         bias: Whether the convolution had a bias.
+        img_size: The images it takes, as timm's ``PatchEmbed`` says (``pipeline_layers``'
+            probe reads it; ``forward_intermediates``, which would read it too, runs only where
+            its numbers are one process's: :mod:`.entry_points`).
     """
 
-    def __init__(self, inner: nn.Module, owner: nn.Module, bias: bool) -> None:
+    def __init__(
+        self, inner: nn.Module, owner: nn.Module, bias: bool, img_size: tuple[int, int]
+    ) -> None:
         super().__init__()
+        self.img_size = img_size
         self._inner = [inner]  # not a child: its parameters are registered below, once each
         self._owner = [owner]  # not a child either: it is the parent
         self._bias = bias

@@ -16,7 +16,9 @@ head]``, holding the model's own modules (the parameters are the same tensors):
 
 Families, found by their modules: Llama-style causal LMs (Llama, Mistral, Qwen2), GPT-2,
 BLOOM (each block gets the ALiBi bias of every head, built from the padding mask), Falcon,
-BERT's masked LM and the ViT classifier. A family member may do more in its forward than its
+BERT's masked LM, the ViT classifier and timm's ViT (whose own code around its modules, the
+tokens and positions it adds, its pooling, the family's record gives: ``StageLayout``).
+A family member may do more in its forward than its
 modules do; what the stages know of is done as the model does it (a block's sliding window,
 from ``config.layer_types`` or ``config.sliding_window``; Granite's embedding and logit
 multipliers, Cohere's logit scale, Gemma 2's soft cap of the logits), and anything else is
@@ -63,11 +65,12 @@ from ..comm.ops import gather_along_dim
 from ..dispatch.activations import split_batch
 from ..sequence.replicated import split_sequence_activation
 from ..state.pretrained import mark_pretrained_source
-from .api import CONTEXT_ATTR, SEQUENCE_SPAN_ATTR
+from .api import CONTEXT_ATTR, PARALLELIZED_ATTR, SEQUENCE_SPAN_ATTR
 from .boundary import TOKEN_SPAN_ATTRIBUTE, TokenSpan, rank_rows, split_tokens
 from .dropout import fork_each_layer
 from .families import STAGE_FAMILIES, StageLayout
 from .sequence import key_mask_for_attention
+from .token_padding import TOKEN_COUNT_ATTR, TokenCount
 
 __all__ = ["original_names", "pipeline_layers"]
 
@@ -105,6 +108,11 @@ class EmbedStage(nn.Module):
         super().__init__()
         self.family = family
         _adopt(self, inner, family.embeds)
+        for name in family.own_parameters:  # timm's class token and positions
+            held = inner._parameters.get(name)
+            if held is not None:
+                self.register_parameter(name, held)
+        self._inner = [inner]  # the model's own code (embed_code) reads it; not a child
         self._context = [context]  # not a module attribute torch would traverse
         mode = None if context is None else context.config.mode  # looked up once, not per call
         #: Whether the mode splits the sequence's tokens, or the batch's rows (mesh and cube).
@@ -125,11 +133,10 @@ class EmbedStage(nn.Module):
             pixels = inputs if isinstance(inputs, torch.Tensor) else inputs["pixel_values"]
             if tokens_split:  # every rank embeds the whole images, keeps its tokens
                 assert context is not None
-                return self._token_chunk(self.get_submodule("embeddings")(pixels), context)
+                return self._token_chunk(self._embed_images(pixels), context)
             if splitting is not None:
                 pixels = split_batch(pixels, splitting)  # [b', C, H, W]: this rank's images
-            out: torch.Tensor = self.get_submodule("embeddings")(pixels)
-            return out
+            return self._embed_images(pixels)
         given = {"input_ids": inputs} if isinstance(inputs, torch.Tensor) else dict(inputs)
         unknown = sorted(set(given) - {"input_ids", "attention_mask", "token_type_ids"})
         if unknown or "input_ids" not in given:
@@ -153,6 +160,13 @@ class EmbedStage(nn.Module):
             return hidden
         mask = local.get("attention_mask")  # [b', s]; under 3d None when nothing is padded
         return hidden, torch.ones_like(ids) if mask is None else mask
+
+    def _embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``[b', C, H, W]`` -> ``[b', s, h']``: the family's code, or its ``embeddings``."""
+        if self.family.embed_code is not None:
+            return self.family.embed_code(self._inner[0], pixels)
+        out: torch.Tensor = self.get_submodule("embeddings")(pixels)
+        return out
 
     @staticmethod
     def _token_chunk(tokens: torch.Tensor, context: ParallelContext) -> Carried:
@@ -419,6 +433,9 @@ class HeadStage(nn.Module):
         self._config = getattr(inner, "config", None)
         self._final = _adopt(self, inner, family.final)
         self.add_module(family.head, head)
+        found = dict(inner.named_modules())
+        _adopt(self, inner, tuple(name for name in family.head_modules if name in found))
+        self._inner = [inner]  # the model's own code (head_code) reads it; not a child
         self._ring = [ring]  # not a module attribute torch would traverse
 
     def forward(self, carried: Carried) -> torch.Tensor:
@@ -432,6 +449,8 @@ class HeadStage(nn.Module):
             # does (its backward reduce-scatters; every rank's loss is the whole batch's)
             group = ring.get_group(ParallelMode.SEQUENCE)
             hidden = gather_along_dim(hidden, 1, group, partial_grad=True)  # [b, s + pad, h]
+        if self.family.head_code is not None:  # timm's pooling, fc_norm and head
+            return self.family.head_code(self._inner[0], hidden)
         if self.family.inputs == "images":
             hidden = hidden[:, 0, :]  # [b', h']: the class token
         out: torch.Tensor = self.get_submodule(self.family.head)(hidden)
@@ -461,8 +480,8 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
 
     Args:
         model: A Llama-style causal LM (Llama, Mistral, Qwen2), ``GPT2LMHeadModel``,
-            ``BloomForCausalLM``, ``FalconForCausalLM``, ``BertForMaskedLM`` or
-            ``ViTForImageClassification``;
+            ``BloomForCausalLM``, ``FalconForCausalLM``, ``BertForMaskedLM``,
+            ``ViTForImageClassification`` or timm's ``VisionTransformer``;
             ``parallelize`` it first for tensor parallelism.
         context: The ParallelContext (default: the model's, from ``parallelize``, else none).
 
@@ -493,7 +512,15 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
     _check_mode(ctx, family)
     inner = model.get_submodule(family.inner)
     blocks = family.blocks_of(inner)
-    assert isinstance(blocks, nn.ModuleList)  # family.fits
+    assert isinstance(blocks, nn.ModuleList | nn.Sequential)  # family.fits
+    if getattr(blocks, PARALLELIZED_ATTR, None) is not None and blocks is not model:
+        raise ValueError(
+            f"pipeline_layers ({family.name}): {type(model).__name__} was converted part by "
+            "part (parallelize found no plan for the whole of it: its embedding or pooling is "
+            "not the family's), its blocks as one part, which splits and gathers at its own "
+            "call; the stages call each block alone. Use it without a pipeline, or convert "
+            "a model the family's plan takes"
+        )
     split = _sequence_split(model, family, blocks, ctx)
     mode = None if ctx is None else ctx.config.mode
     ring = ctx if mode is not None and mode.splits_sequence else None
@@ -508,10 +535,13 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
     probe = (
         None if any(p.is_meta for p in model.parameters()) else _probe_inputs(model, family, ctx)
     )
-    want = None if probe is None else _quietly(model, lambda: model(probe).logits)
+    want = None if probe is None else _quietly(model, lambda: _logits(model(probe)))
     token_span = getattr(model, TOKEN_SPAN_ATTRIBUTE, None)
     if isinstance(token_span, TokenSpan):  # the stages split a ViT's tokens from now on
         token_span.staged = True
+    count = getattr(model, TOKEN_COUNT_ATTR, None)
+    if isinstance(count, TokenCount):  # later stages cannot know a padding the first added
+        count.staged = True
     sequential = nn.Sequential(OrderedDict(layers))
     _mark_tied(sequential, model)
     _mark_original_names(sequential, model)
@@ -541,7 +571,7 @@ def _probe_inputs(
     g = torch.Generator().manual_seed(0)
     weight = next(model.parameters())
     if family.inputs == "images":
-        size, channels = int(config.image_size), int(config.num_channels)  # type: ignore[union-attr]
+        size, channels = _image_size(model)
         pixels = torch.randn(ranks, channels, size, size, generator=g)
         return pixels.to(weight.device, weight.dtype)
     longest = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 0)
@@ -553,6 +583,22 @@ def _probe_inputs(
         length = ranks
     vocab = int(config.vocab_size)  # type: ignore[union-attr]
     return torch.randint(0, vocab, (ranks, length), generator=g).to(weight.device)
+
+
+def _image_size(model: nn.Module) -> tuple[int, int]:
+    """``(side, channels)`` of the images ``model`` takes: its config's, or timm's embedding's."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        return int(config.image_size), int(config.num_channels)
+    embedding = model.get_submodule("patch_embed")
+    channels = embedding.get_submodule("proj").get_parameter("weight").shape[1]
+    return int(embedding.img_size[0]), int(channels)  # type: ignore[index]
+
+
+def _logits(output: Any) -> torch.Tensor:
+    """A model's logits: transformers' output's ``logits``, or the tensor timm returns."""
+    logits: torch.Tensor = output if isinstance(output, torch.Tensor) else output.logits
+    return logits
 
 
 def _quietly(model: nn.Module, run: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -636,10 +682,20 @@ def _check_mode(ctx: ParallelContext | None, family: StageLayout) -> None:
             f"pipeline_layers: tensor mode {mode!r} is not one the pipeline stages can carry; "
             f"use one of {[m for m in STAGE_MODES if m is not None]}"
         )
+    kind = None if ctx is None else ctx.config.mode
+    if family.embed_code is not None and kind is not None and kind.splits_sequence:
+        raise ValueError(
+            f"pipeline_layers ({family.name}) under tensor mode {mode!r}: the stages would carry "
+            "each rank's chunk of the tokens, padded where the ranks do not divide them, and "
+            "its blocks take no mask of that padding; use another tensor mode for its pipeline"
+        )
 
 
 def _sequence_split(
-    model: nn.Module, family: StageLayout, blocks: nn.ModuleList, ctx: ParallelContext | None
+    model: nn.Module,
+    family: StageLayout,
+    blocks: nn.ModuleList | nn.Sequential,
+    ctx: ParallelContext | None,
 ) -> int:
     """How many ranks split the sequence between blocks (1D sequence parallelism), else 1.
 
@@ -656,8 +712,9 @@ def _sequence_split(
         return 1
     modules = dict(model.named_modules())
     inner = model.get_submodule(family.inner)
-    last = inner.get_submodule(family.final[-1]) if family.final else blocks[-1]
-    if modules.get(span[0]) is not blocks[0] or modules.get(span[1]) is not last:
+    listed = list(blocks)
+    last = inner.get_submodule(family.final[-1]) if family.final else listed[-1]
+    if modules.get(span[0]) is not listed[0] or modules.get(span[1]) is not last:
         raise ValueError(
             f"pipeline_layers: {type(model).__name__} splits the sequence from {span[0]!r} to "
             f"{span[1]!r} (1D sequence parallelism), which its stages cannot follow: they need "

@@ -40,20 +40,34 @@ TOKEN_COUNT_ATTR = "_tessera_token_count"
 
 @dataclass
 class TokenCount:
-    """The length of the sequence a span split, before its padding (``None``: none yet)."""
+    """The length of the sequence a span split, before its padding (``None``: none yet).
+
+    ``staged``: the model was cut into pipeline layers (``pipeline_layers``), whose later
+    stages, in other processes, never see the length the first recorded.
+    """
 
     tokens: int | None = None
+    staged: bool = False
 
 
 def pad_tokens(x: torch.Tensor, ranks: int, count: TokenCount) -> torch.Tensor:
     """``x [b, s, ...]`` with zero tokens added at the end to a multiple of ``ranks``.
 
     Records ``s`` in ``count``. The backward drops the padding's gradient.
+
+    Raises:
+        ValueError: padding is needed, but the model runs as pipeline stages.
     """
     count.tokens = x.shape[1]
     extra = -x.shape[1] % ranks
     if not extra:
         return x
+    if count.staged:
+        raise ValueError(
+            f"1D sequence parallelism over pipeline stages: {x.shape[1]} tokens do not divide "
+            f"into {ranks} equal chunks, and the stages after the first cannot know a padding "
+            "the first would add; give the stages a sequence length the 1D ranks divide"
+        )
     widths = [0, 0] * (x.dim() - 2) + [0, extra]  # F.pad reads the last dim first
     return F.pad(x, widths)  # [b, p * ceil(s/p), ...]
 
