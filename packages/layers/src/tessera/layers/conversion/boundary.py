@@ -33,7 +33,7 @@ from ..comm.ops import gather_along_dim, split_along_dim
 from ..cube.embedding import Embedding3D
 from ..cube.layout import LAYOUT_ATTR, mark_layout
 from ..dispatch.activations import gather_activation, split_activation, split_batch
-from ..sequence.replicated import split_sequence_activation
+from ..sequence.replicated import TOKENS_BEFORE_PADDING, split_sequence_activation
 from ..shared.context_access import current_or_none, tensor_mode
 from ..shared.errors import ModeNotImplementedError
 from ..shared.mode_layers import MODE_LAYERS, check_targets, find_mode_layers
@@ -111,24 +111,75 @@ def _image_inputs(
     return args, kwargs
 
 
+def _padded_tokens(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    mask: torch.Tensor,
+    extra: int,
+    takes_positions: bool,
+) -> tuple[tuple[Any, ...], dict[str, Any], torch.Tensor]:
+    """The token inputs with ``extra`` padding tokens at the end of each row.
+
+    Ids and token types are padded with 0, the mask with 0 (the padding is no key), positions
+    with each row's last (within any position table); the targets are padded by the loss
+    (``token_loss``), the logits stripped by ``gather_logits``. Causal attention never reads
+    a later position, and bidirectional attention masks the padding, so the real tokens
+    compute as one process's.
+    """
+
+    def pad(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            return x
+        return torch.cat([x, x.new_zeros(x.shape[0], extra)], 1)  # [b, s + extra]
+
+    positions = kwargs.get("position_ids")
+    if not isinstance(positions, torch.Tensor) and takes_positions:  # the whole sequence's
+        positions = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0)
+    if isinstance(positions, torch.Tensor):
+        kwargs["position_ids"] = torch.cat([positions, positions[:, -1:].expand(-1, extra)], 1)
+    for key in BATCH_KWARGS:
+        if key != "attention_mask":
+            kwargs[key] = pad(kwargs.get(key)) if key in kwargs else None
+            if kwargs[key] is None:
+                del kwargs[key]
+    return tuple(pad(a) if i == 0 else a for i, a in enumerate(args)), kwargs, pad(mask)
+
+
 def _sequence_inputs(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     context: ParallelContext,
     owner: str,
     padding: KeyPadding | None,
+    count: TokenCount,
     takes_positions: bool = True,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Tensor mode 'sequence': this rank's chunk of every token, with global positions.
 
     A padding mask goes to the attention layers through ``padding`` (conversion/sequence.py), not
     through transformers. A model whose forward takes no ``position_ids`` gets none; its
-    position tables move their ids to this rank's chunk instead (sequence_positions.py).
+    position tables move their ids to this rank's chunk instead (sequence_positions.py). A
+    sequence the ranks do not divide is padded at its end (:func:`_padded_tokens`); ``count``
+    records its length.
     """
     ids = args[0] if args else kwargs.get("input_ids")
     if not isinstance(ids, torch.Tensor):
         raise ValueError(f"{owner} under tensor mode 'sequence' takes input_ids [b, s]")
     mask = kwargs.pop("attention_mask", None)
+    count.tokens = ids.shape[1]
+    extra = -ids.shape[1] % context.get_world_size(ParallelMode.SEQUENCE)
+    if extra:  # padded at the end, the padding masked as keys
+        if padding is None:
+            raise ValueError(
+                f"{owner} under tensor mode 'sequence': {ids.shape[1]} tokens do not divide "
+                f"into {context.get_world_size(ParallelMode.SEQUENCE)} chunks, and no "
+                "attention converted by parallelize could mask a padding; pad input_ids to a "
+                "multiple of the ranks, with attention_mask 0 there"
+            )
+        if not isinstance(mask, torch.Tensor):
+            mask = torch.ones_like(ids)
+        args, kwargs, mask = _padded_tokens(args, kwargs, mask, extra, takes_positions)
+        ids = args[0] if args else kwargs["input_ids"]  # [b, s + extra]
     if isinstance(mask, torch.Tensor) and not bool(mask.all()):
         if padding is None:
             raise ValueError(
@@ -188,7 +239,8 @@ def install_boundary(
 
     splits_tokens = sequence_parallel or kind.splits_sequence
     takes_positions = forward_takes_positions(model)
-    count = TokenCount() if sequence_parallel else None  # the span's length before padding
+    # the sequence's length before the padding a span (1D) or the boundary ('sequence') adds
+    count = TokenCount() if splits_tokens else None
 
     def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if splits_tokens and _wants_router_logits(module, kwargs):
@@ -233,8 +285,9 @@ def install_boundary(
             return _image_inputs(args, kwargs, context, kind, type(module).__name__)
         if kind.splits_sequence:
             padding = getattr(module, KEY_PADDING_ATTRIBUTE, None)
+            assert count is not None
             return _sequence_inputs(
-                args, kwargs, context, type(module).__name__, padding, takes_positions
+                args, kwargs, context, type(module).__name__, padding, count, takes_positions
             )
         if not splits_batch:
             return None
@@ -286,14 +339,31 @@ def install_boundary(
             return output
 
         model.register_forward_hook(after)
-    if count is not None:
+    if sequence_parallel and count is not None:
         _install_sequence_span(model, plan.sequence_span, attention, context, count)
         setattr(model, TOKEN_COUNT_ATTR, count)  # pipeline stages mark it (stages.py)
+    if kind.splits_sequence and plan.boundary == "tokens" and count is not None:
+        _mark_padded_logits(model, count)
     # A bare model (BertModel, ViTModel); under 'sequence' an image model's span gathers already
     images = plan.boundary == "images" and not kind.splits_sequence
     whole_already = kind.replicated_activations  # 1D (its span gathers the sequence)
     if (plan.boundary == "tokens" or images) and not plan.causal_lm and not whole_already:
-        _install_whole_hidden_states(model, plan, context, kind)
+        _install_whole_hidden_states(model, plan, context, kind, count)
+
+
+def _mark_padded_logits(model: nn.Module, count: TokenCount) -> None:
+    """Mark the logits of a sequence the boundary padded with its length before the padding.
+
+    ``gather_logits`` strips the padding by it; ``token_loss`` pads the targets to match.
+    """
+
+    def mark(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+        if isinstance(logits, torch.Tensor) and count.tokens is not None:
+            setattr(logits, TOKENS_BEFORE_PADDING, count.tokens)
+        return None
+
+    model.register_forward_hook(mark)
 
 
 #: The outputs of a bare model (an encoder or a decoder without its head) gathered whole.
@@ -301,7 +371,11 @@ HIDDEN_OUTPUTS = ("last_hidden_state", "pooler_output")
 
 
 def _install_whole_hidden_states(
-    model: nn.Module, plan: Plan, context: ParallelContext, kind: TensorMode
+    model: nn.Module,
+    plan: Plan,
+    context: ParallelContext,
+    kind: TensorMode,
+    count: TokenCount | None = None,
 ) -> None:
     """A bare model (BertModel, GPT2Model, ...) returns its hidden states whole, every mode.
 
@@ -328,15 +402,19 @@ def _install_whole_hidden_states(
         model.register_forward_hook(gathered)
         return
     group = context.get_group(ParallelMode.SEQUENCE)
+    padded = count if count is not None and plan.boundary == "tokens" else TokenCount()
+
+    def whole_tokens(x: torch.Tensor) -> torch.Tensor:  # [b, s, h], the padding stripped
+        return strip_tokens(gather_along_dim(x, 1, group, partial_grad=True), padded)
 
     def whole_sequence(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if isinstance(output, torch.Tensor):
-            return gather_along_dim(output, 1, group, partial_grad=True)  # [b, s, h]
+            return whole_tokens(output)
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            return (gather_along_dim(output[0], 1, group, partial_grad=True), *output[1:])
+            return (whole_tokens(output[0]), *output[1:])
         value = getattr(output, "last_hidden_state", None)
         if isinstance(value, torch.Tensor):
-            output.last_hidden_state = gather_along_dim(value, 1, group, partial_grad=True)
+            output.last_hidden_state = whole_tokens(value)
         return output
 
     end = model if plan.sequence_span is None else model.get_submodule(plan.sequence_span[1])
@@ -389,9 +467,9 @@ def _install_sequence_span(
         x, replace = _hidden_states(args, kwargs, type(module).__name__)
         return replace(strip_tokens(gather_along_dim(x, 1, group), count))  # [b, s, h]
 
+    pad_rows_inside(model, world)  # attention's output projection scatters the sequence again
     for name in attention:
         module = model.get_submodule(name)
-        pad_rows_inside(module, world)  # its output projection scatters the sequence again
         if getattr(module, "_tessera_gathers_own_sequence", False):  # multihead.py's: q, k, v
             setattr(module, TOKEN_COUNT_ATTR, count)
             continue
@@ -721,4 +799,8 @@ def gather_logits(logits: torch.Tensor, *, context: ParallelContext | None = Non
         layers = find_mode_layers(mode)
         if layers is None or layers.gather_logits is None:
             raise ModeNotImplementedError("gather_logits", mode, _modes_with("gather_logits"))
-        return layers.gather_logits(logits.detach(), ctx)
+        detached = logits.detach()
+        tokens = getattr(logits, TOKENS_BEFORE_PADDING, None)  # 'sequence' padded them
+        if tokens is not None:
+            setattr(detached, TOKENS_BEFORE_PADDING, tokens)
+        return layers.gather_logits(detached, ctx)

@@ -82,8 +82,10 @@ def strip_tokens(x: torch.Tensor, count: TokenCount) -> torch.Tensor:
 def pad_rows_inside(module: nn.Module, ranks: int) -> None:
     """Pad the input of each sequence-parallel row layer in ``module`` to a multiple of ``ranks``.
 
-    The output projection of an attention that stripped the padding: its reduce-scatter cuts
-    the sequence into equal chunks again, the padded tokens' partial sums zero.
+    The output projection of an attention that stripped the padding (inside the attention
+    module, or after it: BERT's ``attention.output.dense``): its reduce-scatter cuts the
+    sequence into equal chunks again, the padded tokens' partial sums zero. The MLP's row
+    layers take the padded sequence already, which the hook leaves as it is.
     """
 
     def pad(layer: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:

@@ -14,7 +14,11 @@ from tessera.context import ModeSequence, ParallelContext, ParallelMode
 
 from ..comm.ops import gather_along_dim
 from ..shared.mode_layers import ModeLayers, check_targets, register_mode_layers
-from .replicated import gather_sequence_activation, split_sequence_activation
+from .replicated import (
+    TOKENS_BEFORE_PADDING,
+    gather_sequence_activation,
+    split_sequence_activation,
+)
 
 __all__ = ["LAYERS_SEQUENCE"]
 
@@ -36,6 +40,10 @@ def _token_loss(
     gradients by N). Only ``"mean"``: the mean already spans the ranks' tokens.
     """
     whole = logits.dim() == 2  # one class per sample: every token read
+    padded = logits.shape[1] * context.get_world_size(ParallelMode.SEQUENCE)
+    if not whole and targets.dim() == 2 and targets.shape[1] < padded:
+        # the boundary padded a sequence the ranks do not divide: its padding predicts nothing
+        targets = F.pad(targets, (0, padded - targets.shape[1]), value=ignore_index)
     local = targets if whole else split_sequence_activation(targets, context)
     check_targets(logits, local, ModeSequence.name)
     flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), local.reshape(-1)
@@ -57,7 +65,9 @@ def _token_loss(
 def _gather_logits(logits: torch.Tensor, context: ParallelContext) -> torch.Tensor:
     if logits.dim() == 2:
         return logits  # [b, C]: an image classifier's, whole on every rank
-    return gather_along_dim(logits, 1, context.get_group(ParallelMode.SEQUENCE))
+    whole = gather_along_dim(logits, 1, context.get_group(ParallelMode.SEQUENCE))
+    tokens = getattr(logits, TOKENS_BEFORE_PADDING, None)  # the boundary's padding, stripped
+    return whole if tokens is None else whole[:, :tokens]
 
 
 #: The sequence mode's activation maps and loss; its builders are dispatch/cube_sequence.py's.

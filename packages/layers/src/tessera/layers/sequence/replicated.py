@@ -28,6 +28,7 @@ from ..shared.base import ParallelModule
 from ..shared.shards import shard_info
 
 __all__ = [
+    "TOKENS_BEFORE_PADDING",
     "SequenceAccuracy",
     "gather_sequence_activation",
     "mark_sequence_replicated",
@@ -55,6 +56,10 @@ def mark_sequence_replicated(module: nn.Module, context: ParallelContext) -> nn.
             )
             set_shard_info(param, info)
     return module
+
+
+#: On logits of a sequence the boundary padded to a multiple of the ranks: its length before.
+TOKENS_BEFORE_PADDING = "_tessera_tokens_before_padding"
 
 
 def _check(x: torch.Tensor, context: ParallelContext, what: str) -> int:
