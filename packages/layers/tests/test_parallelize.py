@@ -578,6 +578,14 @@ def _timm_vit_stages_match_reference(ctx: ParallelContext) -> float:
     in_parts = parallelize(timm_vit(class_token=False, global_pool="avg"), context=ctx)
     with pytest.raises(ValueError, match="was converted part by part"):
         pipeline_layers(in_parts)
+    from timm.models.deit import VisionTransformerDistilled
+
+    # its own code reads a distillation token and a second head no stage would hold
+    distilled = VisionTransformerDistilled(
+        img_size=6, patch_size=2, embed_dim=16, depth=1, num_heads=4
+    )
+    with pytest.raises(ValueError, match=r"holds dist_token, head_dist.weight, head_dist.bias"):
+        pipeline_layers(distilled, context=None)
     return round(float(loss.detach()), 5)
 
 

@@ -359,6 +359,8 @@ def _mark_padded_logits(model: nn.Module, count: TokenCount) -> None:
 
     def mark(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            logits = output[0]  # return_dict=False, without labels: the logits first
         if isinstance(logits, torch.Tensor) and count.tokens is not None:
             setattr(logits, TOKENS_BEFORE_PADDING, count.tokens)
         return None

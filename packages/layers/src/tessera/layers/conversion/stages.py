@@ -543,6 +543,7 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
     if isinstance(count, TokenCount):  # later stages cannot know a padding the first added
         count.staged = True
     sequential = nn.Sequential(OrderedDict(layers))
+    _check_every_parameter_held(sequential, model, family)
     _mark_tied(sequential, model)
     _mark_original_names(sequential, model)
     for layer in sequential:  # a stage saves the model's config.json, leaves out its ties
@@ -722,6 +723,31 @@ def _sequence_split(
             "sequence_parallel for its pipeline"
         )
     return ctx.get_world_size(ParallelMode.PARALLEL_1D)
+
+
+def _check_every_parameter_held(
+    layers: nn.Sequential, model: nn.Module, family: StageLayout
+) -> None:
+    """Raise where a parameter of ``model`` is in no layer.
+
+    A model laid out as a family may hold more than the family's modules (timm's distilled
+    DeiT: a distillation token and a second head, which its own code reads from the model
+    root). The layers' output may still equal the model's, but an optimizer, gradient sync or
+    checkpoint built from the stages would never see such a parameter.
+
+    Raises:
+        ValueError: naming the parameters no layer holds.
+    """
+    held = {id(p) for p in layers.parameters()}
+    missing = [name for name, p in model.named_parameters() if id(p) not in held]
+    if missing:
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        shown = ", ".join(missing[:4]) + more
+        raise ValueError(
+            f"pipeline_layers ({family.name}): {type(model).__name__} holds {shown}, which no "
+            "layer holds (the family's stages know other modules): its stages would never "
+            "train them; use it without a pipeline, or restate it as layers yourself"
+        )
 
 
 def _mark_tied(layers: nn.Sequential, model: nn.Module) -> None:

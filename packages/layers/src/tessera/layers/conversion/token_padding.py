@@ -18,7 +18,12 @@ and strips them where it gathers it. In between:
 The true length is the one fact the gather cannot read from shapes, so the span records it
 in a :class:`TokenCount` shared by its hooks, each forward. Activation checkpointing replays
 a block in the backward with the count of the latest forward: with micro-batches of other
-lengths in flight, torch's checkpoint finds the replayed tensors of another shape and raises.
+lengths in flight, torch's non-reentrant checkpoint (tessera's) finds the replayed tensors of
+another shape and raises; a reentrant one would not, where the lengths pad alike.
+
+Between a column and a row layer the sequence is whole but padded, its padding no longer
+zero (a bias went through the activation): a reduction over the tokens there would read it.
+The span refuses modules mixing tokens there (``check_no_token_mixing``) but for attention.
 """
 
 from __future__ import annotations

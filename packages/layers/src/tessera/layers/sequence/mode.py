@@ -41,9 +41,10 @@ def _token_loss(
     """
     whole = logits.dim() == 2  # one class per sample: every token read
     padded = logits.shape[1] * context.get_world_size(ParallelMode.SEQUENCE)
-    if not whole and targets.dim() == 2 and targets.shape[1] < padded:
-        # the boundary padded a sequence the ranks do not divide: its padding predicts nothing
-        targets = F.pad(targets, (0, padded - targets.shape[1]), value=ignore_index)
+    tokens = getattr(logits, TOKENS_BEFORE_PADDING, None)  # the boundary padded them
+    if not whole and targets.dim() == 2 and targets.shape[1] == tokens and tokens < padded:
+        # the padding of a sequence the ranks do not divide predicts nothing
+        targets = F.pad(targets, (0, padded - tokens), value=ignore_index)
     local = targets if whole else split_sequence_activation(targets, context)
     check_targets(logits, local, ModeSequence.name)
     flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), local.reshape(-1)
