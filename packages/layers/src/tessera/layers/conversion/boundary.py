@@ -166,8 +166,8 @@ def _sequence_inputs(
     if not isinstance(ids, torch.Tensor):
         raise ValueError(f"{owner} under tensor mode 'sequence' takes input_ids [b, s]")
     mask = kwargs.pop("attention_mask", None)
-    count.tokens = ids.shape[1]
     extra = -ids.shape[1] % context.get_world_size(ParallelMode.SEQUENCE)
+    count.tokens, count.padded = ids.shape[1], ids.shape[1] + extra
     if extra:  # padded at the end, the padding masked as keys
         if padding is None:
             raise ValueError(

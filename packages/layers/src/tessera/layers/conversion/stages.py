@@ -531,6 +531,9 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
         for i, layer in enumerate(blocks)
     ]
     layers.append(("head", HeadStage(family, inner, model.get_submodule(family.head), ring)))
+    count = getattr(model, TOKEN_COUNT_ATTR, None)
+    if isinstance(count, TokenCount):  # later stages cannot know a padding the first added
+        count.staged = True
     # what the model computes on a probe batch, while its own forward may still be called
     probe = (
         None if any(p.is_meta for p in model.parameters()) else _probe_inputs(model, family, ctx)
@@ -539,9 +542,6 @@ def pipeline_layers(model: nn.Module, *, context: ParallelContext | None = None)
     token_span = getattr(model, TOKEN_SPAN_ATTRIBUTE, None)
     if isinstance(token_span, TokenSpan):  # the stages split a ViT's tokens from now on
         token_span.staged = True
-    count = getattr(model, TOKEN_COUNT_ATTR, None)
-    if isinstance(count, TokenCount):  # later stages cannot know a padding the first added
-        count.staged = True
     sequential = nn.Sequential(OrderedDict(layers))
     _check_every_parameter_held(sequential, model, family)
     _mark_tied(sequential, model)

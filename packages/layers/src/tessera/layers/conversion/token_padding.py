@@ -47,11 +47,14 @@ TOKEN_COUNT_ATTR = "_tessera_token_count"
 class TokenCount:
     """The length of the sequence a span split, before its padding (``None``: none yet).
 
-    ``staged``: the model was cut into pipeline layers (``pipeline_layers``), whose later
-    stages, in other processes, never see the length the first recorded.
+    ``padded``: its length after. ``staged``: the model was cut into pipeline layers
+    (``pipeline_layers``), whose later stages, in other processes, never see the length the
+    first recorded (a whole-model call there, ``pipeline_layers``' probe, left another): no
+    padding is added then, and none stripped.
     """
 
     tokens: int | None = None
+    padded: int | None = None
     staged: bool = False
 
 
@@ -63,8 +66,8 @@ def pad_tokens(x: torch.Tensor, ranks: int, count: TokenCount) -> torch.Tensor:
     Raises:
         ValueError: padding is needed, but the model runs as pipeline stages.
     """
-    count.tokens = x.shape[1]
     extra = -x.shape[1] % ranks
+    count.tokens, count.padded = x.shape[1], x.shape[1] + extra
     if not extra:
         return x
     if count.staged:
@@ -78,9 +81,20 @@ def pad_tokens(x: torch.Tensor, ranks: int, count: TokenCount) -> torch.Tensor:
 
 
 def strip_tokens(x: torch.Tensor, count: TokenCount) -> torch.Tensor:
-    """``x [b, s + pad, ...]`` without the padding :func:`pad_tokens` added."""
-    if count.tokens is None or x.shape[1] == count.tokens:
+    """``x [b, s + pad, ...]`` without the padding :func:`pad_tokens` added.
+
+    Raises:
+        ValueError: ``x`` holds neither the recorded length nor the padded one (a count of
+            another forward: never a guess).
+    """
+    if count.staged or count.tokens is None or x.shape[1] == count.tokens:
         return x
+    if x.shape[1] != count.padded:
+        raise ValueError(
+            f"sequence padding: the span recorded {count.tokens} tokens, padded to "
+            f"{count.padded}, but gathered {x.shape[1]}: a call replayed outside the forward "
+            "that recorded them (activation checkpointing across batches of other lengths)"
+        )
     return x[:, : count.tokens]  # [b, s, ...]
 
 
