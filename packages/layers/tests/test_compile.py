@@ -209,7 +209,10 @@ def _left_out_modules_equal_eager() -> float:
     from tessera.context import create_context
     from tessera.layers import causal_lm_loss, parallelize
 
-    ctx = create_context(dict(parallel=dict(tensor=LAYOUTS["2d"])), timeout=60.0)
+    # 1D with sequence parallelism splits the norms' tokens, so they run under DTensor as on
+    # the grids, on 2 ranks (2D's 4 took a minute on CI's 2 cores)
+    tensor = dict(size=2, mode="1d", sequence_parallel=True)
+    ctx = create_context(dict(parallel=dict(tensor=tensor)), timeout=60.0)
     try:
         plain = own_modules_lm(layers=1)  # each block compiles alike: one is enough
         eager = parallelize(copy.deepcopy(plain), OWN_MODULES_PLAN, context=ctx)
@@ -233,7 +236,7 @@ def _left_out_modules_equal_eager() -> float:
         ctx.destroy()
 
 
-@pytest.mark.newest_torch_only  # 36 s; the compiled steps above cover Dynamo on the pinned torch
+@pytest.mark.newest_torch_only  # the compiled steps above cover Dynamo on the pinned torch
 def test_modules_left_out_of_the_plan_compile_and_equal_eager(dist: Any) -> None:
-    losses = dist.run(_left_out_modules_equal_eager, world_size=4, timeout=300.0)
+    losses = dist.run(_left_out_modules_equal_eager, world_size=2, timeout=300.0)
     assert all(loss == losses[0] for loss in losses)

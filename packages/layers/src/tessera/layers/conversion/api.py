@@ -58,7 +58,7 @@ from .sequence import (
     install_sequence_attention,
 )
 from .sequence_positions import forward_takes_positions, install_chunk_positions
-from .structure import holds_matrices
+from .structure import holds_torch_attention
 from .verify import Inputs, check_verify_inputs, verify_conversion, whole_copy
 
 __all__ = [
@@ -136,12 +136,13 @@ def _check_no_plain_parameters(
     *,
     sequence_parallel: bool,
 ) -> None:
-    """Where activations are split, no module the plan left out may hold parameters.
+    """Where activations are split, no module the plan left out may hold parameters plain.
 
-    But a module left out whole (no role at, above or below it) holding only scales and
-    offsets (a norm, a layer scale): it runs under DTensor, its parameters replicated
+    A module left out whole (no role at, above or below it: a norm, a layer scale, a linear
+    layer of the model's own) runs under DTensor, its parameters replicated
     (:mod:`.left_out`), where the mode states the layout of its activations
-    (``ModeLayers.activation_cuts``). A parameter of a module with converted children (a
+    (``ModeLayers.activation_cuts``); but for torch's ``nn.MultiheadAttention``, whose CPU
+    backward DTensor does not shard. A parameter of a module with converted children (a
     block's own ``gamma``) is refused: its module computes plain.
 
     Under 1D sequence parallelism (inside the span) a module left out computes on
@@ -157,12 +158,14 @@ def _check_no_plain_parameters(
     placed = layers is not None and layers.activation_cuts is not None
     _, holding = left_out_modules(model, roles)
     # run under DTensor, their parameters replicated (left_out.py)
-    scales = [n for n in holding if not holds_matrices(model.get_submodule(n))] if placed else []
+    placed_whole = (
+        [n for n in holding if not holds_torch_attention(model.get_submodule(n))] if placed else []
+    )
     plain = sorted(
         name
         for name, module in model.named_modules()
         if name in span
-        and not any(name == s or name.startswith(f"{s}.") for s in scales)
+        and not any(name == s or name.startswith(f"{s}.") for s in placed_whole)
         and any(get_shard_info(p) is None for p in module.parameters(recurse=False))
     )
     # the outermost ones: "1" rather than "1" and "1.out_proj"

@@ -273,7 +273,9 @@ def install_boundary(
             x = args[0]
             if count is not None:  # 1D sequence parallelism: padded to equal chunks
                 x = pad_tokens(x, context.get_world_size(ParallelMode.PARALLEL_1D), count)
-            return (split_activation(x, context), *args[1:]), kwargs
+            split = split_activation(x, context)
+            setattr(split, LAYOUT_MARK, "activation")  # for a module left out taking it
+            return (split, *args[1:]), kwargs
         if plan.boundary == "images":
             token_span = getattr(module, TOKEN_SPAN_ATTRIBUTE, None)
             if isinstance(token_span, TokenSpan) and token_span.staged:

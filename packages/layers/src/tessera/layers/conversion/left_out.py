@@ -50,7 +50,7 @@ from ..comm.inflight import tracing
 from ..shared.mode_layers import Cuts, find_mode_layers
 from .drop_path import is_drop_path
 from .plan import COLUMN_ROLES, inner_norms
-from .structure import holds_matrices
+from .structure import holds_torch_attention
 
 __all__ = ["LAYOUT_MARK", "install_left_out", "left_out_modules", "output_layout"]
 
@@ -93,9 +93,9 @@ def left_out_modules(model: nn.Module, roles: Mapping[str, str]) -> tuple[list[s
 
     The outermost of each. Elementwise ones (:func:`_exact_on_any_block`) are not counted
     among the first. :func:`install_left_out` runs both kinds under DTensor, the parameters
-    of the second as ``Replicate`` DTensors, but for those holding weight matrices
-    (:func:`holds_matrices`): refused where activations are split (``parallelize``), and
-    where they are whole (1D) checked to take no split tensor.
+    of the second as ``Replicate`` DTensors, but for those holding torch's
+    ``nn.MultiheadAttention`` (:func:`holds_torch_attention`): refused where activations are
+    split (``parallelize``), and where they are whole (1D) checked to take no split tensor.
     """
     free: list[str] = []
     holding: list[str] = []
@@ -343,7 +343,7 @@ class _Placer:
         )
 
     def refuse_split(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        """Raise where a module with weight matrices no plan converts takes a split tensor."""
+        """Raise where torch's attention, left out of the plan, takes a split tensor."""
         flat, _ = tree_flatten((args, kwargs))
         for x in flat:
             layout = self.trail.layout_of(x) if _placeable(x) else None
@@ -352,10 +352,11 @@ class _Placer:
             placements = self.placements(layout, x.dim())
             if not all(p.is_replicate() for p in placements):
                 raise ValueError(
-                    f"parallelize: {self.name!r} holds weight matrices but is not in the plan, "
-                    f"and it takes a {list(x.shape)} block of a {layout} tensor split over the "
-                    f"tensor ranks ({', '.join(map(repr, placements))}), which it would read as "
-                    "the whole one; give it a role ('col' or 'row' for a linear layer)"
+                    f"parallelize: {self.name!r} holds torch's nn.MultiheadAttention but is not "
+                    f"in the plan, and it takes a {list(x.shape)} block of a {layout} tensor "
+                    f"split over the tensor ranks ({', '.join(map(repr, placements))}), which "
+                    "it would read as the whole one (and DTensor shards no backward of its CPU "
+                    "kernel); give it the 'attention' role"
                 )
 
     def leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
@@ -460,7 +461,7 @@ def install_left_out(
         # 'sequence' keeps every weight whole, its modules computing token by token on their
         # chunk, their gradients summed by its handler
         holding = []
-    matrices = [name for name in holding if holds_matrices(model.get_submodule(name))]
+    attentions = [name for name in holding if holds_torch_attention(model.get_submodule(name))]
     if layers is None or layers.activation_cuts is None or not (free or holding):
         return []
     between = layers.activation_cuts
@@ -478,7 +479,7 @@ def install_left_out(
         }
         placer = _Placer(name, trail, context, cuts)
         module = model.get_submodule(name)
-        if name in matrices:  # whole activations (1D): checked to take no split tensor
+        if name in attentions:  # whole activations (1D): checked to take no split tensor
             module.register_forward_pre_hook(placer.refuse_split, with_kwargs=True)
             continue
         module.register_forward_pre_hook(placer.enter, with_kwargs=True)
@@ -486,7 +487,7 @@ def install_left_out(
         if "forward" not in vars(module):  # a forward of the instance's own stays as it is
             # a bound method on the instance: a deep copy binds it to the copy
             module.forward = types.MethodType(_forward_returning_no_view, module)
-    return [*free, *(name for name in holding if name not in matrices)]
+    return [*free, *(name for name in holding if name not in attentions)]
 
 
 def _forward_returning_no_view(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -36,12 +36,12 @@ from ..sequence.attention import (
     AttentionImpl,
     additive_mask,
     attend_over_sequence,
-    gather_key_mask,
     sequence_group,
 )
 from ..sequence.replicated import mark_sequence_replicated
 from ..shared.context_access import GroupInfo
 from .converters import QUERY_COUNTS, _first_count
+from .key_padding import KeyPadding
 from .sdpa_takeover import take_over_sdpa
 
 __all__ = [
@@ -81,32 +81,6 @@ def key_mask_for_attention(padding: torch.Tensor) -> torch.Tensor:
     mask = padding[:, None, None, :].detach() != 0  # [b, 1, 1, s]
     setattr(mask, _KEY_MASK_MARK, True)
     return mask
-
-
-class KeyPadding:
-    """The padding mask of the batch a model is running, for its attention layers.
-
-    The boundary sets it on every call (``None`` without padding). It is not cleared after
-    the forward: attention recomputed under activation checkpointing, during the backward,
-    must find the same batch's mask.
-    """
-
-    def __init__(self, sequence: GroupInfo) -> None:
-        self._sequence = sequence
-        self._local: torch.Tensor | None = None
-        self._whole: torch.Tensor | None = None
-
-    def set(self, local: torch.Tensor | None) -> None:
-        """This rank's chunk of the mask, ``[b, c]`` (nonzero / True: a real token)."""
-        self._local, self._whole = local, None
-
-    def whole(self, batch: int, chunk: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """``[b, 1, 1, s]`` additive mask over every key, gathered at the first layer's call."""
-        if self._local is None:
-            return None
-        if self._whole is None or self._whole.dtype != dtype:
-            self._whole = gather_key_mask(self._local, batch, chunk, self._sequence, dtype)
-        return self._whole
 
 
 @dataclass(frozen=True)
@@ -363,6 +337,7 @@ def install_sequence_attention(
             )
         padding = KeyPadding(sequence)
         setattr(model, KEY_PADDING_ATTRIBUTE, padding)
+        model.register_forward_hook(padding.watch_output)  # its backward ends its wait
         spec = SequenceAttention(impl, sequence, context, padding)
         for name in names:
             module = model.get_submodule(name)

@@ -41,6 +41,7 @@ __all__ = [
     "OUTPUT_NAMES",
     "StructureReport",
     "holds_matrices",
+    "holds_torch_attention",
     "infer_structure",
     "scales_alone",
 ]
@@ -114,12 +115,20 @@ def _owns_parameters(module: nn.Module) -> bool:
 def holds_matrices(module: nn.Module) -> bool:
     """Whether ``module`` holds a parameter of two or more dims (a linear layer's weight).
 
-    A module left out holding only scales and offsets (a norm's, a layer scale's ``[h]``)
-    runs under DTensor, its parameters replicated. One holding weight matrices is what a
-    plan's roles are for: under DTensor it would gather its split input, and torch shards
-    few of such modules' operators (attention's backward).
+    Inferring a plan, such a module needs a role: left out, it would run under DTensor,
+    correct but whole on every rank. A user's plan may leave it out (:mod:`.left_out`).
     """
     return any(p.dim() >= 2 for p in module.parameters())
+
+
+def holds_torch_attention(module: nn.Module) -> bool:
+    """Whether ``module`` holds torch's ``nn.MultiheadAttention``.
+
+    Left out of a plan where its input is split, it cannot run under DTensor: torch shards no
+    backward of its CPU attention kernel (``_scaled_dot_product_flash_attention_for_cpu``), so
+    it is refused up front, naming the 'attention' role, rather than failing in a backward.
+    """
+    return any(isinstance(m, nn.MultiheadAttention) for m in module.modules())
 
 
 def _looks_like_norm(module: nn.Module) -> bool:
