@@ -409,6 +409,15 @@ def distilbert_encoder(seed: int = 0) -> nn.Module:
     return _distinct(DistilBertModel(config), seed)
 
 
+def gpt2_bare(seed: int = 0) -> nn.Module:
+    """The bare ``GPT2Model`` from :data:`GPT2_CONFIG` (a decoder's hidden states for a head
+    of one's own: token classification, a reward model)."""
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(seed)
+    return _distinct(GPT2Model(GPT2Config(**GPT2_CONFIG)), seed)
+
+
 def vit_encoder(seed: int = 0) -> nn.Module:
     """The bare ``ViTModel`` (with its pooler) from :data:`VIT_CONFIG`."""
     from transformers import ViTConfig, ViTModel

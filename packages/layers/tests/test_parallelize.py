@@ -37,6 +37,7 @@ from hf_models import (
     gemma_lm,
     glm4_lm,
     glm_lm,
+    gpt2_bare,
     gpt2_classifier,
     gpt2_lm,
     gpt_bigcode_lm,
@@ -1127,11 +1128,14 @@ def _padded_text() -> dict[str, torch.Tensor]:
 def _encoders_match_reference(ctx: ParallelContext) -> list[float]:
     """The bare encoders a sentence embedding or an image embedding starts from, each with
     the plan shipped for its class: BertModel and RobertaModel (token types, pooler),
-    DistilBertModel (neither) on a padded batch, ViTModel (pooler) on images. RoBERTa counts
-    its positions from each row's padding, which tensor mode 'sequence' refuses by name."""
+    DistilBertModel (neither) on a padded batch, ViTModel (pooler) on images; and a bare
+    decoder, GPT2Model, whose own code views its output as ``[-1, s, h]`` after the span (under
+    'sequence', gathered before that view, the tokens folded into the batch dim). RoBERTa
+    counts its positions from each row's padding, which tensor mode 'sequence' refuses by
+    name."""
     text = _padded_text()
     with_types = dict(text, token_type_ids=token_types())
-    encoders = [(bert_encoder, with_types), (distilbert_encoder, text)]
+    encoders = [(bert_encoder, with_types), (distilbert_encoder, text), (gpt2_bare, text)]
     encoders += [(roberta_encoder, with_types), (vit_encoder, dict(pixel_values=images()[0]))]
     if ctx.config.tensor_mode == "sequence":
         with pytest.raises(

@@ -422,7 +422,26 @@ def _install_whole_hidden_states(
         return output
 
     end = model if plan.sequence_span is None else model.get_submodule(plan.sequence_span[1])
+    if plan.sequence_span is not None and not _read_after(model, plan.sequence_span[1]):
+        # nothing reads the tokens after the span: gathered at the model's output, after its
+        # own code (GPT2Model views its output as [-1, s, h] with the chunk's s: gathered
+        # before that view, the whole sequence would fold into the batch dim)
+        end = model
     end.register_forward_hook(whole_sequence)
+
+
+def _read_after(model: nn.Module, end: str) -> bool:
+    """Whether a module holding parameters follows the span's ``end`` (BERT's pooler).
+
+    Such a module reads the whole sequence (the pooler, the first token), so the tokens are
+    gathered at the span's end. Modules are taken in the order the model registered them.
+    """
+    names = [name for name, _ in model.named_modules()]
+    after = names[names.index(end) + 1 :]
+    return any(
+        not name.startswith(f"{end}.") and any(True for _ in model.get_submodule(name).parameters())
+        for name in after
+    )
 
 
 def _hidden_states(
