@@ -186,10 +186,7 @@ def test_each_2d_product_compiles_whole_and_equals_eager(dist: Any) -> None:
     # 3D's collectives are 2D's (all-gather, reduce-scatter, all-to-all) on other groups; the
     # compiled steps but 1D's run on the newest torch (the layout checks under 2D run there
     # too), the pinned one compiling 1D's and 2D's products
-    [
-        pytest.param(n, marks=[pytest.mark.newest_torch_only] * (n != "1d"))
-        for n in LAYOUTS
-    ],
+    [pytest.param(n, marks=[pytest.mark.newest_torch_only] * (n != "1d")) for n in LAYOUTS],
 )
 def test_a_compiled_step_is_one_graph_and_equals_eager(dist: Any, layout: str) -> None:
     tensor = LAYOUTS[layout]
