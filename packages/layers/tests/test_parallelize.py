@@ -318,6 +318,9 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
         _lm_matches_reference(bert_mlm(), ctx, length=SEQ - 1),
         *([_checkpointing_replays_each_batch_padding(ctx)] if _splits_sequence(ctx) else []),
     ],
+    "activation checkpointing (transformers', reentrant, frozen embeddings)": lambda ctx: (
+        _checkpointed_with_frozen_embeddings(ctx)
+    ),
     "dropout": lambda ctx: _dropout_streams(ctx),
     "blocks": lambda ctx: _mlp_matches_reference(ctx),
     "meta": lambda ctx: _meta_built(ctx),
@@ -375,6 +378,7 @@ ONLY_UNDER = {
         "sequence",
     ),
     "modules left out of the plan mixing split features, hidden layer and vocabulary": EACH_MODE,
+    "activation checkpointing (transformers', reentrant, frozen embeddings)": ("1d-sp", "2d"),
     "parts parallelized, the rest whole (clip towers, CLIPModel, an own ViT's blocks)": (EACH_MODE),
     "verify: outputs and gradients against the model before conversion": (
         "1d",
@@ -1079,6 +1083,18 @@ def _torch_encoder_loss(ref: nn.Module, ctx: ParallelContext) -> float:
     load_full_state_dict(model, original)
     _assert_same_state(gather_full_state_dict(model, context=ctx), original)
     return round(float((y * w * keep[..., None]).sum().detach()), 4)
+
+
+def _checkpointed_with_frozen_embeddings(ctx: ParallelContext) -> float:
+    """transformers' gradient checkpointing (reentrant, its default) with the embeddings frozen,
+    as a fine-tune of adapters runs it: the hook transformers puts on the embedding, marking
+    its output as needing a gradient so that the checkpointed blocks get theirs, is carried to
+    tessera's embedding (refused before, as if it changed what the embedding computes)."""
+    ref = llama_lm()
+    ref.get_input_embeddings().weight.requires_grad_(False)
+    enable = getattr(ref, "activation_checkpointing_enable", None)  # the newer name
+    (enable or ref.gradient_checkpointing_enable)(dict(use_reentrant=True))
+    return _lm_matches_reference(ref.train(), ctx)
 
 
 def _splits_sequence(ctx: ParallelContext) -> bool:

@@ -40,6 +40,7 @@ from .left_out import install_left_out, left_out_modules
 from .mask_rows import install_mask_rows
 from .meta import check_meta_buffers, materialize_whole_modules
 from .model_loss import install_model_loss
+from .norms import carry_marking_hooks
 from .own_code import install_own_code_check
 from .parts import parallelize_parts
 from .plan import (
@@ -402,6 +403,7 @@ def _convert(
         before = dict(old.named_parameters(remove_duplicate=False))
         new = converter.convert(name, old, role)
         if new is not old:
+            carry_marking_hooks(old, new)
             _replace(model, name, new)
             kept.append(before)
             after = dict(new.named_parameters(remove_duplicate=False))

@@ -36,7 +36,14 @@ from .embedding_scale import ScaledRows, embedding_scale
 from .experts import Experts1D, TokenRouter, expert_sizes
 from .head_bias import HeadColumns
 from .head_share import HEAD_COUNTS, HeadShareConfig
-from .norms import NormSpec, computes_as, computes_formula, computes_own_forward, norm_spec
+from .norms import (
+    NormSpec,
+    computes_as,
+    computes_formula,
+    computes_own_forward,
+    norm_spec,
+    what_changes_forward,
+)
 from .own_positions import OwnPositionIds, reads_own_ids
 from .patch import PatchEmbeddingAdapter, TimmEmbeddingAdapter, patch_sizes, timm_patch_sizes
 from .per_head_norm import PerHeadNorm, holds_weights_per_head, per_head_norm_spec, rank_heads
@@ -163,10 +170,9 @@ def is_conv1d(module: nn.Module) -> bool:
 
 def _overrides(name: str, module: nn.Module, base: type[nn.Module], role: str) -> TypeError:
     return TypeError(
-        f"parallelize: {name!r} ({type(module).__name__}) has role {role!r}, but its class "
-        f"overrides {base.__module__.split('.')[0]}.nn.{base.__name__}.forward, so what it "
-        "computes is not what tessera's layer of that role would compute; leave it out of the "
-        "plan or give it a plain module"
+        f"parallelize: {name!r} ({type(module).__name__}) has role {role!r}, but "
+        f"{what_changes_forward(module, base)}, so what it computes is not what tessera's "
+        "layer of that role would compute; leave it out of the plan or give it a plain module"
     )
 
 

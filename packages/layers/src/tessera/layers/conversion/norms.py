@@ -209,18 +209,56 @@ def _probe(module: nn.Module) -> tuple[NormSpec | None, str]:
     )
 
 
+#: Forward hooks that change no number, only mark the output as needing a gradient:
+#: transformers' ``enable_input_require_grads`` (gradient checkpointing with frozen embeddings:
+#: reentrant checkpointing needs an input that requires grad). ``parallelize`` carries them to
+#: the module it puts in the hooked one's place (:func:`carry_marking_hooks`).
+_MARKING_HOOKS = ("make_inputs_require_grads",)
+
+
+def _marks_only(hook: object) -> bool:
+    return getattr(hook, "__name__", None) in _MARKING_HOOKS
+
+
 def computes_own_forward(module: nn.Module) -> bool:
     """Whether ``module`` computes only what its class's forward says.
 
     A forward hook, a forward set on the instance or a parametrization of a parameter
-    changes what it computes; a tessera layer put in its place would not.
+    changes what it computes; a tessera layer put in its place would not. Hooks that only
+    mark the output as needing a gradient change nothing (:data:`_MARKING_HOOKS`).
     """
     return (
         "forward" not in vars(module)
-        and not module._forward_hooks
+        and all(_marks_only(hook) for hook in module._forward_hooks.values())
         and not module._forward_pre_hooks
         and not parametrize.is_parametrized(module)
     )
+
+
+def carry_marking_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Register on ``new`` the hooks of ``old`` that only mark its output (see above).
+
+    Without them a frozen embedding's output would not require grad, and reentrant
+    checkpointing of the blocks after it would compute no gradient for them.
+    """
+    if new is old:
+        return
+    for hook in old._forward_hooks.values():
+        if _marks_only(hook):
+            new.register_forward_hook(hook)
+
+
+def what_changes_forward(module: nn.Module, base: type[nn.Module]) -> str:
+    """Why ``module`` does not compute as ``base`` does, in words, for an error message."""
+    if "forward" in vars(module):
+        return "a forward is set on the instance"
+    if any(not _marks_only(hook) for hook in module._forward_hooks.values()):
+        return "a forward hook is registered on it"
+    if module._forward_pre_hooks:
+        return "a forward pre-hook is registered on it"
+    if parametrize.is_parametrized(module):
+        return "a parameter of it is parametrized"
+    return f"its class overrides {base.__module__.split('.')[0]}.nn.{base.__name__}.forward"
 
 
 def computes_as(module: nn.Module, base: type[nn.Module]) -> bool:
