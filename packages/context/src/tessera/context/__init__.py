@@ -33,6 +33,16 @@ from tessera.context.full_form import (
     parts_in_turn,
     set_full_form,
 )
+from tessera.context.grad_norm import (
+    SplitKey,
+    clip_grad_norm,
+    combine_norms,
+    global_grad_norm,
+    group_if_parallel,
+    norm_contributions,
+    reduce_contributions,
+    resolve_context,
+)
 from tessera.context.gradient_sums import (
     DEFERRED_SUM_ATTR,
     DefersGradientSum,
@@ -192,6 +202,15 @@ __all__ = [
     "ShardInfo",
     "set_shard_info",
     "get_shard_info",
+    # the global gradient norm of split parameters (torch.nn.utils.clip_grad_norm_ uses it)
+    "clip_grad_norm",
+    "global_grad_norm",
+    "SplitKey",
+    "norm_contributions",
+    "combine_norms",
+    "reduce_contributions",
+    "group_if_parallel",
+    "resolve_context",
     # forms of a full tensor other than its original module's
     "FullForm",
     "set_full_form",

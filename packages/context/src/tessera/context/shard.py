@@ -1,7 +1,8 @@
 """``ShardInfo``: how a parameter is split across ranks -- the contract between packages.
 
 tessera-layers writes a ShardInfo on every parameter it shards; tessera-engine reads it for
-gradient clipping (a norm over the split modes must be all-reduced, over replicated modes not),
+gradient clipping (a norm over the split modes must be all-reduced, over replicated modes not;
+``grad_norm``, which ``torch.nn.utils.clip_grad_norm_`` then uses too: ``torch_clipping``),
 gradient handlers (partial gradients must be summed) and checkpoints (where the local block
 sits in the full tensor), without knowing any layer class.
 """
@@ -228,6 +229,10 @@ def set_shard_info(tensor: torch.Tensor, info: ShardInfo) -> None:
             f"is {info.local_shape}"
         )
     setattr(tensor, SHARD_INFO_ATTR, info)
+    if info.sharded_modes:  # torch's clip_grad_norm_ then sums its norm over the ranks
+        from .torch_clipping import guard_torch_clipping
+
+        guard_torch_clipping()
 
 
 def get_shard_info(tensor: torch.Tensor) -> ShardInfo | None:

@@ -1,4 +1,10 @@
-"""Global-norm clipping from ShardInfo on hand-made shards, against torch on full tensors."""
+"""Global-norm clipping from ShardInfo on hand-made shards, against torch on full tensors.
+
+Through ``tessera.context.clip_grad_norm`` (the engine's step) and through torch's own
+``torch.nn.utils.clip_grad_norm_``, which a loop of one's own calls: on split parameters it
+clips by the global norm too (``torch_clipping``), where torch's alone would clip each rank by
+the norm of its blocks.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,15 @@ import pytest
 import torch
 from torch import nn
 
-from tessera.context import ParallelMode, ShardInfo, create_context, set_shard_info
-from tessera.engine import clip_grad_norm
+from tessera.context import (
+    ParallelMode,
+    ShardInfo,
+    clip_grad_norm,
+    create_context,
+    no_context,
+    set_context,
+    set_shard_info,
+)
 
 M = ParallelMode
 SHAPES = [(8, 4), (8,), (4, 8), (4,)]
@@ -42,7 +55,9 @@ def _infos(ctx: Any, mode: str) -> list[ShardInfo]:
     ]
 
 
-def _clip_shards(parallel: dict[str, Any], mode: str, norm_type: float) -> dict[str, Any]:
+def _clip_shards(
+    parallel: dict[str, Any], mode: str, norm_type: float, through_torch: bool = False
+) -> dict[str, Any]:
     ctx = create_context(dict(parallel=parallel), timeout=60)
     try:
         pp, stage = ctx.pipeline_size, ctx.get_local_rank(M.PIPELINE)
@@ -56,7 +71,14 @@ def _clip_shards(parallel: dict[str, Any], mode: str, norm_type: float) -> dict[
             p.grad = grads[i][info.slices].clone()
             set_shard_info(p, info)
             params.append(p)
-        norm = clip_grad_norm(params, 0.5, norm_type, context=ctx)
+        if through_torch:
+            refused = pytest.raises(RuntimeError, match="no ParallelContext is current")
+            with no_context(), refused:
+                torch.nn.utils.clip_grad_norm_(params, 0.5, norm_type)
+            set_context(ctx)
+            norm = torch.nn.utils.clip_grad_norm_(params, 0.5, norm_type)
+        else:
+            norm = clip_grad_norm(params, 0.5, norm_type, context=ctx)
         return {
             "norm": norm.item(),
             "grads": {i: p.grad.clone() for i, p in zip(held, params, strict=True)},  # type: ignore[union-attr]
@@ -73,11 +95,18 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["l2", "inf"])
+@pytest.mark.parametrize(
+    ("norm_type", "through_torch"),
+    [(2.0, False), (math.inf, False), (2.0, True)],
+    ids=["l2", "inf", "l2-torch"],
+)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_sharded_clip_equals_torch_on_full_params(dist: Any, layout: str, norm_type: float) -> None:
+def test_sharded_clip_equals_torch_on_full_params(
+    dist: Any, layout: str, norm_type: float, through_torch: bool
+) -> None:
     parallel, mode = LAYOUTS[layout]
-    results = dist.run(_clip_shards, world_size=4, args=(parallel, mode, norm_type), timeout=120)
+    args = (parallel, mode, norm_type, through_torch)
+    results = dist.run(_clip_shards, world_size=4, args=args, timeout=120)
     full = [nn.Parameter(torch.zeros(s)) for s in SHAPES]
     for p, g in zip(full, _full_grads(), strict=True):
         p.grad = g.clone()

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from tessera.engine import combine_norms, norm_contributions
+from tessera.context import combine_norms, norm_contributions
 
 
 def test_contributions_grouped_by_sorted_modes() -> None:
