@@ -172,6 +172,26 @@ def test_errors_are_clear() -> None:
         engine.execute_schedule(iter([{"x": torch.zeros(1)}]))
 
 
+def test_an_optimizer_reading_a_whole_parameter_is_refused_on_a_split_one() -> None:
+    """Adafactor factors a matrix's second moment by its row and column means: on this rank's
+    block of a split weight they would be the block's, so ``initialize`` refuses it there
+    (and takes it where nothing is split, and Adam on the split weight)."""
+    from tessera.context import ParallelMode, ShardInfo, set_shard_info
+
+    model = make_model()
+    adafactor = torch.optim.Adafactor(model.parameters())
+    initialize(model, adafactor, config={})  # nothing split
+    weight = next(model.parameters())
+    split = {0: [(ParallelMode.PARALLEL_1D, 0, 2)]}  # rank 0's half of the rows
+    full = (weight.shape[0] * 2, *weight.shape[1:])
+    set_shard_info(weight, ShardInfo.from_split(full, split))
+    initialize(model, adam(model), config={})
+    with pytest.raises(
+        ValueError, match=r"Adafactor computes each parameter's update from the row"
+    ):
+        initialize(model, torch.optim.Adafactor(model.parameters()), config={})
+
+
 @pytest.mark.parametrize(
     ("config", "match"),
     [

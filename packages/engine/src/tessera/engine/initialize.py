@@ -99,6 +99,7 @@ from .gradient_handlers import (
 )
 from .loss_scaler import DynamicLossScaler
 from .master_weights import MasterWeights
+from .optimizer_kinds import check_elementwise_optimizer
 from .registries import GRADIENT_HANDLERS, SCHEDULES
 from .schedule import StepSchedule, as_step_schedule
 from .scheduler_binding import rebind_lr_scheduler
@@ -506,6 +507,7 @@ def _initialize(
     settings = read_engine_settings(cfg, debug=debug)
     modules = _modules(model)
     _check_zero_layout(settings, ctx, modules)
+    check_elementwise_optimizer(optimizer)
     if ctx is not None:
         _equal_replicas(modules, ctx, cfg, debug, settings)
     masters, optimizer, forward_model = _precision_and_zero(
