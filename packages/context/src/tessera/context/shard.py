@@ -229,10 +229,12 @@ def set_shard_info(tensor: torch.Tensor, info: ShardInfo) -> None:
             f"is {info.local_shape}"
         )
     setattr(tensor, SHARD_INFO_ATTR, info)
-    if info.sharded_modes:  # torch's clip_grad_norm_ then sums its norm over the ranks
+    if info.sharded_modes:  # torch's clip_grad_norm_ and DDP then know split parameters
         from .torch_clipping import guard_torch_clipping
+        from .torch_ddp import guard_torch_ddp
 
         guard_torch_clipping()
+        guard_torch_ddp()
 
 
 def get_shard_info(tensor: torch.Tensor) -> ShardInfo | None:

@@ -28,13 +28,14 @@ import torch
 if TYPE_CHECKING:
     from .context import ParallelContext
 
-__all__ = ["guard_torch_clipping"]
+__all__ = ["guard_torch_clipping", "is_split"]
 
 #: Set on the wrapper: torch's function is wrapped already.
 _WRAPPED = "_tessera_global_norm"
 
 
-def _split(tensor: torch.Tensor) -> bool:
+def is_split(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` carries a ShardInfo that splits it over some group."""
     from .shard import get_shard_info
 
     info = get_shard_info(tensor)
@@ -71,7 +72,7 @@ def guard_torch_clipping() -> None:
         foreach: bool | None = None,
     ) -> torch.Tensor:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if not any(_split(p) for p in params):
+        if not any(is_split(p) for p in params):
             return original(
                 params,
                 max_norm,

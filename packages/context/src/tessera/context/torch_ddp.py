@@ -1,0 +1,101 @@
+"""``DistributedDataParallel`` over ranks that hold other blocks of tessera's split parameters.
+
+A data-parallel script wraps its model in ``DistributedDataParallel(model)``, whose group is the
+whole world by default. Around a model tessera split, the world holds the other tensor ranks
+too, whose parameters are other blocks of the same weights (equal shapes, so DDP's own check
+passes): DDP would broadcast one rank's blocks over all of them at construction and average
+the gradients of different blocks at every step. The model would be destroyed without an
+error.
+
+So the first split parameter tessera describes (:func:`~.shard.set_shard_info`) wraps DDP's
+constructor: given a module holding a parameter whose ``ShardInfo`` splits it, and a group (the
+``process_group`` argument, else the world) holding more than one rank of this rank's tensor
+group under the current context (else the context its layers were built under), it raises,
+saying to pass the data replicas' group. Without a context nothing is checked.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .context import ParallelContext
+
+__all__ = ["guard_torch_ddp"]
+
+#: Set on the wrapper: DDP's constructor is wrapped already.
+_WRAPPED = "_tessera_checks_groups"
+
+
+def _holds_split_parameter(module: torch.nn.Module) -> bool:
+    from .torch_clipping import is_split
+
+    return any(is_split(p) for p in module.parameters())
+
+
+def _context_of(module: torch.nn.Module) -> ParallelContext | None:
+    """The context a module's parts were built under, if any.
+
+    tessera's layers hold it as ``context``; ``parallelize`` sets ``_tessera_context`` on the
+    model.
+    """
+    from .context import ParallelContext
+
+    for part in module.modules():
+        for name in ("_tessera_context", "context"):
+            found = vars(part).get(name)
+            if isinstance(found, ParallelContext):
+                return found
+    return None
+
+
+def _check_group(module: torch.nn.Module, group: Any) -> None:
+    """Raise where ``group`` holds more than one rank of this rank's tensor group."""
+    from .grad_norm import resolve_context
+    from .modes import ParallelMode
+
+    context = resolve_context(None) or _context_of(module)
+    if context is None or not dist.is_initialized() or not _holds_split_parameter(module):
+        return
+    if not context.is_initialized(ParallelMode.TENSOR):
+        return
+    tensor = set(dist.get_process_group_ranks(context.get_group(ParallelMode.TENSOR)))
+    given = dist.group.WORLD if group is None else group
+    shared = sorted(tensor & set(dist.get_process_group_ranks(given)))
+    if len(shared) > 1:
+        raise ValueError(
+            f"DistributedDataParallel over a process group holding ranks {shared} of this "
+            "rank's tensor-parallel group: they hold other blocks of the parameters tessera "
+            "split, so DDP would broadcast one rank's blocks over the others and average the "
+            "gradients of different blocks. Pass process_group=ctx.get_group(ParallelMode.DATA) "
+            "(the data replicas), or let tessera.engine.initialize wrap the model"
+        )
+
+
+def guard_torch_ddp() -> None:
+    """Wrap ``DistributedDataParallel.__init__`` as the module docstring says (once)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel.__init__
+    if getattr(original, _WRAPPED, False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError:
+            bound = None  # torch's constructor reports it
+        if bound is not None:
+            _check_group(bound.arguments["module"], bound.arguments.get("process_group"))
+        original(self, *args, **kwargs)
+
+    setattr(__init__, _WRAPPED, True)
+    wrapped: Any = __init__
+    DistributedDataParallel.__init__ = wrapped  # type: ignore[method-assign]
