@@ -8,10 +8,11 @@ the gradients of different blocks at every step. The model would be destroyed wi
 error.
 
 So the first split parameter tessera describes (:func:`~.shard.set_shard_info`) wraps DDP's
-constructor: given a module holding a parameter whose ``ShardInfo`` splits it, and a group (the
-``process_group`` argument, else the world) holding more than one rank of this rank's tensor
-group under the current context (else the context its layers were built under), it raises,
-saying to pass the data replicas' group. Without a context nothing is checked.
+constructor: given a module holding a parameter whose ``ShardInfo`` splits it, and a group
+(the ``process_group`` argument, else the ``device_mesh``'s, else the world) holding more than
+one rank of this rank's tensor group under the current context (else the context its layers
+were built under), it raises, saying to pass the data replicas' group. Without a context
+nothing is checked.
 """
 
 from __future__ import annotations
@@ -93,7 +94,11 @@ def guard_torch_ddp() -> None:
         except TypeError:
             bound = None  # torch's constructor reports it
         if bound is not None:
-            _check_group(bound.arguments["module"], bound.arguments.get("process_group"))
+            group = bound.arguments.get("process_group")
+            mesh = bound.arguments.get("device_mesh")
+            if group is None and mesh is not None:  # DDP's own reading of a mesh
+                group = mesh.get_group(mesh_dim=0)
+            _check_group(bound.arguments["module"], group)
         original(self, *args, **kwargs)
 
     setattr(__init__, _WRAPPED, True)
