@@ -373,9 +373,11 @@ ONLY_UNDER = {
         "sequence-ring",
     ),
     "norms of each head with a weight per head (stablelm, cohere)": ("1d-sp", "3d"),
+    # the boundary's padding is the ring's and the all-to-all's (the latter masks the padding
+    # as keys in the padded BERT of every layout)
     "sequences the ranks do not divide (padded under sequence parallelism)": (
         "1d-sp",
-        "sequence",
+        "sequence-ring",
     ),
     "modules left out of the plan mixing split features, hidden layer and vocabulary": EACH_MODE,
     "activation checkpointing (transformers', reentrant, frozen embeddings)": ("1d-sp", "2d"),
