@@ -2887,9 +2887,16 @@ class _NormWithDropout(nn.Module):
         return self.drop(self.norm(x))  # type: ignore[no-any-return]
 
 
+def _marks_inputs_require_grads(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+    output.requires_grad_(True)
+
+
+_marks_inputs_require_grads.__name__ = "make_inputs_require_grads"  # transformers' name
+
+
 def test_a_norm_that_computes_something_else_is_refused() -> None:
     from tessera.layers.conversion.converters import linear_shape
-    from tessera.layers.conversion.norms import norm_spec
+    from tessera.layers.conversion.norms import computes_as, norm_spec
 
     with pytest.raises(TypeError, match=r"_OverSequence.* differ from"):
         norm_spec("n", _OverSequence(8))
@@ -2903,8 +2910,12 @@ def test_a_norm_that_computes_something_else_is_refused() -> None:
         norm_spec("n", hooked)
     linear = nn.Linear(8, 8)
     linear.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
-    with pytest.raises(TypeError, match=r"overrides torch.nn.Linear.forward"):
+    with pytest.raises(TypeError, match=r"but a forward pre-hook is registered on it"):
         linear_shape("fc", linear, "col")
+    # transformers' hook marking an embedding's output as needing a gradient changes nothing
+    embedding = nn.Embedding(8, 4)
+    embedding.register_forward_hook(_marks_inputs_require_grads)
+    assert computes_as(embedding, nn.Embedding)
 
 
 def test_a_gpt2_layout_without_a_shipped_plan_gets_the_gpt2_family_plan() -> None:
