@@ -106,6 +106,7 @@ from tessera.layers import (
     gather_logits,
     keep_gathered_operands,
     load_full_state_dict,
+    local_logits,
     meta_parameters,
     original_names,
     parallelize,
@@ -1343,8 +1344,13 @@ def _labels_give_the_loss(model: nn.Module, ids: torch.Tensor, ref_loss: torch.T
 def _whole_logits_loss(
     logits: torch.Tensor, ids: torch.Tensor, ref_loss: torch.Tensor, ctx: ParallelContext
 ) -> None:
-    """Whole logits under 1D: the plain loss given the vocabulary's size, else an error."""
+    """Whole logits under 1D: the plain loss given the vocabulary's size, else an error.
+
+    The split logits refuse code of one's own reading the vocabulary whole (an argmax, a
+    cross-entropy, a softmax: each would compute on this rank's slice without an error);
+    ``local_logits`` takes that slice on purpose (conversion/split_logits.py)."""
     if ctx.config.tensor_mode != "1d":
+        assert type(logits) is torch.Tensor, type(logits)
         return
     whole = gather_logits(logits, context=ctx)  # [b, s, V], alike on every rank
     vocab = whole.shape[-1]
@@ -1352,6 +1358,16 @@ def _whole_logits_loss(
     torch.testing.assert_close(got, ref_loss.detach(), **TOL)
     with pytest.raises(ValueError, match=r"are the same on all \d ranks of the group"):
         causal_lm_loss(whole, ids, context=ctx)
+    share = r"logits, which hold this rank's 1/\d of the vocabulary .* gather_logits"
+    with pytest.raises(ValueError, match=rf"Tensor\.argmax reads dim 2 of .*{share}"):
+        logits.float().argmax(-1)  # followed through a cast
+    with pytest.raises(ValueError, match=rf"functional\.cross_entropy reads dim 1 of .*{share}"):
+        F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    with pytest.raises(ValueError, match=rf"softmax reads dim 1 of .*{share}"):
+        torch.softmax(logits[:, -1] / 0.7, dim=-1)
+    part = local_logits(logits)
+    assert type(part) is torch.Tensor
+    torch.testing.assert_close(part, _local_logits(whole, ctx))
 
 
 def _generates_as_one_process(

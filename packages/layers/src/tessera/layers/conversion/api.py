@@ -59,6 +59,7 @@ from .sequence import (
     install_sequence_attention,
 )
 from .sequence_positions import forward_takes_positions, install_chunk_positions
+from .split_logits import install_split_logits
 from .structure import holds_torch_attention
 from .verify import Inputs, check_verify_inputs, verify_conversion, whole_copy
 
@@ -438,6 +439,8 @@ def _convert(
     if chosen.causal_lm:
         install_generation(model, ctx, mode, sequence_parallel)
         install_model_loss(model, ctx)
+    heads = [name for name, role in roles.items() if role == "head"]
+    install_split_logits(model, heads, mode, ctx)
     setattr(model, PARALLELIZED_ATTR, mode)
     setattr(model, CONTEXT_ATTR, ctx)
     if sequence_parallel:

@@ -43,6 +43,7 @@ from .model_loss import MODEL_LOSS_ATTR
 from .plan import Plan
 from .sequence import KEY_PADDING_ATTRIBUTE, KeyPadding
 from .sequence_positions import forward_takes_positions
+from .split_logits import local_logits
 from .token_padding import TOKEN_COUNT_ATTR, TokenCount, pad_rows_inside, pad_tokens, strip_tokens
 
 __all__ = ["causal_lm_loss", "gather_logits", "install_boundary", "token_loss"]
@@ -784,6 +785,7 @@ def _cross_entropy(
     vocab_size: int | None = None,
 ) -> torch.Tensor:
     """The whole batch's ``"mean"`` or ``"sum"`` cross-entropy, from this rank's logits."""
+    logits = local_logits(logits)  # read as laid out: tessera's own loss
     if ctx is None or mode is None:
         check_targets(logits, targets, mode)
         return F.cross_entropy(
@@ -822,7 +824,7 @@ def gather_logits(logits: torch.Tensor, *, context: ParallelContext | None = Non
         layers = find_mode_layers(mode)
         if layers is None or layers.gather_logits is None:
             raise ModeNotImplementedError("gather_logits", mode, _modes_with("gather_logits"))
-        detached = logits.detach()
+        detached = local_logits(logits).detach()
         tokens = getattr(logits, TOKENS_BEFORE_PADDING, None)  # 'sequence' padded them
         if tokens is not None:
             setattr(detached, TOKENS_BEFORE_PADDING, tokens)

@@ -89,7 +89,7 @@ def _passes_through(module: str) -> bool:
     return module in ("torch", "contextlib", "functools", __name__) or module.startswith("torch.")
 
 
-def _callers_line() -> tuple[str, str]:
+def callers_line() -> tuple[str, str]:
     """The module and the line of the first frame outside torch: who called the operator."""
     frame = sys._getframe(2)
     while frame is not None and _passes_through(frame.f_globals.get("__name__", "")):
@@ -117,7 +117,7 @@ def _public_names() -> dict[int, str]:
     return names
 
 
-def _name(func: Any) -> str:
+def operator_name(func: Any) -> str:
     """``torch.Tensor.mean``, ``torch.cat``, ``torch.nn.functional.linear``."""
     name = getattr(func, "__name__", repr(func))
     owner = getattr(func, "__module__", None)
@@ -126,7 +126,7 @@ def _name(func: Any) -> str:
     return _public_names().get(id(func), f"{owner}.{name}")
 
 
-def _bookkept(otherwise: _T, compute: Callable[..., _T], *args: Any) -> _T:
+def bookkept(otherwise: _T, compute: Callable[..., _T], *args: Any) -> _T:
     """``compute(*args)``, or ``otherwise`` where the tables cannot read a call.
 
     A form of a call the tables do not know: the check errs towards passing, and never breaks
@@ -186,23 +186,23 @@ class _Check(TorchFunctionMode):
         parts = [getattr(x, PART_MARK) for x in flat if hasattr(x, PART_MARK)]
         if func in METADATA or not (parts or any(split_dims(x) for x in flat)):
             return func(*args, **kwargs)
-        module, line = _callers_line()
+        module, line = callers_line()
         if module.startswith("tessera."):  # tessera's own hooks know their layouts
             return func(*args, **kwargs)
         if parts:
             raise ValueError(f"{parts[0]}; its values are used at {line}")
         called = (kwargs["input"], *args) if not args and "input" in kwargs else args
-        error = _bookkept(None, self._reading_whole, func, called, kwargs, line)
+        error = bookkept(None, self._reading_whole, func, called, kwargs, line)
         if error is not None and func not in TAKING_PART:
             raise ValueError(error)
         reshaped: frozenset[int] | None = None
         if func in RESHAPED_IN_PLACE and split_dims(called[0]):
             unread: frozenset[int] | None = frozenset()  # a form not read: the cut dropped
-            reshaped = _bookkept(unread, in_place_cut, func, called, kwargs)
+            reshaped = bookkept(unread, in_place_cut, func, called, kwargs)
             if reshaped is None:
                 raise ValueError(
                     f"parallelize under tensor mode {self.mode!r}: the model's own code calls "
-                    f"{_name(func)} on a {list(called[0].shape)} block whose dims "
+                    f"{operator_name(func)} on a {list(called[0].shape)} block whose dims "
                     f"{sorted(split_dims(called[0]))} the tensor ranks split, at {line}; its "
                     "memory read in another shape holds this rank's block, not the whole "
                     "tensor. Use view or reshape, which the check follows"
@@ -218,7 +218,7 @@ class _Check(TorchFunctionMode):
                 setattr(y, PART_MARK, error)
             elif y.is_floating_point():
                 none: frozenset[int] = frozenset()
-                cut = _bookkept(none, dims_followed, func, called, kwargs, y)
+                cut = bookkept(none, dims_followed, func, called, kwargs, y)
                 if cut or hasattr(y, SPLIT_DIMS_MARK):  # an input changed in place: its new cut
                     setattr(y, SPLIT_DIMS_MARK, cut)
         return out
@@ -239,9 +239,10 @@ class _Check(TorchFunctionMode):
             return
         raise ValueError(
             f"parallelize under tensor mode {self.mode!r}: {self.left_out!r}, a module the plan "
-            f"leaves out (run under DTensor on its split input), calls {_name(func)} for a plain "
-            "tensor: DTensor takes it as the same on every rank, but inside a split region each "
-            "rank draws its own numbers, so the blocks of one sample would get other noise, "
+            "leaves out (run under DTensor on its split input), calls "
+            f"{operator_name(func)} for a plain tensor: DTensor takes it as the same on every "
+            "rank, but inside a split region each rank draws its own numbers, so the blocks "
+            "of one sample would get other noise, "
             "without an error. Name it ...DropPath with a float drop_prob if it is stochastic "
             "depth (tessera draws those per sample, as torchvision's StochasticDepth), draw "
             "with a generator= seeded alike on "
@@ -265,13 +266,13 @@ class _Check(TorchFunctionMode):
             ``None`` where the split dims are followed as for any operator.
         """
         blocks = [x for x in flat if isinstance(x, torch.Tensor) and split_dims(x)]
-        module, line = _callers_line()
+        module, line = callers_line()
         if module.startswith("tessera."):  # a drop path's numbers, made alike (drop_path.py)
             return None if blocks else (func(*args, **kwargs),)
         if drawn and func in _BRANCHING:
             raise ValueError(
                 f"parallelize under tensor mode {self.mode!r}: the model's own code reads a "
-                f"random draw as a Python value ({_name(func)}) at {line}, inside a region "
+                f"random draw as a Python value ({operator_name(func)}) at {line}, inside a region "
                 "whose activations are split, where each rank draws its own numbers: the "
                 "ranks would take different branches (a layer skipped on some ranks: their "
                 "collectives no longer match). Draw it before the forward, alike on every rank "
@@ -283,8 +284,9 @@ class _Check(TorchFunctionMode):
                 if dim is not None:
                     raise ValueError(
                         f"parallelize under tensor mode {self.mode!r}: the model's own code "
-                        f"calls {_name(func)} on a random draw of shape {list(draw.shape)} and "
-                        f"a {list(block.shape)} block, broadcasting the draw over dim {dim}, "
+                        f"calls {operator_name(func)} on a random draw of shape "
+                        f"{list(draw.shape)} and a {list(block.shape)} block, broadcasting "
+                        f"the draw over dim {dim}, "
                         f"which the tensor ranks split, at {line}; inside a split region each "
                         "rank draws its own numbers (as dropout must), so one sample or token "
                         "would get other numbers in each block, without an error. Draw a mask "
@@ -304,31 +306,43 @@ class _Check(TorchFunctionMode):
         self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], line: str
     ) -> str | None:
         """The error of ``func`` reading a split dim of a tensor it is given whole, if it does."""
+        read = split_dim_read_whole(func, args, kwargs)
+        if read is None:
+            return None
+        x, dim = read
+        return (
+            f"parallelize under tensor mode {self.mode!r}: the model's own code calls "
+            f"{operator_name(func)} over dim {dim} of a {list(x.shape)} block, which the "
+            f"tensor ranks split (dims {sorted(split_dims(x))} of this tensor are cut), at "
+            f"{line}; on this rank's block it would compute a different number than on the "
+            "whole tensor, without an error. Put that code in a module of its own (parallelize "
+            "runs the modules a plan leaves out under DTensor, exactly), or give the module "
+            "that computes it a role ('norm' for a norm, 'gate_up' for a layer chunked in two)"
+        )
+
+
+def split_dim_read_whole(
+    func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> tuple[torch.Tensor, int] | None:
+    """The first tensor argument of ``func`` whose split dim it reads whole, with that dim.
+
+    ``None`` where it reads none (or its call is a form the tables cannot read).
+    """
+
+    def first_hit() -> tuple[torch.Tensor, int] | None:
         read: list[tuple[torch.Tensor, set[int] | None]]
         if func is torch.Tensor.__getitem__:
             read = [(args[0], indexed_dims(args[1], args[0]))]
         else:
             read = dims_read_whole(func, args, kwargs)
         for x, dims in read:
-            error = self._error(func, x, dims, line)
-            if error is not None:
-                return error
+            split = split_dims(x)
+            hit = sorted(split if dims is None else split & dims)
+            if hit:
+                return x, hit[0]
         return None
 
-    def _error(self, func: Any, x: torch.Tensor, read: set[int] | None, line: str) -> str | None:
-        split = split_dims(x)
-        hit = sorted(split if read is None else split & read)
-        if not hit:
-            return None
-        return (
-            f"parallelize under tensor mode {self.mode!r}: the model's own code calls "
-            f"{_name(func)} over dim {hit[0]} of a {list(x.shape)} block, which the tensor "
-            f"ranks split (dims {sorted(split)} of this tensor are cut), at {line}; on this "
-            "rank's block it would compute a different number than on the whole tensor, "
-            "without an error. Put that code in a module of its own (parallelize runs the "
-            "modules a plan leaves out under DTensor, exactly), or give the module that "
-            "computes it a role ('norm' for a norm, 'gate_up' for a layer chunked in two)"
-        )
+    return bookkept(None, first_hit)
 
 
 #: Reading a tensor as a Python value: a branch taken on it.
