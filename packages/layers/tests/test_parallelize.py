@@ -1163,7 +1163,28 @@ def _encoders_match_reference(ctx: ParallelContext) -> list[float]:
         ):
             parallelize(roberta_encoder(), context=ctx)
         encoders.remove((roberta_encoder, with_types))
+    _attention_weights(ctx, text)
     return [_encoder_matches_reference(build(), inputs, ctx) for build, inputs in encoders]
+
+
+def _attention_weights(ctx: ParallelContext, inputs: dict[str, torch.Tensor]) -> None:
+    """``output_attentions=True``: every attention's weights, gathered by heads under 1D
+    (with sequence parallelism too); refused by name where attention splits them by rows or
+    never forms them (the grids, 'sequence'), where they came back as blocks or empty."""
+    ref = gpt2_bare()
+    ref.set_attn_implementation("eager")  # the one that forms the weights
+    model = parallelize(copy.deepcopy(ref), context=ctx)
+    kind = ctx.config.mode
+    assert kind is not None
+    with torch.no_grad():
+        if not kind.replicated_activations:
+            with pytest.raises(ValueError, match=r"was asked for its attention weights \(at"):
+                model(**inputs, output_attentions=True)
+            return
+        want, got = ref(**inputs, output_attentions=True), model(**inputs, output_attentions=True)
+    assert len(got.attentions) == len(want.attentions) == 2
+    for a, b in zip(want.attentions, got.attentions, strict=True):
+        torch.testing.assert_close(b, a, **TOL)  # [b, heads, s, s]
 
 
 def _encoder_matches_reference(
@@ -1171,16 +1192,22 @@ def _encoder_matches_reference(
 ) -> float:
     """A bare encoder: its hidden states (and pooler output, where it has one) come back whole
     under every layout, and a loss on them (a mean pooling over the tokens the mask keeps, as
-    sentence embeddings take) gives every gradient as one process."""
+    sentence embeddings take) gives every gradient as one process. A text encoder also returns
+    every layer's hidden states (``output_hidden_states``) whole, a middle one in the loss
+    (conversion/output_fields.py: they were the mode's blocks or token chunks)."""
     mode, size = ctx.config.tensor_mode, ctx.get_world_size(ParallelMode.TENSOR)
     impl = "all_to_all" if mode == "sequence" and size == 4 else "ring"
     model = parallelize(copy.deepcopy(ref), sequence_attention=impl, context=ctx)
     mask = inputs.get("attention_mask")
+    if "input_ids" in inputs:
+        inputs = dict(inputs, output_hidden_states=True)
 
     def loss_of(out: Any) -> torch.Tensor:
         hidden = out.last_hidden_state  # [b, s, h]
         keep = torch.ones_like(hidden[..., :1]) if mask is None else mask.unsqueeze(-1).to(hidden)
         loss = ((hidden * keep).sum(1) / keep.sum(1)).pow(2).mean()
+        if out.hidden_states is not None:  # [b, s, h] after the first block
+            loss = loss + out.hidden_states[1].pow(2).mean()
         pooled = getattr(out, "pooler_output", None)
         return loss if pooled is None else loss + pooled.pow(2).mean()
 
@@ -1188,6 +1215,8 @@ def _encoder_matches_reference(
     for name in ("last_hidden_state", "pooler_output"):
         if getattr(want, name, None) is not None:
             torch.testing.assert_close(getattr(got, name), getattr(want, name), **TOL, msg=name)
+    for i, (a, b) in enumerate(zip(want.hidden_states or (), got.hidden_states or (), strict=True)):
+        torch.testing.assert_close(b, a, **TOL, msg=lambda m, i=i: f"hidden_states[{i}]: {m}")
     ref_loss, loss = loss_of(want), loss_of(got)
     ref_loss.backward()
     loss.backward()

@@ -69,7 +69,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def _load_and_save(tensor: dict[str, Any], folders: dict[str, str], out: str) -> int:
     """Each checkpoint into a model built on meta and parallelized (GPT-2 by hand, Llama by
     ``parallelize_pretrained``, its bf16 turned fp32): the gathered state equals the original,
-    the logits one process's; saved back, ``from_pretrained`` computes them too."""
+    the logits one process's; saved back (Llama by transformers' own ``model.save_pretrained``,
+    which writes the gathered checkpoint too), ``from_pretrained`` computes them too."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     ctx = create_context(dict(parallel=dict(tensor=tensor)), timeout=60.0)
@@ -98,7 +99,12 @@ def _load_and_save(tensor: dict[str, Any], folders: dict[str, str], out: str) ->
 
             # sharded where the checkpoint was one file, and the reverse
             target = Path(out) / f"{tensor['mode']}-{name}"
-            save_pretrained(model, target, max_shard_size="8KB" if name == "gpt2" else "5GB")
+            if name == "gpt2":
+                save_pretrained(model, target, max_shard_size="8KB")
+            else:  # transformers' own method, on every rank: the same gathered checkpoint
+                with pytest.raises(ValueError, match=r"push_to_hub=True is not supported"):
+                    model.save_pretrained(target, push_to_hub=True)
+                model.save_pretrained(target, is_main_process=True)
             if ctx.get_local_rank(ParallelMode.GLOBAL) == 0:
                 _check_saved(target, name, ref, sharded=name == "gpt2")
     finally:

@@ -53,6 +53,7 @@ from .plan import (
     resolve_span,
     span_members,
 )
+from .save_method import install_save_method
 from .sequence import (
     check_attention_covered,
     check_no_token_mixing,
@@ -318,6 +319,7 @@ def _convert(
             return parallelize(part, part_plan, sequence_attention=sequence_attention, context=ctx)
 
         parallelize_parts(model, parts, convert)
+        install_save_method(model, ctx)
         setattr(model, PARALLELIZED_ATTR, mode)
         setattr(model, CONTEXT_ATTR, ctx)
         return model
@@ -378,6 +380,7 @@ def _convert(
         if chosen.causal_lm:
             install_generation(model, ctx, mode, sequence_parallel=False)
             install_model_loss(model, ctx)
+        install_save_method(model, ctx)
         setattr(model, PARALLELIZED_ATTR, mode)
         setattr(model, CONTEXT_ATTR, ctx)
         return model
@@ -441,6 +444,7 @@ def _convert(
         install_model_loss(model, ctx)
     heads = [name for name, role in roles.items() if role == "head"]
     install_split_logits(model, heads, mode, ctx)
+    install_save_method(model, ctx)
     setattr(model, PARALLELIZED_ATTR, mode)
     setattr(model, CONTEXT_ATTR, ctx)
     if sequence_parallel:

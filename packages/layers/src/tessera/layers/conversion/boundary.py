@@ -40,6 +40,7 @@ from ..shared.mode_layers import MODE_LAYERS, check_targets, find_mode_layers
 from .left_out import LAYOUT_MARK
 from .mask_rows import MaskGiven
 from .model_loss import MODEL_LOSS_ATTR
+from .output_fields import install_whole_output_fields
 from .plan import Plan
 from .sequence import KEY_PADDING_ATTRIBUTE, KeyPadding
 from .sequence_positions import forward_takes_positions
@@ -352,6 +353,8 @@ def install_boundary(
     whole_already = kind.replicated_activations  # 1D (its span gathers the sequence)
     if (plan.boundary == "tokens" or images) and not plan.causal_lm and not whole_already:
         _install_whole_hidden_states(model, plan, context, kind, count)
+    if plan.boundary in ("tokens", "images"):
+        install_whole_output_fields(model, context, mode, sequence_parallel, count)
 
 
 def _mark_padded_logits(model: nn.Module, count: TokenCount) -> None:
