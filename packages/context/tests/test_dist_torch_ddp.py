@@ -30,6 +30,10 @@ def _ddp_over_groups() -> list[float]:
         with pytest.raises(ValueError, match=r"holding ranks \[\d, \d\] of this rank's tensor"):
             DistributedDataParallel(model)  # the world: the other tensor rank too
         assert torch.equal(model.weight, block)  # refused before its broadcast
+        # built by accelerate (transformers' Trainer): the message says the Trainer cannot
+        accelerate = {"__name__": "accelerate.accelerator", "DDP": DistributedDataParallel}
+        with pytest.raises(ValueError, match=r"transformers' Trainer \(through accelerate\)"):
+            eval("DDP(model)", {**accelerate, "model": model})
         DistributedDataParallel(model, process_group=ctx.get_group(ParallelMode.DATA))
         DistributedDataParallel(nn.Linear(4, 2))  # nothing split: torch's, over the world
         return [float(model.weight.sum())]

@@ -382,6 +382,14 @@ def bert_mlm(seed: int = 0, **overrides: Any) -> nn.Module:
     return _distinct(BertForMaskedLM(BertConfig(**{**BERT_CONFIG, **overrides})), seed)
 
 
+def bert_causal_lm(seed: int = 0) -> nn.Module:
+    """``BertLMHeadModel`` (BERT as a decoder) from :data:`BERT_CONFIG`, weights from ``seed``."""
+    from transformers import BertConfig, BertLMHeadModel
+
+    torch.manual_seed(seed)
+    return _distinct(BertLMHeadModel(BertConfig(**BERT_CONFIG, is_decoder=True)), seed)
+
+
 def bert_encoder(seed: int = 0, **overrides: Any) -> nn.Module:
     """The bare ``BertModel`` (with its pooler) from :data:`BERT_CONFIG`, weights from ``seed``."""
     from transformers import BertConfig, BertModel

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import json
 import re
 import types
@@ -26,6 +27,7 @@ from hf_models import (
     NUM_CLASSES,
     SEQ,
     bart_lm,
+    bert_causal_lm,
     bert_classifier,
     bert_encoder,
     bert_mlm,
@@ -299,6 +301,9 @@ CHECKS: dict[str, Callable[[ParallelContext], Any]] = {
         _torch_encoders_match_reference(ctx)
     ),
     "bert": lambda ctx: _lm_matches_reference(bert_mlm(), ctx),
+    "bert as a decoder (BertLMHeadModel: converted part by part, its logits whole)": lambda ctx: (
+        _lm_matches_reference(bert_causal_lm(), ctx)
+    ),
     "bare encoders (bert, roberta, distilbert, vit: hidden states and pooler whole)": lambda ctx: (
         _encoders_match_reference(ctx)
     ),
@@ -364,6 +369,10 @@ def _listed(names: tuple[str, ...], layout: str) -> bool:
 #: Checks that run under some tensor modes (or layouts, by name) only: a model without a plan
 #: (Qwen2, GPT-Neo, Phi) under a few each, per-sample positions where the batch is split.
 ONLY_UNDER = {
+    # its logits come back whole ([b, s, V]) where the sequence loss split the targets anyway
+    "bert as a decoder (BertLMHeadModel: converted part by part, its logits whole)": (
+        "sequence-ring",
+    ),
     "qwen2 (inferred plan)": ("1d", "2d", "sequence"),
     "fewer key/value heads than tensor ranks (repeated)": ("1d", "1d-4", "1d-sp", "2d", "3d"),
     "mixtures of experts (family plans, experts split under 1D)": (
@@ -724,6 +733,7 @@ def _lm_matches_reference(
         _whole_logits_loss(logits, ids, ref_loss, ctx)
         _generates_as_one_process(ref, model, ids, ctx)
         _labels_give_the_loss(model, ids, ref_loss)
+        _other_ranks_blocks_refused(model, ctx)
     # The original state dict loads back as it is (Conv1D orientation, fused q/k/v).
     with torch.no_grad():
         for p in model.parameters():
@@ -1397,6 +1407,29 @@ def _whole_logits_loss(
     part = local_logits(logits)
     assert type(part) is torch.Tensor
     torch.testing.assert_close(part, _local_logits(whole, ctx))
+
+
+def _other_ranks_blocks_refused(model: nn.Module, ctx: ParallelContext) -> None:
+    """Each rank's ``torch.save(model.state_dict())`` loads back into that rank's model; the
+    file of another tensor rank (one saved by rank 0 alone, loaded everywhere) is refused,
+    where its blocks would have replaced this rank's without an error (conversion/block_tags)."""
+    world = ctx.get_world_size(ParallelMode.TENSOR)
+    if ctx.config.tensor_mode == "sequence":  # nothing split
+        return
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    files: list[Any] = [None] * world
+    dist.all_gather_object(files, buffer.getvalue(), group=ctx.get_group(ParallelMode.TENSOR))
+    rank = ctx.get_local_rank(ParallelMode.TENSOR)
+    refused = []
+    for other in (r for r in range(world) if r != rank):
+        try:  # a rank holding the same blocks (2.5D's other depth) is as good as this one
+            model.load_state_dict(torch.load(io.BytesIO(files[other])))
+        except ValueError as error:
+            assert "saved by another rank; this rank holds the one at" in str(error), error
+            refused.append(other)
+    assert refused, "every other tensor rank's blocks were loaded"
+    model.load_state_dict(torch.load(io.BytesIO(files[rank])))  # its own, as saved
 
 
 def _generates_as_one_process(
@@ -2211,6 +2244,16 @@ def _errors() -> list[str]:
             r"'gate' holds parameters but is not in the plan, and none of its inputs \[\]",
             lambda: gated(torch.ones(2, 4, 16)),
         )
+        from transformers import GPT2Config, GPT2DoubleHeadsModel
+
+        # Laid out as GPT-2 but for a head no plan knows: its GPT-2 is a part with a plan, but
+        # the language-model head outside it is tied to the part's embedding (parts.py).
+        two_heads = GPT2DoubleHeadsModel(GPT2Config(**GPT2_CONFIG))
+        expect(
+            ValueError,
+            r"lm_head.weight \(tied into 'transformer'\) would keep the whole tensor",
+            lambda: parallelize(two_heads, context=sp),
+        )
     finally:
         sp.destroy()
     seq = _context(dict(size=2, mode="sequence"))
@@ -2243,14 +2286,9 @@ def _errors() -> list[str]:
         )
         from transformers import GPT2Config, GPT2DoubleHeadsModel
 
-        # Laid out as GPT-2 but for a head no plan knows: its GPT-2 is a part with a plan, but
-        # the language-model head outside it is tied to the part's embedding (parts.py).
-        two_heads = GPT2DoubleHeadsModel(GPT2Config(**GPT2_CONFIG))
-        expect(
-            ValueError,
-            r"lm_head.weight \(tied into 'transformer'\) would keep the whole tensor",
-            lambda: parallelize(two_heads, context=seq),
-        )
+        # 'sequence' splits no parameter: a head tied across a part's edge stays tied (parts.py)
+        two_heads = parallelize(GPT2DoubleHeadsModel(GPT2Config(**GPT2_CONFIG)), context=seq)
+        assert two_heads.lm_head.weight is two_heads.transformer.wte.weight
         # a short convolution over the sequence (a hybrid model's) would see this rank's chunk
         conv = nn.Sequential(nn.Linear(16, 32), nn.Conv1d(32, 32, 3), nn.Linear(32, 16))
         expect(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,7 +76,28 @@ def _check_group(module: torch.nn.Module, group: Any) -> None:
             "split, so DDP would broadcast one rank's blocks over the others and average the "
             "gradients of different blocks. Pass process_group=ctx.get_group(ParallelMode.DATA) "
             "(the data replicas), or let tessera.engine.initialize wrap the model"
+            + (_TRAINER if _called_from("accelerate", "transformers") else "")
         )
+
+
+#: Said where accelerate (transformers' ``Trainer``) builds the DDP.
+_TRAINER = (
+    ". transformers' Trainer (through accelerate) wraps the model in DDP over every rank and "
+    "gives each rank other batches, where tensor ranks need the same ones: it cannot train "
+    "a tensor-parallel model. Train it with tessera.engine, or a loop of your own "
+    "(docs/your-own-loop.md), where model(**batch, labels=...).loss works as with the Trainer"
+)
+
+
+def _called_from(*packages: str) -> bool:
+    """Whether a frame of any of ``packages`` is on the stack (the caller of DDP)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".")[0] in packages:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def guard_torch_ddp() -> None:

@@ -29,6 +29,7 @@ from ..sequence.attention import AttentionImpl
 from ..shared.context_access import current_or_none, sequence_parallel_default, tensor_mode
 from ..shared.errors import ModeNotImplementedError
 from ..shared.mode_layers import MODE_LAYERS, find_mode_layers
+from .block_tags import install_block_tags
 from .boundary import install_boundary
 from .converters import Converter
 from .drop_path import install_per_sample_draws
@@ -318,8 +319,10 @@ def _convert(
         def convert(part: nn.Module, part_plan: Plan) -> nn.Module:
             return parallelize(part, part_plan, sequence_attention=sequence_attention, context=ctx)
 
-        parallelize_parts(model, parts, convert)
+        # 'sequence' splits no parameter: a tie across a part stays whole on both sides
+        parallelize_parts(model, parts, convert, ties_split=not kind.splits_sequence)
         install_save_method(model, ctx)
+        install_block_tags(model)
         setattr(model, PARALLELIZED_ATTR, mode)
         setattr(model, CONTEXT_ATTR, ctx)
         return model
@@ -381,6 +384,7 @@ def _convert(
             install_generation(model, ctx, mode, sequence_parallel=False)
             install_model_loss(model, ctx)
         install_save_method(model, ctx)
+        install_block_tags(model)
         setattr(model, PARALLELIZED_ATTR, mode)
         setattr(model, CONTEXT_ATTR, ctx)
         return model
@@ -445,6 +449,7 @@ def _convert(
     heads = [name for name, role in roles.items() if role == "head"]
     install_split_logits(model, heads, mode, ctx)
     install_save_method(model, ctx)
+    install_block_tags(model)
     setattr(model, PARALLELIZED_ATTR, mode)
     setattr(model, CONTEXT_ATTR, ctx)
     if sequence_parallel:

@@ -34,6 +34,7 @@ def parallelize_parts(
     model: nn.Module,
     parts: list[tuple[str, Plan]],
     convert: Callable[[nn.Module, Plan], nn.Module],
+    ties_split: bool = True,
 ) -> nn.Module:
     """Convert each part of ``model`` with its plan (``convert``: ``parallelize``).
 
@@ -41,11 +42,14 @@ def parallelize_parts(
         model: The model, whole on every tensor rank (its weights checked alike already).
         parts: ``(name, plan)`` of each part (``plan.parts_with_plans``).
         convert: Converts one part in place with its plan.
+        ties_split: Whether the mode splits parameters, so that a parameter tied across a
+            part's edge would be split on one side only (refused); ``'sequence'`` splits none.
 
     Returns:
         ``model``, its parts converted in place, the rest whole.
     """
-    _check_no_ties_across(model, parts)
+    if ties_split:
+        _check_no_ties_across(model, parts)
     for name, plan in parts:
         part = model.get_submodule(name)
         convert(part, plan)

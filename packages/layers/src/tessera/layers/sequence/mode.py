@@ -34,14 +34,19 @@ def _token_loss(
     """The whole batch's mean token loss, from this rank's chunk of the sequence.
 
     An image classifier's logits ``[b, C]`` are whole on every rank (it read the gathered
-    class token): torch's loss of the whole batch. Otherwise the value returned is the global
+    class token): torch's loss of the whole batch. So are logits ``[b, s, V]`` as long as the
+    targets, which the boundary did not split (a head run whole after a part converted alone
+    gathered its hidden states: ``BertLMHeadModel``'s; a chunk is shorter than the sequence).
+    Otherwise the value returned is the global
     mean on every rank; its gradient is ``N`` times this rank's share of it, the convention of
     the engine's sequence-parallel handler (``average="sequence_dp"`` divides the summed
     gradients by N). Only ``"mean"``: the mean already spans the ranks' tokens.
     """
-    whole = logits.dim() == 2  # one class per sample: every token read
-    padded = logits.shape[1] * context.get_world_size(ParallelMode.SEQUENCE)
     tokens = getattr(logits, TOKENS_BEFORE_PADDING, None)  # the boundary padded them
+    whole = logits.dim() == 2 or (  # one class per sample, or every token's logits
+        tokens is None and targets.dim() >= 2 and logits.shape[1] == targets.shape[1]
+    )
+    padded = logits.shape[1] * context.get_world_size(ParallelMode.SEQUENCE)
     if not whole and targets.dim() == 2 and targets.shape[1] == tokens and tokens < padded:
         # the padding of a sequence the ranks do not divide predicts nothing
         targets = F.pad(targets, (0, padded - tokens), value=ignore_index)
