@@ -1181,6 +1181,9 @@ def _attention_weights(ctx: ParallelContext, inputs: dict[str, torch.Tensor]) ->
     """``output_attentions=True``: every attention's weights, gathered by heads under 1D
     (with sequence parallelism too); refused by name where attention splits them by rows or
     never forms them (the grids, 'sequence'), where they came back as blocks or empty."""
+    sp = ctx.config.tensor_args.get("sequence_parallel", False)
+    if ctx.get_world_size(ParallelMode.TENSOR) > 4 or (ctx.config.tensor_mode == "1d" and not sp):
+        return  # a layout of each kind: 1D's heads (sequence parallel), the grid, 'sequence'
     ref = gpt2_bare()
     ref.set_attn_implementation("eager")  # the one that forms the weights
     model = parallelize(copy.deepcopy(ref), context=ctx)
