@@ -13,7 +13,7 @@ with a ``__torch_function__`` that follows the vocabulary dim through what the c
 (elementwise code, dtype casts, indexing of the batch and tokens, views; the tables of
 :mod:`.operator_dims`, as the model's own code is checked by :mod:`.own_code`) and raises where
 an operator reads it whole (a reduction, softmax, sort, top-k or loss over it, a part of it
-taken, its values read out of torch), naming the operator, the line and what to do:
+taken or written, its values read out of torch), naming the operator, the line and what to do:
 :func:`~.boundary.causal_lm_loss` / :func:`~.boundary.token_loss` for the loss,
 :func:`~.boundary.gather_logits` for whole logits, :func:`local_logits` for this rank's part as
 a plain tensor, on purpose. tessera's own code (its losses, gathers, the model's own loss
@@ -35,7 +35,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 from tessera.context import ParallelContext
 
 from ..shared.mode_layers import Cuts, find_mode_layers
-from .operator_dims import METADATA, SPLIT_DIMS_MARK, TAKING_PART, dims_followed
+from .operator_dims import (
+    METADATA,
+    SPLIT_DIMS_MARK,
+    TAKING_PART,
+    dims_followed,
+    indexed_dims,
+    split_dims,
+)
 from .own_code import bookkept, callers_line, operator_name, split_dim_read_whole
 
 __all__ = ["VocabSplitLogits", "install_split_logits", "local_logits"]
@@ -97,6 +104,11 @@ def _refuse_reading_whole(
     what: str | None = None
     if func in _READ_OUT:
         what = "reads the values"
+    elif func is torch.Tensor.__setitem__ and isinstance(called[0], VocabSplitLogits):
+        none: set[int] = set()
+        written = bookkept(none, indexed_dims, called[1], called[0]) & split_dims(called[0])
+        if written:  # logits[..., token_id] = -inf: this rank's column, not that token's
+            block, what = called[0], f"writes a part of dim {min(written)}"
     else:
         read = split_dim_read_whole(func, called, kwargs)
         if read is not None:
