@@ -733,6 +733,7 @@ def _lm_matches_reference(
         _whole_logits_loss(logits, ids, ref_loss, ctx)
         _generates_as_one_process(ref, model, ids, ctx)
         _labels_give_the_loss(model, ids, ref_loss)
+        _soft_prompt_trains_as_one_process(ref, model, ids, ctx)
         if type(ref).__name__ == "GPT2LMHeadModel":
             _other_ranks_blocks_refused(model, ctx)
     # The original state dict loads back as it is (Conv1D orientation, fused q/k/v).
@@ -1391,7 +1392,19 @@ def _whole_logits_loss(
 
     The split logits refuse code of one's own reading the vocabulary whole (an argmax, a
     cross-entropy, a softmax: each would compute on this rank's slice without an error);
-    ``local_logits`` takes that slice on purpose (conversion/split_logits.py)."""
+    ``local_logits`` takes that slice on purpose (conversion/split_logits.py). Under
+    'sequence' the logits of this rank's chunk of the tokens refuse code reading the tokens
+    whole (the last token's logits would be this chunk's last)."""
+    if ctx.config.tensor_mode == "sequence":
+        share = r"logits, which hold this rank's 1/\d of the tokens .* gather_logits"
+        with pytest.raises(ValueError, match=rf"__getitem__ takes a part of dim 1 of .*{share}"):
+            logits[:, -1].argmax(-1)
+        with pytest.raises(ValueError, match=rf"Tensor\.mean reads dim 1 of .*{share}"):
+            logits.float().mean()
+        assert type(local_logits(logits)) is torch.Tensor
+        whole = gather_logits(logits, context=ctx)  # a derived tensor keeps the padding's start
+        torch.testing.assert_close(gather_logits(logits.float() * 2, context=ctx), whole * 2)
+        return
     if ctx.config.tensor_mode != "1d":
         assert type(logits) is torch.Tensor, type(logits)
         return
@@ -1416,6 +1429,33 @@ def _whole_logits_loss(
     torch.testing.assert_close(part, _local_logits(whole, ctx))
 
 
+def _soft_prompt_trains_as_one_process(
+    ref: nn.Module, model: nn.Module, ids: torch.Tensor, ctx: ParallelContext
+) -> None:
+    """Embeddings of one's own as ``inputs_embeds``: three learned vectors before the tokens'
+    embeddings (a soft prompt; 11 tokens, padded under 'sequence'). The loss and the
+    prompt's gradient are one process's, in every mode (the boundary splits them as the
+    embedding would have; under 'sequence' the handler's convention, as a parameter's)."""
+    size = (ids.shape[0], 3, ref.config.hidden_size)
+    prompt = torch.randn(size, generator=torch.Generator().manual_seed(5)) * 0.5  # [b, 3, h]
+    with torch.no_grad():  # whole, from the model before conversion (its table may be split)
+        tokens = ref.get_input_embeddings()(ids)  # [b, s, h]
+    targets = torch.cat([torch.full_like(ids[:, :3], -100), ids], 1)  # [b, 3 + s]
+    results = []
+    for m in (ref, model):
+        learned = prompt.clone().requires_grad_()
+        logits = m(inputs_embeds=torch.cat([learned, tokens], 1)).logits
+        if m is ref:
+            vocab = logits.shape[-1]
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), targets[:, 1:].reshape(-1))
+        else:
+            loss = causal_lm_loss(logits, targets, context=ctx)
+        (grad,) = torch.autograd.grad(loss, [learned])
+        results.append((loss.detach(), grad if m is ref else _input_grad(grad, ctx)))
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, **TOL)
+
+
 def _other_ranks_blocks_refused(model: nn.Module, ctx: ParallelContext) -> None:
     """Each rank's ``torch.save(model.state_dict())`` loads back into that rank's model; the
     file of another tensor rank (one saved by rank 0 alone, loaded everywhere) is refused,
@@ -1423,20 +1463,23 @@ def _other_ranks_blocks_refused(model: nn.Module, ctx: ParallelContext) -> None:
     world = ctx.get_world_size(ParallelMode.TENSOR)
     if ctx.config.tensor_mode == "sequence" or world > 4:  # nothing split; 8 ranks: as 2D's
         return
-    buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
-    files: list[Any] = [None] * world
-    dist.all_gather_object(files, buffer.getvalue(), group=ctx.get_group(ParallelMode.TENSOR))
-    rank = ctx.get_local_rank(ParallelMode.TENSOR)
-    refused = []
-    for other in (r for r in range(world) if r != rank):
-        try:  # a rank holding the same blocks (2.5D's other depth) is as good as this one
-            model.load_state_dict(torch.load(io.BytesIO(files[other])))
-        except ValueError as error:
-            assert "saved by another rank; this rank holds the one at" in str(error), error
-            refused.append(other)
-    assert refused, "every other tensor rank's blocks were loaded"
-    model.load_state_dict(torch.load(io.BytesIO(files[rank])))  # its own, as saved
+    # the whole model, and a submodule's own state dict (e.g. ``model.transformer``)
+    for module in (model, next(iter(model.children()))):
+        buffer = io.BytesIO()
+        torch.save(module.state_dict(), buffer)
+        files: list[Any] = [None] * world
+        group = ctx.get_group(ParallelMode.TENSOR)
+        dist.all_gather_object(files, buffer.getvalue(), group=group)
+        rank = ctx.get_local_rank(ParallelMode.TENSOR)
+        refused = []
+        for other in (r for r in range(world) if r != rank):
+            try:  # a rank holding the same blocks (2.5D's other depth) is as good as this one
+                module.load_state_dict(torch.load(io.BytesIO(files[other])))
+            except ValueError as error:
+                assert "saved by another rank; this rank holds the one at" in str(error), error
+                refused.append(other)
+        assert refused, f"every other tensor rank's blocks were loaded into {type(module)}"
+        module.load_state_dict(torch.load(io.BytesIO(files[rank])))  # its own, as saved
 
 
 def _generates_as_one_process(
@@ -2090,6 +2133,12 @@ def _errors() -> list[str]:
             lambda: parallelize(differing, {"0": "col", "1": "row"}, context=ctx),
         )
         torch.manual_seed(0)  # the same block on every rank
+        lm = parallelize(gpt2_lm(), context=ctx)
+        expect(
+            ValueError,
+            r"GPT2LMHeadModel.resize_token_embeddings after parallelize: .* before parallelize",
+            lambda: lm.resize_token_embeddings(80),
+        )
         block = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
         expect(
             ValueError,
@@ -2371,7 +2420,7 @@ def _own_attention_block() -> nn.Sequential:
 
 def test_misuse_is_a_clear_error(dist) -> None:
     results = dist.run(_errors, world_size=2, timeout=120.0)
-    assert len(results[0]) == 36
+    assert len(results[0]) == 37
 
 
 def _offset_norms() -> int:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
+import torch.distributed as dist
 from blocks import Block
 from torch import nn
 from tp_reference import randomize, with_context
@@ -59,7 +62,26 @@ def _round_trip(ctx: ParallelContext) -> int:
     with pytest.raises(KeyError, match=r"vhead\.bias"):
         load_full_state_dict(par, missing)
     load_full_state_dict(par, missing, strict=False)
+    _rank_zeros_file_refused(par, ctx)
     return len(sharded)
+
+
+def _rank_zeros_file_refused(par: nn.Module, ctx: ParallelContext) -> None:
+    """``torch.save(module.state_dict())`` on rank 0, loaded on every rank (the plain habit):
+    the other ranks refuse rank 0's blocks, for a model of one's own and for one of its
+    submodules; each rank's own file loads (shared/block_tags)."""
+    for module in (par, par.block):
+        buffer = io.BytesIO()
+        torch.save(module.state_dict(), buffer)
+        files = [buffer.getvalue()]
+        dist.broadcast_object_list(files, src=0)
+        rank_zeros = torch.load(io.BytesIO(files[0]))
+        if dist.get_rank() == 0:
+            module.load_state_dict(rank_zeros)
+        else:
+            with pytest.raises(ValueError, match=r"\.weight' holds the block .* another rank"):
+                module.load_state_dict(rank_zeros)
+        module.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
 
 
 def _all(tp: int) -> int:

@@ -5,14 +5,14 @@ from .boundary import causal_lm_loss, gather_logits, token_loss
 from .families import BUILTIN_PLANS
 from .meta import meta_parameters
 from .plan import ROLES, Plan
-from .split_logits import VocabSplitLogits, local_logits
+from .split_logits import SplitLogits, local_logits
 from .stages import original_names, pipeline_layers
 
 __all__ = [
     "BUILTIN_PLANS",
     "ROLES",
     "SUPPORTED_MODES",
-    "VocabSplitLogits",
+    "SplitLogits",
     "Plan",
     "causal_lm_loss",
     "gather_logits",

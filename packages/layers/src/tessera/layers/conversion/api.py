@@ -26,10 +26,10 @@ from tessera.context import (
 )
 
 from ..sequence.attention import AttentionImpl
+from ..shared.block_tags import install_block_tags
 from ..shared.context_access import current_or_none, sequence_parallel_default, tensor_mode
 from ..shared.errors import ModeNotImplementedError
 from ..shared.mode_layers import MODE_LAYERS, find_mode_layers
-from .block_tags import install_block_tags
 from .boundary import install_boundary
 from .converters import Converter
 from .drop_path import install_per_sample_draws
@@ -54,6 +54,7 @@ from .plan import (
     resolve_span,
     span_members,
 )
+from .resize_method import install_resize_refusal
 from .save_method import install_save_method
 from .sequence import (
     check_attention_covered,
@@ -322,6 +323,8 @@ def _convert(
         # 'sequence' splits no parameter: a tie across a part stays whole on both sides
         parallelize_parts(model, parts, convert, ties_split=not kind.splits_sequence)
         install_save_method(model, ctx)
+        if kind.splits_weights:
+            install_resize_refusal(model, mode)
         install_block_tags(model)
         setattr(model, PARALLELIZED_ATTR, mode)
         setattr(model, CONTEXT_ATTR, ctx)
@@ -449,6 +452,8 @@ def _convert(
     heads = [name for name, role in roles.items() if role == "head"]
     install_split_logits(model, heads, mode, ctx)
     install_save_method(model, ctx)
+    if kind.splits_weights:
+        install_resize_refusal(model, mode)
     install_block_tags(model)
     setattr(model, PARALLELIZED_ATTR, mode)
     setattr(model, CONTEXT_ATTR, ctx)

@@ -44,7 +44,7 @@ from .output_fields import install_whole_output_fields
 from .plan import Plan
 from .sequence import KEY_PADDING_ATTRIBUTE, KeyPadding
 from .sequence_positions import forward_takes_positions
-from .split_logits import local_logits
+from .split_logits import local_logits, token_split_logits
 from .token_padding import TOKEN_COUNT_ATTR, TokenCount, pad_rows_inside, pad_tokens, strip_tokens
 
 __all__ = ["causal_lm_loss", "gather_logits", "install_boundary", "token_loss"]
@@ -134,6 +134,12 @@ def _padded_tokens(
             return x
         return torch.cat([x, x.new_zeros(x.shape[0], extra)], 1)  # [b, s + extra]
 
+    embeds = kwargs.get("inputs_embeds")
+    if isinstance(embeds, torch.Tensor):  # [b, s, h] -> [b, s + extra, h], zeros masked
+        kwargs["inputs_embeds"] = torch.cat(
+            [embeds, embeds.new_zeros(embeds.shape[0], extra, *embeds.shape[2:])], 1
+        )
+
     positions = kwargs.get("position_ids")
     if not isinstance(positions, torch.Tensor) and takes_positions:  # the whole sequence's
         positions = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0)
@@ -165,8 +171,13 @@ def _sequence_inputs(
     records its length.
     """
     ids = args[0] if args else kwargs.get("input_ids")
-    if not isinstance(ids, torch.Tensor):
-        raise ValueError(f"{owner} under tensor mode 'sequence' takes input_ids [b, s]")
+    if not isinstance(ids, torch.Tensor):  # embeddings of one's own: a soft prompt, images
+        ids = kwargs.get("inputs_embeds")
+    if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+        raise ValueError(
+            f"{owner} under tensor mode 'sequence' takes input_ids [b, s] or inputs_embeds "
+            f"[b, s, h], got {type(ids).__name__}"
+        )
     mask = kwargs.pop("attention_mask", None)
     extra = -ids.shape[1] % context.get_world_size(ParallelMode.SEQUENCE)
     count.tokens, count.padded = ids.shape[1], ids.shape[1] + extra
@@ -179,9 +190,9 @@ def _sequence_inputs(
                 "multiple of the ranks, with attention_mask 0 there"
             )
         if not isinstance(mask, torch.Tensor):
-            mask = torch.ones_like(ids)
+            mask = torch.ones(ids.shape[:2], dtype=torch.long, device=ids.device)
         args, kwargs, mask = _padded_tokens(args, kwargs, mask, extra, takes_positions)
-        ids = args[0] if args else kwargs["input_ids"]  # [b, s + extra]
+        ids = mask  # [b, s + extra]: the tokens' shape
     if isinstance(mask, torch.Tensor) and not bool(mask.all()):
         if padding is None:
             raise ValueError(
@@ -202,11 +213,37 @@ def _sequence_inputs(
     for key in (*BATCH_KWARGS, "position_ids"):
         if isinstance(kwargs.get(key), torch.Tensor):
             kwargs[key] = split_sequence_activation(kwargs[key], context)
+    embeds = kwargs.get("inputs_embeds")
+    if isinstance(embeds, torch.Tensor):  # a plain slice: its gradient is this chunk's share
+        rank, world = (
+            f(ParallelMode.SEQUENCE) for f in (context.get_local_rank, context.get_world_size)
+        )
+        kwargs["inputs_embeds"] = embeds.chunk(world, 1)[rank]  # [b, s/N, h]
     args = tuple(
         split_sequence_activation(a, context) if i == 0 and isinstance(a, torch.Tensor) else a
         for i, a in enumerate(args)
     )
     return args, kwargs
+
+
+def _split_embeddings(
+    name: str, value: Any, context: ParallelContext, module: nn.Module
+) -> torch.Tensor:
+    """Whole embeddings given in place of ids, in the layout the embedding would have made.
+
+    ``inputs_embeds`` ``[b, s, h]``: a soft prompt, image features merged into the text's.
+    The embedding's output is an activation between blocks, so :func:`split_activation`'s
+    block; its backward gathers the gradient whole, so embeddings of one's own train as on
+    one process.
+    """
+    if not isinstance(value, torch.Tensor) or value.dim() != 3:
+        shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(
+            f"{type(module).__name__}: {name} must be whole embeddings [b, s, h], got {shape}"
+        )
+    split = split_activation(value, context)
+    setattr(split, LAYOUT_MARK, "activation")  # for a module left out taking it
+    return split
 
 
 def _wants_router_logits(model: nn.Module, kwargs: dict[str, Any]) -> bool:
@@ -297,11 +334,7 @@ def install_boundary(
             return None
         for embeds in ("inputs_embeds", "decoder_inputs_embeds"):
             if kwargs.get(embeds) is not None:
-                ids = "decoder_input_ids" if embeds.startswith("decoder") else "input_ids"
-                raise ValueError(
-                    f"{type(module).__name__} under tensor mode {mode!r} takes {ids}, not "
-                    f"{embeds} (the embedding makes the mode's layout)"
-                )
+                kwargs[embeds] = _split_embeddings(embeds, kwargs[embeds], context, module)
         args = tuple(
             rank_rows("input_ids", a, context) if i == 0 else a for i, a in enumerate(args)
         )
@@ -347,7 +380,7 @@ def install_boundary(
         _install_sequence_span(model, plan.sequence_span, attention, context, count)
         setattr(model, TOKEN_COUNT_ATTR, count)  # pipeline stages mark it (stages.py)
     if kind.splits_sequence and plan.boundary == "tokens" and count is not None:
-        _mark_padded_logits(model, count)
+        _mark_padded_logits(model, count, context)
     # A bare model (BertModel, ViTModel); under 'sequence' an image model's span gathers already
     images = plan.boundary == "images" and not kind.splits_sequence
     whole_already = kind.replicated_activations  # 1D (its span gathers the sequence)
@@ -357,19 +390,32 @@ def install_boundary(
         install_whole_output_fields(model, context, mode, sequence_parallel, count)
 
 
-def _mark_padded_logits(model: nn.Module, count: TokenCount) -> None:
+def _mark_padded_logits(model: nn.Module, count: TokenCount, context: ParallelContext) -> None:
     """Mark the logits of a sequence the boundary padded with its length before the padding.
 
     ``gather_logits`` strips the padding by it; ``token_loss`` pads the targets to match.
+    Logits of this rank's chunk (``[b, (s + pad)/N, V]``) are handed out as
+    :class:`~.split_logits.SplitLogits`, so code of one's own reading the tokens whole
+    (``logits[:, -1]``, a mean, a loss of its own) raises instead of computing on a chunk.
     """
+    ranks = context.get_world_size(ParallelMode.SEQUENCE)
 
     def mark(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
-        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            logits = output[0]  # return_dict=False, without labels: the logits first
-        if isinstance(logits, torch.Tensor) and count.tokens is not None:
-            setattr(logits, TOKENS_BEFORE_PADDING, count.tokens)
-        return None
+        first = isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor)
+        # return_dict=False, without labels: the logits first
+        logits = output[0] if first else getattr(output, "logits", output)
+        if not isinstance(logits, torch.Tensor) or count.tokens is None or count.padded is None:
+            return None
+        chunk = count.padded // ranks
+        if logits.dim() == 3 and logits.shape[1] == chunk != count.tokens:
+            logits = token_split_logits(logits, ranks)
+        setattr(logits, TOKENS_BEFORE_PADDING, count.tokens)
+        if first:
+            return (logits, *output[1:])
+        if isinstance(output, torch.Tensor):
+            return logits
+        output.logits = logits
+        return output
 
     model.register_forward_hook(mark)
 

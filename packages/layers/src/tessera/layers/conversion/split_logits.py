@@ -1,4 +1,4 @@
-"""Logits split by vocabulary, handed to the caller: code reading the vocabulary whole raises.
+"""Split logits handed to the caller: code reading a split dim whole raises.
 
 Under 1D the head returns each rank's ``V/p`` of every token's logits ``[b, s, V/p]`` (a
 classifier's ``[b, C/p]``): the vocabulary-parallel losses read them so, and no rank ever holds
@@ -6,10 +6,13 @@ classifier's ``[b, C/p]``): the vocabulary-parallel losses read them so, and no 
 than one process without an error: ``logits.argmax(-1)`` is an index into this rank's slice,
 read as a token id; ``F.cross_entropy(logits.view(-1, V/p), labels)`` is the loss of a part of
 the vocabulary (an error only where a label falls outside it); ``logits.softmax(-1)`` sums to 1
-on each rank; ``logits[..., token_id]`` reads another token's logit.
+on each rank; ``logits[..., token_id]`` reads another token's logit. Under ``'sequence'`` a
+causal or masked LM returns each rank's chunk of the tokens ``[b, s/N, V]``:
+``logits[:, -1]`` is the last token of this rank's chunk (the padding's on the last rank,
+where the ranks do not divide the length), ``logits.mean()`` a part's mean.
 
-So the head's output is a :class:`VocabSplitLogits`: the same storage and autograd history,
-with a ``__torch_function__`` that follows the vocabulary dim through what the caller computes
+So the head's output is a :class:`SplitLogits`: the same storage and autograd history,
+with a ``__torch_function__`` that follows the split dim through what the caller computes
 (elementwise code, dtype casts, indexing of the batch and tokens, views; the tables of
 :mod:`.operator_dims`, as the model's own code is checked by :mod:`.own_code`) and raises where
 an operator reads it whole (a reduction, softmax, sort, top-k or loss over it, a part of it
@@ -34,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from tessera.context import ParallelContext
 
+from ..sequence.replicated import TOKENS_BEFORE_PADDING
 from ..shared.mode_layers import Cuts, find_mode_layers
 from .operator_dims import (
     METADATA,
@@ -45,7 +49,7 @@ from .operator_dims import (
 )
 from .own_code import bookkept, callers_line, operator_name, split_dim_read_whole
 
-__all__ = ["VocabSplitLogits", "install_split_logits", "local_logits"]
+__all__ = ["SplitLogits", "install_split_logits", "local_logits", "token_split_logits"]
 
 #: Reading a tensor's values out of torch: each rank would read its own part of the vocabulary.
 _READ_OUT = {
@@ -59,11 +63,11 @@ _PLAIN = {
 }  # fmt: skip
 
 
-class VocabSplitLogits(torch.Tensor):
-    """This rank's part of logits split by vocabulary; operators reading it whole raise.
+class SplitLogits(torch.Tensor):
+    """This rank's part of logits split by vocabulary (1D) or by tokens (``'sequence'``).
 
-    Its ``_tessera_split_dims`` mark holds the cut dims (the last one), as :mod:`.own_code`'s
-    tensors do.
+    Operators reading a split dim whole raise. Its ``_tessera_split_dims`` mark holds the cut
+    dims (the last one, or the tokens' dim 1), as :mod:`.own_code`'s tensors do.
     """
 
     @classmethod
@@ -93,18 +97,18 @@ class VocabSplitLogits(torch.Tensor):
 def _refuse_reading_whole(
     func: Any, called: tuple[Any, ...], kwargs: Mapping[str, Any], line: str
 ) -> None:
-    """Raise where ``func`` reads a split vocabulary dim of its arguments whole.
+    """Raise where ``func`` reads a split dim of its arguments whole.
 
     ``called``: its positional arguments, ``input=`` first where it was given by name.
     """
     flat = [x for x in tree_flatten((called, dict(kwargs)))[0] if isinstance(x, torch.Tensor)]
-    if not any(isinstance(x, VocabSplitLogits) for x in flat):
+    if not any(isinstance(x, SplitLogits) for x in flat):
         return
     block = flat[0]
     what: str | None = None
     if func in _READ_OUT:
         what = "reads the values"
-    elif func is torch.Tensor.__setitem__ and isinstance(called[0], VocabSplitLogits):
+    elif func is torch.Tensor.__setitem__ and isinstance(called[0], SplitLogits):
         none: set[int] = set()
         written = bookkept(none, indexed_dims, called[1], called[0]) & split_dims(called[0])
         if written:  # logits[..., token_id] = -inf: this rank's column, not that token's
@@ -119,58 +123,86 @@ def _refuse_reading_whole(
         return
     ranks = getattr(block, _RANKS_ATTR, None)
     share = "this rank's part" if ranks is None else f"this rank's 1/{ranks}"
+    split = getattr(block, _SPLIT_ATTR, VOCABULARY)
     raise ValueError(
         f"{operator_name(func)} {what} of {list(block.shape)} logits, which hold {share} of "
-        f"the vocabulary (split by the parallelized head), at {line}: on this part it "
-        "computes another number than on the whole logits, without an error. Use "
-        "tessera.layers.causal_lm_loss or token_loss for the loss (they read the split "
-        "vocabulary), gather_logits(logits) for whole logits (argmax, sampling, metrics), "
-        "or local_logits(logits) for this rank's part as a plain tensor, on purpose"
+        f"{split}, at {line}: on this part it computes another number than on the whole "
+        "logits, without an error. Use tessera.layers.causal_lm_loss or token_loss for the "
+        "loss (they read the split logits), gather_logits(logits) for whole logits (the "
+        "last token's, argmax, sampling, metrics), or local_logits(logits) for this rank's "
+        "part as a plain tensor, on purpose"
     )
 
 
-#: Set on a :class:`VocabSplitLogits`: how many ranks split its vocabulary (for the message).
-_RANKS_ATTR = "_tessera_vocab_ranks"
+#: Set on a :class:`SplitLogits`: how many ranks split it (for the message).
+_RANKS_ATTR = "_tessera_split_ranks"
+#: Set on a :class:`SplitLogits`: what is split (for the message).
+_SPLIT_ATTR = "_tessera_split_what"
+#: What 1D's logits split.
+VOCABULARY = "the vocabulary (split by the parallelized head)"
+#: What ``'sequence'``'s logits split.
+TOKENS = "the tokens (tensor mode 'sequence' splits the sequence)"
 
 
 def _followed(func: Any, called: tuple[Any, ...], kwargs: Mapping[str, Any], y: Any) -> Any:
-    """``y`` as :class:`VocabSplitLogits` where the operator's output still holds the cut dim."""
+    """``y`` as :class:`SplitLogits` where the operator's output still holds the cut dim."""
     if not isinstance(y, torch.Tensor) or not y.is_floating_point():
         return y
-    if isinstance(y, VocabSplitLogits):  # changed in place: its mark stays
+    if isinstance(y, SplitLogits):  # changed in place: its mark stays
         return y
     none: frozenset[int] = frozenset()
     cut = bookkept(none, dims_followed, func, called, kwargs, y)
     if not cut:
         return y
-    source = next((x for x in called if isinstance(x, VocabSplitLogits)), None)
-    return _wrap(y, cut, getattr(source, _RANKS_ATTR, None))
+    source = next((x for x in called if isinstance(x, SplitLogits)), None)
+    out = _wrap(y, cut, getattr(source, _RANKS_ATTR, None), getattr(source, _SPLIT_ATTR, None))
+    tokens = getattr(source, TOKENS_BEFORE_PADDING, None)
+    if tokens is not None and 1 in cut and source is not None and y.shape[1] == source.shape[1]:
+        setattr(out, TOKENS_BEFORE_PADDING, tokens)  # gather_logits(logits.float()) strips it
+    return out
 
 
-def _wrap(x: torch.Tensor, cut: frozenset[int], ranks: int | None) -> VocabSplitLogits:
-    wrapped = x.as_subclass(VocabSplitLogits)
+def _wrap(
+    x: torch.Tensor, cut: frozenset[int], ranks: int | None, split: str | None = VOCABULARY
+) -> SplitLogits:
+    wrapped = x.as_subclass(SplitLogits)
     setattr(wrapped, SPLIT_DIMS_MARK, cut)
     setattr(wrapped, _RANKS_ATTR, ranks)
+    setattr(wrapped, _SPLIT_ATTR, split or VOCABULARY)
     return wrapped
 
 
+def token_split_logits(logits: torch.Tensor, ranks: int) -> torch.Tensor:
+    """``[b, s/N, V]`` logits of this rank's chunk of the tokens, checked as :class:`SplitLogits`.
+
+    Plain under ``torch.compile`` (the check is not traced) and for a plain ``ranks < 2``.
+    """
+    if ranks < 2 or logits.dim() != 3 or torch.compiler.is_compiling():
+        return logits
+    return _wrap(logits, frozenset({1}), ranks, TOKENS)
+
+
 def local_logits(logits: torch.Tensor) -> torch.Tensor:
-    """This rank's part of vocabulary-split logits as a plain tensor, read on purpose.
+    """This rank's part of split logits as a plain tensor, read on purpose.
 
     For a vocabulary-parallel computation of one's own (the part of a loss this rank holds,
     compared with the same slice of one process's logits). Autograd flows through it; a
     plain tensor is returned as it is.
     """
-    if not isinstance(logits, VocabSplitLogits):
+    if not isinstance(logits, SplitLogits):
         return logits
     with torch._C.DisableTorchFunctionSubclass():
-        return logits.as_subclass(torch.Tensor)
+        plain = logits.as_subclass(torch.Tensor)
+    tokens = getattr(logits, TOKENS_BEFORE_PADDING, None)  # 'sequence': the padding's start
+    if tokens is not None:
+        setattr(plain, TOKENS_BEFORE_PADDING, tokens)
+    return plain
 
 
 def install_split_logits(
     model: nn.Module, heads: list[str], mode: str, context: ParallelContext
 ) -> None:
-    """Make the heads return :class:`VocabSplitLogits` where their vocabulary is split.
+    """Make the heads return :class:`SplitLogits` where their vocabulary is split.
 
     That is where the mode's logits cuts split a head's last dim over more than one rank
     (1D's vocabulary): the caller's code is then checked.

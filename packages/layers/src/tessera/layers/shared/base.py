@@ -16,6 +16,7 @@ from torch import nn
 from tessera.context import ModeLike, ParallelContext, ParallelMode
 
 from ..comm.ops import copy_to_group
+from .block_tags import tag_own_blocks
 from .context_access import GroupInfo, group_info, resolve_context
 from .initializers import Initializer
 from .input_checks import check_input
@@ -52,6 +53,8 @@ class ParallelModule(nn.Module):
         self.device = torch.device(device) if device is not None else self.context.device
         # Wrong dtype or device: a named ValueError before any matmul or collective.
         self.register_forward_pre_hook(_check_input_hook)
+        # Rank 0's state dict loaded on every rank: an error, not its blocks in all of them.
+        tag_own_blocks(self)
 
     def make_parameter(
         self,
