@@ -22,18 +22,22 @@ Run from ``packages/layers/tests``::
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
-import logging
-import warnings
 from typing import Any
 
 import torch
-from sweep_transformers import MAX_PARAMETERS, SKIPPED, SMALL, _words
+import torch.nn.functional as F
+from sweep_transformers import (
+    MAX_PARAMETERS,
+    SKIPPED,
+    SMALL,
+    _words,
+    each_model,
+    run_sweep,
+    sweep_arguments,
+)
 from torch import nn
-
-from tessera.testing import DistributedRunner
 
 #: transformers' mappings of the task heads swept, and the labels each head has.
 TASKS = {
@@ -90,36 +94,66 @@ def compare(ref: nn.Module, ctx: Any) -> tuple[str, str]:
     """``(outcome, why)`` of ``ref`` parallelized against itself on a left-padded batch."""
     import test_parallelize as checks
 
-    from tessera.layers import gather_logits, parallelize
-
     ids = checks.token_ids()
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # padded queries attend to nothing real: compared at the real tokens only
+    return compare_outputs(ref, ctx, dict(input_ids=ids, attention_mask=mask), mask)
+
+
+def compare_outputs(
+    ref: nn.Module, ctx: Any, inputs: dict[str, torch.Tensor], mask: torch.Tensor | None = None
+) -> tuple[str, str]:
+    """``(outcome, why)`` of ``ref`` parallelized against itself on ``inputs``: every tensor
+    of its output (at the tokens ``mask`` keeps, where given), then every gradient of a
+    weighted sum of them."""
+    import test_parallelize as checks
+
+    from tessera.layers import gather_logits, parallelize, token_loss
+
+    try:
+        want = ref(**inputs)
+    except Exception as error:  # the inputs are not this model's (ImageGPT takes pixel ids)
+        return "no build", f"one process: {_words(error)}"
     try:
         model = parallelize(copy.deepcopy(ref), context=ctx)
     except Exception as error:
         return "refused", _words(error)
-    want = ref(input_ids=ids, attention_mask=mask)
     try:
-        got = model(input_ids=ids, attention_mask=mask)
+        got = model(**inputs)
     except Exception as error:
         return "error", _words(error)
     ref_loss, loss = torch.zeros(()), torch.zeros(())
     fields = [k for k, v in want.items() if isinstance(v, torch.Tensor)]
+    generator = torch.Generator().manual_seed(3)
     for key in fields:
-        expected, value = want[key], got[key]
-        if value.shape != expected.shape:
-            value = gather_logits(value, context=ctx)
+        expected, split = want[key], got[key]
+        value = split if split.shape == expected.shape else gather_logits(split, context=ctx)
         if value.shape != expected.shape:
             return "DIFFERS", f"{key}: {list(value.shape)}, one process {list(expected.shape)}"
-        if value.shape[:2] == mask.shape:  # token by token: the real tokens
-            value, expected = value[mask.bool()], expected[mask.bool()]
-        if not torch.allclose(value, expected, rtol=1e-5, atol=1e-5):
-            return "DIFFERS", f"{key}: off by {float((value - expected).abs().max()):.3g}"
-        weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(3))
-        ref_loss, loss = ref_loss + (expected * weights).sum(), loss + (value * weights).sum()
+        kept = mask is not None and value.shape[:2] == mask.shape  # token by token
+        real = (lambda x: x[mask.bool()]) if kept else (lambda x: x)
+        if not torch.allclose(real(value), real(expected), rtol=1e-5, atol=1e-5):
+            off = float((real(value) - real(expected)).abs().max())
+            return "DIFFERS", f"{key}: off by {off:.3g}"
+        if split is value:  # whole: a weighted sum of it
+            weights = torch.randn(expected.shape, generator=generator)
+            ref_loss = ref_loss + (real(expected) * real(weights)).sum()
+            loss = loss + (real(value) * real(weights)).sum()
+            continue
+        # split logits (gather_logits passes no gradient): the loss on them against torch's
+        labels = torch.randint(expected.shape[-1], expected.shape[:-1], generator=generator)
+        if kept:
+            labels[~mask.bool()] = -100
+        flat = expected.reshape(-1, expected.shape[-1])
+        ref_loss = ref_loss + F.cross_entropy(flat, labels.reshape(-1))
+        loss = loss + token_loss(split, labels, context=ctx)
+    if not fields or not ref_loss.requires_grad:
+        return "error", f"no differentiable tensor in its output ({type(want).__name__})"
     ref_loss.backward()
-    loss.backward()
+    try:
+        loss.backward()
+    except Exception as error:
+        return "error", f"backward: {_words(error)}"
     sequence = ctx.config.tensor_mode == "sequence"
     grads = checks._full_grads(model, ctx, mean_loss=sequence)
     off = [
@@ -132,41 +166,30 @@ def compare(ref: nn.Module, ctx: Any) -> tuple[str, str]:
     return "OK", ", ".join(fields)
 
 
+def _task(mapping: str) -> str:
+    return mapping.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES").lower()
+
+
 def sweep(classes: list[tuple[str, str]], tensor: dict[str, Any]) -> list[tuple[str, ...]]:
     """On every rank: ``(type, task, outcome, why)`` for each class under ``tensor``."""
-    import test_parallelize as checks
 
-    logging.disable(logging.WARNING)
-    warnings.filterwarnings("ignore")
-    ctx = checks._context(tensor)
-    found = []
-    try:
-        for kind, mapping in classes:
-            task = mapping.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES").lower()
-            try:
-                ref = build(kind, mapping)
-            except Exception as error:
-                found.append((kind, task, "no build", _words(error)))
-                continue
-            found.append((kind, task, *compare(ref, ctx)))
-    finally:
-        ctx.destroy()
-    return found
+    def label(item: tuple[str, str]) -> tuple[str, str]:
+        kind, mapping = item
+        return kind, mapping.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES").lower()
+
+    return each_model(
+        tensor,
+        classes,
+        lambda item: build(*item),
+        lambda item, ref, ctx: (*label(item), *compare(ref, ctx)),
+        label,
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("types", nargs="*", help="model types (default: every task head's)")
-    parser.add_argument("--tensor", default='{"size": 2, "mode": "1d"}', help="the tensor block")
-    args = parser.parse_args()
+    args = sweep_arguments(__doc__, "task head's").parse_args()
     tensor = json.loads(args.tensor)
-    classes = task_classes(args.types)
-    with DistributedRunner(timeout=30.0 * len(classes) + 60) as runner:
-        (rows, *_) = runner.run(sweep, world_size=tensor["size"], args=(classes, tensor))
-    for kind, task, outcome, why in rows:
-        print(f"{outcome:9} {kind:24} {task:22} {why}")
-    outcomes = ("OK", "refused", "error", "DIFFERS", "no build")
-    print(", ".join(f"{sum(r[2] == o for r in rows)} {o}" for o in outcomes), f"under {tensor}")
+    run_sweep(sweep, task_classes(args.types), tensor)
 
 
 if __name__ == "__main__":

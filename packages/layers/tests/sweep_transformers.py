@@ -26,6 +26,7 @@ import json
 import logging
 import traceback
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -118,9 +119,36 @@ def _words(error: BaseException) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())[:240]}"
 
 
-def sweep(kinds: list[str], tensor: dict[str, Any], length: int) -> list[tuple[str, str, str]]:
+def sweep(kinds: list[str], tensor: dict[str, Any], length: int) -> list[tuple[str, ...]]:
     """On every rank: ``(type, outcome, why)`` for each of ``kinds`` under ``tensor``, each
     row ``length`` tokens long."""
+    return each_model(tensor, kinds, build, lambda kind, model, ctx: _lm(kind, model, ctx, length))
+
+
+def _lm(kind: str, model: nn.Module, ctx: Any, length: int) -> tuple[str, str, str]:
+    """``(type, outcome, why)`` of one causal LM against one process."""
+    import test_parallelize as checks
+
+    try:
+        checks._lm_matches_reference(model, ctx, length=length)
+        return kind, "OK", ""
+    except AssertionError as error:
+        return kind, "DIFFERS", _words(error)
+    except Exception as error:
+        where = traceback.extract_tb(error.__traceback__)[-1].filename.rsplit("/", 1)[-1]
+        return kind, "refused", f"[{where}] {_words(error)}"
+
+
+def each_model(
+    tensor: dict[str, Any],
+    items: list[Any],
+    build: Callable[[Any], nn.Module],
+    check: Callable[[Any, nn.Module, Any], tuple[str, ...]],
+    label: Callable[[Any], tuple[str, ...]] = lambda item: (item,),
+) -> list[tuple[str, ...]]:
+    """On every rank, under a context of ``tensor`` (warnings off): for each item, its row
+    ``check(item, model, ctx)``, or ``(*label(item), "no build", why)`` where ``build``
+    raised."""
     import test_parallelize as checks
 
     logging.disable(logging.WARNING)
@@ -128,39 +156,53 @@ def sweep(kinds: list[str], tensor: dict[str, Any], length: int) -> list[tuple[s
     ctx = checks._context(tensor)
     found = []
     try:
-        for kind in kinds:
+        for item in items:
             try:
-                model = build(kind)
-            except Exception as error:  # a config this class does not take
-                found.append((kind, "no build", _words(error)))
-                continue
-            try:
-                checks._lm_matches_reference(model, ctx, length=length)
-                found.append((kind, "OK", ""))
-            except AssertionError as error:
-                found.append((kind, "DIFFERS", _words(error)))
+                ref = build(item)
             except Exception as error:
-                where = traceback.extract_tb(error.__traceback__)[-1].filename.rsplit("/", 1)[-1]
-                found.append((kind, "refused", f"[{where}] {_words(error)}"))
+                found.append((*label(item), "no build", _words(error)))
+                continue
+            found.append(check(item, ref, ctx))
     finally:
         ctx.destroy()
     return found
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("types", nargs="*", help="model types (default: every causal LM's)")
+def sweep_arguments(doc: str | None, what: str) -> argparse.ArgumentParser:
+    """The command line every sweep takes: model types, and ``--tensor``'s block."""
+    parser = argparse.ArgumentParser(description=doc)
+    parser.add_argument("types", nargs="*", help=f"model types (default: every {what})")
     parser.add_argument("--tensor", default='{"size": 2, "mode": "1d"}', help="the tensor block")
+    return parser
+
+
+def run_sweep(
+    sweep: Callable[..., list[tuple[str, ...]]],
+    items: list[Any],
+    tensor: dict[str, Any],
+    *extra: Any,
+    seconds: float = 30.0,
+) -> None:
+    """``sweep(items, tensor, *extra)`` on the ranks ``tensor`` asks for, then its report."""
+    with DistributedRunner(timeout=seconds * len(items) + 60) as runner:
+        (rows, *_) = runner.run(sweep, world_size=tensor["size"], args=(items, tensor, *extra))
+    report(rows, tensor)
+
+
+def report(rows: list[tuple[str, ...]], tensor: dict[str, Any]) -> None:
+    """One line per row (``(type, ..., outcome, why)``), then the count of each outcome."""
+    for row in rows:
+        print(f"{row[-2]:9}", *(f"{cell:24}" for cell in row[:-2]), row[-1])
+    outcomes = ("OK", "refused", "error", "DIFFERS", "no build")
+    print(", ".join(f"{sum(r[-2] == o for r in rows)} {o}" for o in outcomes), f"under {tensor}")
+
+
+def main() -> None:
+    parser = sweep_arguments(__doc__, "causal LM's")
     parser.add_argument("--length", type=int, default=8, help="tokens per row (at most 8)")
     args = parser.parse_args()
     tensor = json.loads(args.tensor)
-    kinds = args.types or causal_lm_types()
-    with DistributedRunner(timeout=60.0 * len(kinds) + 60) as runner:
-        (rows, *_) = runner.run(sweep, world_size=tensor["size"], args=(kinds, tensor, args.length))
-    for kind, outcome, why in rows:
-        print(f"{outcome:9} {kind:28} {why}")
-    counts = {o: sum(r[1] == o for r in rows) for o in ("OK", "refused", "DIFFERS", "no build")}
-    print(", ".join(f"{n} {o}" for o, n in counts.items()), f"under {tensor}")
+    run_sweep(sweep, args.types or causal_lm_types(), tensor, args.length, seconds=60.0)
 
 
 if __name__ == "__main__":

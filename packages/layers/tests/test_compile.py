@@ -41,7 +41,9 @@ def _compiled_step_equals_eager(tensor: dict[str, Any]) -> tuple[float, float]:
     from tessera.context import create_context
     from tessera.layers import causal_lm_loss, parallelize
 
-    ctx = create_context(dict(parallel=dict(tensor=tensor)), timeout=60.0)
+    # Each rank compiles alone: on 2 cores one of 8 can reach the first collective minutes
+    # after another (a CI run lost 3D's step to a 60 s timeout), so the collectives wait long.
+    ctx = create_context(dict(parallel=dict(tensor=tensor)), timeout=240.0)
     try:
         torch.manual_seed(0)
         config = GPT2Config(
@@ -102,7 +104,9 @@ def _compiled_drop_paths_equal_eager() -> int:
     from tessera.context import create_context
 
     tensor = dict(size=2, mode="1d", sequence_parallel=True)
-    ctx = create_context(dict(parallel=dict(tensor=tensor)), timeout=60.0)
+    # Each rank compiles alone: on 2 cores one of 8 can reach the first collective minutes
+    # after another (a CI run lost 3D's step to a 60 s timeout), so the collectives wait long.
+    ctx = create_context(dict(parallel=dict(tensor=tensor)), timeout=240.0)
     try:
         return _drop_paths_equal(ctx)
     finally:
@@ -213,7 +217,9 @@ def _left_out_modules_equal_eager() -> float:
     # 1D with sequence parallelism splits the norms' tokens, so they run under DTensor as on
     # the grids, on 2 ranks (2D's 4 took a minute on CI's 2 cores)
     tensor = dict(size=2, mode="1d", sequence_parallel=True)
-    ctx = create_context(dict(parallel=dict(tensor=tensor)), timeout=60.0)
+    # Each rank compiles alone: on 2 cores one of 8 can reach the first collective minutes
+    # after another (a CI run lost 3D's step to a 60 s timeout), so the collectives wait long.
+    ctx = create_context(dict(parallel=dict(tensor=tensor)), timeout=240.0)
     try:
         plain = own_modules_lm(layers=1)  # each block compiles alike: one is enough
         eager = parallelize(copy.deepcopy(plain), OWN_MODULES_PLAN, context=ctx)

@@ -3064,6 +3064,30 @@ def test_a_gpt2_layout_without_a_shipped_plan_gets_the_gpt2_family_plan() -> Non
     assert plan is not None and plan.name.startswith("GPT-2 LM plan inferred")
 
 
+def test_a_vit_layout_gets_the_vit_plan_only_where_its_embeddings_compute_vits() -> None:
+    """ViT-MSN (ViT's modules and embeddings under its own classes) gets the ViT plan; ViT-MAE
+    (the same parameters, its embeddings masking patches at random) and DeiT (a distillation
+    token) do not: the mode's patch embedding would compute otherwise (sweep_image_classifiers
+    runs ViT-MSN against one process under every layout)."""
+    import transformers
+    from hf_models import VIT_CONFIG
+
+    from tessera.layers.conversion.plan import infer_plan
+
+    sizes = {k: VIT_CONFIG[k] for k in ("image_size", "patch_size", "hidden_size")}
+    sizes.update(num_hidden_layers=1, num_attention_heads=4, intermediate_size=32)
+    for name, gets in [
+        ("ViTMSNForImageClassification", "ViT image classifier plan inferred"),
+        ("ViTMSNModel", "ViT encoder plan inferred"),
+        ("ViTMAEModel", None),
+        ("DeiTForImageClassification", None),
+    ]:
+        cls = getattr(transformers, name)
+        model = cls(cls.config_class(**sizes))
+        plan = infer_plan(model)
+        assert (plan and plan.name[: len(gets or "")]) == gets, (name, plan and plan.name)
+
+
 def test_the_usual_block_stack_is_read_into_megatron_roles() -> None:
     from tessera.layers.conversion.structure import infer_structure
 

@@ -104,7 +104,9 @@ def _load_and_save(tensor: dict[str, Any], folders: dict[str, str], out: str) ->
             else:  # transformers' own method, on every rank: the same gathered checkpoint
                 with pytest.raises(ValueError, match=r"push_to_hub=True is not supported"):
                     model.save_pretrained(target, push_to_hub=True)
-                model.save_pretrained(target, is_main_process=True)
+                # accelerate's pattern: every rank, its own flag and a pickle writer (unused)
+                main = ctx.get_local_rank(ParallelMode.GLOBAL) == 0
+                model.save_pretrained(target, is_main_process=main, save_function=torch.save)
             if ctx.get_local_rank(ParallelMode.GLOBAL) == 0:
                 _check_saved(target, name, ref, sharded=name == "gpt2")
     finally:

@@ -646,6 +646,36 @@ def _vit(prefix: str, classifier: bool) -> Plan:
     )
 
 
+#: What a transformers ViT layer holds parameters in, and nothing else (ViT-MSN's, DeiT's).
+_VIT_LAYER_MODULES = frozenset({
+    "layernorm_before", "attention.q_proj", "attention.k_proj", "attention.v_proj",
+    "attention.o_proj", "layernorm_after", "mlp.fc1", "mlp.fc2",
+})  # fmt: skip
+
+
+def _vit_layer(module: nn.Module) -> bool:
+    """A layer laid out as transformers' ``ViTLayer``: pre-norm, q/k/v/o, a plain MLP.
+
+    Its parameters sit in those modules alone (BEiT's layer scales and relative position bias
+    beside them are not ViT's). Whether the embeddings compute ViT's is the patch embedding's
+    own check (``patch.patch_sizes``).
+    """
+    holding = {
+        name
+        for name, m in module.named_modules()
+        if next(m.parameters(recurse=False), None) is not None
+    }
+    return holding == _VIT_LAYER_MODULES and type(getattr(module, "mlp", None)).__name__.endswith(
+        "MLP"
+    )
+
+
+def _vit_inferred(prefix: str, causal_lm: bool) -> Plan:
+    """The ViT plan at ``prefix``: an image classifier's under a base model, else a bare one."""
+    del causal_lm  # an image classifier has no lm_head; its prefix says it has a head
+    return _vit(prefix, classifier=prefix != "")
+
+
 def _timm_vit(prefix: str, causal_lm: bool) -> Plan:
     """The ``VisionTransformer`` of timm: pre-norm blocks, q, k and v fused in ``attn.qkv``.
 
@@ -1045,6 +1075,7 @@ MODEL_FAMILIES: tuple[ModelFamily, ...] = (
             "ViTForImageClassification": _vit("vit.", classifier=True),
             "ViTModel": _vit("", classifier=False),
         },
+        marker=Marker("layers.0", _vit_layer, _vit_inferred),
         stages=StageLayout(
             name="ViT classifier",
             inner="vit",

@@ -45,6 +45,13 @@ def patch_sizes(name: str, module: nn.Module) -> tuple[int, int, int, int]:
             f"parallelize: {name!r} ({type(module).__name__}) has role 'patch_embedding', which "
             "takes a ViT embedding (cls_token, position_embeddings, patch_embeddings.projection)"
         )
+    if not _computes_vit_embeddings(module):
+        raise TypeError(
+            f"parallelize: {name!r} ({type(module).__name__}) holds a ViT embedding's "
+            "parameters but its forward is not ViT's (ViTEmbeddings.forward): another token "
+            "(DeiT's distillation token), a masking of patches (ViT-MAE) or positions of its "
+            "own, which the mode's patch embedding would drop"
+        )
     image = tuple(getattr(module, "image_size", ()))
     kernel, stride = tuple(projection.kernel_size), tuple(projection.stride)
     if len(image) != 2 or image[0] != image[1] or kernel[0] != kernel[1] or kernel != stride:
@@ -55,6 +62,26 @@ def patch_sizes(name: str, module: nn.Module) -> tuple[int, int, int, int]:
     if getattr(module, "mask_token", None) is not None:
         raise ValueError(f"parallelize: {name!r} has a mask token, which tessera does not apply")
     return int(image[0]), int(kernel[0]), projection.in_channels, projection.out_channels
+
+
+def _computes_vit_embeddings(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is transformers' ``ViTEmbeddings.forward``.
+
+    Its own class, or one whose forward compiles to the same code (ViT-MSN's copy): what
+    the adapter replaces it with computes that and nothing else.
+    """
+    try:
+        from transformers.models.vit.modeling_vit import ViTEmbeddings
+    except ImportError:  # pragma: no cover - a ViT embedding comes with transformers
+        return False
+    if isinstance(module, ViTEmbeddings):
+        return True
+    mine, vit = type(module).forward.__code__, ViTEmbeddings.forward.__code__
+    return (mine.co_code, mine.co_names, mine.co_consts) == (
+        vit.co_code,
+        vit.co_names,
+        vit.co_consts,
+    )
 
 
 class PatchEmbeddingAdapter(nn.Module):

@@ -11,9 +11,10 @@ So the parallelized model's ``save_pretrained`` is tessera's
 (:func:`tessera.layers.save_pretrained`): every tensor gathered whole, one rank writing, the
 folder put in place atomically, what ``from_pretrained`` reads. It is collective, as the
 gathers are: every rank of the model calls it (``is_main_process``, which accelerate passes
-on every rank, is ignored: tessera picks the writer). Arguments tessera cannot honour (a
-``state_dict`` of the caller's, a ``save_function``, ``push_to_hub``, a ``variant``, pickle
-files) are refused by name before any collective.
+on every rank, is ignored: tessera picks the writer; so is a ``save_function``, which
+transformers uses for pickle files only, as accelerate's own pattern passes). Arguments tessera
+cannot honour (a ``state_dict`` of the caller's, ``push_to_hub``, a ``variant``, pickle files)
+are refused by name before any collective.
 """
 
 from __future__ import annotations
@@ -31,12 +32,17 @@ __all__ = ["install_save_method"]
 #: transformers' arguments whose defaults tessera's writer matches; others are refused.
 _DEFAULTS: dict[str, Any] = {
     "state_dict": None,
-    "save_function": None,
     "push_to_hub": False,
     "safe_serialization": True,
     "variant": None,
     "save_peft_format": True,
+    "save_original_format": True,  # transformers 5: the checkpoint's own names, as tessera's
+    "distributed_checkpoint": False,
 }
+#: Arguments transformers itself ignores when it writes safetensors: accelerate's documented
+#: ``save_pretrained(..., is_main_process=..., save_function=accelerator.save)`` passes one
+#: (it writes pickles only), ``token`` is for the hub alone.
+_IGNORED = ("save_function", "token")
 
 
 def install_save_method(model: nn.Module, context: ParallelContext) -> None:
@@ -59,6 +65,8 @@ def install_save_method(model: nn.Module, context: ParallelContext) -> None:
         from ..state.pretrained import save_pretrained as gathered_save
 
         for key, value in kwargs.items():
+            if key in _IGNORED:
+                continue
             if key not in _DEFAULTS or value != _DEFAULTS[key]:
                 raise ValueError(
                     f"{type(self).__name__}.save_pretrained of a parallelized model: "
