@@ -3072,7 +3072,7 @@ def test_a_vit_layout_gets_the_vit_plan_only_where_its_embeddings_compute_vits()
     import transformers
     from hf_models import VIT_CONFIG
 
-    from tessera.layers.conversion.plan import infer_plan
+    from tessera.layers.conversion.plan import NoPlanError, infer_plan, plan_for
 
     sizes = {k: VIT_CONFIG[k] for k in ("image_size", "patch_size", "hidden_size")}
     sizes.update(num_hidden_layers=1, num_attention_heads=4, intermediate_size=32)
@@ -3086,6 +3086,9 @@ def test_a_vit_layout_gets_the_vit_plan_only_where_its_embeddings_compute_vits()
         model = cls(cls.config_class(**sizes))
         plan = infer_plan(model)
         assert (plan and plan.name[: len(gets or "")]) == gets, (name, plan and plan.name)
+    # the error says which module keeps it from the family's plan
+    with pytest.raises(NoPlanError, match=r"as the ViT family's, but 'deit.embeddings' \(DeiT"):
+        plan_for(model, None)
 
 
 def test_the_usual_block_stack_is_read_into_megatron_roles() -> None:

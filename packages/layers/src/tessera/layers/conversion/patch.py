@@ -22,6 +22,7 @@ __all__ = [
     "TimmEmbeddingAdapter",
     "clip_patch_sizes",
     "patch_embedding_fits",
+    "patch_embedding_misfit",
     "patch_sizes",
     "timm_patch_sizes",
 ]
@@ -48,9 +49,9 @@ def patch_sizes(name: str, module: nn.Module) -> tuple[int, int, int, int]:
     if not _computes_vit_embeddings(module):
         raise TypeError(
             f"parallelize: {name!r} ({type(module).__name__}) holds a ViT embedding's "
-            "parameters but its forward is not ViT's (ViTEmbeddings.forward): another token "
-            "(DeiT's distillation token), a masking of patches (ViT-MAE) or positions of its "
-            "own, which the mode's patch embedding would drop"
+            "parameters, and its forward is not ViT's (ViTEmbeddings.forward): it may add "
+            "another token (DeiT's distillation token), mask patches (ViT-MAE) or compute "
+            "positions of its own, which the mode's patch embedding (ViT's alone) would drop"
         )
     image = tuple(getattr(module, "image_size", ()))
     kernel, stride = tuple(projection.kernel_size), tuple(projection.stride)
@@ -272,23 +273,28 @@ def timm_patch_sizes(
     return int(image[0]), int(patch[0]), projection.in_channels, projection.out_channels
 
 
-def patch_embedding_fits(name: str, module: nn.Module, owner: nn.Module | None) -> bool:
-    """Whether the mode's patch embedding computes ``module`` (named ``name`` in ``owner``).
+def patch_embedding_misfit(name: str, module: nn.Module, owner: nn.Module | None) -> str | None:
+    """Why the mode's patch embedding does not compute ``module`` (``None``: it does).
 
     As the ``patch_embedding`` role reads it: CLIP's, timm's (with its model, ``owner``) or
     a transformers ViT's. A family inferred for a model of another class holds only where
-    this does (timm's register tokens or a model without a class token do not), so the
-    model is converted part by part instead of refused.
+    this is ``None`` (timm's register tokens or a model without a class token do not), so
+    the model is converted part by part, or refused saying why.
     """
     try:
         if clip_patch_sizes(name, module) is not None:
-            return True
+            return None
         if timm_patch_sizes(name, module, owner) is not None:
-            return True
+            return None
         patch_sizes(name, module)
-    except (TypeError, ValueError):
-        return False
-    return True
+    except (TypeError, ValueError) as error:
+        return str(error).removeprefix("parallelize: ")
+    return None
+
+
+def patch_embedding_fits(name: str, module: nn.Module, owner: nn.Module | None) -> bool:
+    """Whether the mode's patch embedding computes ``module``: :func:`patch_embedding_misfit`."""
+    return patch_embedding_misfit(name, module, owner) is None
 
 
 def _positions_already_added(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -250,11 +250,11 @@ def plan_for(model: nn.Module, plan: Plan | Mapping[str, str] | None) -> Plan:
             causal_lm=read.head,
             name=f"plan read from the transformer blocks of {type(model).__name__}",
         )
-    raise NoPlanError(
-        f"parallelize: tessera ships no plan for {type(model).__name__} (plans for "
-        f"{', '.join(sorted(BUILTIN_PLANS))}; and its modules are not laid out like one of "
-        f"their families: {', '.join(FAMILIES)}; nor as the usual transformer block stack: "
-        f"{read.reason}); pass plan={{'module.name.pattern': 'col', ...}} with roles "
+    raise NoPlanError(  # what is nearly right first: the list of plans is long
+        f"parallelize: tessera ships no plan for {type(model).__name__}{_near_families(model)} "
+        f"(plans for {', '.join(sorted(BUILTIN_PLANS))}; and its modules are not laid out like "
+        f"one of their families: {', '.join(FAMILIES)}; nor as the usual transformer block "
+        f"stack: {read.reason}); pass plan={{'module.name.pattern': 'col', ...}} with roles "
         f"{', '.join(ROLES)}{_base_model_hint(model)}"
     )
 
@@ -375,14 +375,40 @@ def infer_plan(model: nn.Module) -> Plan | None:
 
 def _patch_embeddings_fit(model: nn.Module, plan: Plan) -> bool:
     """Whether every module of role ``patch_embedding`` is one the mode's embedding computes."""
-    from .patch import patch_embedding_fits
+    return _patch_embeddings_misfit(model, plan) is None
+
+
+def _patch_embeddings_misfit(model: nn.Module, plan: Plan) -> str | None:
+    """Why a module of role ``patch_embedding`` is not one the mode's embedding computes."""
+    from .patch import patch_embedding_misfit
 
     for name, module in model.named_modules():
         if any(matches(name, p) and r == "patch_embedding" for p, r in plan.rules.items()):
             owner = model.get_submodule(name.rpartition(".")[0])
-            if not patch_embedding_fits(name, module, owner):
-                return False
-    return True
+            why = patch_embedding_misfit(name, module, owner)
+            if why is not None:
+                return why
+    return None
+
+
+def _near_families(model: nn.Module) -> str:
+    """The families ``model`` is laid out as but for its patch embedding, with why.
+
+    For the error saying it gets no plan: a DeiT's distillation token under ViT's layers.
+    """
+    from .families import FAMILIES  # they build Plans
+
+    modules = dict(model.named_modules())
+    near = []
+    for family, (marker, laid_out, build) in FAMILIES.items():
+        found = [n for n in modules if n == marker or n.endswith("." + marker)]
+        if not found or not laid_out(modules[found[0]]):
+            continue
+        plan = build(found[0][: len(found[0]) - len(marker)], False)
+        why = _patch_embeddings_misfit(model, plan) if _covers(model, plan) else None
+        if why is not None:
+            near.append(f"; its layers are laid out as the {family} family's, but {why}")
+    return "".join(near)
 
 
 #: Parameters of a patch embedding's parent that the embedding computes with (timm's ViT).
